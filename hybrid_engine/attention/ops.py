@@ -1,0 +1,111 @@
+"""Paged attention ops: KV write, torch reference attention, backend dispatcher.
+
+Shapes: T packed tokens, B rows, nH query heads, nkv kv heads, hd head dim, N cache blocks,
+bs block size, M block-table width. No host synchronisation on device tensors in this file.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("hybrid_engine")
+_logged_backends: set[tuple[str, str]] = set()
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, nkv, hd]; caches [N, bs, nkv, hd]; slot_mapping [T] int64 = block * bs + offset.
+
+    Padded tokens map into the null block 0 (duplicates there: last writer unspecified).
+    """
+    nkv, hd = k_cache.shape[-2:]
+    kc = k_cache.view(-1, nkv, hd)                    # [N*bs, nkv, hd], shares storage
+    vc = v_cache.view(-1, nkv, hd)
+    idx = slot_mapping.to(torch.long)
+    kc.index_copy_(0, idx, k.to(kc.dtype))
+    vc.index_copy_(0, idx, v.to(vc.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor:
+    """Causal attention over a paged cache. Returns out [T, nH, hd] in q.dtype.
+
+    q [T, nH, hd]; k_cache, v_cache [N, bs, nkv, hd]; query_start_loc [B+1] (non-decreasing);
+    seq_lens [B]; block_tables [B, M]. Row b's query i sits at position seq_len - q_len + i.
+    Tokens t >= query_start_loc[B] (graph padding) and rows with q_len 0 produce zeros.
+    Block-table entries of columns past ceil(seq_len / bs) are never read (treated as block 0).
+    """
+    T, nH, hd = q.shape
+    N, bs, nkv, _ = k_cache.shape
+    B, M = block_tables.shape
+    g = nH // nkv
+    dev = q.device
+    cdt = torch.promote_types(q.dtype, torch.float32)        # float32 math (float64 stays float64)
+    Mp = min(-(-max(int(max_seq_len), 0) // bs), M)           # table columns used (host int)
+    Qm = max(int(max_query_len), 0)
+    if T == 0 or B == 0 or Mp == 0 or Qm == 0:
+        return torch.zeros_like(q)
+    S = Mp * bs
+
+    qsl = query_start_loc.to(device=dev, dtype=torch.long)   # [B+1]
+    sl = seq_lens.to(device=dev, dtype=torch.long)           # [B]
+    q_lens = qsl[1:] - qsl[:-1]                              # [B]
+
+    # Gather K/V per row: [B, Mp] -> [B, S, nkv, hd]; unused columns read the null block.
+    cols = torch.arange(Mp, device=dev)
+    bt = block_tables[:, :Mp].to(device=dev, dtype=torch.long)
+    bt = torch.where(cols[None, :] * bs < sl[:, None], bt, 0)           # [B, Mp]
+    kpos = torch.arange(S, device=dev)                                  # [S]
+    kvalid = (kpos[None, :] < sl[:, None])[:, :, None, None]            # [B, S, 1, 1]
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    K = torch.where(kvalid, k_cache[bt].reshape(B, S, nkv, hd).to(cdt), zero)  # garbage -> 0
+    V = torch.where(kvalid, v_cache[bt].reshape(B, S, nkv, hd).to(cdt), zero)
+
+    # Packed -> padded queries by gather: Qp[b, j] = q[qsl[b] + j] for j < q_len[b].
+    j = torch.arange(Qm, device=dev)                                    # [Qm]
+    qvalid = j[None, :] < q_lens[:, None]                               # [B, Qm]
+    qidx = (qsl[:-1, None] + j[None, :]).clamp(0, T - 1)                # [B, Qm]
+    Qp = torch.where(qvalid[:, :, None, None], q[qidx].to(cdt), zero)   # [B, Qm, nH, hd]
+
+    # Causal + length mask: key s visible to query j iff s <= seq_len - q_len + j.
+    qpos = sl[:, None] - q_lens[:, None] + j[None, :]                   # [B, Qm]
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & qvalid[:, :, None]   # [B, Qm, S]
+    mask = mask[:, None, None]                                          # [B, 1, 1, Qm, S]
+
+    Qg = Qp.view(B, Qm, nkv, g, hd)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", Qg, K) * scale           # [B, nkv, g, Qm, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)       # fully masked rows -> 0
+    out_p = torch.einsum("bkgqs,bskd->bqkgd", probs, V).reshape(B * Qm, nH, hd)
+
+    # Padded -> packed: token t belongs to row = #(qsl[1:] <= t), index i = t - qsl[row].
+    t = torch.arange(T, device=dev)
+    row = torch.searchsorted(qsl[1:].contiguous(), t, right=True)       # [T], B if past the end
+    rowc = row.clamp(max=B - 1)
+    i = t - qsl[rowc]
+    tvalid = (row < B) & (t >= qsl[0]) & (i < Qm)
+    flat = rowc * Qm + i.clamp(0, Qm - 1)                               # [T]
+    out = torch.where(tvalid[:, None, None], out_p[flat], zero)
+    return out.to(q.dtype)
+
+
+def _backend_for(device: torch.device) -> str:
+    # A Triton kernel will be chosen here for CUDA once it exists.
+    return "torch_ref"
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int) -> torch.Tensor:
+    """Dispatch to the best backend for q.device (same signature as paged_attention_ref)."""
+    backend = _backend_for(q.device)
+    key = (q.device.type, backend)
+    if key not in _logged_backends:
+        _logged_backends.add(key)
+        logger.info("paged_attention backend on %s: %s", q.device.type, backend)
+    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                               scale, max_query_len, max_seq_len)

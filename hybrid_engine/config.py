@@ -1,0 +1,281 @@
+"""Frozen configuration dataclasses.
+
+ModelConfig is read from a transformers-style ``config.json`` of ``model_type == "nemotron_h"``
+(see ``hybrid_engine/_config_parse.py`` for the accepted spellings). CacheConfig, SchedulerConfig,
+SpeculativeConfig and EngineConfig validate themselves in ``__post_init__``; every error is a
+``ValueError`` naming the field, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Layer kinds, one character each, as in ``hybrid_override_pattern``.
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layer_types: tuple[str, ...]          # one of MAMBA/ATTENTION/MLP/MOE per block
+    vocab_size: int
+    hidden_size: int
+    # attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    # MLP
+    intermediate_size: int
+    mlp_hidden_act: str = "relu2"
+    # Mamba2
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    n_groups: int = 8
+    ssm_state_size: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    use_conv_bias: bool = True
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    time_step_min: float = 0.001
+    # MoE
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_latent_size: int | None = None
+    # MTP
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = (ATTENTION, MOE)
+    # misc
+    use_bias: bool = False
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: tuple[int, ...] = (2,)
+    torch_dtype: str | None = None        # dtype recorded in config.json, used by dtype="auto"
+    # added by the config parser (defaults = transformers' NemotronHConfig defaults)
+    mlp_bias: bool = False                # bias on MLP / expert up_proj and down_proj
+    mamba_hidden_act: str = "silu"        # activation after the Mamba conv
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_intermediate(self) -> int:   # I = H * P
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:             # I + 2 G N
+        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Parse a config.json dict (transformers 5 form or the published legacy form)."""
+        from hybrid_engine._config_parse import model_config_kwargs
+        return cls(**model_config_kwargs(d))
+
+    @classmethod
+    def from_json(cls, path) -> "ModelConfig":
+        """Read ``path`` (a config.json file or the model folder holding one)."""
+        from hybrid_engine._config_parse import read_config_json
+        return cls.from_dict(read_config_json(path))
+
+
+# --------------------------------------------------------------------------- engine-side configs
+
+def _check_int(name: str, value, lo: int, hi: int | None = None, allowed: str | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        rng = allowed or (f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}")
+        raise ValueError(f"{name} must be {rng}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. ``num_kv_blocks=None`` sizes the pool automatically: from
+    ``kv_cache_memory_fraction`` of free GPU memory on CUDA, from ``kv_cache_bytes`` on CPU."""
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    kv_cache_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self):
+        _check_int("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 2,
+                       allowed="None (auto) or an integer >= 2 (block 0 is the null block)")
+        f = self.kv_cache_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 < f <= 1.0):
+            raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1], got {f!r}")
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None      # None: no limit beyond the KV cache capacity
+
+    def __post_init__(self):
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1, allowed="None or an integer >= 1")
+
+
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+MAX_SPEC_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None              # draft model folder (method="draft_model" only)
+    prompt_lookup_min: int = 1            # n-gram sizes tried by method="ngram"
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, SPEC_METHODS))}, "
+                             f"got {self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPEC_TOKENS)
+        if self.method == "draft_model":
+            if not self.model or not isinstance(self.model, (str, Path)):
+                raise ValueError("model must name the draft model folder when method='draft_model', "
+                                 f"got {self.model!r}")
+        elif self.model is not None:
+            raise ValueError(f"model is only used with method='draft_model', got model={self.model!r} "
+                             f"with method={self.method!r}")
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                             f"got {self.prompt_lookup_max}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+def _dtype_from_name(name: str) -> torch.dtype | None:
+    name = name.removeprefix("torch.")
+    return _DTYPES.get(_DTYPE_ALIASES.get(name, name))
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    allowed = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise ValueError(f"device must be {allowed}, got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be {allowed}, got {name!r}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device must be {allowed}, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
+    n = torch.cuda.device_count()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not 0 <= index < n:
+        raise ValueError(f"device={name!r} but only {n} CUDA device(s) exist (cuda:0..cuda:{n - 1})")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(name: str | torch.dtype, model_cfg: ModelConfig | None = None,
+                  device: torch.device | str | None = None) -> torch.dtype:
+    """"auto" -> the config's ``torch_dtype`` when it names float32/bfloat16/float16, otherwise
+    float32 on CPU and bfloat16 on CUDA (``device`` None means ``resolve_device("auto")``)."""
+    allowed = "'auto', 'float32', 'bfloat16' or 'float16'"
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"dtype must be {allowed}, got {name}")
+    if not isinstance(name, str):
+        raise ValueError(f"dtype must be {allowed}, got {name!r}")
+    if name != "auto":
+        dt = _dtype_from_name(name)
+        if dt is None:
+            raise ValueError(f"dtype must be {allowed}, got {name!r}")
+        return dt
+    if model_cfg is not None and model_cfg.torch_dtype:
+        dt = _dtype_from_name(str(model_cfg.torch_dtype))
+        if dt is not None:
+            return dt
+    dev = resolve_device("auto") if device is None else torch.device(device)
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    async_scheduling: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or None, "
+                             f"got {type(self.speculative).__name__}")
+        if (self.speculative is not None and self.speculative.method == "mtp"
+                and self.model.num_nextn_predict_layers < 1):
+            raise ValueError("speculative method 'mtp' needs a model with MTP layers "
+                             "(num_nextn_predict_layers >= 1 in config.json), this model has none")
+        _check_int("seed", self.seed, 0)
+
+    @classmethod
+    def resolve(cls, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+                max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                max_model_len: int | None = None, block_size: int = 16,
+                num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.5,
+                kv_cache_bytes: int = 256 * 1024 * 1024,
+                speculative_config: SpeculativeConfig | None = None,
+                async_scheduling: bool = True, seed: int = 0,
+                enforce_eager: bool = False) -> "EngineConfig":
+        """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them)."""
+        model_dir = Path(model).expanduser()
+        model_cfg = ModelConfig.from_json(model_dir)
+        dev = resolve_device(device)
+        return cls(
+            model_dir=model_dir, model=model_cfg,
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_fraction=kv_cache_memory_fraction,
+                              kv_cache_bytes=kv_cache_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            speculative=speculative_config, dtype=resolve_dtype(dtype, model_cfg, dev), device=dev,
+            async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager))

@@ -1,0 +1,216 @@
+"""EngineCore: owns the scheduler, the runner and the caches; runs the step loop.
+
+One step may be in flight: ``step()`` schedules and launches step N+1, then reads step N's output
+(the designated wait), commits it and returns the outputs. With ``async_scheduling=False`` the same
+code reads each step's output right after launching it. Both give identical tokens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .attention import KVCache, blocks_needed
+from .config import EngineConfig
+from .models.loader import load_checkpoint
+from .models.nemotron_h import Caches, NemotronHForCausalLM
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request
+from .runner import ModelRunner, StepHandle
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from mamba_cache.pool import MambaPool
+
+logger = logging.getLogger("hybrid_engine")
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = NemotronHForCausalLM(mc)
+        model = model.to_empty(device=cfg.device).to(cfg.dtype)
+        load_checkpoint(model, cfg.model_dir, cfg.dtype, cfg.device)
+        self.model = model.eval()
+        self.tokenizer = _load_tokenizer(cfg.model_dir)
+        k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
+        self.num_spec = k
+        n_attn = len(mc.attention_layer_ids)
+        num_blocks = cc.num_kv_blocks or (KVCache.blocks_for_budget(
+            self._kv_budget(), max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype))
+        self.max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
+        max_blocks = blocks_needed(self.max_model_len + 2 * (1 + k), cc.block_size) + 1
+        kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype, cfg.device)
+        pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
+                         mc.mamba_head_dim, mc.ssm_state_size, k, cfg.dtype, cfg.device)
+        self.caches = Caches(kv, pool)
+        self.scheduler = Scheduler(sc, max_model_len=self.max_model_len, block_size=cc.block_size,
+                                   num_kv_blocks=num_blocks, num_slots=pool.num_slots, num_spec=k)
+        if sc.max_num_batched_tokens < 1 + k:
+            raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
+                             f"num_speculative_tokens = {1 + k}")
+        self.drafter = self._make_drafter()
+        self.runner = ModelRunner(self.model, self.caches, self.drafter, max_num_seqs=sc.max_num_seqs,
+                                  max_model_len=self.max_model_len, block_size=cc.block_size,
+                                  max_blocks=max_blocks, num_spec=k, device=cfg.device)
+        self._seed_rng = np.random.default_rng(cfg.seed)
+        self._inflight: StepHandle | None = None
+        self._req_counter = 0
+        self._stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
+        logger.info("engine ready in %.2fs: %s on %s, KV %d blocks x %d (%.1f MiB), max_model_len %d, K=%d",
+                    time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size,
+                    kv.bytes / 2**20, self.max_model_len, k)
+
+    def _kv_budget(self) -> int:
+        cc = self.cfg.cache
+        if self.cfg.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.cfg.device)
+            return int(free * cc.kv_cache_memory_fraction)
+        return cc.kv_cache_bytes
+
+    def _make_drafter(self):
+        from spec.drafters import make_drafter
+        return make_drafter(self)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def make_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the field before anything is queued."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
+                             f"most {self.max_model_len - 1} so that one token can be generated")
+        sched = self.scheduler
+        need = blocks_needed(len(ids) + 2 * (1 + self.num_spec), sched.block_size)
+        if need > sched.blocks.num_total:
+            raise ValueError(f"prompt needs {need} KV blocks but the cache has {sched.blocks.num_total}")
+        if request_id is None:
+            request_id = f"req-{self._req_counter}"
+        self._req_counter += 1
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
+        mc = self.cfg.model
+        req = Request(str(request_id), ids, params, seed, eos_token_ids=tuple(mc.eos_token_id))
+        req.metrics.arrival_time = time.perf_counter()
+        return req
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError("prompt must be a str or a list of int token ids")
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.cfg.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ---- the step ---------------------------------------------------------------------------
+    def launch(self) -> tuple[StepHandle | None, list[Request]]:
+        """Schedule and launch one step; returns its handle and requests failed by it."""
+        if not self.scheduler.has_unfinished():
+            return None, []
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            return None, []
+        self._stats["steps"] += 1
+        try:
+            return self.runner.execute(sched), []
+        except Exception as e:            # fail this step's requests, keep serving the others
+            logger.exception("step %d failed", sched.step_id)
+            failed = self.scheduler.fail([r.req_id for r in sched.rows])
+            for r in failed:
+                r.finish_reason = "error"
+                r.error = repr(e)
+            return None, failed
+
+    def commit(self, handle: StepHandle, out) -> list[Request]:
+        return self.scheduler.update_from_output(handle.sched, out)
+
+    def step(self) -> list[Request]:
+        """One loop iteration (blocking). Returns requests with new tokens or finished."""
+        cur, touched = self.launch()
+        if not self.cfg.async_scheduling and cur is not None:
+            touched += self.commit(cur, cur.result())
+            cur = None
+        if self._inflight is not None:
+            prev, self._inflight = self._inflight, None
+            touched += self.commit(prev, prev.result())
+        self._inflight = cur
+        if cur is None and not touched and self.scheduler.has_unfinished() and self._inflight is None:
+            raise RuntimeError("scheduler made no progress (cache too small for any waiting request?)")
+        return touched
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def make_output(self, req: Request, delta_from: int = 0) -> RequestOutput:
+        ids = req.output_token_ids[delta_from:]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        if req.finished:
+            self._account(req)
+        m = req.metrics
+        metrics = {"drafts_proposed": m.drafts_proposed, "drafts_accepted": m.drafts_accepted,
+                   "accepted_per_position": list(m.accepted_per_position),
+                   "mean_acceptance_length": m.mean_acceptance_length, "num_steps": m.num_steps,
+                   "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
+                   "finish_time": m.finish_time}
+        return RequestOutput(req.request_id, list(req.prompt_token_ids),
+                             [CompletionOutput(0, list(ids), text, req.finish_reason)], req.finished,
+                             metrics, req.error)
+
+    def _account(self, req: Request) -> None:
+        if req.accounted:
+            return
+        req.accounted = True
+        s = self._stats
+        s["requests_finished"] += 1
+        s["prompt_tokens"] += len(req.prompt_token_ids)
+        s["generated_tokens"] += len(req.output_token_ids)
+        m = req.metrics
+        s["drafts_proposed"] = s.get("drafts_proposed", 0) + m.drafts_proposed
+        s["drafts_accepted"] = s.get("drafts_accepted", 0) + m.drafts_accepted
+        s["verify_steps"] = s.get("verify_steps", 0) + m.num_steps
+        per = s.setdefault("accepted_per_position", [0] * self.num_spec)
+        for j, a in enumerate(m.accepted_per_position):
+            per[j] += a
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s.setdefault("drafts_proposed", 0)
+        s.setdefault("drafts_accepted", 0)
+        s["acceptance_rate"] = s["drafts_accepted"] / s["drafts_proposed"] if s["drafts_proposed"] else 0.0
+        steps = s.get("verify_steps", 0)
+        s["mean_acceptance_length"] = (1 + s["drafts_accepted"] / steps) if steps else 0.0
+        s["free_slots"] = self.scheduler.slots.num_free
+        s["total_slots"] = self.scheduler.slots.num_total
+        s["free_blocks"] = self.scheduler.blocks.num_free
+        s["total_blocks"] = self.scheduler.blocks.num_total
+        return s

@@ -1,0 +1,125 @@
+"""Persistent per-row request arrays (CPU numpy), with add / remove / condense.
+
+A request occupies one *row* from add to remove; condense() moves the last rows into holes so rows
+0..num_reqs-1 are dense. Previous-step device outputs are never indexed by row: they stay in the
+previous step's *step-row* layout and are read through ``prev_positions`` (invariant 6).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .scheduler_output import NewRequestData
+
+PLACEHOLDER = -1
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_model_len: int, max_blocks: int):
+        self.max_rows = max_rows
+        self.req_ids: list[str | None] = [None] * max_rows
+        self.req_id_to_row: dict[str, int] = {}
+        # token_ids_cpu[row, :num_tokens_no_spec[row]]: prompt + committed outputs, then -1
+        # placeholders appended for tokens sampled by steps whose output the host has not read yet.
+        self.token_ids_cpu = np.full((max_rows, max_model_len), PLACEHOLDER, dtype=np.int64)
+        self.num_tokens_no_spec = np.zeros(max_rows, dtype=np.int64)
+        self.num_prefill_tokens = np.zeros(max_rows, dtype=np.int64)   # tokens to prefill (prompt+resume)
+        self.slot = np.zeros(max_rows, dtype=np.int64)
+        self.epoch = np.zeros(max_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int32)  # 0 = null block
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.temperature = np.zeros(max_rows, dtype=np.float32)
+        self.top_k = np.full(max_rows, -1, dtype=np.int64)
+        self.top_p = np.ones(max_rows, dtype=np.float32)
+        self.min_p = np.zeros(max_rows, dtype=np.float32)
+        self.seed = np.zeros(max_rows, dtype=np.int64)
+        self._row_arrays = [self.token_ids_cpu, self.num_tokens_no_spec, self.num_prefill_tokens, self.slot,
+                            self.epoch, self.block_table, self.num_blocks, self.temperature, self.top_k,
+                            self.top_p, self.min_p, self.seed]
+        self._holes: list[int] = []
+        self.num_rows = 0                       # rows 0..num_rows-1 in use or holes
+        # req_id -> step row in the previous step's outputs (set by the runner after each step)
+        self.prev_req_id_to_index: dict[str, int] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(self, new: NewRequestData) -> int:
+        """Place a request in a free row, resetting every per-row field (a reused row starts clean)."""
+        if new.req_id in self.req_id_to_row:
+            raise ValueError(f"request {new.req_id!r} is already in the batch")
+        row = self._holes.pop() if self._holes else self.num_rows
+        if row >= self.max_rows:
+            raise RuntimeError("input batch is full")
+        self.num_rows = max(self.num_rows, row + 1)
+        n = len(new.token_ids)
+        self.token_ids_cpu[row] = PLACEHOLDER
+        self.token_ids_cpu[row, :n] = new.token_ids
+        self.num_tokens_no_spec[row] = n
+        self.num_prefill_tokens[row] = n
+        self.slot[row], self.epoch[row] = new.slot, new.epoch
+        self.block_table[row] = 0
+        self.num_blocks[row] = 0
+        p = new.params
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
+            p.temperature, p.top_k, p.top_p, p.min_p)
+        self.seed[row] = new.seed
+        self.req_ids[row] = new.req_id
+        self.req_id_to_row[new.req_id] = row
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row] = None
+            self._holes.append(row)
+        return row
+
+    def condense(self) -> None:
+        """Move the last live rows into holes so rows 0..num_reqs-1 are dense."""
+        holes = sorted(self._holes)
+        self._holes = []
+        last = self.num_rows - 1
+        for hole in holes:
+            while last >= 0 and self.req_ids[last] is None:
+                last -= 1
+            if hole >= last:
+                break
+            self._move(last, hole)
+            last -= 1
+        self.num_rows = self.num_reqs
+
+    def _move(self, src: int, dst: int) -> None:
+        for arr in self._row_arrays:
+            arr[dst] = arr[src]
+        req_id = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.req_id_to_row[req_id] = dst
+
+    def set_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
+        n = len(block_ids)
+        if n != self.num_blocks[row]:
+            if n > self.block_table.shape[1]:
+                raise RuntimeError(f"request needs {n} blocks > table width {self.block_table.shape[1]}")
+            self.block_table[row, :n] = block_ids
+            self.num_blocks[row] = n
+
+    def prev_positions(self, req_ids: list[str]) -> np.ndarray:
+        """For each request, its step row in the previous step's outputs, or -1."""
+        get = self.prev_req_id_to_index.get
+        return np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def backup_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Last committed token per row: index num_tokens_no_spec - 1, never a placeholder (invariant 5).
+
+        Only rows that sampled nothing use it (partial prefill chunks), and those rows have had no
+        placeholder appended, so index num_tokens_no_spec - 1 is a prefill token.
+        """
+        return self.token_ids_cpu[rows, self.num_tokens_no_spec[rows] - 1]
+
+    def append_placeholders(self, rows: np.ndarray) -> None:
+        """One -1 per row that sampled this step: the cursor counts tokens the host has not seen yet."""
+        cols = self.num_tokens_no_spec[rows]
+        ok = cols < self.token_ids_cpu.shape[1]
+        self.token_ids_cpu[rows[ok], cols[ok]] = PLACEHOLDER
+        self.num_tokens_no_spec[rows] += 1

@@ -1,0 +1,70 @@
+"""Offline API: ``LLM(model=...).generate(prompts, params)``."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig, SpeculativeConfig
+from .engine import EngineCore
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+def _engine_config(model, **kw) -> EngineConfig:
+    if model is None:
+        from .default_model import default_model_dir
+        model = default_model_dir()
+    return EngineConfig.resolve(model, **kw)
+
+
+class LLM:
+    """Batch generation. Arguments as in DESIGN.md section 1; ``model=None`` uses the embedded default."""
+
+    def __init__(self, model=None, *, dtype="auto", device="auto", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 speculative_config: SpeculativeConfig | None = None, async_scheduling: bool = True,
+                 seed: int = 0, block_size: int = 16, num_kv_blocks: int | None = None,
+                 enforce_eager: bool = False, **cache_kw):
+        self.engine = EngineCore(_engine_config(
+            model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            speculative_config=speculative_config, async_scheduling=async_scheduling, seed=seed,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, **cache_kw))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Every prompt is validated before any is queued."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and all(isinstance(t, int) for t in prompts))
+        prompt_list = [prompts] if single else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompt_list):
+                raise ValueError(f"params has {len(params)} entries but there are {len(prompt_list)} "
+                                 f"prompts; pass one SamplingParams or one per prompt")
+            param_list = list(params)
+        else:
+            param_list = [params] * len(prompt_list)
+        eng = self.engine
+        reqs = [eng.make_request(p, sp) for p, sp in zip(prompt_list, param_list)]
+        for r in reqs:
+            eng.add_request(r)
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm)
+        done = 0
+        while eng.has_work():
+            eng.step()
+            now = sum(r.finished for r in reqs)
+            bar.update(now - done)
+            done = now
+        bar.close()
+        outs = [eng.make_output(r) for r in reqs]
+        for r in reqs:
+            eng.scheduler.pop_finished(r.request_id)
+        return outs
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,265 @@
+"""Load a safetensors checkpoint into a model whose parameter names are the on-disk names.
+
+Layout read: ``model.safetensors``; or ``model.safetensors.index.json`` + the shards it names; or,
+without an index, every ``*.safetensors`` in the folder. Tensors are read one at a time with
+``safetensors.safe_open`` and copied into the model's tensors, so peak memory stays about one
+tensor above the model itself.
+
+Name mapping (disk -> model), checked for every tensor before anything is copied:
+- same name: copied (cast to the target dtype);
+- merged experts on disk, ``<p>.experts.up_proj`` [E, F, D] / ``<p>.experts.down_proj`` [E, D, F],
+  split into the model's ``<p>.experts.{e}.up_proj.weight`` / ``.down_proj.weight``; and the
+  reverse (per-expert on disk, merged 3-D parameter in the model) is stacked;
+- ``mtp.*`` tensors when the model has no ``mtp.*`` tensor: skipped (debug log);
+- ``lm_head.weight`` absent and tied embeddings: the model's lm_head shares the embedding weight.
+
+Precision: with ``dtype`` given, floating tensors end in ``dtype`` except the names listed by the
+model's ``keep_in_fp32`` attribute (suffixes; default ``("e_score_correction_bias",)``), which end
+in float32. With ``dtype=None`` every tensor keeps the dtype the model gave it (A_log, D, dt_bias
+are loaded as stored; the model decides their precision). Tensors on the meta device are
+materialised on ``device``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
+LM_HEAD, EMBED = "lm_head.weight", "backbone.embeddings.weight"
+_MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
+_MAX_LISTED = 10
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
+
+
+def weight_files(model_dir) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the file holding it."""
+    folder = Path(model_dir).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"model folder {folder} does not exist or is not a folder")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+        files = {name: folder / fname for name, fname in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise ValueError(f"{index} names shard {f.name}, which is missing from {folder}")
+        return files
+    single = folder / SINGLE_FILE
+    paths = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if not paths:
+        extra = " (found PyTorch *.bin weights: convert them to safetensors)" if any(folder.glob("*.bin")) else ""
+        raise ValueError(f"no *.safetensors weight files in {folder}{extra}")
+    files: dict[str, Path] = {}
+    for p in paths:
+        with safe_open(str(p), framework="pt") as f:
+            for name in f.keys():
+                if name in files:
+                    raise ValueError(f"tensor {name} is stored twice: in {files[name].name} and {p.name}")
+                files[name] = p
+    return files
+
+
+@dataclass
+class _Copy:
+    disk: str          # on-disk tensor name
+    target: str        # model state_dict name
+    index: int | None  # expert index into a 3-D tensor (None: whole tensor)
+    split: bool        # True: disk tensor is 3-D and is split into per-expert targets
+
+
+def _disk_shape(f, name) -> tuple[int, ...]:
+    return tuple(f.get_slice(name).get_shape())
+
+
+def _has_fp32_name(name: str, keep: tuple[str, ...]) -> bool:
+    return any(name == k or name.endswith("." + k) for k in keep)
+
+
+def _tie_requested(model, model_dir: Path, tie: bool | None) -> bool:
+    if tie is not None:
+        return tie
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+        return bool(cfg.tie_word_embeddings)
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bool):
+    """-> (copies, consumed target names, unexpected disk names)."""
+    copies: list[_Copy] = []
+    covered: set[str] = set()
+    unexpected: list[str] = []
+    for name in files:
+        if strict_prefixes is not None and not name.startswith(tuple(strict_prefixes)):
+            logger.debug("skipping %s (outside strict_prefixes %s)", name, strict_prefixes)
+            continue
+        if name in targets:
+            copies.append(_Copy(name, name, None, False))
+            covered.add(name)
+            continue
+        m, pe = _MERGED.match(name), _PER_EXPERT.match(name)
+        if m and f"{m['p']}.0.{m['w']}.weight" in targets:
+            for e in range(shapes[name][0] if shapes[name] else 0):
+                t = f"{m['p']}.{e}.{m['w']}.weight"
+                if t not in targets:
+                    unexpected.append(f"{name}[{e}]")
+                    continue
+                copies.append(_Copy(name, t, e, True))
+                covered.add(t)
+        elif pe and f"{pe['p']}.{pe['w']}" in targets:
+            t, e = f"{pe['p']}.{pe['w']}", int(pe["e"])
+            if e >= targets[t].shape[0]:
+                unexpected.append(name)
+                continue
+            copies.append(_Copy(name, t, e, False))
+            covered.add(f"{t}[{e}]")
+        elif name.startswith("mtp.") and not has_mtp:
+            logger.debug("ignoring %s: the model has no MTP module", name)
+        else:
+            unexpected.append(name)
+    for t, tensor in targets.items():      # a merged target is covered when every expert is
+        if t not in covered and tensor.dim() == 3 and _MERGED.match(t):
+            if all(f"{t}[{e}]" in covered for e in range(tensor.shape[0])):
+                covered.add(t)
+    return copies, covered, unexpected
+
+
+def _expected_shape(c: _Copy, targets) -> tuple[int, ...]:
+    shape = tuple(targets[c.target].shape)
+    return shape[1:] if (c.index is not None and not c.split) else shape
+
+
+def _found_shape(c: _Copy, shapes) -> tuple[int, ...]:
+    return shapes[c.disk][1:] if c.split else shapes[c.disk]
+
+
+def _replace(model: torch.nn.Module, name: str, new: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = torch.nn.Parameter(new, requires_grad=False)
+    else:
+        mod._buffers[attr] = new
+
+
+def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, strict_prefixes: tuple[str, ...] | None = None,
+                    *, tie_word_embeddings: bool | None = None, progress: bool | None = None) -> torch.nn.Module:
+    """Fill ``model``'s parameters and persistent buffers from ``model_dir``; returns ``model``.
+
+    ``strict_prefixes``: None (default) checks the whole checkpoint: every model tensor must be
+    found and every disk tensor used (``mtp.*`` excepted when the model has no MTP). With a tuple,
+    only disk tensors and model tensors whose names start with one of the prefixes take part
+    (e.g. ``("mtp.",)`` to fill an MTP module); others are left alone.
+    ``tie_word_embeddings``: None reads it from ``model.config`` or config.json.
+    ``progress``: show a tqdm bar over files (default: when there is more than one file).
+    Errors (ValueError, raised before anything is copied): missing tensors (up to 10 listed),
+    shape mismatches (expected vs found), unexpected tensors, no weight files in the folder.
+    """
+    folder = Path(model_dir).expanduser()
+    files = weight_files(folder)
+    device = torch.device(device) if device is not None else None
+    keep32 = tuple(getattr(model, "keep_in_fp32", DEFAULT_KEEP_IN_FP32))
+
+    targets = dict(model.state_dict(keep_vars=True))
+    if strict_prefixes is not None:
+        targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
+    has_mtp = any(k.startswith("mtp.") for k in model.state_dict(keep_vars=True))
+    tie = _tie_requested(model, folder, tie_word_embeddings) and EMBED in model.state_dict(keep_vars=True)
+    if tie:
+        targets.pop(LM_HEAD, None)
+        if LM_HEAD in files:
+            logger.debug("tie_word_embeddings: ignoring %s on disk, lm_head shares the embeddings", LM_HEAD)
+            files = {k: v for k, v in files.items() if k != LM_HEAD}
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                shapes[name] = _disk_shape(f, name)
+
+    copies, covered, unexpected = _plan(targets, files, shapes, strict_prefixes, has_mtp)
+    if unexpected:
+        raise ValueError(f"checkpoint {folder} has {len(unexpected)} tensor(s) the model does not have: "
+                         f"{_listing(unexpected)}")
+    missing = [t for t in targets if t not in covered]
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensor(s) the model needs: "
+                         f"{_listing(missing)}")
+    bad = [f"{c.disk}: expected {list(_expected_shape(c, targets))}, found {list(_found_shape(c, shapes))}"
+           for c in copies if _expected_shape(c, targets) != _found_shape(c, shapes)]
+    if bad:
+        raise ValueError(f"shape mismatch in checkpoint {folder}: " + "; ".join(sorted(set(bad))[:_MAX_LISTED]))
+
+    # Materialise / convert the targets: meta tensors, wrong device, or wrong floating dtype.
+    for name, t in targets.items():
+        want_dtype = t.dtype
+        if t.is_floating_point():
+            if _has_fp32_name(name, keep32):
+                want_dtype = torch.float32
+            elif dtype is not None:
+                want_dtype = dtype
+        want_device = device if device is not None else (t.device if t.device.type != "meta" else torch.device("cpu"))
+        if t.device.type == "meta" or t.device != want_device or t.dtype != want_dtype:
+            new = torch.empty(t.shape, dtype=want_dtype, device=want_device)
+            if t.device.type != "meta":
+                new.copy_(t.detach())
+            _replace(model, name, new)
+    targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in targets}
+
+    by_disk_file: dict[Path, list[_Copy]] = {}
+    for c in copies:
+        by_disk_file.setdefault(files[c.disk], []).append(c)
+    paths = sorted(by_disk_file)
+    show = progress if progress is not None else len(paths) > 1
+    if show:
+        from tqdm.auto import tqdm
+        paths = tqdm(paths, desc="Loading weights", unit="file")
+    with torch.no_grad():
+        for path in paths:
+            group = by_disk_file[path]
+            with safe_open(str(path), framework="pt") as f:
+                for disk_name in dict.fromkeys(c.disk for c in group):
+                    src = f.get_tensor(disk_name)
+                    for c in (c for c in group if c.disk == disk_name):
+                        dst = targets[c.target]
+                        if c.split:
+                            dst.copy_(src[c.index])
+                        elif c.index is not None:
+                            dst[c.index].copy_(src)
+                        else:
+                            dst.copy_(src)
+                    del src
+
+    if tie:
+        lm_mod_name = LM_HEAD.rpartition(".")[0]
+        emb = model.get_parameter(EMBED)
+        lm = model.get_submodule(lm_mod_name)
+        if getattr(lm, "weight", None) is not emb:
+            lm.weight = emb
+    return model

@@ -1,0 +1,172 @@
+"""Nemotron-H: Mamba2 mixers, attention (no positional encoding), relu^2 MLP and MoE blocks.
+
+The model holds weights only. Caches (paged KV, Mamba pool) are passed in with each forward, and
+all per-step metadata arrives as a typed ``ForwardBatch``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mamba_cache import ops as mops
+
+from ..attention import paged_attention, write_kv
+from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
+from ..forward_batch import ForwardBatch
+from .layers import MLP, MoE, RMSNorm
+
+
+class Caches:
+    """Per-layer cache tensors handed to the model: KV per attention layer, state per Mamba layer."""
+
+    def __init__(self, kv_cache, mamba_pool):
+        self.kv = kv_cache            # attention.KVCache: .k[i], .v[i] by attention ordinal
+        self.mamba = mamba_pool       # mamba_cache.pool.MambaPool: by Mamba ordinal
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ordinal: int):
+        super().__init__()
+        self.ordinal = ordinal
+        self.H, self.P, self.G, self.N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        self.I, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
+        self.chunk_size, self.eps = cfg.chunk_size, cfg.layer_norm_epsilon
+        self.dt_limit = tuple(cfg.time_step_limit)
+        self.in_proj = nn.Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(self.H))
+        self.A_log = nn.Parameter(torch.zeros(self.H))
+        self.D = nn.Parameter(torch.ones(self.H))
+        self.norm = RMSNormWeight(self.I)
+        self.out_proj = nn.Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
+        conv_state = caches.mamba.conv_state[self.ordinal]   # [S, C, W-1+K]
+        ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32
+        md = fb.mamba
+        z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, self.H], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)               # [C, W]
+        A = -torch.exp(self.A_log.float())                   # [H]
+        nd = md.num_decode_tokens
+        ys = []
+        if md.num_decode_rows:
+            n, s = md.num_decode_rows, md.decode_len
+            xbc_d = mops.causal_conv1d_update(xbc[:nd].view(n, s, -1), weight, self.conv1d.bias, conv_state,
+                                              md.decode_slots, md.num_accepted)
+            xd, bd, cd = xbc_d.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
+            y = mops.selective_state_update(
+                ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias, A,
+                bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
+                md.decode_slots, md.num_accepted, dt_limit=self.dt_limit)
+            ys.append(y.reshape(nd, self.I))
+        if md.num_prefill_rows:
+            xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,
+                                              md.prefill_query_start_loc, md.prefill_slots,
+                                              md.has_initial_state)
+            xp, bp, cp = xbc_p.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
+            init = ssm_state[md.prefill_slots, 0] * md.has_initial_state.view(-1, 1, 1, 1)
+            y, final = mops.ssd_scan_varlen(
+                xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
+                cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, init, self.chunk_size,
+                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len)
+            ssm_state[md.prefill_slots, 0] = final
+            ys.append(y.reshape(-1, self.I))
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)
+        y = mops.gated_rmsnorm(y, z, self.norm.weight, self.I // self.G, self.eps)
+        return self.out_proj(y)
+
+
+class RMSNormWeight(nn.Module):
+    """Holds the gated-norm weight under the checkpoint name ``mixer.norm.weight``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ordinal: int):
+        super().__init__()
+        self.ordinal = ordinal
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.hd ** -0.5
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.hd)
+        k = self.k_proj(x).view(t, self.nkv, self.hd)
+        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        q, k = self.rotary(q, k, fb.positions)
+        kc, vc = caches.kv.k[self.ordinal], caches.kv.v[self.ordinal]
+        a = fb.attn
+        write_kv(k, v, kc, vc, a.slot_mapping)
+        o = paged_attention(q, kc, vc, a.query_start_loc, a.seq_lens, a.block_tables, self.scale,
+                            max_query_len=a.max_query_len, max_seq_len=a.max_seq_len)
+        return self.o_proj(o.reshape(t, self.nh * self.hd))
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """Positional-encoding hook: Nemotron-H uses none; RoPE hybrids override this."""
+        return q, k
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, ordinal: int):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg, ordinal)
+        elif kind == ATTENTION:
+            self.mixer = Attention(cfg, ordinal)
+        elif kind == MLP_KIND:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        elif kind == MOE:
+            self.mixer = MoE(cfg)
+        else:
+            raise ValueError(f"unsupported layer kind {kind!r}; allowed: M, *, -, E")
+        self.stateful = kind in (MAMBA, ATTENTION)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
+        x = self.norm(h)
+        return h + (self.mixer(x, fb, caches) if self.stateful else self.mixer(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        ordinals = {MAMBA: 0, ATTENTION: 0, MLP_KIND: 0, MOE: 0}
+        blocks = []
+        for kind in cfg.layer_types:
+            if kind not in ordinals:
+                raise ValueError(f"unsupported layer kind {kind!r}; allowed: M, *, -, E")
+            blocks.append(Block(cfg, kind, ordinals[kind]))
+            ordinals[kind] += 1
+        self.layers = nn.ModuleList(blocks)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
+        """Returns the final-normed hidden states [T, D] of every scheduled token."""
+        h = self.backbone.embeddings(fb.input_ids)
+        for layer in self.backbone.layers:
+            h = layer(h, fb, caches)
+        return self.backbone.norm_f(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                # [L, V] float32

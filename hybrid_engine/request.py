@@ -1,0 +1,70 @@
+"""The small CPU-side Request: ids and counters only. Owned by the scheduler."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_steps: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)   # [K] accepted at draft position j
+
+    num_tokens_out: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per decode/verify step: 1 + accepted drafts, averaged."""
+        return (1 + self.drafts_accepted / self.num_steps) if self.num_steps else 0.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                                  # resolved: params.seed or drawn at creation
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # Scheduling state. num_computed_tokens is optimistic: it counts every token scheduled into the
+    # caches (drafts included) and is corrected when the step's output arrives (an upper bound).
+    num_computed_tokens: int = 0
+    prefill_target: int = 0                    # tokens to prefill since the last (re)start
+    num_inflight_steps: int = 0                # scheduled steps whose output is not processed yet
+    epoch: int = 0                             # bumped on preemption: outputs of older epochs are dropped
+    slot: int | None = None                    # Mamba pool slot
+    block_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None                   # set when a step that carried it raised
+    accounted: bool = False                    # counted in engine stats
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,83 @@
+"""Host<->device transfers that never block the step path.
+
+H2D: numpy arrays are packed into a ring of pinned staging buffers (CUDA) and copied with
+non_blocking=True; a ring slot is reused only after the step that used it has been read back, so no
+copy still reads it. D2H: outputs are copied on a side stream into pinned buffers after
+``wait_stream(main)``; an event marks completion and nobody waits on it until the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+RING = 3  # > steps in flight + 1
+
+
+class H2D:
+    def __init__(self, device: torch.device, capacity: int = 1 << 16):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._ring = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(RING)]
+        self._i = 0
+
+    def put(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Copy int64/int32/float32 arrays to the device in one transfer; returns device tensors."""
+        flat = [np.ascontiguousarray(a) for a in arrays]
+        words = [(a.nbytes + 7) // 8 for a in flat]
+        total = sum(words)
+        if not self.cuda:
+            return [torch.from_numpy(a.copy()) for a in flat]
+        buf = self._ring[self._i]
+        if buf.numel() < total:
+            buf = self._ring[self._i] = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
+        self._i = (self._i + 1) % RING
+        host = buf.numpy().view(np.uint8)
+        off = 0
+        for a, w in zip(flat, words):
+            host[off * 8: off * 8 + a.nbytes] = a.view(np.uint8).reshape(-1)
+            off += w
+        dev = buf[:total].to(self.device, non_blocking=True)
+        out, off = [], 0
+        for a, w in zip(flat, words):
+            t = dev[off:off + w].view(torch.uint8)[:a.nbytes].view(_TORCH_DTYPE[a.dtype.str[1:]])
+            out.append(t.view(a.shape))
+            off += w
+        return out
+
+
+_TORCH_DTYPE = {"i8": torch.int64, "i4": torch.int32, "f4": torch.float32, "b1": torch.bool}
+
+
+class D2HCopy:
+    """One step's outputs on their way to the host. ``wait()``/``await wait_async()`` to read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None):
+        self._src = tensors                     # keeps the device tensors alive until read
+        if stream is None:                      # CPU: the values are ready now
+            self._host = {k: v.clone() for k, v in tensors.items()}
+            self._event = None
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+                          for k, v in tensors.items()}
+            for v in tensors.values():
+                v.record_stream(stream)
+            self._event = torch.cuda.Event(blocking=True)
+            self._event.record(stream)
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> dict[str, np.ndarray]:
+        if self._event is not None:
+            self._event.synchronize()           # the one designated wait
+        self._src = None
+        return {k: v.numpy() for k, v in self._host.items()}
+
+    async def wait_async(self, poll_s: float = 5e-5) -> dict[str, np.ndarray]:
+        while not self.ready():
+            await asyncio.sleep(poll_s)
+        return self.wait()

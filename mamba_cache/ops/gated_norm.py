@@ -1,0 +1,26 @@
+"""Gated RMSNorm of the Mamba2 mixer output (CONTRACT item 5, norm_before_gate=False)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gated_rmsnorm_ref(
+    y: torch.Tensor,                    # [T, I] mixer output
+    z: torch.Tensor,                    # [T, I] gate
+    weight: torch.Tensor,               # [I]
+    group_size: int,                    # I / n_groups
+    eps: float,
+) -> torch.Tensor:                      # [T, I] in y.dtype
+    """g = y * silu(z) in float32, RMS-normalised per group of group_size channels, cast to
+    y.dtype, then multiplied by weight (after the cast, as transformers does)."""
+    T, I = y.shape
+    g = y.float() * F.silu(z.float())                                     # [T, I]
+    g = g.view(T, I // group_size, group_size)                            # [T, G, gs]
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * g.view(T, I).to(y.dtype)).to(y.dtype)
+
+
+def gated_rmsnorm(y, z, weight, group_size, eps):
+    """Public entry point (CONTRACT item 5); dispatches to the torch reference for now."""
+    return gated_rmsnorm_ref(y, z, weight, group_size, eps)

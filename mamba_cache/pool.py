@@ -1,0 +1,65 @@
+"""Mamba state pool: per Mamba layer, a conv window and 1+K SSM checkpoints per request slot.
+
+Slot 0 is NULL_SLOT (padding); request slots are 1..max_num_seqs. The pool owns the tensors and the
+free list; the ops in ``mamba_cache.ops`` read and write the tensors in place.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import NULL_SLOT
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class NoFreeSlots(RuntimeError):
+    pass
+
+
+class MambaPool:
+    def __init__(self, num_layers: int, max_num_seqs: int, conv_dim: int, conv_kernel: int,
+                 num_heads: int, head_dim: int, state_size: int, num_spec: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_slots = max_num_seqs + 1
+        self.num_spec = num_spec
+        width = conv_kernel - 1 + num_spec
+        # conv_state[i]: [S, conv_dim, W-1+K] model dtype; ssm_state[i]: [S, 1+K, H, P, N] float32
+        self.conv_state = [torch.zeros(self.num_slots, conv_dim, width, dtype=dtype, device=device)
+                           for _ in range(num_layers)]
+        self.ssm_state = [torch.zeros(self.num_slots, 1 + num_spec, num_heads, head_dim, state_size,
+                                      dtype=torch.float32, device=device) for _ in range(num_layers)]
+        logger.info("mamba pool: %d layers x %d slots (K=%d), %.1f MiB", num_layers, self.num_slots,
+                    num_spec, self.bytes / 2**20)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv_state + self.ssm_state)
+
+
+
+class SlotAllocator:
+    """Free list of request slots 1..num_slots-1 (CPU only; owned by the scheduler)."""
+
+    def __init__(self, num_slots: int):
+        self.num_total = num_slots - 1
+        self._free = list(range(num_slots - 1, NULL_SLOT, -1))  # pop() hands out the lowest slot
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeSlots("no free Mamba state slot")
+        slot = self._free.pop()
+        self._used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"invalid Mamba slot to free: {slot} (not allocated)")
+        self._used.remove(slot)
+        self._free.append(slot)

@@ -1,0 +1,39 @@
+"""The drafter hook: the runner calls ``propose`` once per step, after sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """Everything a drafter may read about the step just sampled, in step-row space."""
+    req_ids: tuple[str, ...]
+    slots: torch.Tensor          # [B] int64 Mamba/drafter slot per row (fixed for a request's life)
+    sampled: torch.Tensor        # [B, 1+K] int64, -1 after the last valid token
+    num_valid: torch.Tensor      # [B] int64 (0: the row sampled nothing, e.g. a partial prefill)
+    input_token: torch.Tensor    # [B] int64 last valid sampled token, or the backup token
+    input_pos: torch.Tensor      # [B] int64 absolute position of input_token
+    hidden: torch.Tensor         # [T, D] target hidden states of this step (MTP reads them)
+    token_index: torch.Tensor    # [B] int64 index into hidden of the token that produced input_token
+    is_decode: torch.Tensor      # [B] bool row was a verify row this step
+    query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the rows in this step
+    input_ids: torch.Tensor      # [T] int64 the target's input tokens of this step (placeholders clamped)
+    positions: torch.Tensor      # [T] int64
+
+
+class Drafter:
+    num_spec: int = 0
+    has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection
+
+    def add_request(self, slot: int, token_ids: tuple[int, ...]) -> None:
+        """A request (new or resumed) got ``slot``; reset every slot-indexed field it owns."""
+
+    def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+
+class NoDrafter(Drafter):
+    def propose(self, ctx: DraftContext):
+        return torch.empty(ctx.sampled.shape[0], 0, dtype=torch.int64, device=ctx.sampled.device), None

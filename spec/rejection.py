@@ -1,0 +1,106 @@
+"""Rejection sampling of K drafts against the target's 1 + K logit rows (lossless).
+
+Greedy rows (temperature 0) accept draft j while it equals argmax(target[j]); the first mismatch
+writes that argmax; if all K are accepted the bonus argmax(target[K]) follows.
+
+Random rows follow Leviathan et al. (2023): with p = the target's filtered distribution and q the
+draft distribution (one-hot of the draft when ``draft_probs`` is None), draft d_j is accepted if
+u_j * q(d_j) < p(d_j) (that is, u_j < p/q; q(d_j) = 0 accepts iff p(d_j) > 0). At the first
+rejection a token is drawn from normalise(max(p - q, 0)) (from p if that is all zero); after K
+acceptances the bonus is drawn from p[K]. Keys (seed, absolute position, step=0, stream):
+acceptance u stream 1, residual stream 2, bonus stream 0 -- the bonus is bit-identical to
+``sampler.sample`` at that position. A draft of -1 ("no draft") is always rejected and its column
+is filled exactly as the plain sampler would (target argmax, or a stream-0 sample from p), so a
+request without drafts produces the same tokens as one decoded without speculation.
+
+Vectorised: acceptance is a cumulative product over K; the correction/bonus is computed only at
+the one column per row where the accepted prefix ends. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_engine.sampler import SamplingTensors, filtered_logits, gumbel_argmax
+from hybrid_engine import rng
+
+_ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM = 1, 2, 0
+
+
+def _gather_col(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """x[r, col[r], :] for x[R, C, V] and col[R] -> [R, V]."""
+    idx = col.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+    return x.gather(1, idx).squeeze(1)
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    st: SamplingTensors,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """output[R, 1 + K] int64: accepted drafts, then the correction or bonus, then -1.
+
+    target_logits[R, 1+K, V] f32; draft_tokens[R, K] int64 (-1 = no draft); draft_probs[R, K, V]
+    f32 or None; positions[R] = absolute position of the token produced at output column 0.
+    """
+    num_rows, k1, _ = target_logits.shape
+    k = k1 - 1
+    assert draft_tokens.shape == (num_rows, k), (draft_tokens.shape, target_logits.shape)
+    dev = target_logits.device
+    positions = positions.to(torch.int64)
+    cols = torch.arange(k1, device=dev)
+
+    valid = draft_tokens >= 0  # [R, K]
+    drafts = draft_tokens.clamp(min=0)
+    target_argmax = target_logits.argmax(-1)  # [R, 1+K]
+    accept = valid & (drafts == target_argmax[:, :k])
+
+    random_rows = st.temperature > 0
+    if not st.all_greedy:
+        scaled = filtered_logits(target_logits, st)  # [R, 1+K, V]
+        if k > 0:
+            p_d = torch.softmax(scaled[:, :k], dim=-1).gather(-1, drafts[..., None]).squeeze(-1)
+            if draft_probs is None:
+                q_d = torch.ones_like(p_d)
+            else:
+                q_d = draft_probs.float().gather(-1, drafts[..., None]).squeeze(-1)
+            u_pos = (positions[:, None] + cols[:k]).reshape(-1)
+            u_seed = st.seed.repeat_interleave(k)
+            u = rng.uniform(u_seed, u_pos, 0, _ACCEPT_STREAM, 1).view(num_rows, k)
+            accept = torch.where(random_rows[:, None], valid & (u * q_d < p_d), accept)
+
+    # Accepted drafts = length of the all-accepted prefix; that column gets the one new token.
+    num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R] in [0, K]
+    fill = target_argmax.gather(1, num_acc[:, None]).squeeze(1)
+    if not st.all_greedy:
+        # The one column per row that needs a token: residual draw after rejecting a real draft,
+        # else (bonus, or a -1 draft) exactly the plain sampler's draw from p.
+        scores = _gather_col(scaled, num_acc)  # [R, V]
+        valid_pad = torch.cat([valid, valid.new_zeros(num_rows, 1)], dim=1)
+        residual_row = valid_pad.gather(1, num_acc[:, None]).squeeze(1)
+        if k > 0:
+            p_c = torch.softmax(scores, dim=-1)
+            col_q = num_acc.clamp(max=k - 1)
+            if draft_probs is None:
+                d_c = drafts.gather(1, col_q[:, None])
+                q_c = torch.zeros_like(p_c).scatter_(1, d_c, 1.0)
+            else:
+                q_c = _gather_col(draft_probs.float(), col_q)
+            residual = (p_c - q_c).clamp(min=0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_c)
+            scores = torch.where(residual_row[:, None], torch.log(residual), scores)
+        stream = torch.where(residual_row, _RESIDUAL_STREAM, _SAMPLE_STREAM)
+        drawn = gumbel_argmax(scores, st.seed, positions + num_acc, stream)
+        fill = torch.where(random_rows, drawn, fill)
+
+    drafts_pad = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], dim=1)
+    n = num_acc[:, None]
+    minus_one = torch.full_like(drafts_pad, -1)
+    return torch.where(cols < n, drafts_pad, torch.where(cols == n, fill[:, None], minus_one))
+
+
+def num_accepted(output: torch.Tensor) -> torch.Tensor:
+    """Valid tokens per row of a rejection output (a contiguous prefix): >= 1 for sampled rows."""
+    return (output != -1).sum(dim=1)
