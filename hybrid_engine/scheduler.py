@@ -75,7 +75,7 @@ class Scheduler:
                 continue
             else:
                 n = self.decode_len
-            if not self._grow(req, req.num_computed_tokens + n):
+            if not self._grow(req, req.num_computed_tokens + n + self._lookahead(req, n)):
                 continue                               # req itself was preempted
             rows.append(self._row(req, n))
             budget -= n
@@ -86,11 +86,12 @@ class Scheduler:
                 break                                  # its decode steps would not fit beside the others
             target = req.num_tokens
             n = min(target, budget)
-            if self.slots.num_free == 0 or self.blocks.num_free < blocks_needed(n, self.block_size):
+            need = blocks_needed(n + (self.num_spec if n == target else 0), self.block_size)
+            if self.slots.num_free == 0 or self.blocks.num_free < need:
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
-            req.block_ids = self.blocks.allocate(blocks_needed(n, self.block_size))
+            req.block_ids = self.blocks.allocate(need)
             req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
             self.running.append(req)
             new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
@@ -100,6 +101,11 @@ class Scheduler:
         self._step_id += 1
         removed, self._removed = frozenset(self._removed), set()
         return SchedulerOutput(self._step_id, tuple(rows), tuple(new), removed, self.num_spec)
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Blocks for K positions past a request's last prefill chunk, where drafters write KV."""
+        last_chunk = req.is_prefilling and req.num_computed_tokens + n >= req.prefill_target
+        return self.num_spec if last_chunk else 0
 
     def _may_skip_decode(self, req: Request) -> bool:
         """True when in-flight steps already reach max_tokens / max_model_len (known lower bounds)."""

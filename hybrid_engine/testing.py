@@ -197,7 +197,9 @@ def make_hf_model(out_dir, pattern: str = "M-M*-M*-", *, vocab_size: int = 256, 
     default std-0.02 init). ``time_step_min`` defaults to 1e-7 (see the module docstring); any
     other NemotronHConfig field can be given in ``overrides`` (``mtp_pattern="*E"`` sets the MTP
     pattern). ``num_nextn_predict_layers > 0`` also writes ``mtp.*`` tensors (layout in
-    ``make_mtp_tensors``), which transformers ignores. ``with_tokenizer`` saves the project's
+    ``make_mtp_tensors``), which transformers ignores. ``tie_word_embeddings=True`` writes
+    lm_head.weight as a copy of the embeddings (transformers' NemotronH never ties; drop the
+    tensor from the file to test a loader's tying). ``with_tokenizer`` saves the project's
     byte-level BPE tokenizer (needs vocab_size >= 259). ``dtype`` is the stored dtype
     (e_score_correction_bias stays float32).
     """
@@ -224,6 +226,11 @@ def make_hf_model(out_dir, pattern: str = "M-M*-M*-", *, vocab_size: int = 256, 
     model = NemotronHForCausalLM(config).float().eval()
     if scale == "sens":
         sens_init_(model, seed, tied_embeddings=tie_word_embeddings)
+    if tie_word_embeddings:
+        # transformers' NemotronH does not tie (``_tied_weights_keys = {}``): it reads lm_head.weight
+        # from the file. Store a copy of the embeddings there so it computes the tied model.
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
     if dtype != torch.float32:
         model.to(dtype)
         for mod in model.modules():

@@ -12,6 +12,8 @@ Name mapping (disk -> model), checked for every tensor before anything is copied
   reverse (per-expert on disk, merged 3-D parameter in the model) is stacked;
 - ``mtp.*`` tensors when the model has no ``mtp.*`` tensor: skipped (debug log);
 - ``lm_head.weight`` absent and tied embeddings: the model's lm_head shares the embedding weight.
+  When the checkpoint has its own ``lm_head.weight`` it is used, tie or not (transformers'
+  NemotronH never ties: ``_tied_weights_keys = {}``), untying a shared model parameter.
 
 Precision: with ``dtype`` given, floating tensors end in ``dtype`` except the names listed by the
 model's ``keep_in_fp32`` attribute (suffixes; default ``("e_score_correction_bias",)``), which end
@@ -187,12 +189,20 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
     has_mtp = any(k.startswith("mtp.") for k in model.state_dict(keep_vars=True))
-    tie = _tie_requested(model, folder, tie_word_embeddings) and EMBED in model.state_dict(keep_vars=True)
-    if tie:
-        targets.pop(LM_HEAD, None)
-        if LM_HEAD in files:
-            logger.debug("tie_word_embeddings: ignoring %s on disk, lm_head shares the embeddings", LM_HEAD)
-            files = {k: v for k, v in files.items() if k != LM_HEAD}
+    full_sd = model.state_dict(keep_vars=True)
+    tie = False
+    if LM_HEAD in targets and EMBED in full_sd:
+        if LM_HEAD not in files:
+            # lm_head shares the embeddings only when the checkpoint has no lm_head of its own
+            tie = _tie_requested(model, folder, tie_word_embeddings)
+            if tie:
+                targets.pop(LM_HEAD)
+        elif full_sd[LM_HEAD] is full_sd[EMBED]:
+            # both on disk (transformers' NemotronH never ties, it reads lm_head.weight): untie
+            logger.info("checkpoint has its own %s; untying it from %s", LM_HEAD, EMBED)
+            t = full_sd[LM_HEAD]
+            _replace(model, LM_HEAD, torch.empty(t.shape, dtype=t.dtype, device=t.device))
+            targets[LM_HEAD] = model.get_parameter(LM_HEAD)
 
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}

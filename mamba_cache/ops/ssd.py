@@ -43,12 +43,15 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return seg_t.transpose(-1, -2)
 
 
-def _grid_size(qsl: torch.Tensor, num_tokens: int, chunk_size: int, max_seqlen: int | None):
+def _grid_size(qsl: torch.Tensor, num_tokens: int, chunk_size: int, max_seqlen: int | None,
+               exact: bool | None = None):
     """Host ints (max_len, NC): an upper bound on the longest sequence and on the number of
-    chunks sum_b ceil(L_b / chunk_size).  Exact when query_start_loc lives on the CPU (reading it
-    there is no device sync); otherwise from T, B and the caller's max_seqlen hint."""
+    chunks sum_b ceil(L_b / chunk_size).  Exact (default when query_start_loc lives on the CPU,
+    where reading it is no device sync); otherwise from T, B and the caller's max_seqlen hint."""
     Bn = qsl.numel() - 1
-    if qsl.device.type == "cpu":
+    if exact is None:
+        exact = qsl.device.type == "cpu"
+    if exact:
         lens = qsl[1:].long() - qsl[:-1].long()
         max_len = int(lens.max()) if Bn > 0 else 0
         NC = int(((lens + chunk_size - 1) // chunk_size).sum())

@@ -1,7 +1,15 @@
-"""Draft proposers. Each owns its device state and fills ``[B, K]`` drafts (-1 = no draft)."""
+"""Draft proposers. Each owns its device state and fills ``[B, K]`` drafts (-1 = no draft).
+
+``DRAFTERS`` maps a SpeculativeConfig method to a factory ``f(engine) -> Drafter``; the engine
+calls it once at start-up (tests may register their own drafters here).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
 from .base import DraftContext, Drafter, NoDrafter
 
-__all__ = ["DraftContext", "Drafter", "NoDrafter"]
+DRAFTERS: dict[str, Callable[..., Drafter]] = {}
 
 
 def make_drafter(engine) -> Drafter:
@@ -9,4 +17,25 @@ def make_drafter(engine) -> Drafter:
     spec = engine.cfg.speculative
     if spec is None:
         return NoDrafter()
-    raise ValueError(f"speculative method {spec.method!r} is not available yet")
+    if spec.method not in DRAFTERS:
+        _register_builtin()
+    if spec.method not in DRAFTERS:
+        raise ValueError(f"speculative method {spec.method!r} is not available; have {sorted(DRAFTERS)}")
+    return DRAFTERS[spec.method](engine)
+
+
+def _register_builtin() -> None:
+    for name, module, factory in (("ngram", "ngram", "make_ngram"), ("draft_model", "draft_model", "make_draft_model"),
+                                  ("mtp", "mtp", "make_mtp")):
+        if name in DRAFTERS:
+            continue
+        try:
+            mod = __import__(f"spec.drafters.{module}", fromlist=[factory])
+        except ModuleNotFoundError as e:
+            if e.name != f"spec.drafters.{module}":
+                raise
+            continue
+        DRAFTERS[name] = getattr(mod, factory)
+
+
+__all__ = ["DRAFTERS", "DraftContext", "Drafter", "NoDrafter", "make_drafter"]

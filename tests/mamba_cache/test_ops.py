@@ -263,6 +263,17 @@ def test_ssd_dt_limit_and_hint():
     run_ssd_case([3, 5], H=3, G=1, P=2, N=4, chunk=64, gen=gen, max_seqlen=5)
 
 
+@pytest.mark.parametrize("hint", [None, 20])
+def test_ssd_device_grid_bounds(monkeypatch, hint):
+    """The device path sizes its chunk grid from T, B (and the hint), not from query_start_loc;
+    force that path on CPU."""
+    import functools
+    import mamba_cache.ops.ssd as ssd_mod
+    monkeypatch.setattr(ssd_mod, "_grid_size", functools.partial(ssd_mod._grid_size, exact=False))
+    gen = torch.Generator().manual_seed(15)
+    run_ssd_case([7, 0, 20, 1, 8, 9], H=4, G=2, P=3, N=4, chunk=8, gen=gen, max_seqlen=hint)
+
+
 def test_ssd_long_chunk_exact():
     """A long chunk with strong decay: segment sums must not cancel."""
     gen = torch.Generator().manual_seed(13)
