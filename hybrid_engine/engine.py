@@ -1,8 +1,9 @@
 """EngineCore: owns the scheduler, the runner and the caches; runs the step loop.
 
-One step may be in flight: ``step()`` schedules and launches step N+1, then reads step N's output
-(the designated wait), commits it and returns the outputs. With ``async_scheduling=False`` the same
-code reads each step's output right after launching it. Both give identical tokens.
+One step may be in flight: ``begin_step()`` schedules and launches step N+1 and hands back step N's
+handle; the caller reads its output (the designated wait: ``result()`` in ``step()``, used by LLM,
+or ``await result_async()`` in AsyncLLM's asyncio loop) and ``finish_step()`` commits it. With
+``async_scheduling=False`` the handed-back handle is the new step's own. Both give identical tokens.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 
 from .attention import KVCache, blocks_needed
 from .config import EngineConfig
-from .models.loader import load_checkpoint
-from .models.nemotron_h import Caches, NemotronHForCausalLM
+from .models import build_model
+from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 from .runner import ModelRunner, StepHandle
@@ -39,11 +40,8 @@ class EngineCore:
         self.cfg = cfg
         mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            model = NemotronHForCausalLM(mc)
-        model = model.to_empty(device=cfg.device).to(cfg.dtype)
-        load_checkpoint(model, cfg.model_dir, cfg.dtype, cfg.device)
-        self.model = model.eval()
+        with_mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
+        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp)
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.num_spec = k
@@ -156,19 +154,65 @@ class EngineCore:
     def commit(self, handle: StepHandle, out) -> list[Request]:
         return self.scheduler.update_from_output(handle.sched, out)
 
+    def begin_step(self) -> tuple[StepHandle | None, list[Request]]:
+        """Launch the next step; return the handle whose output must be read now, and the requests
+        failed at launch.
+
+        Async scheduling: the returned handle is the previous step's (the new one stays in flight,
+        so the device works on step N+1 while the host reads step N). Sync: it is the new step's own.
+        Read its output (``handle.result()`` or ``await handle.result_async()``) and pass it to
+        ``finish_step``. ``step()`` (LLM) and the asyncio loop (AsyncLLM) both use this pair.
+        """
+        cur, failed = self.launch()
+        if self.cfg.async_scheduling:
+            wait, self._inflight = self._inflight, cur
+        else:
+            wait = cur
+        if wait is None and cur is None and not failed and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress (cache too small for any waiting request?)")
+        return wait, failed
+
+    def finish_step(self, handle: StepHandle | None, out=None, failed: list[Request] | None = None,
+                    error: BaseException | None = None) -> list[Request]:
+        """Commit the output of ``handle`` (from ``begin_step``); returns the requests that got
+        tokens, finished or failed. ``error``: reading the output raised; its requests fail."""
+        touched = list(failed or ())
+        if handle is not None:
+            if error is not None:
+                touched += self.fail_step(handle, error)
+            else:
+                touched += self.commit(handle, out)
+        return touched
+
+    def fail_step(self, handle: StepHandle, error: BaseException) -> list[Request]:
+        """Fail the (current-epoch) requests of a step whose output could not be read."""
+        logger.error("step %d output failed: %r", handle.sched.step_id, error)
+        live = {r.req_id for r in handle.sched.rows
+                if (q := self.scheduler.requests.get(r.req_id)) is not None and q.epoch == r.epoch}
+        failed = self.scheduler.fail(live)
+        for r in failed:
+            r.error = repr(error)
+        return failed
+
+    def fail_all(self, error: BaseException) -> list[Request]:
+        """Fail every unfinished request and drop the step in flight (the loop itself broke)."""
+        self._inflight = None
+        self.runner.prev = None
+        failed = self.scheduler.fail(list(self.scheduler.requests))
+        for r in failed:
+            r.error = repr(error)
+        return failed
+
     def step(self) -> list[Request]:
         """One loop iteration (blocking). Returns requests with new tokens or finished."""
-        cur, touched = self.launch()
-        if not self.cfg.async_scheduling and cur is not None:
-            touched += self.commit(cur, cur.result())
-            cur = None
-        if self._inflight is not None:
-            prev, self._inflight = self._inflight, None
-            touched += self.commit(prev, prev.result())
-        self._inflight = cur
-        if cur is None and not touched and self.scheduler.has_unfinished() and self._inflight is None:
-            raise RuntimeError("scheduler made no progress (cache too small for any waiting request?)")
-        return touched
+        handle, failed = self.begin_step()
+        if handle is None:
+            return self.finish_step(None, None, failed)
+        try:
+            out = handle.result()
+        except Exception as e:              # the step's requests fail; the others keep running
+            return self.finish_step(handle, None, failed, error=e)
+        return self.finish_step(handle, out, failed)
 
     # ---- outputs ----------------------------------------------------------------------------
     def make_output(self, req: Request, delta_from: int = 0) -> RequestOutput:

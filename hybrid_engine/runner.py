@@ -42,8 +42,10 @@ class StepInputs:
     backup: torch.Tensor         # [B] int64 backup token per row
     slots: torch.Tensor          # [B] int64
     sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
+    next_input_ids: torch.Tensor # [T] int64 token after each input token where the host knows it, else -1
     st_decode: SamplingTensors | None
     st_prefill: SamplingTensors | None
+    st_all: SamplingTensors | None   # every step row (drafters sample with it)
 
 
 class StepHandle:
@@ -96,7 +98,7 @@ class ModelRunner:
             hidden=hidden, token_index=self._token_index(inp, last_idx, n_dec),
             is_decode=torch.arange(len(order), device=self.device) < n_dec,
             query_start_loc=inp.fb.attn.query_start_loc.long(), input_ids=inp.fb.input_ids,
-            positions=inp.fb.positions)
+            positions=inp.fb.positions, next_input_ids=inp.next_input_ids, forward_batch=inp.fb, sampling=inp.st_all, block_size=self.block_size)
         drafts, draft_probs = self.drafter.propose(ctx)
         self.prev = PrevStep(sampled, num_valid, next_start, drafts, draft_probs)
         self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
@@ -145,6 +147,7 @@ class ModelRunner:
         pos_p = np.concatenate([np.arange(a, a + n) for a, n in zip(start_p, len_p)]) if npf else np.zeros(0, np.int64)
         row_of_tok = np.repeat(rows_p, len_p)
         ids_p = b.token_ids_cpu[row_of_tok, pos_p]
+        next_ids_p = b.token_ids_cpu[row_of_tok, pos_p + 1]          # -1 where not known on the host
         slot_map_p = b.block_table[row_of_tok, pos_p // bs].astype(np.int64) * bs + pos_p % bs
         qsl = np.concatenate([[0], np.arange(1, nd + 1) * s, nd * s + np.cumsum(len_p)]).astype(np.int32)
         samples_p = np.array([r.samples for r in pre], dtype=bool)
@@ -157,8 +160,8 @@ class ModelRunner:
         qsl_p_cpu = tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)]))
         sample_rows_p = nd + np.flatnonzero(samples_p)
         (ids_p_t, pos_p_t, slot_p_t, qsl_t, logits_idx_t, bt_t, prev_t, start_p_t, len_p_t, slots_t, backup_t,
-         srp_t) = self.h2d.put(ids_p, pos_p, slot_map_p, qsl, logits_idx, bt, prev_idx, start_p, len_p,
-                               b.slot[rows], b.backup_tokens(rows), sample_rows_p)
+         srp_t, next_p_t) = self.h2d.put(ids_p, pos_p, slot_map_p, qsl, logits_idx, bt, prev_idx, start_p, len_p,
+                                         b.slot[rows], b.backup_tokens(rows), sample_rows_p, next_ids_p)
         dev = self.device
         if nd:
             p = self.prev
@@ -187,8 +190,10 @@ class ModelRunner:
             mamba=MambaMetadata(nd, s, slots_t[:nd], a_prev, qsl_t[nd:].long() - nd * s, qsl_p_cpu,
                                 slots_t[nd:], start_p_t > 0),
             logits_indices=logits_idx_t)
-        return StepInputs(fb, start, num_tokens, drafts, draft_probs, backup_t, slots_t, srp_t,
-                          self._sampling(rows[:nd]), self._sampling(rows[sample_rows_p]))
+        next_ids = torch.cat([torch.full((nd * s,), -1, dtype=torch.int64, device=dev), next_p_t])
+        return StepInputs(fb, start, num_tokens, drafts, draft_probs, backup_t, slots_t, srp_t, next_ids,
+                          self._sampling(rows[:nd]), self._sampling(rows[sample_rows_p]),
+                          self._sampling(rows) if k else None)
 
     def _sampling(self, rows: np.ndarray) -> SamplingTensors | None:
         if len(rows) == 0:

@@ -103,9 +103,9 @@ class Scheduler:
         return SchedulerOutput(self._step_id, tuple(rows), tuple(new), removed, self.num_spec)
 
     def _lookahead(self, req: Request, n: int) -> int:
-        """Blocks for K positions past a request's last prefill chunk, where drafters write KV."""
-        last_chunk = req.is_prefilling and req.num_computed_tokens + n >= req.prefill_target
-        return self.num_spec if last_chunk else 0
+        """K positions past every row that samples: drafters write KV there while proposing."""
+        samples = not req.is_prefilling or req.num_computed_tokens + n >= req.prefill_target
+        return self.num_spec if samples else 0
 
     def _may_skip_decode(self, req: Request) -> bool:
         """True when in-flight steps already reach max_tokens / max_model_len (known lower bounds)."""

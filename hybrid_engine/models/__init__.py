@@ -1,0 +1,15 @@
+"""Model definitions and construction."""
+from __future__ import annotations
+
+import torch
+
+
+def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, with_mtp: bool = False):
+    """Construct Nemotron-H without initialising weights, then fill them from the checkpoint."""
+    from .loader import load_checkpoint
+    from .nemotron_h import NemotronHForCausalLM
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(model_cfg, with_mtp=with_mtp)
+    model = model.to_empty(device=device).to(dtype)
+    load_checkpoint(model, model_dir, dtype, device)
+    return model.eval()

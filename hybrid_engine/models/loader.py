@@ -99,9 +99,10 @@ def _has_fp32_name(name: str, keep: tuple[str, ...]) -> bool:
 def _tie_requested(model, model_dir: Path, tie: bool | None) -> bool:
     if tie is not None:
         return tie
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
-        return bool(cfg.tie_word_embeddings)
+    for attr in ("cfg", "config"):
+        cfg = getattr(model, attr, None)
+        if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+            return bool(cfg.tie_word_embeddings)
     try:
         return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False))
     except (OSError, json.JSONDecodeError):
@@ -175,7 +176,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     found and every disk tensor used (``mtp.*`` excepted when the model has no MTP). With a tuple,
     only disk tensors and model tensors whose names start with one of the prefixes take part
     (e.g. ``("mtp.",)`` to fill an MTP module); others are left alone.
-    ``tie_word_embeddings``: None reads it from ``model.config`` or config.json.
+    ``tie_word_embeddings``: None reads it from ``model.cfg`` / ``model.config`` or config.json.
     ``progress``: show a tqdm bar over files (default: when there is more than one file).
     Errors (ValueError, raised before anything is copied): missing tensors (up to 10 listed),
     shape mismatches (expected vs found), unexpected tensors, no weight files in the folder.
@@ -185,24 +186,23 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     device = torch.device(device) if device is not None else None
     keep32 = tuple(getattr(model, "keep_in_fp32", DEFAULT_KEEP_IN_FP32))
 
-    targets = dict(model.state_dict(keep_vars=True))
+    full_sd = model.state_dict(keep_vars=True)
+    targets = dict(full_sd)
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
-    has_mtp = any(k.startswith("mtp.") for k in model.state_dict(keep_vars=True))
-    full_sd = model.state_dict(keep_vars=True)
-    tie = False
+    has_mtp = any(k.startswith("mtp.") for k in full_sd)
+    tie = shared_on_disk = False
     if LM_HEAD in targets and EMBED in full_sd:
         if LM_HEAD not in files:
             # lm_head shares the embeddings only when the checkpoint has no lm_head of its own
             tie = _tie_requested(model, folder, tie_word_embeddings)
             if tie:
                 targets.pop(LM_HEAD)
-        elif full_sd[LM_HEAD] is full_sd[EMBED]:
-            # both on disk (transformers' NemotronH never ties, it reads lm_head.weight): untie
-            logger.info("checkpoint has its own %s; untying it from %s", LM_HEAD, EMBED)
-            t = full_sd[LM_HEAD]
-            _replace(model, LM_HEAD, torch.empty(t.shape, dtype=t.dtype, device=t.device))
-            targets[LM_HEAD] = model.get_parameter(LM_HEAD)
+        elif full_sd[LM_HEAD] is full_sd[EMBED] and EMBED in targets:
+            # both on disk while the model shares them: keep the tie if the stored lm_head equals
+            # the embeddings, else untie (transformers' NemotronH never ties, it reads lm_head.weight)
+            shared_on_disk = True
+            targets.pop(LM_HEAD)
 
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
@@ -213,7 +213,11 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             for name in names:
                 shapes[name] = _disk_shape(f, name)
 
-    copies, covered, unexpected = _plan(targets, files, shapes, strict_prefixes, has_mtp)
+    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD)}
+    copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp)
+    if shared_on_disk and shapes[LM_HEAD] != tuple(full_sd[LM_HEAD].shape):
+        raise ValueError(f"shape mismatch in checkpoint {folder}: {LM_HEAD}: expected "
+                         f"{list(full_sd[LM_HEAD].shape)}, found {list(shapes[LM_HEAD])}")
     if unexpected:
         raise ValueError(f"checkpoint {folder} has {len(unexpected)} tensor(s) the model does not have: "
                          f"{_listing(unexpected)}")
@@ -242,9 +246,9 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             _replace(model, name, new)
     targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in targets}
 
-    by_disk_file: dict[Path, list[_Copy]] = {}
+    by_disk_file: dict[Path, dict[str, list[_Copy]]] = {}
     for c in copies:
-        by_disk_file.setdefault(files[c.disk], []).append(c)
+        by_disk_file.setdefault(files[c.disk], {}).setdefault(c.disk, []).append(c)
     paths = sorted(by_disk_file)
     show = progress if progress is not None else len(paths) > 1
     if show:
@@ -252,11 +256,10 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         paths = tqdm(paths, desc="Loading weights", unit="file")
     with torch.no_grad():
         for path in paths:
-            group = by_disk_file[path]
             with safe_open(str(path), framework="pt") as f:
-                for disk_name in dict.fromkeys(c.disk for c in group):
+                for disk_name, group in by_disk_file[path].items():
                     src = f.get_tensor(disk_name)
-                    for c in (c for c in group if c.disk == disk_name):
+                    for c in group:
                         dst = targets[c.target]
                         if c.split:
                             dst.copy_(src[c.index])
@@ -266,10 +269,15 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                             dst.copy_(src)
                     del src
 
-    if tie:
-        lm_mod_name = LM_HEAD.rpartition(".")[0]
+    lm = model.get_submodule(LM_HEAD.rpartition(".")[0]) if (tie or shared_on_disk) else None
+    if tie and lm.weight is not model.get_parameter(EMBED):
+        lm.weight = model.get_parameter(EMBED)
+    if shared_on_disk:
         emb = model.get_parameter(EMBED)
-        lm = model.get_submodule(lm_mod_name)
-        if getattr(lm, "weight", None) is not emb:
-            lm.weight = emb
+        lm.weight = emb      # materialisation above may have replaced the embedding parameter
+        with safe_open(str(files[LM_HEAD]), framework="pt") as f:
+            stored = f.get_tensor(LM_HEAD).to(device=emb.device, dtype=emb.dtype)
+        if not torch.equal(stored, emb.detach()):
+            logger.info("checkpoint's %s differs from %s: untying them", LM_HEAD, EMBED)
+            lm.weight = torch.nn.Parameter(stored, requires_grad=False)
     return model

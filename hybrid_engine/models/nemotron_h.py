@@ -153,13 +153,16 @@ class Backbone(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.backbone = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
+        if with_mtp:                        # loaded from mtp.* tensors; used by the MTP drafter
+            from .mtp import MTP
+            self.mtp = MTP(cfg)
 
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Returns the final-normed hidden states [T, D] of every scheduled token."""

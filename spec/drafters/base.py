@@ -21,6 +21,11 @@ class DraftContext:
     query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the rows in this step
     input_ids: torch.Tensor      # [T] int64 the target's input tokens of this step (placeholders clamped)
     positions: torch.Tensor      # [T] int64
+    next_input_ids: torch.Tensor # [T] int64 the token after each input token where the host knows it
+                                 # (inside prefill chunks), else -1 (verify rows, a chunk's last token)
+    forward_batch: object        # the target's ForwardBatch of this step (a draft model replays it)
+    sampling: object             # SamplingTensors for all B rows (drafts of random rows are sampled)
+    block_size: int
 
 
 class Drafter:

@@ -56,7 +56,7 @@ def ckpt(tmp_path_factory):
 def _assert_loaded(model, disk, names=None):
     sd = model.state_dict()
     for k in names or sd:
-        assert torch.equal(sd[k].float(), disk[k].float()), k
+        assert torch.equal(sd[k], disk[k].to(sd[k].dtype)), k
 
 
 def test_single_file_meta_model_fp32_and_bf16(ckpt):
@@ -146,12 +146,20 @@ def test_tied_embeddings(tmp_path):
     disk = _disk(d)
     assert torch.equal(disk["lm_head.weight"], disk["backbone.embeddings.weight"])
     spec = _spec_of(d)
-    # the checkpoint has its own lm_head.weight: it is loaded (and untied from a shared param)
+    # lm_head.weight on disk equal to the embeddings, model shares them: the tie is kept
+    shared = Tree(spec)
+    shared.lm_head.weight = shared.backbone.embeddings.weight
+    m = load_checkpoint(shared, d, torch.bfloat16, "cpu")
+    assert m.lm_head.weight is m.backbone.embeddings.weight and m.lm_head.weight.dtype == torch.bfloat16
+    _assert_loaded(m, disk)
+    # a different lm_head.weight on disk: it is loaded and the model parameter untied
+    other = dict(disk, **{"lm_head.weight": disk["lm_head.weight"] + 1})
+    save_file(other, str(d / "model.safetensors"))
     shared = Tree(spec)
     shared.lm_head.weight = shared.backbone.embeddings.weight
     m = load_checkpoint(shared, d, torch.float32, "cpu")
     assert m.lm_head.weight is not m.backbone.embeddings.weight
-    _assert_loaded(m, disk)
+    _assert_loaded(m, other)
     # no lm_head.weight on disk + tie_word_embeddings: lm_head shares the embeddings
     save_file({k: v for k, v in disk.items() if k != "lm_head.weight"}, str(d / "model.safetensors"))
     m = load_checkpoint(Tree(spec), d, torch.float32, "cpu")
@@ -195,3 +203,18 @@ def test_no_weights_and_bad_folder(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
     with pytest.raises(ValueError, match="shard-1.safetensors"):
         load_checkpoint(Tree({}), tmp_path, torch.float32, "cpu")
+
+
+def test_engine_model_loads_transformers_checkpoint(ckpt):
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.models.nemotron_h import NemotronHForCausalLM
+
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(ModelConfig.from_json(ckpt))
+    load_checkpoint(model, ckpt, torch.bfloat16, "cpu")           # mtp.* on disk, no MTP module
+    disk = _disk(ckpt)
+    for k, t in model.state_dict().items():
+        assert t.device.type == "cpu", k
+        if k.endswith("e_score_correction_bias"):
+            assert t.dtype == torch.float32
+        assert torch.equal(t, disk[k].to(t.dtype)), k

@@ -1,0 +1,63 @@
+"""Nemotron-H multi-token-prediction (MTP) layers, as published checkpoints lay them out.
+
+One MTP step is a run of sub-layers ``mtp.layers.{i}`` (one per symbol of the MTP pattern, "*E" by
+default). The first has ``enorm``, ``hnorm`` and ``eh_proj`` ([D, 2D]):
+``h = eh_proj(cat(enorm(embed(token)), hnorm(prev_hidden)))``; each is a pre-norm residual block
+(``norm`` + ``mixer``); the last has ``final_layernorm`` before the shared lm_head.
+Pair index i combines the target's hidden h_i with token t_{i+1} and predicts t_{i+2}; its KV is
+stored at position i, so the MTP attention replays the target's own positions and block tables.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ATTENTION, MLP as MLP_KIND, MOE, ModelConfig
+from ..forward_batch import ForwardBatch
+from .layers import MLP, MoE, RMSNorm
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, attn_ordinal: int, first: bool, last: bool):
+        super().__init__()
+        from .nemotron_h import Attention
+        d, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        if first:
+            self.enorm, self.hnorm = RMSNorm(d, eps), RMSNorm(d, eps)
+            self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.norm = RMSNorm(d, eps)
+        if kind == ATTENTION:
+            self.mixer = Attention(cfg, attn_ordinal)
+        elif kind == MOE:
+            self.mixer = MoE(cfg)
+        elif kind == MLP_KIND:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        else:
+            raise ValueError(f"MTP layer kind {kind!r} is not supported; allowed: *, -, E")
+        if last:
+            self.final_layernorm = RMSNorm(d, eps)
+        self.first, self.last, self.attn = first, last, kind == ATTENTION
+
+
+class MTP(nn.Module):
+    """The first MTP step of the checkpoint (later steps, if any, are not used)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        kinds = cfg.mtp_layer_types
+        n_attn = 0
+        layers = []
+        for j, kind in enumerate(kinds):
+            layers.append(MTPLayer(cfg, kind, n_attn, j == 0, j == len(kinds) - 1))
+            n_attn += kind == ATTENTION
+        self.layers = nn.ModuleList(layers)
+        self.num_attention_layers = n_attn
+
+    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, caches):
+        """embeds, prev_hidden [T, D] -> (hidden before final norm [T, D], normed [T, D])."""
+        first = self.layers[0]
+        h = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(prev_hidden)], -1))
+        for layer in self.layers:
+            x = layer.norm(h)
+            h = h + (layer.mixer(x, fb, caches) if layer.attn else layer.mixer(x))
+        return h, self.layers[-1].final_layernorm(h)

@@ -1,0 +1,88 @@
+"""A separate (smaller, hybrid) Nemotron-H as the drafter, with its own KV cache and Mamba pool.
+
+Per step the draft first replays the target's exact forward batch on its own caches: the same
+tokens, positions, block ids and Mamba slots, so its state follows the accepted tokens with the
+same 1+K checkpoint scheme and the same accepted counts as the target. Then, from checkpoint a-1
+(copied into a per-request scratch slot, so the persistent checkpoints stay intact), it decodes K
+tokens autoregressively. Nothing here reads a device value on the host.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from hybrid_engine.attention import KVCache
+from hybrid_engine.config import ModelConfig
+from hybrid_engine.models import build_model
+from hybrid_engine.models.nemotron_h import Caches
+from mamba_cache.pool import MambaPool
+
+from .base import DraftContext, Drafter
+from .common import draw, single_token_batch
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model, model_cfg: ModelConfig, *, num_spec: int, max_num_seqs: int, num_blocks: int,
+                 block_size: int, max_model_len: int, dtype, device):
+        self.model, self.num_spec, self.device = model, num_spec, device
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        mc = model_cfg
+        self.kv = KVCache(len(mc.attention_layer_ids), num_blocks, block_size, mc.num_key_value_heads,
+                          mc.head_dim, dtype, device)
+        # slots 1..M mirror the target's slots (persistent, 1+K checkpoints); M+1..2M are scratch
+        self.pool = MambaPool(len(mc.mamba_layer_ids), 2 * max_num_seqs, mc.conv_dim, mc.conv_kernel,
+                              mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, num_spec, dtype, device)
+        self.caches = Caches(self.kv, self.pool)
+        self.conv_width = mc.conv_kernel - 1
+        self.vocab = mc.vocab_size
+
+    def propose(self, ctx: DraftContext):
+        k, m = self.num_spec, self.max_num_seqs
+        self.model(ctx.forward_batch, self.caches)                 # follow the target's step
+        valid = ctx.num_valid > 0
+        a = ctx.num_valid.clamp(min=1)
+        scratch = ctx.slots + m
+        self._fork(ctx.slots, scratch, a)
+        st = ctx.sampling
+        want_probs = not st.all_greedy
+        tok, pos = ctx.input_token, ctx.input_pos
+        bt = ctx.forward_batch.attn.block_tables
+        max_seq = ctx.forward_batch.attn.max_seq_len + 2 * k + 1
+        drafts, probs = [], []
+        for _ in range(k):
+            fb = single_token_batch(tok, pos, bt, ctx.block_size, scratch, valid, max_seq)
+            logits = self.model.compute_logits(self.model(fb, self.caches))
+            tok, q = draw(logits, st, pos + 1, want_probs)
+            pos = pos + 1
+            drafts.append(tok)
+            probs.append(q)
+        out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
+        return out, (torch.stack(probs, 1) if want_probs else None)
+
+    def _fork(self, slots: torch.Tensor, scratch: torch.Tensor, a: torch.Tensor) -> None:
+        """scratch state := the state after the last accepted token (checkpoint a-1, conv offset a-1)."""
+        cols = (a - 1)[:, None] + torch.arange(self.conv_width, device=self.device)   # [B, W-1]
+        for conv, ssm in zip(self.pool.conv_state, self.pool.ssm_state):
+            ssm[scratch, 0] = ssm[slots, a - 1]
+            win = conv[slots].gather(2, cols[:, None, :].expand(-1, conv.shape[1], -1))
+            conv[scratch, :, :self.conv_width] = win
+
+
+def make_draft_model(engine) -> DraftModelDrafter:
+    spec, cfg = engine.cfg.speculative, engine.cfg
+    draft_dir = Path(spec.model).expanduser()
+    draft_cfg = ModelConfig.from_json(draft_dir)
+    if draft_cfg.vocab_size != cfg.model.vocab_size:
+        raise ValueError(f"speculative_config.model has vocab_size={draft_cfg.vocab_size}, but the target has "
+                         f"{cfg.model.vocab_size}: a draft model must share the target's vocabulary")
+    model = build_model(draft_cfg, draft_dir, cfg.dtype, cfg.device)
+    sched = engine.scheduler
+    logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
+    return DraftModelDrafter(model, draft_cfg, num_spec=spec.num_speculative_tokens,
+                             max_num_seqs=cfg.scheduler.max_num_seqs, num_blocks=sched.blocks.num_total + 1,
+                             block_size=sched.block_size, max_model_len=engine.max_model_len,
+                             dtype=cfg.dtype, device=cfg.device)

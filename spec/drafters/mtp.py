@@ -1,0 +1,73 @@
+"""MTP drafter: the checkpoint's multi-token-prediction layers, fed the target's hidden states.
+
+Per step: (1) replay the target's forward batch through the MTP layers with inputs shifted by one
+token (pair i = (target hidden h_i, token t_{i+1})), so the MTP KV cache follows every computed
+position; the pair at the token that produced each row's newest sample gives draft 1. (2) K-1
+single-token steps, each fed the previous MTP hidden state and the previous draft.
+Embedding and lm_head are the target's. No Mamba state: rejected positions' KV is overwritten later.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybrid_engine.attention import KVCache
+from hybrid_engine.models.nemotron_h import Caches
+
+from .base import DraftContext, Drafter
+from .common import draw, single_token_batch
+
+
+class MTPDrafter(Drafter):
+    def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, dtype, device):
+        cfg = target.cfg
+        self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
+        self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype, device)
+        self.caches = Caches(self.kv, None)
+
+    def _step(self, tokens, prev_hidden, fb):
+        h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
+        return h, normed
+
+    def propose(self, ctx: DraftContext):
+        k = self.num_spec
+        fb = ctx.forward_batch
+        valid = ctx.num_valid > 0
+        nd_tok = fb.mamba.num_decode_tokens
+        # the token after each input token: host-known inside chunks, the new samples elsewhere
+        shifted = ctx.next_input_ids.clone()
+        shifted[:nd_tok] = ctx.sampled[:fb.mamba.num_decode_rows].reshape(-1)
+        last_tok = ctx.query_start_loc[1:] - 1
+        is_prefill = ~ctx.is_decode
+        shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
+        h, normed = self._step(shifted.clamp(min=0), ctx.hidden, fb)
+        idx = ctx.token_index
+        st = ctx.sampling
+        want_probs = not st.all_greedy
+        pos = ctx.input_pos                                  # position of the newest sample
+        logits = self.target.compute_logits(normed[idx])
+        tok, q = draw(logits, st, pos + 1, want_probs)
+        drafts, probs = [tok], [q]
+        hidden = h[idx]
+        bt = fb.attn.block_tables
+        max_seq = fb.attn.max_seq_len + 2 * k + 1
+        for j in range(1, k):
+            # pair index pos + j - 1: the previous MTP hidden stands in for the target's
+            step_fb = single_token_batch(tok, pos + j - 1, bt, ctx.block_size,
+                                         torch.zeros_like(pos), valid, max_seq)
+            hidden, normed = self._step(tok, hidden, step_fb)
+            tok, q = draw(self.target.compute_logits(normed), st, pos + j + 1, want_probs)
+            drafts.append(tok)
+            probs.append(q)
+        out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
+        return out, (torch.stack(probs, 1) if want_probs else None)
+
+
+def make_mtp(engine) -> MTPDrafter:
+    cfg = engine.cfg
+    if not hasattr(engine.model, "mtp"):
+        raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
+    sched = engine.scheduler
+    return MTPDrafter(engine.model, num_spec=cfg.speculative.num_speculative_tokens,
+                      num_blocks=sched.blocks.num_total + 1, block_size=sched.block_size,
+                      dtype=cfg.dtype, device=cfg.device)
