@@ -15,6 +15,7 @@ from spec.drafters import DraftContext, Drafter
 from spec.rejection import rejection_sample
 
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from .graphs import EagerExecutor
 from .input_batch import InputBatch
 from .models.nemotron_h import Caches
 from .sampler import SamplingTensors, sample
@@ -68,6 +69,7 @@ class ModelRunner:
     def __init__(self, model, caches: Caches, drafter: Drafter, *, max_num_seqs: int, max_model_len: int,
                  block_size: int, max_blocks: int, num_spec: int, device: torch.device):
         self.model, self.caches, self.drafter = model, caches, drafter
+        self.executor = EagerExecutor(model, caches)     # replaced by a CudaGraphExecutor on CUDA
         self.device, self.block_size, self.num_spec = device, block_size, num_spec
         self.batch = InputBatch(max_num_seqs, max_model_len + 2 * (1 + num_spec), max_blocks)
         self.h2d = H2D(device)
@@ -81,8 +83,7 @@ class ModelRunner:
         req_ids = tuple(r.req_id for r in order)
         try:
             inp = self._prepare(order)
-            hidden = self.model(inp.fb, self.caches)
-            logits = self.model.compute_logits(hidden[inp.fb.logits_indices])
+            hidden, logits = self.executor.forward(inp.fb)
             sampled = self._sample(logits, inp)
         except BaseException:
             self.prev = None

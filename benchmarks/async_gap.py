@@ -1,0 +1,97 @@
+"""GPU idle gap between consecutive steps, async scheduling on vs off (CUDA).
+
+An event is recorded on the main stream right before a step's first device work and right after
+its last kernel; gap(N) = start(N+1) - end(N) on the GPU clock. When step N+1 was enqueued before
+step N finished, start(N+1) fires immediately after end(N), so the gap reads ~0.
+
+    python benchmarks/async_gap.py --batch 32 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from hybrid_engine import runner as runner_mod  # noqa: E402
+
+
+def measure(model_dir, batch, steps, async_scheduling, spec, enforce_eager):
+    with random_weights():
+        llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=batch, async_scheduling=async_scheduling,
+                  speculative_config=spec, enforce_eager=enforce_eager)
+    eng = llm.engine
+    marks = []
+    orig = runner_mod.ModelRunner.execute
+
+    def execute(self, sched):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        handle = orig(self, sched)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        marks.append((start, end, all(r.is_decode for r in sched.rows)))
+        return handle
+    runner_mod.ModelRunner.execute = execute
+    try:
+        rng = np.random.default_rng(0)
+        params = SamplingParams(max_tokens=steps + 40, ignore_eos=True)
+        for _ in range(batch):
+            eng.add_request(eng.make_request(rng.integers(3, 1000, 32).tolist(), params))
+        for _ in range(10):                               # prefill + warm-up
+            eng.step()
+        marks.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        runner_mod.ModelRunner.execute = orig
+    gaps = [marks[i][1].elapsed_time(marks[i + 1][0]) * 1e3 for i in range(len(marks) - 1)
+            if marks[i][2] and marks[i + 1][2]]          # microseconds, decode-only steps
+    busy = [s.elapsed_time(e) * 1e3 for s, e, _ in marks]
+    return dict(async_scheduling=async_scheduling, graphs=not enforce_eager, batch=batch, steps=steps,
+                step_us=wall / steps * 1e6, gpu_step_us=statistics.median(busy),
+                gap_median_us=statistics.median(gaps), gap_p90_us=float(np.percentile(gaps, 90)),
+                gap_max_us=max(gaps))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    model_dir = write_config(Path(tempfile.mkdtemp()) / "small", SHAPE_SMALL)
+    rows = []
+    for spec in (None, SpeculativeConfig("ngram", 3)):
+        for eager in (False, True):
+            for asy in (True, False):
+                r = measure(model_dir, args.batch, args.steps, asy, spec, eager)
+                r["spec"] = "ngram K=3" if spec else "none"
+                rows.append(r)
+                print(r, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_json(args.out / "async-gap.json", dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                  command=" ".join(sys.argv), rows=rows))
+    print("\n| spec | graphs | async | wall step us | GPU busy us | gap median us | gap p90 us |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['spec']} | {r['graphs']} | {r['async_scheduling']} | {r['step_us']:.0f} | {r['gpu_step_us']:.0f} "
+              f"| {r['gap_median_us']:.1f} | {r['gap_p90_us']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

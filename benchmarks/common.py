@@ -1,0 +1,91 @@
+"""Shared benchmark plumbing: model shapes, random weights without a checkpoint, timing."""
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE_8B = dict(pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")  # NemotronHConfig defaults
+SHAPE_SMALL = dict(pattern="M-M*-M-M*-", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=1024, mamba_num_heads=16, mamba_head_dim=64, n_groups=2,
+                   ssm_state_size=64, vocab_size=32000)
+
+
+def write_config(out_dir: Path, shape: dict) -> Path:
+    from hybrid_engine.testing import hf_config
+    kw = dict(shape)
+    cfg = hf_config(kw.pop("pattern"), **kw)
+    cfg.torch_dtype = "bfloat16"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def random_weights(std: float = 0.02):
+    """Build models with random weights instead of reading a checkpoint (benchmarks only)."""
+    import hybrid_engine.models.loader as loader
+
+    def fill(model, model_dir, dtype=None, device=None, *a, **k):
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.rand(p.shape, generator=g, device=p.device).mul(2.7).to(p.dtype))
+                elif name.endswith(("norm.weight", "norm_f.weight", "layernorm.weight", ".D")):
+                    p.fill_(1.0)
+                elif name.endswith("dt_bias"):
+                    p.fill_(-2.0)
+                else:
+                    p.normal_(0.0, std, generator=g)
+            for name, b in model.named_buffers():
+                b.zero_()
+        return model
+    orig = loader.load_checkpoint
+    loader.load_checkpoint = fill
+    try:
+        yield
+    finally:
+        loader.load_checkpoint = orig
+
+
+def hf_twin(our_model, model_dir: Path):
+    """A transformers NemotronH sharing our parameters (no copy): backbone.* -> model.*."""
+    from transformers import AutoConfig, NemotronHForCausalLM
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        hf = NemotronHForCausalLM(cfg)
+    sd = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
+          for k, v in our_model.state_dict().items() if not k.startswith("mtp.")}
+    hf.load_state_dict(sd, assign=True, strict=True)
+    return hf.eval()
+
+
+def cuda_time(fn, warmup: int = 1, iters: int = 3) -> float:
+    """Median wall time of fn() in seconds, synchronised."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = cuda_time(lambda: b.copy_(a), warmup=3, iters=10)
+    return 2 * nbytes / t
+
+
+def save_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2))

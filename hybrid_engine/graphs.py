@@ -1,0 +1,133 @@
+"""Forward executors: eager, or CUDA graphs for uniform decode/verify batches.
+
+``CudaGraphExecutor`` captures ``hidden = model(fb); logits = lm_head(hidden)`` for decode-only
+batches of ``B`` rows x ``1+K`` tokens, for each B in a bucket list (largest first, one memory pool).
+Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
+pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
+only covers the null block. Mixed batches (any prefill row) run eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mamba_cache import NULL_SLOT
+
+from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class EagerExecutor:
+    def __init__(self, model, caches):
+        self.model, self.caches = model, caches
+
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [T, D], logits [L, V] float32 at fb.logits_indices)."""
+        hidden = self.model(fb, self.caches)
+        return hidden, self.model.compute_logits(hidden[fb.logits_indices])
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    fb: ForwardBatch              # static input buffers, sized for this bucket
+    hidden: torch.Tensor          # [B*s, D] static output
+    logits: torch.Tensor          # [B*s, V] static output
+
+
+class CudaGraphExecutor(EagerExecutor):
+    def __init__(self, model, caches, *, num_spec: int, max_blocks: int, max_model_len: int,
+                 block_size: int, buckets: tuple[int, ...], device: torch.device):
+        super().__init__(model, caches)
+        self.s = 1 + num_spec
+        self.block_size, self.max_blocks, self.max_model_len = block_size, max_blocks, max_model_len
+        self.device = device
+        self.buckets = tuple(sorted(set(buckets)))
+        self.graphs: dict[int, _Graph] = {}
+        self._capture_all()
+
+    def _static_batch(self, b: int) -> ForwardBatch:
+        s, dev = self.s, self.device
+        t = b * s
+        z64 = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
+        attn = AttnMetadata(
+            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev) * s,
+            seq_lens=torch.full((b,), s, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
+            slot_mapping=z64(t), max_query_len=s,
+            max_seq_len=self.max_model_len + 2 * s)
+        mamba = MambaMetadata(b, s, torch.full((b,), NULL_SLOT, dtype=torch.int64, device=dev),
+                              torch.ones(b, dtype=torch.int64, device=dev), z64(1), (0,), z64(0),
+                              torch.zeros(0, dtype=torch.bool, device=dev))
+        return ForwardBatch(z64(t), z64(t), attn, mamba, torch.arange(t, device=dev))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        pool = None
+        for b in sorted(self.buckets, reverse=True):               # largest first: one pool fits all
+            fb = self._static_batch(b)
+            for _ in range(2):                                      # warm-up (Triton compiles here)
+                EagerExecutor.forward(self, fb)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                hidden, logits = EagerExecutor.forward(self, fb)
+            pool = g.pool()
+            self.graphs[b] = _Graph(g, fb, hidden, logits)
+        torch.cuda.synchronize(self.device)
+        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d CUDA graphs (B in %s, 1+K=%d) in %.1fs, %.1f MiB", len(self.graphs),
+                    list(self.buckets), self.s, time.perf_counter() - t0, used / 2**20)
+
+    def forward(self, fb: ForwardBatch):
+        md = fb.mamba
+        b = md.num_decode_rows
+        if md.num_prefill_rows or b == 0 or md.decode_len != self.s or b > self.buckets[-1]:
+            return super().forward(fb)
+        bucket = next(x for x in self.buckets if x >= b)
+        g = self.graphs[bucket]
+        self._load(g.fb, fb, b)
+        g.graph.replay()
+        t = b * self.s
+        return g.hidden[:t], g.logits[:t]
+
+    def _load(self, dst: ForwardBatch, src: ForwardBatch, b: int) -> None:
+        """Copy a real decode batch into the static buffers; rows >= b become padding."""
+        t = b * self.s
+        dst.input_ids[:t].copy_(src.input_ids)
+        dst.input_ids[t:].zero_()
+        dst.positions[:t].copy_(src.positions)
+        da, sa = dst.attn, src.attn
+        da.seq_lens[:b].copy_(sa.seq_lens)
+        da.seq_lens[b:].fill_(self.s)
+        nb = sa.block_tables.shape[1]
+        da.block_tables[:b, :nb].copy_(sa.block_tables)
+        da.block_tables[:b, nb:].zero_()
+        da.block_tables[b:].zero_()
+        da.slot_mapping[:t].copy_(sa.slot_mapping)
+        da.slot_mapping[t:].zero_()                                  # pad tokens write the null block
+        dm, sm = dst.mamba, src.mamba
+        dm.decode_slots[:b].copy_(sm.decode_slots)
+        dm.decode_slots[b:].fill_(NULL_SLOT)
+        dm.num_accepted[:b].copy_(sm.num_accepted)
+        dm.num_accepted[b:].fill_(1)
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    return tuple(x for x in sizes if x < max_num_seqs) + (max_num_seqs,)
+
+
+def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int):
+    if cfg.device.type != "cuda" or cfg.enforce_eager:
+        logger.info("forward executor: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
+        return EagerExecutor(model, caches)
+    return CudaGraphExecutor(model, caches, num_spec=num_spec, max_blocks=max_blocks, max_model_len=max_model_len,
+                             block_size=block_size, buckets=default_buckets(cfg.scheduler.max_num_seqs),
+                             device=cfg.device)
