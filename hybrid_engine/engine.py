@@ -16,6 +16,7 @@ import torch
 
 from .attention import KVCache, blocks_needed
 from .config import EngineConfig
+from .graphs import make_executor
 from .models import build_model
 from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
@@ -49,7 +50,8 @@ class EngineCore:
         num_blocks = cc.num_kv_blocks or (KVCache.blocks_for_budget(
             self._kv_budget(), max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype))
         self.max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
-        max_blocks = blocks_needed(self.max_model_len + 2 * (1 + k), cc.block_size) + 1
+        max_blocks = blocks_needed(self.max_model_len + 3 * (1 + k), cc.block_size) + 1
+        self.max_blocks_per_req = max_blocks
         kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype, cfg.device)
         pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
                          mc.mamba_head_dim, mc.ssm_state_size, k, cfg.dtype, cfg.device)
@@ -63,6 +65,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.caches, self.drafter, max_num_seqs=sc.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=cc.block_size,
                                   max_blocks=max_blocks, num_spec=k, device=cfg.device)
+        self.runner.executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
+                                             max_model_len=self.max_model_len, block_size=cc.block_size)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0
@@ -138,13 +142,15 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             return None, []
         sched = self.scheduler.schedule()
-        if not sched.rows:
+        if not sched.rows:                 # nothing runs: its removals must reach the next step
+            self.scheduler.requeue_removed(sched.removed_req_ids)
             return None, []
         self._stats["steps"] += 1
         try:
             return self.runner.execute(sched), []
         except Exception as e:            # fail this step's requests, keep serving the others
             logger.exception("step %d failed", sched.step_id)
+            self.scheduler.requeue_removed(sched.removed_req_ids)
             failed = self.scheduler.fail([r.req_id for r in sched.rows])
             for r in failed:
                 r.finish_reason = "error"

@@ -124,9 +124,11 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(x for x in sizes if x < max_num_seqs) + (max_num_seqs,)
 
 
-def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int):
+def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
+                  name: str = "target"):
+    """CUDA graphs for ``[B, 1+num_spec]`` decode batches on CUDA, eager otherwise."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
-        logger.info("forward executor: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
+        logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)
     return CudaGraphExecutor(model, caches, num_spec=num_spec, max_blocks=max_blocks, max_model_len=max_model_len,
                              block_size=block_size, buckets=default_buckets(cfg.scheduler.max_num_seqs),

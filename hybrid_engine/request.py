@@ -46,7 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     prefill_target: int = 0                    # tokens to prefill since the last (re)start
     num_inflight_steps: int = 0                # scheduled steps whose output is not processed yet
-    epoch: int = 0                             # bumped on preemption: outputs of older epochs are dropped
+    epoch: int = 0                             # set by the scheduler (unique); new on preemption: older outputs are dropped
     slot: int | None = None                    # Mamba pool slot
     block_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

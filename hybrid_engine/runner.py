@@ -135,6 +135,7 @@ class ModelRunner:
         return order
 
     def _prepare(self, order: list[ScheduledRow]) -> StepInputs:
+        self.h2d.begin_step()
         b, bs, k = self.batch, self.block_size, self.num_spec
         s = 1 + k
         dec = [r for r in order if r.is_decode]

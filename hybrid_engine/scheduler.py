@@ -35,12 +35,14 @@ class Scheduler:
         self.running: list[Request] = []          # admission order (oldest first)
         self._removed: set[str] = set()            # left the batch since the last schedule()
         self._step_id = 0
+        self._epochs = 0                           # source of scheduler-unique request epochs
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        req.epoch = self._new_epoch()              # never equal to a finished namesake's in-flight rows
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> bool:
@@ -141,8 +143,14 @@ class Scheduler:
         self._release(req)
         req.status, req.num_computed_tokens, req.prefill_target = Status.WAITING, 0, 0
         req.num_inflight_steps = 0
-        req.epoch += 1                                 # in-flight outputs of the old epoch are dropped
+        req.epoch = self._new_epoch()                  # in-flight outputs of the old epoch are dropped
         self.waiting.appendleft(req)
+
+    def _new_epoch(self) -> int:
+        """Epochs are unique across all requests, so a step row of a finished (and forgotten)
+        request never matches a new request that reuses its request_id."""
+        self._epochs += 1
+        return self._epochs
 
     def _release(self, req: Request) -> None:
         if req.slot is not None:
@@ -203,6 +211,11 @@ class Scheduler:
                 self._finish(req, "length")
             if req.finished:
                 return
+
+    def requeue_removed(self, req_ids: Iterable[str]) -> None:
+        """A step that raised may not have reached the runner: report its removals again next step
+        (removing a request that already left the batch is a no-op)."""
+        self._removed.update(req_ids)
 
     def fail(self, req_ids: Iterable[str]) -> list[Request]:
         """Finish requests whose step raised; the others keep running."""

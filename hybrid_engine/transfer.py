@@ -1,8 +1,10 @@
 """Host<->device transfers that never block the step path.
 
-H2D: numpy arrays are packed into a ring of pinned staging buffers (CUDA) and copied with
-non_blocking=True; a ring slot is reused only after the step that used it has been read back, so no
-copy still reads it. D2H: outputs are copied on a side stream into pinned buffers after
+H2D: each step's numpy arrays are packed into one ring slot of pinned staging memory (CUDA) and
+copied with non_blocking=True. ``begin_step()`` moves to the next slot; every ``put`` of the step packs
+at a growing offset inside it, so a step never overwrites its own pending copies. A slot is reused
+RING steps later: by then the step loop has read back (waited on) a later step, whose device work is
+stream-ordered after these copies, so no copy still reads it. D2H: outputs are copied on a side stream into pinned buffers after
 ``wait_stream(main)``; an event marks completion and nobody waits on it until the next step.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import numpy as np
 import torch
 
-RING = 3  # > steps in flight + 1
+RING = 4  # ring slots (one per step); > steps in flight + 2
 
 
 class H2D:
@@ -20,25 +22,37 @@ class H2D:
         self.device = device
         self.cuda = device.type == "cuda"
         self._ring = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(RING)]
+        self._retired: list[list[torch.Tensor]] = [[] for _ in range(RING)]  # outgrown slots, still in use
         self._i = 0
+        self._off = 0                    # words used in the current slot by this step's puts
+
+    def begin_step(self) -> None:
+        """Start a new step: its puts go to the next ring slot."""
+        self._i = (self._i + 1) % RING
+        self._off = 0
+        self._retired[self._i].clear()   # buffers retired RING steps ago are no longer read
 
     def put(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Copy int64/int32/float32 arrays to the device in one transfer; returns device tensors."""
+        """Copy int64/int32/float32/bool arrays to the device in one transfer; returns device tensors."""
         flat = [np.ascontiguousarray(a) for a in arrays]
         words = [(a.nbytes + 7) // 8 for a in flat]
         total = sum(words)
         if not self.cuda:
             return [torch.from_numpy(a.copy()) for a in flat]
         buf = self._ring[self._i]
-        if buf.numel() < total:
-            buf = self._ring[self._i] = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
-        self._i = (self._i + 1) % RING
+        if buf.numel() < self._off + total:
+            # grow: earlier puts of this step may still read the old buffer, so keep it alive
+            self._retired[self._i].append(buf)
+            buf = self._ring[self._i] = torch.empty(2 * (self._off + total), dtype=torch.int64, pin_memory=True)
+            self._off = 0
+        start = self._off
+        self._off += total
         host = buf.numpy().view(np.uint8)
-        off = 0
+        off = start
         for a, w in zip(flat, words):
             host[off * 8: off * 8 + a.nbytes] = a.view(np.uint8).reshape(-1)
             off += w
-        dev = buf[:total].to(self.device, non_blocking=True)
+        dev = buf[start:start + total].to(self.device, non_blocking=True)
         out, off = [], 0
         for a, w in zip(flat, words):
             t = dev[off:off + w].view(torch.uint8)[:a.nbytes].view(_TORCH_DTYPE[a.dtype.str[1:]])

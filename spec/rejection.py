@@ -3,8 +3,10 @@
 Greedy rows (temperature 0) accept draft j while it equals argmax(target[j]); the first mismatch
 writes that argmax; if all K are accepted the bonus argmax(target[K]) follows.
 
-Random rows follow Leviathan et al. (2023): with p = the target's filtered distribution and q the
-draft distribution (one-hot of the draft when ``draft_probs`` is None), draft d_j is accepted if
+Random rows with one-hot drafts (``draft_probs`` None, e.g. n-gram) use sample-and-compare (see
+``_sample_and_compare``): the same law as below, and the same tokens as decoding without spec.
+Random rows with draft probabilities follow Leviathan et al. (2023): with p = the target's
+filtered distribution and q the draft distribution, draft d_j is accepted if
 u_j * q(d_j) < p(d_j) (that is, u_j < p/q; q(d_j) = 0 accepts iff p(d_j) > 0). At the first
 rejection a token is drawn from normalise(max(p - q, 0)) (from p if that is all zero); after K
 acceptances the bonus is drawn from p[K]. Keys (seed, absolute position, step=0, stream):
@@ -58,6 +60,8 @@ def rejection_sample(
     accept = valid & (drafts == target_argmax[:, :k])
 
     random_rows = st.temperature > 0
+    if not st.all_greedy and draft_probs is None:
+        return _sample_and_compare(target_logits, drafts, valid, accept, target_argmax, st, positions)
     if not st.all_greedy:
         scaled = filtered_logits(target_logits, st)  # [R, 1+K, V]
         if k > 0:
@@ -95,10 +99,35 @@ def rejection_sample(
         drawn = gumbel_argmax(scores, st.seed, positions + num_acc, stream)
         fill = torch.where(random_rows, drawn, fill)
 
+    return _assemble(drafts, num_acc, fill)
+
+
+def _assemble(drafts: torch.Tensor, num_acc: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    num_rows, k = drafts.shape
+    cols = torch.arange(k + 1, device=drafts.device)
     drafts_pad = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], dim=1)
     n = num_acc[:, None]
-    minus_one = torch.full_like(drafts_pad, -1)
-    return torch.where(cols < n, drafts_pad, torch.where(cols == n, fill[:, None], minus_one))
+    return torch.where(cols < n, drafts_pad, torch.where(cols == n, fill[:, None], torch.full_like(drafts_pad, -1)))
+
+
+def _sample_and_compare(target_logits, drafts, valid, greedy_accept, target_argmax, st, positions):
+    """One-hot drafts (no draft probabilities, e.g. n-gram): draw the plain sampler's token at every
+    position (keys (seed, position, stream 0), bit-identical to ``sampler.sample``) and accept a
+    draft iff it equals that draw; the first mismatch emits the draw. A draft d is then accepted
+    with probability p(d) and a rejection yields p conditioned on != d: the law of min(1, p/q) with
+    one-hot q, and every emitted token equals the no-spec token for the same seed."""
+    num_rows, k1, vocab = target_logits.shape
+    k = k1 - 1
+    cols = torch.arange(k1, device=target_logits.device)
+    scaled = filtered_logits(target_logits, st)                                  # [R, 1+K, V]
+    seeds = st.seed.repeat_interleave(k1)
+    pos = (positions[:, None] + cols).reshape(-1)
+    plain = gumbel_argmax(scaled.reshape(-1, vocab), seeds, pos, _SAMPLE_STREAM).view(num_rows, k1)
+    random_rows = (st.temperature > 0)[:, None]
+    plain = torch.where(random_rows, plain, target_argmax)
+    accept = torch.where(random_rows, valid & (drafts == plain[:, :k]), greedy_accept)
+    num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return _assemble(drafts, num_acc, plain.gather(1, num_acc[:, None]).squeeze(1))
 
 
 def num_accepted(output: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from hybrid_engine.attention import KVCache
 from hybrid_engine.config import ModelConfig
+from hybrid_engine.graphs import EagerExecutor, make_executor
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
 from mamba_cache.pool import MambaPool
@@ -39,10 +40,17 @@ class DraftModelDrafter(Drafter):
         self.caches = Caches(self.kv, self.pool)
         self.conv_width = mc.conv_kernel - 1
         self.vocab = mc.vocab_size
+        self.verify_exec = self.step_exec = EagerExecutor(model, self.caches)
+
+    def use_executors(self, make) -> None:
+        """``make(model, caches, num_spec, name)`` -> executor: graphs for the replay ([B, 1+K])
+        and for the autoregressive steps ([B, 1])."""
+        self.verify_exec = make(self.model, self.caches, self.num_spec, "draft verify")
+        self.step_exec = make(self.model, self.caches, 0, "draft step")
 
     def propose(self, ctx: DraftContext):
         k, m = self.num_spec, self.max_num_seqs
-        self.model(ctx.forward_batch, self.caches)                 # follow the target's step
+        self.verify_exec.forward(ctx.forward_batch)                # follow the target's step
         valid = ctx.num_valid > 0
         a = ctx.num_valid.clamp(min=1)
         scratch = ctx.slots + m
@@ -55,7 +63,7 @@ class DraftModelDrafter(Drafter):
         drafts, probs = [], []
         for _ in range(k):
             fb = single_token_batch(tok, pos, bt, ctx.block_size, scratch, valid, max_seq)
-            logits = self.model.compute_logits(self.model(fb, self.caches))
+            _, logits = self.step_exec.forward(fb)
             tok, q = draw(logits, st, pos + 1, want_probs)
             pos = pos + 1
             drafts.append(tok)
@@ -82,7 +90,12 @@ def make_draft_model(engine) -> DraftModelDrafter:
     model = build_model(draft_cfg, draft_dir, cfg.dtype, cfg.device)
     sched = engine.scheduler
     logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
-    return DraftModelDrafter(model, draft_cfg, num_spec=spec.num_speculative_tokens,
-                             max_num_seqs=cfg.scheduler.max_num_seqs, num_blocks=sched.blocks.num_total + 1,
-                             block_size=sched.block_size, max_model_len=engine.max_model_len,
-                             dtype=cfg.dtype, device=cfg.device)
+    drafter = DraftModelDrafter(model, draft_cfg, num_spec=spec.num_speculative_tokens,
+                                max_num_seqs=cfg.scheduler.max_num_seqs, num_blocks=sched.blocks.num_total + 1,
+                                block_size=sched.block_size, max_model_len=engine.max_model_len,
+                                dtype=cfg.dtype, device=cfg.device)
+    max_blocks = engine.max_blocks_per_req
+    drafter.use_executors(lambda m, c, k, name: make_executor(
+        m, c, cfg, num_spec=k, max_blocks=max_blocks, max_model_len=engine.max_model_len,
+        block_size=sched.block_size, name=name))
+    return drafter

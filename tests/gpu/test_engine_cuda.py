@@ -94,3 +94,21 @@ def test_draft_probs_fresh_every_step(target, prompts):
     assert len(seen) > 3
     for s in seen:
         torch.testing.assert_close(s, torch.ones_like(s), atol=1e-4, rtol=0)
+
+
+def test_h2d_staging_never_overwrites_a_pending_copy():
+    """Several puts in one step and across RING-1 steps while the GPU is stalled: each copy must
+    deliver the values it was given (a reused pinned buffer would deliver later values)."""
+    from hybrid_engine.transfer import H2D, RING
+    h2d = H2D(torch.device("cuda"), capacity=8)           # tiny: forces the grow path too
+    got, want = [], []
+    torch.cuda._sleep(200_000_000)                         # keep the stream busy while we stage
+    for step in range(RING - 1):
+        h2d.begin_step()
+        for j in range(4):
+            v = np.full(5 + j, 100 * step + j, dtype=np.int64)
+            got.append(h2d.put(v)[0])
+            want.append(v)
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert g.cpu().numpy().tolist() == w.tolist()
