@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
+from benchmarks.common import SHAPE_MEDIUM, SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine import runner as runner_mod  # noqa: E402
 
@@ -71,19 +71,23 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--shape", choices=["small", "medium"], default="small")
+    ap.add_argument("--graphs-only", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
-    model_dir = write_config(Path(tempfile.mkdtemp()) / "small", SHAPE_SMALL)
+    shape = SHAPE_SMALL if args.shape == "small" else SHAPE_MEDIUM
+    model_dir = write_config(Path(tempfile.mkdtemp()) / args.shape, shape)
     rows = []
     for spec in (None, SpeculativeConfig("ngram", 3)):
-        for eager in (False, True):
+        for eager in ((False,) if args.graphs_only else (False, True)):
             for asy in (True, False):
                 r = measure(model_dir, args.batch, args.steps, asy, spec, eager)
                 r["spec"] = "ngram K=3" if spec else "none"
+                r["shape"] = args.shape
                 rows.append(r)
                 print(r, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    save_json(args.out / "async-gap.json", dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    save_json(args.out / f"async-gap-{args.shape}.json", dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                   command=" ".join(sys.argv), rows=rows))
     print("\n| spec | graphs | async | wall step us | GPU busy us | gap median us | gap p90 us |")
     print("|---|---|---|---|---|---|---|")

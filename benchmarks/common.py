@@ -14,6 +14,10 @@ SHAPE_SMALL = dict(pattern="M-M*-M-M*-", hidden_size=512, num_attention_heads=8,
                    head_dim=64, intermediate_size=1024, mamba_num_heads=16, mamba_head_dim=64, n_groups=2,
                    ssm_state_size=64, vocab_size=32000)
 
+SHAPE_MEDIUM = dict(pattern="M-M-M*-M-M-M*-M-M-M*-", hidden_size=2048, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=128, intermediate_size=8192, mamba_num_heads=64,
+                    mamba_head_dim=64, n_groups=8, ssm_state_size=128, vocab_size=32000)
+
 
 def write_config(out_dir: Path, shape: dict) -> Path:
     from hybrid_engine.testing import hf_config

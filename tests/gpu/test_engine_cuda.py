@@ -26,7 +26,7 @@ def test_async_steps_never_sync_the_host(target, prompts, method):
     spec = SpeculativeConfig(method, 3, model=str(target) if method == "draft_model" else None)
     llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=8, speculative_config=spec)
     eng = llm.engine
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)   # 56 steps x up to 1+K tokens never finish
     for p in prompts:
         eng.add_request(eng.make_request(p, params))
     for _ in range(6):                       # warm-up: prefill, allocator and Triton caches

@@ -122,10 +122,11 @@ def _naive_mtp_drafts(llm, seq, prompt_len):
     p = prompt_len
     with torch.inference_mode():
         hidden = _full_hidden(llm, seq[:p])                       # [p, D] target hidden h_0..h_{p-1}
-        emb = model.backbone.embeddings(torch.tensor(seq[1:p + 1]))   # t_1..t_p
+        dev = hidden.device
+        emb = model.backbone.embeddings(torch.tensor(seq[1:p + 1], device=dev))   # t_1..t_p
         h = _naive_mtp(mtp, emb, hidden)                          # pairs 0..p-1
         first = model.compute_logits(mtp.layers[-1].final_layernorm(h[-1:])).argmax(-1).item()
-        emb2 = torch.cat([emb, model.backbone.embeddings(torch.tensor([first]))])
+        emb2 = torch.cat([emb, model.backbone.embeddings(torch.tensor([first], device=dev))])
         h2 = _naive_mtp(mtp, emb2, torch.cat([hidden, h[-1:]]))   # pair p uses the MTP hidden
         second = model.compute_logits(mtp.layers[-1].final_layernorm(h2[-1:])).argmax(-1).item()
     return first, second
