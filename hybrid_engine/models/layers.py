@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .rmsnorm import rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(dtype)
+        return rmsnorm(x, self.weight, self.eps)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

@@ -41,13 +41,21 @@ class Mamba2Mixer(nn.Module):
         self.norm = RMSNormWeight(self.I)
         self.out_proj = nn.Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
 
+    def _A(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32, recomputed only when A_log changes (weights are constant
+        while serving, so decode steps and CUDA graphs read a cached tensor)."""
+        key = (self.A_log.data_ptr(), self.A_log._version)
+        if getattr(self, "_A_key", None) != key:
+            self._A_cache, self._A_key = -torch.exp(self.A_log.detach().float()), key
+        return self._A_cache
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         conv_state = caches.mamba.conv_state[self.ordinal]   # [S, C, W-1+K]
         ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32
         md = fb.mamba
         z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, self.H], dim=-1)
         weight = self.conv1d.weight.squeeze(1)               # [C, W]
-        A = -torch.exp(self.A_log.float())                   # [H]
+        A = self._A()                                        # [H] float32
         nd = md.num_decode_tokens
         ys = []
         if md.num_decode_rows:
