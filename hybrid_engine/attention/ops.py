@@ -93,7 +93,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _backend_for(device: torch.device) -> str:
-    # A Triton kernel will be chosen here for CUDA once it exists.
+    """'triton' for CUDA tensors (torch_ref, with a loud warning, if Triton cannot be imported;
+    HYBRID_ENGINE_KERNELS=torch forces the reference); 'torch_ref' elsewhere."""
+    import os
+
+    from mamba_cache.ops.triton_common import triton_available
+    if os.environ.get("HYBRID_ENGINE_KERNELS", "").strip().lower() in ("torch", "torch_ref", "ref"):
+        return "torch_ref"
+    if device.type == "cuda" and triton_available():   # triton_available() warns once if not
+        return "triton"
     return "torch_ref"
 
 
@@ -107,5 +115,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if key not in _logged_backends:
         _logged_backends.add(key)
         logger.info("paged_attention backend on %s: %s", q.device.type, backend)
+    if backend == "triton":
+        from .triton_attention import triton_paged_attention
+        return triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                      block_tables, scale, max_query_len, max_seq_len)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                scale, max_query_len, max_seq_len)

@@ -180,6 +180,11 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
 
 def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states, chunk_size,
                     dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None):
-    """Public entry point (CONTRACT item 3); dispatches to the torch reference for now."""
+    """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere."""
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("ssd_scan_varlen", x.device) == "triton":
+        from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+        return triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc,
+                                      initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen)
     return ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
                                chunk_size, dt_limit, max_seqlen=max_seqlen)

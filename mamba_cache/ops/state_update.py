@@ -55,6 +55,11 @@ def selective_state_update_ref(
 
 def selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted,
                            dt_limit=(0.0, math.inf)):
-    """Public entry point (CONTRACT item 4); dispatches to the torch reference for now."""
+    """Public entry point (CONTRACT item 4): Triton kernel on CUDA, torch reference elsewhere."""
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("selective_state_update", x.device) == "triton":
+        from mamba_cache.ops.triton_state_update import triton_selective_state_update
+        return triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
+                                             state_indices, num_accepted, dt_limit)
     return selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                       num_accepted, dt_limit)

@@ -1,0 +1,212 @@
+"""Triton paged attention for packed prefill chunks and decode/verify rows (see CONTRACT.md).
+
+One program per (row, kv head, block of query tokens).  The program's M tile is BLOCK_Q query
+tokens x G_PAD query heads of that kv head (GQA: the g heads share every K/V load), so a decode
+or verify row (1+K queries) is one tile.  Keys are walked in blocks of BLOCK_N positions through
+the block table (position s -> block_tables[row, s // bs], offset s % bs), only up to the last
+position any query of the tile may see; online softmax in float32 (exp2, scale folded in).
+Small decode/verify batches split the key range over several programs (flash-decoding) and a
+second launch combines the partial (max, sum, weighted-V) triples.
+Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_cache.ops.triton_common import device_ctx, next_pow2
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, qsl_ptr, sl_ptr, bt_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+    qk_scale, G, hd, bs, split_len, n_splits, T, nH,
+    sq_t, sq_h, sq_d, sk_b, sk_o, sk_h, sk_d, sv_b, sv_o, sv_h, sv_d, sbt_b, sbt_m,
+    so_t, so_h, so_d,
+    PREC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if SPLIT:                      # one query block per row; axis 2 = key range split
+        qb = 0
+        sp = tl.program_id(2)
+    else:
+        qb = tl.program_id(2)
+        sp = 0
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    i0 = qb * BLOCK_Q
+    if i0 < q_len:
+        seq_len = tl.load(sl_ptr + b)
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = i0 + offs_m // G_PAD
+        gh = offs_m % G_PAD
+        mrow = (qi < q_len) & (gh < G)
+        head = kvh * G + gh
+        offs_d = tl.arange(0, BLOCK_D)
+        md = offs_d < hd
+        tok = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :] * sq_d,
+                    mask=mrow[:, None] & md[None, :], other=0.0)                     # [M, D]
+        qpos = seq_len - q_len + qi                                                 # [M]
+        kv_end = seq_len - q_len + tl.minimum(i0 + BLOCK_Q, q_len)   # keys 0..kv_end-1 needed
+        if SPLIT:
+            kv_lo = sp * split_len
+            kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+        else:
+            kv_lo = 0
+            kv_hi = kv_end
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * sbt_b
+        for s0 in range(kv_lo, kv_hi, BLOCK_N):
+            offs_s = s0 + tl.arange(0, BLOCK_N)
+            ms = offs_s < kv_hi
+            blk = tl.load(bt_row + (offs_s // bs) * sbt_m, mask=ms, other=0).to(tl.int64)
+            slot_off = offs_s % bs
+            kt = tl.load(k_ptr + blk[None, :] * sk_b + slot_off[None, :] * sk_o + kvh * sk_h
+                         + offs_d[:, None] * sk_d, mask=ms[None, :] & md[:, None],
+                         other=0.0)                                                   # [D, N]
+            sc = tl.dot(q, kt, input_precision=PREC) * qk_scale                      # [M, N]
+            vis = (offs_s[None, :] <= qpos[:, None]) & ms[None, :] & mrow[:, None]
+            sc = tl.where(vis, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + blk[:, None] * sv_b + slot_off[:, None] * sv_o + kvh * sv_h
+                        + offs_d[None, :] * sv_d, mask=ms[:, None] & md[None, :],
+                        other=0.0)                                                    # [N, D]
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+            m_i = m_new
+        if SPLIT:
+            # partials [n_splits, T, nH] (m, l: log2 domain) and [n_splits, T, nH, hd] (acc)
+            pidx = (sp * T + tok) * nH + head                                       # [M] int64
+            tl.store(pm_ptr + pidx, m_i, mask=mrow)
+            tl.store(pl_ptr + pidx, l_i, mask=mrow)
+            tl.store(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :], acc,
+                     mask=mrow[:, None] & md[None, :])
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :] * so_d,
+                     out.to(o_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, n_splits, T, nH, hd, so_t, so_h, so_d,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    offs_i = tl.arange(0, BLOCK_Q)
+    mi = offs_i < q_len
+    tok = (q_start + offs_i).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    md = offs_d < hd
+    m_all = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    for sp in range(0, n_splits):
+        m = tl.load(pm_ptr + (sp * T + tok) * nH + h, mask=mi, other=float("-inf"))
+        m_all = tl.maximum(m_all, m)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for sp in range(0, n_splits):
+        pidx = (sp * T + tok) * nH + h
+        m = tl.load(pm_ptr + pidx, mask=mi, other=float("-inf"))
+        w = tl.exp2(m - m_safe)                                  # 0 for empty splits
+        l_all += w * tl.load(pl_ptr + pidx, mask=mi, other=0.0)
+        o = tl.load(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=mi[:, None] & md[None, :], other=0.0)
+        acc += w[:, None] * o
+    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
+    tl.store(o_ptr + tok[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=mi[:, None] & md[None, :])
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                           max_query_len: int, max_seq_len: int, *, block_n=None, num_warps=None,
+                           num_splits=None):
+    """Same arguments and result as ``paged_attention_ref``.
+
+    Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
+    each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
+    softmax results in a second launch; ``num_splits`` overrides the choice (1 = no split).
+    """
+    T, nH, hd = q.shape
+    NB, bs, nkv, _ = k_cache.shape
+    B = block_tables.shape[0]
+    out = torch.zeros_like(q)
+    Qm = max(int(max_query_len), 0)
+    Sm = int(max_seq_len)
+    if T == 0 or B == 0 or Qm == 0 or Sm <= 0:
+        return out
+    G = nH // nkv
+    G_PAD = next_pow2(G)
+    if Qm <= 16:                       # decode / verify rows: one tile covers the whole row
+        BLOCK_Q = next_pow2(Qm)
+    else:                              # prefill chunks: ~64 query rows x heads per tile
+        BLOCK_Q = max(1, 64 // G_PAD)
+    BLOCK_Q = max(BLOCK_Q, -(-16 // G_PAD))          # tl.dot needs M >= 16
+    BLOCK_D = max(16, next_pow2(hd))
+    BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
+    nw = num_warps or (4 if BLOCK_Q * G_PAD <= 64 else 8)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    qsl = query_start_loc.to(q.device)
+    sl = seq_lens.to(q.device)
+    nqb = triton.cdiv(Qm, BLOCK_Q)
+
+    n_splits = 1
+    if nqb == 1:
+        programs = B * nkv
+        sms = _num_sms(q.device)
+        if num_splits is not None:
+            n_splits = max(1, int(num_splits))
+        elif programs < sms:
+            n_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(Sm, 128), 64)
+    split_len = triton.cdiv(triton.cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
+    n_splits = triton.cdiv(Sm, split_len)
+    split = n_splits > 1
+    if split:
+        pm = torch.empty((n_splits, T, nH), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        po = torch.empty((n_splits, T, nH, BLOCK_D), dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = po = out
+    grid = (B, nkv, n_splits if split else nqb)
+    with device_ctx(q):
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, qsl, sl, block_tables, out, po, pm, pl,
+            float(scale) * 1.4426950408889634, G, hd, bs, split_len, n_splits, T, nH,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+            *out.stride(),
+            PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
+            BLOCK_D=BLOCK_D, num_warps=nw,
+        )
+        if split:
+            _combine_splits_kernel[(B, nH)](
+                qsl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),
+                BLOCK_Q=next_pow2(Qm), BLOCK_D=BLOCK_D, num_warps=4,
+            )
+    return out

@@ -1,0 +1,106 @@
+"""Backend selection for the Mamba ops (and the attention dispatcher), plus small Triton helpers.
+
+``kernel_backend(op, tensor)`` says which implementation a public op uses for a tensor:
+- CPU tensors (and anything not CUDA) -> ``"torch_ref"``;
+- CUDA tensors -> ``"triton"``; if Triton cannot be imported it warns loudly (once per op) and
+  falls back to ``"torch_ref"``; a Triton kernel that fails to compile or launch raises (nothing
+  catches it);
+- ``HYBRID_ENGINE_KERNELS=torch`` forces the torch references everywhere (debugging, A/B runs).
+The choice is logged once per (op, device type, backend) on ``logging.getLogger("hybrid_engine")``.
+This module imports Triton lazily: importing it costs nothing on CPU-only machines.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("hybrid_engine")
+_logged: set[tuple[str, str, str]] = set()
+_triton_ok: bool | None = None
+
+
+def triton_available() -> bool:
+    """True if ``import triton`` works (cached)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _triton_ok = True
+        except Exception as exc:  # ImportError, or a broken install
+            logger.warning("Triton is not importable (%s: %s): CUDA tensors will use the SLOW "
+                           "torch reference ops", type(exc).__name__, exc)
+            _triton_ok = False
+    return _triton_ok
+
+
+def kernel_backend(op: str, device: torch.device) -> str:
+    """'triton' or 'torch_ref' for ``op`` on ``device``; logs the choice once."""
+    forced = os.environ.get("HYBRID_ENGINE_KERNELS", "").strip().lower()
+    if device.type != "cuda" or forced in ("torch", "torch_ref", "ref"):
+        backend = "torch_ref"
+    elif triton_available():
+        backend = "triton"
+    else:
+        backend = "torch_ref"
+        key = (op, device.type, "missing")
+        if key not in _logged:
+            _logged.add(key)
+            logger.warning("%s on %s: Triton missing, using the torch reference (slow)", op,
+                           device.type)
+    key = (op, device.type, backend)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("%s backend on %s: %s", op, device.type, backend)
+    return backend
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+class device_ctx:
+    """``with device_ctx(t):`` makes t's CUDA device current for a launch (no-op on CPU)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._ctx = torch.cuda.device(t.device) if t.is_cuda else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            return self._ctx.__exit__(*exc)
+        return False
+
+
+def tl_helpers():
+    """Build the @triton.jit helpers on first use (so importing this module needs no Triton)."""
+    global _helpers, triton, tl
+    if _helpers is None:
+        import triton
+        import triton.language as tl   # module globals: the jit functions below resolve tl here
+
+        @triton.jit
+        def softplus(v):
+            # log(1 + exp(v)) like F.softplus (threshold 20); log1p via Goldberg's trick:
+            # log1p(e) = log(u) * e / (u - 1) with u = 1 + e (exact where u rounds to 1 as well).
+            e = tl.exp(tl.minimum(v, 20.0))
+            u = 1.0 + e
+            lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+            return tl.where(v > 20.0, v, lp)
+
+        @triton.jit
+        def silu(v):
+            return v / (1.0 + tl.exp(-v))
+
+        _helpers = (softplus, silu)
+    return _helpers
+
+
+_helpers = None
+triton = tl = None

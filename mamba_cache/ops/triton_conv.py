@@ -1,0 +1,221 @@
+"""Triton causal depthwise conv1d: packed varlen prefill and decode/verify update (CONTRACT 1, 2).
+
+Prefill: two launches.
+  1. ``_conv_varlen_kernel`` over (token block, channel block): each token finds its sequence by a
+     binary search in query_start_loc, then sums its W taps; taps before the sequence start read
+     the sequence's initial window (conv_state[slot, :, :W-1]) or zeros.
+  2. ``_conv_varlen_state_kernel`` over (sequence, channel block): writes the new window (the last
+     W-1 inputs, reaching into the old window for sequences shorter than W-1), after loading it
+     whole.  It runs after launch 1 (same stream), so launch 1 always sees the old windows.
+Update: one launch over (row, channel block); the program loads the W-1 window columns at offset
+num_accepted-1 and the s tokens, computes the s outputs, barrier, then writes columns 0..W-3+s.
+NULL_SLOT rows: prefill output is computed as the reference does, state untouched; update rows
+write zeros to their output and leave the state untouched.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_cache import NULL_SLOT
+from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+
+_softplus, _silu = tl_helpers()
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, out_ptr,
+    T, Cdim, nseq,
+    sx_t, sx_c, sw_c, sw_w, ss_s, ss_c, ss_k, so_t, so_c,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SEARCH_ITERS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    cb = tl.program_id(1)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = offs_c < Cdim
+    end = tl.load(qsl_ptr + nseq)
+    mt = (offs_t < T) & (offs_t < end)
+
+    # seq = #{b : qsl[b+1] <= t}  (binary search; smallest b with qsl[b+1] > t)
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + nseq
+    for _ in tl.static_range(SEARCH_ITERS):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(qsl_ptr + mid + 1, mask=act & mt, other=0)
+        gt = v > offs_t
+        hi = tl.where(act & gt, mid, hi)
+        lo = tl.where(act & (~gt), mid + 1, lo)
+    seq = tl.minimum(lo, nseq - 1)
+    start = tl.load(qsl_ptr + seq, mask=mt, other=0)
+    pos = offs_t - start
+    slot = tl.load(slot_ptr + seq, mask=mt, other=0).to(tl.int64)
+    has_init = tl.load(init_ptr + seq, mask=mt, other=0) != 0
+
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    m2 = mt[:, None] & mc[None, :]
+    for w in tl.static_range(W):
+        q = pos - (W - 1) + w                                           # source position [BLOCK_T]
+        from_x = q >= 0
+        xv = tl.load(x_ptr + (offs_t - (W - 1) + w)[:, None].to(tl.int64) * sx_t
+                     + offs_c[None, :] * sx_c, mask=m2 & from_x[:, None], other=0.0)
+        wcol = tl.maximum(q + (W - 1), 0)
+        sv = tl.load(state_ptr + slot[:, None] * ss_s + offs_c[None, :] * ss_c
+                     + wcol[:, None] * ss_k,
+                     mask=m2 & ((~from_x) & has_init)[:, None], other=0.0)
+        # the reference casts x to the state dtype before the taps
+        v = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), sv).to(tl.float32)
+        wt = tl.load(w_ptr + offs_c * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+        acc += v * wt[None, :]
+    out = _silu(acc)
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * so_t + offs_c[None, :] * so_c,
+             out.to(out_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _conv_varlen_state_kernel(
+    x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr,
+    Cdim, sx_t, sx_c, ss_s, ss_c, ss_k,
+    WM1: tl.constexpr, BLOCK_W: tl.constexpr, NULL: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot != NULL:
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        mc = offs_c < Cdim
+        j = tl.arange(0, BLOCK_W)
+        mj = j < WM1
+        start = tl.load(qsl_ptr + b)
+        L = tl.load(qsl_ptr + b + 1) - start
+        has_init = (tl.zeros([BLOCK_W], dtype=tl.int32) + tl.load(init_ptr + b).to(tl.int32)) != 0
+        p = L - WM1 + j                                                  # source position [BLOCK_W]
+        from_x = p >= 0
+        m2 = mj[:, None] & mc[None, :]
+        xv = tl.load(x_ptr + (start + p)[:, None].to(tl.int64) * sx_t + offs_c[None, :] * sx_c,
+                     mask=m2 & from_x[:, None], other=0.0)
+        base = state_ptr + slot * ss_s + offs_c[None, :] * ss_c
+        old = tl.load(base + tl.maximum(p + WM1, 0)[:, None] * ss_k,
+                      mask=m2 & ((~from_x) & has_init)[:, None], other=0.0)
+        new = tl.where(from_x[:, None], xv.to(state_ptr.dtype.element_ty), old)
+        tl.debug_barrier()                           # every old column read before any store
+        tl.store(base + j[:, None] * ss_k, new, mask=m2)
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, w_ptr, bias_ptr, state_ptr, slot_ptr, acc_ptr, out_ptr,
+    s, Cdim, ncols,
+    sx_r, sx_t, sx_c, sw_c, sw_w, ss_s, ss_c, ss_k, so_r, so_t, so_c,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, NULL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cb = tl.program_id(1)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = offs_c < Cdim
+    t = tl.arange(0, BLOCK_S)
+    mt = t < s
+    m2 = mt[:, None] & mc[None, :]
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    out_ptrs = out_ptr + row * so_r + t[:, None] * so_t + offs_c[None, :] * so_c
+    if slot == NULL:
+        tl.store(out_ptrs, tl.zeros([BLOCK_S, BLOCK_C], dtype=out_ptr.dtype.element_ty), mask=m2)
+    else:
+        off = tl.load(acc_ptr + row).to(tl.int32) - 1
+        sbase = state_ptr + slot * ss_s + offs_c[None, :] * ss_c
+        xbase = x_ptr + row * sx_r + offs_c[None, :] * sx_c
+        # xs[j] = window column off+j for j < W-1, else token j-(W-1)
+        acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+        for w in tl.static_range(W):
+            j = t + w
+            in_win = j < W - 1
+            col = tl.minimum(tl.maximum(off + j, 0), ncols - 1)
+            sv = tl.load(sbase + col[:, None] * ss_k, mask=m2 & in_win[:, None], other=0.0)
+            xv = tl.load(xbase + (j - (W - 1))[:, None] * sx_t,
+                         mask=m2 & (~in_win)[:, None], other=0.0)
+            v = tl.where(in_win[:, None], sv, xv.to(state_ptr.dtype.element_ty)).to(tl.float32)
+            wt = tl.load(w_ptr + offs_c * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
+            acc += v * wt[None, :]
+        # new window: column i (0 <= i <= W-3+s) = xs[i+1]
+        i = tl.arange(0, BLOCK_S)   # BLOCK_S >= W-2+s (host picks it)
+        mi = (i < W - 2 + s)[:, None] & mc[None, :]
+        j = i + 1
+        in_win = j < W - 1
+        col = tl.minimum(tl.maximum(off + j, 0), ncols - 1)
+        sv = tl.load(sbase + col[:, None] * ss_k, mask=mi & in_win[:, None], other=0.0)
+        xv = tl.load(xbase + (j - (W - 1))[:, None] * sx_t, mask=mi & (~in_win)[:, None],
+                     other=0.0)
+        new = tl.where(in_win[:, None], sv, xv.to(state_ptr.dtype.element_ty))
+        tl.store(out_ptrs, _silu(acc).to(out_ptr.dtype.element_ty), mask=m2)
+        tl.debug_barrier()                           # the whole window is read before any store
+        tl.store(sbase + i[:, None] * ss_k, new, mask=mi)
+
+
+def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, state_indices,
+                                has_initial_state, *, block_t=None, block_c=None, num_warps=None):
+    """Same arguments and result as ``causal_conv1d_varlen_ref``."""
+    T, Cdim = x.shape
+    W = weight.shape[-1]
+    Bn = state_indices.shape[0]
+    out = torch.empty_like(x)
+    if Bn == 0 or T == 0:
+        return out
+    qsl = query_start_loc
+    if qsl.dtype not in (torch.int32, torch.int64):
+        qsl = qsl.long()
+    init = has_initial_state
+    if init.dtype == torch.bool:
+        init = init.view(torch.uint8) if init.is_contiguous() else init.to(torch.uint8)
+    # block shapes from the H100 sweep in benchmarks/kernels.py (2026-11-22, conv_dim 10240)
+    BLOCK_C = block_c or min(64, next_pow2(Cdim))
+    BLOCK_T = block_t or 16
+    iters = max(1, (Bn).bit_length() + 1)
+    bias_arg = bias if bias is not None else weight
+    with device_ctx(x):
+        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(Cdim, BLOCK_C))
+        _conv_varlen_kernel[grid](
+            x, weight, bias_arg, conv_state, qsl, state_indices, init, out,
+            T, Cdim, Bn, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+            W=W, HAS_BIAS=bias is not None, SEARCH_ITERS=iters,
+            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=num_warps or 4,
+        )
+        if W > 1:
+            BC = min(256, next_pow2(Cdim))
+            _conv_varlen_state_kernel[(Bn, triton.cdiv(Cdim, BC))](
+                x, conv_state, qsl, state_indices, init,
+                Cdim, *x.stride(), *conv_state.stride(),
+                WM1=W - 1, BLOCK_W=next_pow2(W - 1), NULL=NULL_SLOT, BLOCK_C=BC, num_warps=4,
+            )
+    return out
+
+
+def triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted, *,
+                                block_c=None, num_warps=None):
+    """Same arguments and result as ``causal_conv1d_update_ref``."""
+    N, s, Cdim = x.shape
+    W = weight.shape[-1]
+    ncols = conv_state.shape[-1]
+    assert 1 <= s and W - 2 + s <= ncols, "need 1 <= s <= 1+K"
+    out = torch.empty_like(x)
+    if N == 0:
+        return out
+    BLOCK_S = next_pow2(max(s, W - 2 + s))
+    BLOCK_C = block_c or min(128, next_pow2(Cdim))      # H100 sweep: 128 channels, 2 warps
+    bias_arg = bias if bias is not None else weight
+    with device_ctx(x):
+        _conv_update_kernel[(N, triton.cdiv(Cdim, BLOCK_C))](
+            x, weight, bias_arg, conv_state, state_indices, num_accepted, out,
+            s, Cdim, ncols, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+            W=W, HAS_BIAS=bias is not None, NULL=NULL_SLOT,
+            BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, num_warps=num_warps or 2,
+        )
+    return out

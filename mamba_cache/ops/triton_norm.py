@@ -1,0 +1,60 @@
+"""Triton gated RMSNorm, grouped (CONTRACT item 5, norm_before_gate=False).
+
+One program per (block of tokens, group): g = y * silu(z) in float32, g *= rsqrt(mean(g^2) + eps)
+over the group's channels, cast to y.dtype, times weight (rounded as torch rounds weight * g).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+
+_softplus, _silu = tl_helpers()
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    y_ptr, z_ptr, w_ptr, out_ptr, T, gs, eps,
+    sy_t, sy_c, sz_t, sz_c, so_t, so_c,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    grp = tl.program_id(1)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = grp * gs + tl.arange(0, BLOCK_G)
+    mt = offs_t < T
+    mc = tl.arange(0, BLOCK_G) < gs
+    m2 = mt[:, None] & mc[None, :]
+    rows = offs_t[:, None].to(tl.int64)
+    y = tl.load(y_ptr + rows * sy_t + offs_c[None, :] * sy_c, mask=m2, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rows * sz_t + offs_c[None, :] * sz_c, mask=m2, other=0.0).to(tl.float32)
+    g = y * _silu(z)
+    ms = tl.sum(g * g, axis=1) / gs
+    g = g * tl.rsqrt(ms + eps)[:, None]
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * so_t + offs_c[None, :] * so_c,
+             (g * w[None, :]).to(out_ptr.dtype.element_ty), mask=m2)
+
+
+def triton_gated_rmsnorm(y, z, weight, group_size, eps):
+    """Same arguments and result as ``gated_rmsnorm_ref``."""
+    T, I = y.shape
+    assert I % group_size == 0
+    # torch's weight * g.to(y.dtype) rounds to the promoted dtype first; we round to y.dtype only,
+    # which is the same number whenever weight.dtype == y.dtype (the model's case)
+    out = torch.empty((T, I), dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    BLOCK_G = next_pow2(group_size)
+    BLOCK_T = max(1, min(16, 4096 // BLOCK_G))
+    nw = 4 if BLOCK_T * BLOCK_G <= 4096 else 8
+    with device_ctx(y):
+        _gated_rmsnorm_kernel[(triton.cdiv(T, BLOCK_T), I // group_size)](
+            y, z, weight, out, T, group_size, float(eps),
+            *y.stride(), *z.stride(), *out.stride(),
+            BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, num_warps=nw,
+        )
+    return out

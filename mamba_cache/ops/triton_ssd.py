@@ -1,0 +1,424 @@
+"""Triton chunked SSD scan over packed varlen prefill (CONTRACT item 3).
+
+Chunks of ``chunk_size`` tokens counted from each sequence's start; global chunk c belongs to the
+sequence b with cum[b-1] <= c < cum[b] (cum = inclusive cumsum of ceil(L_b / chunk_size)); chunk
+ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four launches:
+
+1. ``_chunk_dt_kernel``  (chunk, head block): chunk metadata (start token, length), dt =
+   clamp(softplus(dt_raw + dt_bias)) and the inclusive cumsum of dt*A inside the chunk.
+2. ``_chunk_state_kernel`` (chunk, head, P block): the state the chunk produces from zero,
+   S_c = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T   (tl.dot over the chunk's tokens).
+3. ``_state_pass_kernel`` (sequence, head, state tile): sequential over the sequence's chunks,
+   h_in(c) = h; h = exp(cum_last_c) h + S_c; h_in overwrites S_c in place; final state out.
+4. ``_chunk_out_kernel`` (chunk, head, row block): y_i = exp(cum_i) C_i h_in^T
+   + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j + D x_i   (tl.dot, causal blocks only).
+
+All accumulation in float32.  For bf16/fp16 models every dot takes 16-bit operands by default
+(``lowp``: the decay-weighted inputs and the chunk-entry states are rounded to the model dtype
+for the dot, as mamba-ssm does; 1.3x faster on an H100 than TF32 dots over float32 operands,
+which ``lowp=False`` gives); float32 models use IEEE float32 dots (tests, tiny models).
+``triton_ssd_scan_sequential`` is the simple alternative: one program per (sequence, head,
+P block) walking the tokens with the state in registers (kept for comparison and as a fallback).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_cache.ops.ssd import _grid_size
+from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+
+_softplus, _silu = tl_helpers()
+
+
+@triton.jit
+def _chunk_dt_kernel(
+    dt_ptr, dt_bias_ptr, A_ptr, qsl_ptr, cum_ptr,
+    meta_ptr, dtc_ptr, cuma_ptr,
+    nseq, H, cs, dt_min, dt_max, sdt_t, sdt_h,
+    CLAMP: tl.constexpr, SEARCH_ITERS: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    c = tl.program_id(0)
+    hb = tl.program_id(1)
+    # sequence of chunk c: smallest b with cum[b] > c (binary search)
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + nseq
+    for _ in tl.static_range(SEARCH_ITERS):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        gt = tl.load(cum_ptr + mid, mask=act, other=0) > c
+        hi = tl.where(act & gt, mid, hi)
+        lo = tl.where(act & (~gt), mid + 1, lo)
+    valid = lo < nseq
+    b = tl.minimum(lo, nseq - 1)
+    first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+    s0 = tl.load(qsl_ptr + b)
+    s1 = tl.load(qsl_ptr + b + 1)
+    cstart = s0 + (c - first) * cs
+    clen = tl.where(valid, tl.minimum(cs, s1 - cstart), 0)
+    if hb == 0:
+        tl.store(meta_ptr + c * 2, cstart.to(tl.int32))
+        tl.store(meta_ptr + c * 2 + 1, clen.to(tl.int32))
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mh = offs_h < H
+    ml = offs_l < clen
+    m2 = ml[:, None] & mh[None, :]
+    raw = tl.load(dt_ptr + (cstart + offs_l)[:, None].to(tl.int64) * sdt_t
+                  + offs_h[None, :] * sdt_h, mask=m2, other=0.0).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    dt = _softplus(raw + bias[None, :])
+    if CLAMP:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = tl.where(m2, dt, 0.0)
+    A = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    cuma = tl.cumsum(dt * A[None, :], axis=0)                        # [BLOCK_L, BLOCK_H]
+    # layout [NC, H, BLOCK_L]
+    out_off = (c * H + offs_h)[None, :].to(tl.int64) * BLOCK_L + offs_l[:, None]
+    mo = (offs_l[:, None] < BLOCK_L) & mh[None, :]
+    tl.store(dtc_ptr + out_off, dt, mask=mo)
+    tl.store(cuma_ptr + out_off, cuma, mask=mo)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    x_ptr, B_ptr, meta_ptr, dtc_ptr, cuma_ptr, S_ptr,
+    H, P, N, nheads_per_group,
+    sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+    PREC: tl.constexpr, LOWP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    clen = tl.load(meta_ptr + c * 2 + 1)
+    if clen > 0:
+        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
+        g = h // nheads_per_group
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mp = offs_p < P
+        mn = offs_n < N
+        row = (c * H + h).to(tl.int64) * BLOCK_L
+        cum_last = tl.load(cuma_ptr + row + clen - 1)
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, clen, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < clen
+            tok = cstart + offs_k
+            xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
+            bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
+                         mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
+            dtk = tl.load(dtc_ptr + row + offs_k, mask=mk, other=0.0)
+            cumk = tl.load(cuma_ptr + row + offs_k, mask=mk, other=0.0)
+            wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
+            xw = xk.to(tl.float32) * wk[:, None]
+            if LOWP:       # 16-bit operands, float32 accumulation
+                acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
+            else:
+                acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
+        S_off = ((c * H + h).to(tl.int64) * P + offs_p[:, None]) * N + offs_n[None, :]
+        tl.store(S_ptr + S_off, acc, mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _chunk_cb_kernel(
+    B_ptr, C_ptr, meta_ptr, cb_ptr, G, N,
+    sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
+    PREC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """CB[c, g, i, j] = C_i . B_j for the chunk's tokens (float32), rows i in one M block."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    mb = tl.program_id(2)
+    clen = tl.load(meta_ptr + c * 2 + 1)
+    m0 = mb * BLOCK_M
+    if m0 < clen:
+        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_j = tl.arange(0, BLOCK_L)
+        offs_n = tl.arange(0, BLOCK_N)
+        mm = offs_m < clen
+        mj = (offs_j < clen) & (offs_j < m0 + BLOCK_M)
+        mn = offs_n < N
+        cm = tl.load(C_ptr + (cstart + offs_m)[:, None] * sc_t + g * sc_g + offs_n[None, :] * sc_n,
+                     mask=mm[:, None] & mn[None, :], other=0.0)                       # [M, N]
+        bt = tl.load(B_ptr + (cstart + offs_j)[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
+                     mask=mn[:, None] & mj[None, :], other=0.0)                       # [N, L]
+        if PREC == "ieee":
+            cb = tl.dot(cm.to(tl.float32), bt.to(tl.float32), input_precision=PREC)
+        else:
+            cb = tl.dot(cm, bt)
+        out = ((c * G + g).to(tl.int64) * BLOCK_L + offs_m[:, None]) * BLOCK_L + offs_j[None, :]
+        tl.store(cb_ptr + out, cb, mask=mm[:, None] & (offs_j < BLOCK_L)[None, :])
+
+
+@triton.jit
+def _state_pass_kernel(
+    S_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr,
+    H, P, N, n_nblocks,
+    si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2) // n_nblocks
+    nb = tl.program_id(2) % n_nblocks
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    m2 = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    cum_b = tl.load(cum_ptr + b)
+    first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+    st = tl.load(init_ptr + b.to(tl.int64) * si_b + h * si_h + offs_p[:, None] * si_p
+                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    # two-stage software pipeline: chunk c+1's partial state and decay are loaded while chunk c
+    # is processed (the chain h -> h' is latency-bound otherwise)
+    # (prefetch rows are clamped into [first, cum_b - 1], never masked: always valid memory)
+    r0 = tl.maximum(tl.minimum(first, cum_b - 1), 0)
+    prow = (r0 * H + h).to(tl.int64)
+    s_nxt = tl.load(S_ptr + prow * P * N + tile, mask=m2, other=0.0)
+    d_nxt = tl.load(cuma_ptr + prow * BLOCK_L + BLOCK_L - 1)
+    for c in range(first, cum_b):
+        crow = (c * H + h).to(tl.int64)
+        s_c = s_nxt
+        dec = tl.exp(d_nxt)     # chunk length >= 1; padded positions repeat the last cumsum
+        nrow = (tl.minimum(c + 1, cum_b - 1) * H + h).to(tl.int64)
+        s_nxt = tl.load(S_ptr + nrow * P * N + tile, mask=m2, other=0.0)
+        d_nxt = tl.load(cuma_ptr + nrow * BLOCK_L + BLOCK_L - 1)
+        tl.store(S_ptr + crow * P * N + tile, st, mask=m2)   # S_c becomes the state entering c
+        st = dec * st + s_c
+    tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
+             + offs_n[None, :] * sf_n, st, mask=m2)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    x_ptr, B_ptr, C_ptr, D_ptr, meta_ptr, dtc_ptr, cuma_ptr, S_ptr, cb_ptr, y_ptr,
+    H, P, N, G, nheads_per_group,
+    sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, sy_t, sy_h, sy_p,
+    PREC: tl.constexpr, LOWP: tl.constexpr, CB_PRE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    clen = tl.load(meta_ptr + c * 2 + 1)
+    m0 = mb * BLOCK_M
+    if m0 < clen:
+        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
+        g = h // nheads_per_group
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mm = offs_m < clen
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mp = offs_p < P
+        mn = offs_n < N
+        row = (c * H + h).to(tl.int64) * BLOCK_L
+        tok_m = cstart + offs_m
+        cm = tl.load(C_ptr + tok_m[:, None] * sc_t + g * sc_g + offs_n[None, :] * sc_n,
+                     mask=mm[:, None] & mn[None, :], other=0.0)                       # [M, N]
+        cum_m = tl.load(cuma_ptr + row + offs_m, mask=mm, other=0.0)
+        # state entering the chunk
+        hin = tl.load(S_ptr + ((c * H + h).to(tl.int64) * P + offs_p[None, :]) * N
+                      + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0)    # [N, P]
+        if LOWP:
+            acc = tl.dot(cm, hin.to(cm.dtype))                                          # [M, P]
+        else:
+            acc = tl.dot(cm.to(tl.float32), hin, input_precision=PREC)
+        acc = acc * tl.exp(cum_m)[:, None]
+        cb_row = cb_ptr + ((c * G + g).to(tl.int64) * BLOCK_L + offs_m[:, None]) * BLOCK_L
+        for k0 in range(0, m0 + BLOCK_M, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < clen
+            tok_k = cstart + offs_k
+            if CB_PRE:
+                cb = tl.load(cb_row + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            else:
+                bk = tl.load(B_ptr + tok_k[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
+                             mask=mn[:, None] & mk[None, :], other=0.0)               # [N, K]
+                if PREC == "ieee":
+                    cb = tl.dot(cm.to(tl.float32), bk.to(tl.float32), input_precision=PREC)
+                else:
+                    cb = tl.dot(cm, bk)                                                # [M, K]
+            cum_k = tl.load(cuma_ptr + row + offs_k, mask=mk, other=0.0)
+            dt_k = tl.load(dtc_ptr + row + offs_k, mask=mk, other=0.0)
+            causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :]
+            decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
+            wgt = cb * decay * dt_k[None, :]
+            xk = tl.load(x_ptr + tok_k[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
+            if LOWP:
+                acc = tl.dot(wgt.to(xk.dtype), xk, acc)
+            else:
+                acc = tl.dot(wgt, xk.to(tl.float32), acc, input_precision=PREC)
+        xm = tl.load(x_ptr + tok_m[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                     mask=mm[:, None] & mp[None, :], other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + h).to(tl.float32) * xm
+        tl.store(y_ptr + tok_m[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p, acc,
+                 mask=mm[:, None] & mp[None, :])
+
+
+def _dt_args(dt_limit):
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    clamp = lo > 0.0 or hi < math.inf
+    return clamp, (lo if clamp else 0.0), (hi if (clamp and hi < math.inf) else 3.0e38)
+
+
+def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
+                           chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
+                           lowp=None, cb_pre=None, block_m=None, block_k=None, num_warps=None):
+    """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] f32, final [B,H,P,N]).
+
+    lowp: 16-bit operands (the model dtype) for the dots whose operands are float32 values
+    (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
+    cb_pre: compute C.B once per (chunk, group) in its own launch instead of once per head.
+    """
+    T, H, P = x.shape
+    G, N = B.shape[-2:]
+    Bn = query_start_loc.numel() - 1
+    dev = x.device
+    cs = int(chunk_size)
+    y = torch.empty((T, H, P), dtype=torch.float32, device=dev)
+    final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
+    if Bn == 0:
+        return y, final
+    _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
+    NC = max(NC, 1)
+    qsl = query_start_loc.to(dev)
+    lens = qsl[1:] - qsl[:-1]
+    cum = torch.cumsum((lens + (cs - 1)) // cs, 0).to(torch.int32)           # [B]
+    qsl = qsl.to(torch.int32) if T < 2**31 else qsl.long()
+
+    BLOCK_L = max(16, next_pow2(cs))
+    BLOCK_N = max(16, next_pow2(N))
+    BLOCK_P = max(16, next_pow2(P))
+    clamp, lo, hi = _dt_args(dt_limit)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    lowp = _DEFAULTS["lowp"] if lowp is None else lowp
+    lowp = bool(lowp) and x.dtype in (torch.bfloat16, torch.float16) and B.dtype == x.dtype \
+        and C.dtype == x.dtype
+    cb_pre = _DEFAULTS["cb_pre"] if cb_pre is None else cb_pre
+    meta = torch.empty((NC, 2), dtype=torch.int32, device=dev)
+    dtc = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
+    cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
+    S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
+    cb = torch.empty((NC, G, BLOCK_L, BLOCK_L) if cb_pre else (1,), dtype=torch.float32,
+                     device=dev)
+    BLOCK_H = max(1, min(next_pow2(H), 4096 // BLOCK_L))
+    BLOCK_K = min(block_k or _DEFAULTS["block_k"], BLOCK_L)
+    BLOCK_M = min(block_m or _DEFAULTS["block_m"], BLOCK_L)
+    nw = num_warps or _DEFAULTS["num_warps"]
+    with device_ctx(x):
+        _chunk_dt_kernel[(NC, triton.cdiv(H, BLOCK_H))](
+            dt_raw, dt_bias, A, qsl, cum, meta, dtc, cuma,
+            Bn, H, cs, lo, hi, *dt_raw.stride(),
+            CLAMP=clamp, SEARCH_ITERS=max(1, Bn.bit_length() + 1),
+            BLOCK_L=BLOCK_L, BLOCK_H=BLOCK_H, num_warps=4,
+        )
+        if cb_pre:
+            BM_CB = min(64, BLOCK_L)
+            _chunk_cb_kernel[(NC, G, triton.cdiv(BLOCK_L, BM_CB))](
+                B, C, meta, cb, G, N, *B.stride(), *C.stride(),
+                PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
+            )
+        BP_S = min(BLOCK_P, 64)
+        _chunk_state_kernel[(NC, H, triton.cdiv(P, BP_S))](
+            x, B, meta, dtc, cuma, S, H, P, N, H // G,
+            *x.stride(), *B.stride(),
+            PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=min(64, BLOCK_L), BLOCK_P=BP_S,
+            BLOCK_N=BLOCK_N, num_warps=4,
+        )
+        BN_PASS = min(BLOCK_N, 64)
+        BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
+        nnb = triton.cdiv(N, BN_PASS)
+        _state_pass_kernel[(Bn, H, triton.cdiv(P, BP_PASS) * nnb)](
+            S, cuma, cum, initial_states, final, H, P, N, nnb,
+            *initial_states.stride(), *final.stride(),
+            BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, num_warps=4,
+        )
+        _chunk_out_kernel[(NC, H, triton.cdiv(cs, BLOCK_M))](
+            x, B, C, D, meta, dtc, cuma, S, cb, y, H, P, N, G, H // G,
+            *x.stride(), *B.stride(), *C.stride(), *y.stride(),
+            PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
+        )
+    return y, final
+
+
+# defaults, from the H100 sweep in benchmarks/kernels.py (2026-11-22)
+_DEFAULTS = dict(lowp=True, cb_pre=False, block_m=128, block_k=32, num_warps=4)
+
+
+# ----------------------------------------------------------------------------- sequential variant
+
+@triton.jit
+def _ssd_seq_kernel(
+    x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, qsl_ptr, init_ptr, y_ptr, final_ptr,
+    P, N, nheads_per_group, dt_min, dt_max,
+    sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
+    si_b, si_h, si_p, si_n, sy_t, sy_h, sy_p, sf_b, sf_h, sf_p, sf_n,
+    CLAMP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    g = h // nheads_per_group
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    st = tl.load(init_ptr + b.to(tl.int64) * si_b + h * si_h + offs_p[:, None] * si_p
+                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    Dh = tl.load(D_ptr + h).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    t0 = tl.load(qsl_ptr + b).to(tl.int64)
+    t1 = tl.load(qsl_ptr + b + 1).to(tl.int64)
+    for tt in range(t0, t1):
+        x = tl.load(x_ptr + tt * sx_t + h * sx_h + offs_p * sx_p, mask=mp, other=0.0).to(tl.float32)
+        Bv = tl.load(B_ptr + tt * sb_t + g * sb_g + offs_n * sb_n, mask=mn,
+                     other=0.0).to(tl.float32)
+        Cv = tl.load(C_ptr + tt * sc_t + g * sc_g + offs_n * sc_n, mask=mn,
+                     other=0.0).to(tl.float32)
+        dt = _softplus(tl.load(dt_ptr + tt * sdt_t + h * sdt_h).to(tl.float32) + bias)
+        if CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        st = st * tl.exp(dt * A) + (x * dt)[:, None] * Bv[None, :]
+        yv = tl.sum(st * Cv[None, :], axis=1) + Dh * x
+        tl.store(y_ptr + tt * sy_t + h * sy_h + offs_p * sy_p, yv, mask=mp)
+    tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
+             + offs_n[None, :] * sf_n, st, mask=m2)
+
+
+def triton_ssd_scan_sequential(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
+                               chunk_size=None, dt_limit=(0.0, math.inf), *, max_seqlen=None,
+                               block_p=16):
+    """Sequential-recurrence kernel with the same arguments and results (chunk_size ignored)."""
+    T, H, P = x.shape
+    G, N = B.shape[-2:]
+    Bn = query_start_loc.numel() - 1
+    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
+    final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=x.device)
+    if Bn == 0:
+        return y, final
+    clamp, lo, hi = _dt_args(dt_limit)
+    BLOCK_N = next_pow2(N)
+    BLOCK_P = min(next_pow2(P), block_p)
+    with device_ctx(x):
+        _ssd_seq_kernel[(Bn, H, triton.cdiv(P, BLOCK_P))](
+            x, dt_raw, dt_bias, A, B, C, D, query_start_loc.to(x.device), initial_states, y, final,
+            P, N, H // G, lo, hi,
+            *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(), *initial_states.stride(),
+            *y.stride(), *final.stride(),
+            CLAMP=clamp, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4,
+        )
+    return y, final

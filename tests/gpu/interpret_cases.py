@@ -1,0 +1,74 @@
+"""Tiny cases of every Triton kernel, run on CPU under TRITON_INTERPRET=1 (set by the caller before
+this process starts: Triton reads it at import).  Prints one line per case:
+``CASE <name> OK <errors>`` or ``CASE <name> FAIL <message>``; exits 1 if any case failed.
+float32 (and one float16 case): bf16 tl.dot is wrong in the interpreter."""
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
+torch.set_num_threads(1)
+
+import kernel_cases as kc  # noqa: E402
+from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
+from mamba_cache.ops.triton_conv import (triton_causal_conv1d_update,  # noqa: E402
+                                         triton_causal_conv1d_varlen)
+from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
+from mamba_cache.ops.triton_ssd import (triton_ssd_scan_sequential,  # noqa: E402
+                                        triton_ssd_scan_varlen)
+from mamba_cache.ops.triton_state_update import triton_selective_state_update  # noqa: E402
+
+F32 = torch.float32
+CASES = {
+    "conv_varlen": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
+                                                [5, 1, 0, 2, 17], 24, W=4, K=3),
+    "conv_varlen_w2": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
+                                                   [1, 3], 8, W=2, K=0, bias=False, seed=1),
+    "conv_update": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
+                                                5, 4, 24, K=3),
+    "conv_update_k8": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
+                                                   4, 9, 16, K=8, seed=1),
+    "ssu": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 5, 3, 4,
+                                dt_limit=(0.01, 0.4)),
+    "ssu_k0": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 3, 1, 0, seed=1),
+    "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
+    "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
+                                    N=20, chunk_size=8, dt_limit=(0.0, 0.5), seed=1),
+    "ssd_fp16_variants": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, lowp=True, cb_pre=True, block_m=16,
+                                               block_k=16, **k),
+        "cpu", torch.float16, [16, 1, 0, 35, 7], chunk_size=32, seed=2),
+    "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
+    "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
+    "attention_decode": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+                                                   [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
+                                                   hd=16, bs=4),
+    "attention_split": lambda: kc.check_attention(
+        lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu", F32,
+        [1, 4, 0, 4], [6, 3, 200, 140], nH=8, nkv=2, hd=16, bs=4, seed=2),
+    "attention_prefill": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+                                                    [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
+                                                    seed=1),
+}
+
+
+def main(names):
+    failed = 0
+    for name in names or CASES:
+        t0 = time.time()
+        try:
+            errs = CASES[name]()
+            print(f"CASE {name} OK {errs} {time.time() - t0:.2f}s", flush=True)
+        except Exception as exc:  # report and go on
+            failed += 1
+            msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
+            print(f"CASE {name} FAIL {msg}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

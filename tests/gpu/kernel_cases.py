@@ -1,0 +1,277 @@
+"""Random cases for the kernel-vs-reference checks (imported by test_kernels.py, the interpreter
+subprocess of test_kernels_interpret.py and benchmarks/kernels.py; not a test module itself).
+
+Every ``check_*`` builds fresh random inputs on ``device``, poisons the pool (NaN in unused slots
+and in the null slot / null block), runs the torch ``_ref`` and ``impl`` (a function with the
+reference's signature) on separate copies of the pool, and asserts:
+- outputs agree on every position the contract defines, as max|a-e| / max|e| <= tol;
+- NaN never passes (a NaN where the reference is finite fails);
+- pools agree: same NaN positions (unused and null slots untouched), values equal (conv windows
+  are copies: bit-exact) or within tol (SSM states).
+It returns a dict of the measured errors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid_engine.attention.ops import paged_attention_ref
+from mamba_cache import NULL_SLOT
+from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref, gated_rmsnorm_ref,
+                             selective_state_update_ref, ssd_scan_varlen_ref)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# max|a - e| / max|e| allowed, by op and model dtype
+TOL = {
+    "conv": {F32: 1e-5, BF16: 1e-2, F16: 2e-3},
+    "ssu": {F32: 1e-4, BF16: 1e-4, F16: 1e-4},          # float32 math and outputs throughout
+    "ssd": {F32: 1e-4, BF16: 1e-2, F16: 1e-2},          # TF32 dots for 16-bit models
+    "norm": {F32: 1e-5, BF16: 1e-2, F16: 2e-3},
+    "attn": {F32: 1e-4, BF16: 1e-2, F16: 4e-3},
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> float:
+    """max|a-e| / max|e| over positions where e is finite; NaN/inf in a there -> inf."""
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, e = actual.double(), expected.double()
+    fin = torch.isfinite(e)
+    if not bool(fin.any()):
+        return 0.0
+    a, e = a[fin], e[fin]
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    scale = max(float(e.abs().max()), 1e-6)
+    return float((a - e).abs().max()) / scale
+
+
+def assert_close(actual, expected, tol, what):
+    err = rel_err(actual, expected, what)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e}"
+    return err
+
+
+def assert_pool(actual, expected, tol, what):
+    """Same NaN positions; values bit-equal (tol None) or within tol."""
+    na, ne = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(na, ne), f"{what}: NaN pattern differs ({int((na != ne).sum())} places)"
+    if tol is None:
+        assert torch.equal(actual.nan_to_num(0.0), expected.nan_to_num(0.0)), \
+            f"{what}: not bit-equal"
+        return 0.0
+    return assert_close(actual.nan_to_num(0.0), expected.nan_to_num(0.0), tol, what)
+
+
+def poison_allocator(device):
+    """Fill recently freed CUDA-caching-allocator blocks with NaN so that torch.empty outputs of
+    the kernels start as NaN (best effort: an unwritten element then shows up as NaN)."""
+    if torch.device(device).type != "cuda":
+        return
+    bufs = [torch.full((n,), math.nan, device=device) for n in (1 << 16, 1 << 18, 1 << 20, 1 << 24)]
+    del bufs
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qsl(lens, dtype=torch.int32):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=dtype)
+
+
+def _slots(num_rows, num_slots, gen, null_rows=()):
+    """Distinct slots in 1..num_slots-1 per row; rows in null_rows get NULL_SLOT."""
+    s = torch.randperm(num_slots - 1, generator=gen)[:num_rows] + 1
+    for r in null_rows:
+        if r < num_rows:
+            s[r] = NULL_SLOT
+    return s.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- conv varlen
+
+def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0, pad=3,
+                      tol=None):
+    g = _gen(seed)
+    Bn, T = len(lens), sum(lens)
+    S = Bn + 3
+    null_rows = (1,) if Bn > 1 else ()
+    x = torch.randn(T + pad, C, generator=g).to(dtype)
+    w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+    b = torch.randn(C, generator=g).to(dtype) if bias else None
+    slots = _slots(Bn, S, g, null_rows)
+    pool = torch.full((S, C, W - 1 + K), math.nan).to(dtype)
+    live = slots[slots != NULL_SLOT].long()
+    pool[live] = torch.randn(len(live), C, W - 1 + K, generator=g).to(dtype)
+    has_init = torch.rand(Bn, generator=g) < 0.5
+    has_init[0] = True
+    qsl = _qsl(lens, torch.int64 if seed % 2 else torch.int32)
+    tok_ok = torch.zeros(T + pad, dtype=torch.bool)              # tokens whose output is defined
+    for r in range(Bn):
+        if int(slots[r]) != NULL_SLOT:
+            tok_ok[int(qsl[r]):int(qsl[r + 1])] = True
+    d = lambda t: t.to(device) if t is not None else None        # noqa: E731
+    x, w, b, pool, slots, has_init, qsl = map(d, (x, w, b, pool, slots, has_init, qsl))
+    p_ref, p_k = pool.clone(), pool.clone()
+    out_ref = causal_conv1d_varlen_ref(x, w, b, p_ref, qsl, slots, has_init)
+    poison_allocator(device)
+    out = impl(x, w, b, p_k, qsl, slots, has_init)
+    assert out.dtype == dtype and out.shape == (T + pad, C)
+    tol = tol or TOL["conv"][dtype]
+    ok = tok_ok.to(device)
+    return {"out": assert_close(out[ok], out_ref[ok], tol, "conv_varlen out"),
+            "state": assert_pool(p_k, p_ref, None, "conv_varlen state")}
+
+
+# ----------------------------------------------------------------------------- conv update
+
+def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0, tol=None):
+    g = _gen(seed)
+    S = N + 3
+    null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
+    x = torch.randn(N, s, C, generator=g).to(dtype)
+    w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+    b = torch.randn(C, generator=g).to(dtype) if bias else None
+    slots = _slots(N, S, g, null_rows)
+    pool = torch.full((S, C, W - 1 + K), math.nan).to(dtype)
+    live = slots[slots != NULL_SLOT].long()
+    pool[live] = torch.randn(len(live), C, W - 1 + K, generator=g).to(dtype)
+    acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)   # a_prev in 1..K+1
+    rows_ok = (slots != NULL_SLOT)
+    d = lambda t: t.to(device) if t is not None else None        # noqa: E731
+    x, w, b, pool, slots, acc = map(d, (x, w, b, pool, slots, acc))
+    p_ref, p_k = pool.clone(), pool.clone()
+    out_ref = causal_conv1d_update_ref(x, w, b, p_ref, slots, acc)
+    poison_allocator(device)
+    out = impl(x, w, b, p_k, slots, acc)
+    assert out.dtype == dtype and out.shape == (N, s, C)
+    tol = tol or TOL["conv"][dtype]
+    ok = rows_ok.to(device)
+    return {"out": assert_close(out[ok], out_ref[ok], tol, "conv_update out"),
+            "state": assert_pool(p_k, p_ref, None, "conv_update state")}
+
+
+# ----------------------------------------------------------------------------- ssd
+
+def ssm_params(H, gen, small_dt=False):
+    dt_bias = torch.randn(H, generator=gen) * 0.5 - (4.0 if small_dt else 1.0)
+    A = -torch.exp(torch.rand(H, generator=gen) * 2 - 1)
+    D = torch.randn(H, generator=gen)
+    return dt_bias, A, D
+
+
+def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
+              dt_limit=(0.0, math.inf), seed=0, pad=2, tol=None, qsl_on_device=True):
+    g = _gen(seed)
+    Bn, T = len(lens), sum(lens)
+    x = torch.randn(T + pad, H, P, generator=g).to(dtype)
+    dt = (torch.randn(T + pad, H, generator=g) * 0.5).to(dtype)
+    B = torch.randn(T + pad, G, N, generator=g).to(dtype)
+    C = torch.randn(T + pad, G, N, generator=g).to(dtype)
+    dt_bias, A, D = ssm_params(H, g)
+    init = torch.randn(Bn, H, P, N, generator=g)
+    qsl = _qsl(lens, torch.int64 if seed % 2 else torch.int32)
+    d = lambda t: t.to(device)                                   # noqa: E731
+    x, dt, B, C, dt_bias, A, D, init = map(d, (x, dt, B, C, dt_bias, A, D, init))
+    qsl_d = d(qsl) if qsl_on_device else qsl
+    y_ref, f_ref = ssd_scan_varlen_ref(x, dt, dt_bias, A, B, C, D, qsl_d, init, chunk_size,
+                                       dt_limit)
+    poison_allocator(device)
+    init_k = init.clone()
+    y, f = impl(x, dt, dt_bias, A, B, C, D, qsl_d, init_k, chunk_size, dt_limit)
+    assert y.dtype == F32 and f.dtype == F32 and y.shape == (T + pad, H, P)
+    assert torch.equal(init_k, init), "initial_states modified"
+    tol = tol or TOL["ssd"][dtype]
+    return {"y": assert_close(y[:T], y_ref[:T], tol, "ssd y"),
+            "final": assert_close(f, f_ref, tol, "ssd final")}
+
+
+# ----------------------------------------------------------------------------- state update
+
+def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.0, math.inf),
+              seed=0, tol=None):
+    g = _gen(seed)
+    S = N + 3
+    null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
+    x = torch.randn(N, s, H, P, generator=g).to(dtype)
+    dt = (torch.randn(N, s, H, generator=g) * 0.5).to(dtype)
+    B = torch.randn(N, s, G, Nst, generator=g).to(dtype)
+    C = torch.randn(N, s, G, Nst, generator=g).to(dtype)
+    dt_bias, A, D = ssm_params(H, g)
+    slots = _slots(N, S, g, null_rows)
+    pool = torch.full((S, 1 + K, H, P, Nst), math.nan)
+    live = slots[slots != NULL_SLOT].long()
+    pool[live] = torch.randn(len(live), 1 + K, H, P, Nst, generator=g)
+    acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)
+    rows_ok = slots != NULL_SLOT
+    d = lambda t: t.to(device)                                   # noqa: E731
+    x, dt, B, C, dt_bias, A, D, slots, pool, acc = map(d, (x, dt, B, C, dt_bias, A, D, slots, pool,
+                                                           acc))
+    p_ref, p_k = pool.clone(), pool.clone()
+    y_ref = selective_state_update_ref(p_ref, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit)
+    poison_allocator(device)
+    y = impl(p_k, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit)
+    assert y.dtype == F32 and y.shape == (N, s, H, P)
+    tol = tol or TOL["ssu"][dtype]
+    ok = rows_ok.to(device)
+    return {"y": assert_close(y[ok], y_ref[ok], tol, "ssu y"),
+            "state": assert_pool(p_k, p_ref, tol, "ssu state")}
+
+
+# ----------------------------------------------------------------------------- gated norm
+
+def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None):
+    g = _gen(seed)
+    y = torch.randn(T, I, generator=g).to(dtype)
+    zbig = torch.randn(T, I + 8, generator=g).to(dtype)
+    z = zbig[:, 3:3 + I]                                        # a strided view, as in the model
+    w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype)
+    y, z, w = y.to(device), z.to(device), w.to(device)
+    ref = gated_rmsnorm_ref(y, z, w, group_size, eps)
+    poison_allocator(device)
+    out = impl(y, z, w, group_size, eps)
+    assert out.dtype == dtype and out.shape == (T, I)
+    return {"out": assert_close(out, ref, tol or TOL["norm"][dtype], "gated_rmsnorm")}
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, bs=16, pad=3,
+                    seed=0, tol=None):
+    """Row b has q_lens[b] queries after ctx_lens[b] earlier tokens (seq_len = sum)."""
+    g = _gen(seed)
+    Bn = len(q_lens)
+    seq = [q + c for q, c in zip(q_lens, ctx_lens)]
+    nblk = [-(-n // bs) for n in seq]
+    M = max(nblk + [1]) + 1
+    NB = sum(nblk) + 4
+    T = sum(q_lens) + pad
+    q = torch.randn(T, nH, hd, generator=g).to(dtype)
+    kc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
+    vc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
+    kc[0] = math.nan                                           # the null block: never read
+    vc[0] = math.nan
+    perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
+    bt = torch.zeros(Bn, M, dtype=torch.int32)                 # unused columns -> null block
+    for b in range(Bn):
+        blocks = [perm.pop() for _ in range(nblk[b])]
+        bt[b, :nblk[b]] = torch.tensor(blocks, dtype=torch.int32)
+        if nblk[b] and seq[b] % bs:                            # unwritten tail of the last block
+            kc[blocks[-1], seq[b] % bs:] = math.nan
+            vc[blocks[-1], seq[b] % bs:] = math.nan
+    qsl = _qsl(q_lens, torch.int32)
+    sl = torch.tensor(seq, dtype=torch.int32)
+    d = lambda t: t.to(device)                                  # noqa: E731
+    q, kc, vc, qsl, sl, bt = map(d, (q, kc, vc, qsl, sl, bt))
+    scale = hd ** -0.5
+    mq, ms = max(q_lens + [0]), max(seq + [0])
+    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, mq, ms)
+    poison_allocator(device)
+    out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms)
+    assert out.dtype == dtype and out.shape == q.shape
+    return {"out": assert_close(out, ref, tol or TOL["attn"][dtype], "paged_attention")}

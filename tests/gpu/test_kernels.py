@@ -1,0 +1,215 @@
+"""Triton kernels vs their torch ``_ref`` twins on CUDA (random inputs, poisoned pools and outputs,
+relative error bounds by dtype; see kernel_cases.py).  The public dispatch functions are called,
+so these also check that CUDA tensors are routed to the Triton kernels."""
+import functools
+import logging
+import math
+
+import pytest
+import torch
+
+import kernel_cases as kc
+from hybrid_engine.attention import ops as attn_ops
+from mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
+                             selective_state_update, ssd_scan_varlen)
+from mamba_cache.ops import triton_common
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DT_IDS = ["f32", "bf16", "f16"]
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.delenv("HYBRID_ENGINE_KERNELS", raising=False)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def test_dispatch_picks_triton_and_logs_once(caplog):
+    triton_common._logged.clear()
+    attn_ops._logged_backends.clear()
+    with caplog.at_level(logging.INFO, logger="hybrid_engine"):
+        for _ in range(2):
+            kc.check_norm(gated_rmsnorm, DEV, torch.bfloat16, 3, 64, 32)
+            kc.check_conv_update(causal_conv1d_update, DEV, torch.bfloat16, 3, 2, 32, K=1)
+            kc.check_conv_varlen(causal_conv1d_varlen, DEV, torch.bfloat16, [3, 2], 32)
+            kc.check_ssu(selective_state_update, DEV, torch.bfloat16, 3, 2, 1)
+            kc.check_ssd(ssd_scan_varlen, DEV, torch.bfloat16, [3, 20])
+            kc.check_attention(attn_ops.paged_attention, DEV, torch.bfloat16, [1, 2], [3, 4])
+    msgs = [r.getMessage() for r in caplog.records]
+    for op in ("gated_rmsnorm", "causal_conv1d_update", "causal_conv1d_varlen",
+               "selective_state_update", "ssd_scan_varlen", "paged_attention"):
+        mine = [m for m in msgs if m.startswith(op + " backend")]
+        assert mine == [f"{op} backend on cuda: triton"], (op, mine)
+
+
+# ----------------------------------------------------------------------------- conv varlen
+
+CONV_VARLEN = [
+    dict(lens=[5, 1, 0, 2, 17], C=24, W=4, K=0),
+    dict(lens=[1], C=40, W=4, K=3),
+    dict(lens=[300, 1, 2, 129], C=200, W=3, K=8, bias=False),
+    dict(lens=[2, 1, 1], C=64, W=2, K=1),
+    dict(lens=[0, 0, 3], C=16, W=4, K=2),
+    dict(lens=[1000, 37], C=10240, W=4, K=3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(CONV_VARLEN)))
+def test_conv_varlen(dtype, case):
+    for seed in (0, 1):
+        kc.check_conv_varlen(causal_conv1d_varlen, DEV, dtype, seed=seed, **CONV_VARLEN[case])
+
+
+# ----------------------------------------------------------------------------- conv update
+
+CONV_UPDATE = [
+    dict(N=1, s=1, C=32, K=0),
+    dict(N=5, s=1, C=48, K=3),
+    dict(N=7, s=4, C=40, K=3),
+    dict(N=4, s=9, C=24, K=8),
+    dict(N=3, s=2, C=24, K=5, W=2),
+    dict(N=33, s=3, C=200, K=8, W=3, bias=False),
+    dict(N=64, s=4, C=10240, K=3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(CONV_UPDATE)))
+def test_conv_update(dtype, case):
+    for seed in (0, 1):
+        kc.check_conv_update(causal_conv1d_update, DEV, dtype, seed=seed, **CONV_UPDATE[case])
+
+
+@pytest.mark.parametrize("K", range(9))
+def test_conv_update_all_k(K):
+    for s in sorted({1, K + 1}):
+        kc.check_conv_update(causal_conv1d_update, DEV, torch.bfloat16, 6, s, 72, K=K, seed=K)
+
+
+# ----------------------------------------------------------------------------- ssd
+
+SSD = [
+    dict(lens=[16, 1, 0, 35, 7], chunk_size=16),
+    dict(lens=[64, 64], H=8, G=1, P=8, N=32, chunk_size=64),
+    dict(lens=[1], chunk_size=16),
+    dict(lens=[200, 3, 129], H=4, G=4, P=64, N=128, chunk_size=128),
+    dict(lens=[17] * 8, chunk_size=16, dt_limit=(0.0, 0.5)),
+    dict(lens=[40, 33], H=6, G=3, P=24, N=24, chunk_size=32),
+    dict(lens=[1000], H=16, G=2, P=64, N=128, chunk_size=256, dt_limit=(0.001, 0.1)),
+    dict(lens=[5, 70, 0], chunk_size=32, qsl_on_device=False),
+    dict(lens=[0, 40, 0], H=2, G=1, P=16, N=128, chunk_size=16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(SSD)))
+def test_ssd(dtype, case):
+    for seed in (0, 1):
+        kc.check_ssd(ssd_scan_varlen, DEV, dtype, seed=seed, **SSD[case])
+
+
+SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("lowp,cb_pre", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("case", range(len(SSD_VARIANT_CASES)))
+def test_ssd_variants(dtype, lowp, cb_pre, case):
+    """The non-default kernel variants (16-bit dot operands, precomputed C.B) and block shapes."""
+    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    for seed, (bm, bk, nw) in enumerate([(None, None, None), (64, 64, 8)]):
+        impl = functools.partial(triton_ssd_scan_varlen, lowp=lowp, cb_pre=cb_pre, block_m=bm,
+                                 block_k=bk, num_warps=nw)
+        kc.check_ssd(impl, DEV, dtype, seed=seed, **SSD_VARIANT_CASES[case])
+
+
+# ----------------------------------------------------------------------------- state update
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("K", range(9))
+def test_ssu_all_k(dtype, K):
+    for s in sorted({1, K + 1, max(1, K // 2)}):
+        kc.check_ssu(selective_state_update, DEV, dtype, 5, s, K, seed=K + s)
+
+
+SSU = [
+    dict(N=1, s=1, K=0),
+    dict(N=6, s=3, K=4, dt_limit=(0.01, 0.3)),
+    dict(N=4, s=2, K=2, H=6, G=3, P=24, Nst=24),
+    dict(N=16, s=4, K=3, H=128, G=8, P=64, Nst=128),
+    dict(N=3, s=1, K=0, H=128, G=8, P=64, Nst=128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(SSU)))
+def test_ssu(dtype, case):
+    for seed in (0, 1):
+        kc.check_ssu(selective_state_update, DEV, dtype, seed=seed, **SSU[case])
+
+
+# ----------------------------------------------------------------------------- gated norm
+
+NORM = [(1, 64, 64), (7, 48, 12), (33, 8192, 1024), (5, 200, 40), (300, 1024, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(NORM)))
+def test_norm(dtype, case):
+    T, I, gs = NORM[case]
+    kc.check_norm(gated_rmsnorm, DEV, dtype, T, I, gs, seed=case)
+
+
+# ----------------------------------------------------------------------------- attention
+
+ATTN = [
+    dict(q_lens=[1] * 5, ctx_lens=[0, 15, 16, 17, 100]),                       # decode
+    dict(q_lens=[4] * 6, ctx_lens=[0, 3, 12, 40, 77, 300], nH=32, nkv=8, hd=128),  # verify K=3
+    dict(q_lens=[9, 9, 9], ctx_lens=[0, 7, 200], nH=32, nkv=8, hd=128),        # verify K=8
+    dict(q_lens=[50, 0, 130, 1], ctx_lens=[0, 5, 30, 64], nH=8, nkv=8, hd=64),  # prefill chunks
+    dict(q_lens=[33, 2], ctx_lens=[10, 0], nH=16, nkv=2, hd=80),                # g=8, hd 80
+    dict(q_lens=[1000], ctx_lens=[24], nH=32, nkv=8, hd=128),                  # long prefill
+    dict(q_lens=[1, 1, 1], ctx_lens=[5, 1000, 31], nH=4, nkv=4, hd=128, bs=32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(ATTN)))
+def test_attention(dtype, case):
+    for seed in (0, 1):
+        kc.check_attention(attn_ops.paged_attention, DEV, dtype, seed=seed, **ATTN[case])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+@pytest.mark.parametrize("case", [0, 1, 2, 6])
+def test_attention_splits(num_splits, case):
+    """Decode/verify rows with the key-range split forced off, small and large."""
+    from hybrid_engine.attention.triton_attention import triton_paged_attention
+    impl = functools.partial(triton_paged_attention, num_splits=num_splits)
+    for dtype in (torch.float32, torch.bfloat16):
+        kc.check_attention(impl, DEV, dtype, seed=num_splits, **ATTN[case])
+
+
+# ----------------------------------------------------------------------------- misc
+
+def test_ssd_sequential_variant():
+    from mamba_cache.ops.triton_ssd import triton_ssd_scan_sequential
+    for dtype in (torch.float32, torch.bfloat16):
+        kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [16, 1, 0, 35, 7], seed=3)
+        kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [300], H=8, G=2, P=64, N=128,
+                     chunk_size=128, tol=kc.TOL["ssu"][dtype] * 10)
+
+
+def test_nan_is_caught():
+    """The checks themselves: a NaN where the reference is finite fails."""
+    def bad(*a, **k):
+        out = causal_conv1d_update(*a, **k)
+        out[0, 0, 0] = math.nan
+        return out
+    with pytest.raises(AssertionError):
+        kc.check_conv_update(bad, DEV, torch.float32, 4, 2, 16, K=1)
