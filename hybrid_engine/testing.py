@@ -337,3 +337,50 @@ def hf_dt_values(model_dir, token_ids: list[int]) -> torch.Tensor:
         for h in hooks:
             h.remove()
     return torch.cat(seen) if seen else torch.empty(0)
+
+
+def engine_prefill_hidden(llm, ids: list[int]):
+    """Final-normed hidden states [T, D] of one plain prefill of ``ids`` through an engine's model and
+    caches (a fresh slot and blocks, returned afterwards). For tests that compare per-position values."""
+    from .attention import blocks_needed
+    from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+    eng = llm.engine
+    slot = eng.scheduler.slots.allocate()
+    bs = eng.scheduler.block_size
+    blocks = eng.scheduler.blocks.allocate(blocks_needed(len(ids), bs))
+    try:
+        dev = eng.cfg.device
+        t = len(ids)
+        pos = torch.arange(t, device=dev)
+        bt = torch.tensor([blocks], dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
+        fb = ForwardBatch(
+            torch.tensor(ids, device=dev), pos,
+            AttnMetadata(qsl, torch.tensor([t], dtype=torch.int32, device=dev), bt,
+                         bt[0, pos // bs].long() * bs + pos % bs, t, t),
+            MambaMetadata(0, 1, torch.zeros(0, dtype=torch.long, device=dev),
+                          torch.ones(0, dtype=torch.long, device=dev), qsl.long(), (0, t),
+                          torch.tensor([slot], device=dev), torch.tensor([False], device=dev)),
+            pos)
+        with torch.inference_mode():
+            return eng.model(fb, eng.caches)
+    finally:
+        eng.scheduler.slots.free(slot)
+        eng.scheduler.blocks.free(blocks)
+
+
+class NoHostSync(torch.overrides.TorchFunctionMode):
+    """Test guard: fails on any tensor operation that would read device data back to the host
+    (works on CPU tensors too, so CI checks the step path's no-sync rule without a GPU)."""
+
+    BANNED = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
+              "__float__", "__index__"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        assert name not in self.BANNED, f"host sync: {name}"
+        if name == "__getitem__":
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx), \
+                "host sync: boolean-mask indexing"
+        return func(*args, **(kwargs or {}))

@@ -6,37 +6,15 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.attention import blocks_needed
-from hybrid_engine.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-from hybrid_engine.testing import hf_greedy, hf_logits
+from hybrid_engine.testing import engine_prefill_hidden, hf_greedy, hf_logits
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")   # "cuda" runs the same tests on a GPU
 
 
 def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prefill, through the engine's model and caches."""
-    eng = llm.engine
-    slot = eng.scheduler.slots.allocate()
-    bs = eng.scheduler.block_size
-    blocks = eng.scheduler.blocks.allocate(blocks_needed(len(ids), bs))
-    try:
-        dev = eng.cfg.device
-        t = len(ids)
-        pos = torch.arange(t, device=dev)
-        bt = torch.tensor([blocks], dtype=torch.int32, device=dev)
-        slot_map = bt[0, pos // bs].long() * bs + pos % bs
-        qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
-        fb = ForwardBatch(
-            torch.tensor(ids, device=dev), pos,
-            AttnMetadata(qsl, torch.tensor([t], dtype=torch.int32, device=dev), bt, slot_map, t, t),
-            MambaMetadata(0, 1, torch.zeros(0, dtype=torch.long, device=dev), torch.ones(0, dtype=torch.long, device=dev),
-                          qsl.long(), (0, t), torch.tensor([slot], device=dev), torch.tensor([False], device=dev)),
-            pos)
-        with torch.inference_mode():
-            return eng.model.compute_logits(eng.model(fb, eng.caches)).cpu()
-    finally:
-        eng.scheduler.slots.free(slot)
-        eng.scheduler.blocks.free(blocks)
+    with torch.inference_mode():
+        return llm.engine.model.compute_logits(engine_prefill_hidden(llm, ids)).cpu()
 
 
 @pytest.mark.parametrize("pattern", ["MM", "M*", "M-", "ME", "M-M*-ME*"])

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+
+from hybrid_engine.testing import NoHostSync
 
 from hybrid_engine import rng
 from hybrid_engine.sampler import SamplingTensors, filtered_logits, probs_from_logits, sample
@@ -42,19 +43,6 @@ def counts(tokens: torch.Tensor, vocab: int) -> np.ndarray:
     return torch.bincount(tokens, minlength=vocab).numpy()
 
 
-class NoHostSync(TorchFunctionMode):
-    """Fails on any tensor operation that would read device data back to the host."""
-
-    BANNED = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
-              "__float__", "__index__"}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        assert name not in self.BANNED, f"host sync: {name}"
-        if name == "__getitem__":
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------- rng

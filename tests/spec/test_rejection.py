@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+
+from hybrid_engine.testing import NoHostSync
 
 from hybrid_engine.sampler import SamplingTensors, gumbel_argmax, probs_from_logits, sample
 from spec.rejection import num_accepted, rejection_sample
@@ -243,17 +244,6 @@ def test_mixed_batch_rows_are_independent_of_batch():
         assert torch.equal(alone[0], out[i])
 
 
-class NoHostSync(TorchFunctionMode):
-    BANNED = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
-              "__float__", "__index__"}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        assert name not in self.BANNED, f"host sync: {name}"
-        if name == "__getitem__":
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("draft_probs", [False, True])

@@ -133,8 +133,8 @@ def _naive_mtp_drafts(llm, seq, prompt_len):
 
 
 def _full_hidden(llm, ids):
-    from tests_helpers_spec import prefill_hidden  # noqa: E402 (tests/spec on sys.path)
-    return prefill_hidden(llm, ids)
+    from hybrid_engine.testing import engine_prefill_hidden
+    return engine_prefill_hidden(llm, ids)
 
 
 def _naive_mtp(mtp, emb, prev_hidden):
