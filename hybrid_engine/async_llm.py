@@ -1,0 +1,261 @@
+"""Streaming API: ``AsyncLLM(model=...)`` with ``async for out in engine.generate(...)``.
+
+One asyncio task (the *step loop*, started lazily on the running event loop by the first
+``generate``) drives ``EngineCore`` with one step in flight:
+
+    handle, failed = engine.begin_step()      # launch step N+1 (async) / step N (sync)
+    await asyncio.sleep(0)                    # consumers, new requests and aborts run here
+    out = await handle.result_async()         # step N's output, without blocking the event loop
+    engine.finish_step(handle, out)           # commit: counters, stop checks -> streams wake up
+
+This is the same ``begin_step``/``finish_step`` pair that ``LLM.generate`` drives through
+``EngineCore.step()``, so both APIs give identical tokens. With ``async_scheduling=False``
+``begin_step`` hands back the new step's own handle. When nothing is left to run the loop sleeps on
+an ``asyncio.Event`` that ``generate`` sets.
+
+Streams: every yielded ``RequestOutput`` is a *delta*: ``outputs[0].token_ids`` holds only the
+tokens committed since the previous yield (a slow consumer gets several steps' tokens at once),
+``outputs[0].text`` the matching text (incremental detokenisation; ``None`` without a tokenizer).
+The last item has ``finished=True`` and ``finish_reason`` set:
+  "stop" | "length"   normal end;
+  "abort"             ``abort(request_id)``, the consumer stopped iterating, or ``shutdown()``;
+  "error"             a step carrying the request raised: the stream *ends normally* (it does not
+                      raise) with ``RequestOutput.error`` holding the exception's repr; the other
+                      requests keep running.
+Validation errors (bad prompt or params, a request_id already streaming) raise ``ValueError`` at
+the first ``__anext__``, before anything is queued. After ``shutdown()`` ``generate`` raises
+``RuntimeError``.
+
+Use one AsyncLLM from one event loop (and one thread). A consumer that breaks out of ``async for``
+aborts its request when the generator is closed; asyncio closes abandoned async generators soon
+after they are dropped, and ``contextlib.aclosing`` makes it immediate.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from .config import SpeculativeConfig
+from .engine import EngineCore
+from .llm import _engine_config
+from .outputs import RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class _Stream:
+    """Consumer-side state of one request: how much of it has been handed out."""
+    __slots__ = ("req", "event", "sent", "prefix_offset", "read_offset")
+
+    def __init__(self, req: Request):
+        self.req = req
+        self.event = asyncio.Event()      # set by the step loop when the request got tokens/finished
+        self.sent = 0                     # output tokens already yielded
+        self.prefix_offset = 0            # incremental detokenisation window (see _text_delta)
+        self.read_offset = 0
+
+
+class AsyncLLM:
+    """Streaming generation. Arguments as ``LLM`` (DESIGN.md section 1); ``model=None`` uses the
+    embedded default model."""
+
+    def __init__(self, model=None, *, dtype="auto", device="auto", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 speculative_config: SpeculativeConfig | None = None, async_scheduling: bool = True,
+                 seed: int = 0, block_size: int = 16, num_kv_blocks: int | None = None,
+                 enforce_eager: bool = False, **cache_kw):
+        self.engine = EngineCore(_engine_config(
+            model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            speculative_config=speculative_config, async_scheduling=async_scheduling, seed=seed,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, **cache_kw))
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the step loop task is alive."""
+        return self._task is not None and not self._task.done()
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """Stream ``RequestOutput`` deltas for one prompt (str or list of token ids)."""
+        if self._closed:
+            raise RuntimeError("AsyncLLM has been shut down; create a new AsyncLLM to generate")
+        if request_id is not None and str(request_id) in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        eng = self.engine
+        req = eng.make_request(prompt, params, uuid.uuid4().hex if request_id is None else str(request_id))
+        self._ensure_loop()
+        rid = req.request_id
+        eng.add_request(req)
+        stream = self._streams[rid] = _Stream(req)
+        self._wake.set()
+        try:
+            while True:
+                stream.event.clear()
+                out = self._take(stream)
+                if out is None:
+                    await stream.event.wait()
+                    continue
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+            if not req.finished:            # the consumer stopped early (break, cancel, close)
+                self._abort_request(req)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or queued request; its stream ends with finish_reason "abort".
+        Returns False (no error) for an unknown or already finished request."""
+        stream = self._streams.get(str(request_id))
+        if stream is None or stream.req.finished:
+            return False
+        return self._abort_request(stream.req)
+
+    def _abort_request(self, req: Request) -> bool:
+        eng = self.engine
+        if eng.scheduler.requests.get(req.request_id) is not req or req.finished:
+            return False
+        ok = eng.abort(req.request_id)
+        self._publish([req])
+        return ok
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the step loop and abort everything still running (their streams end with
+        finish_reason "abort"). Call it from the event loop's thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._streams.values()):
+            self._abort_request(stream.req)
+        for req in list(self.engine.scheduler.requests.values()):
+            self._abort_request(req)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._task = None
+        self.engine._inflight = None        # its output is never read; nothing runs afterwards
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done():
+            if self._loop is loop:
+                return
+            raise RuntimeError("this AsyncLLM's step loop runs on another event loop; use one AsyncLLM "
+                               "per event loop")
+        if self._loop is not None and self._loop is not loop:
+            # the previous event loop is gone (e.g. a finished asyncio.run): its consumers are too
+            for stream in list(self._streams.values()):
+                self._abort_request(stream.req)
+            self._streams.clear()
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="hybrid-engine-step-loop")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop only ends by cancellation; if it ever dies of a bug, no stream may hang."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("step loop died", exc_info=task.exception())
+        self._publish(self.engine.fail_all(task.exception()))
+
+    # ---- the step loop ----------------------------------------------------------------------
+    async def _run(self) -> None:
+        eng = self.engine
+        while True:
+            if not eng.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                handle, failed = eng.begin_step()          # step N+1 is now in flight
+            except Exception as e:                          # the loop machinery itself broke
+                logger.exception("step loop failed; failing all requests")
+                self._publish(eng.fail_all(e))
+                continue
+            self._publish(failed)
+            await asyncio.sleep(0)                          # consumers / arrivals / aborts run here
+            if handle is None:
+                continue
+            try:
+                out = await handle.result_async()           # step N's output (the designated wait)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                          # reading it failed: its requests fail
+                touched = eng.finish_step(handle, error=e)
+            else:
+                try:
+                    touched = eng.finish_step(handle, out)
+                except Exception as e:
+                    logger.exception("committing step %d failed; failing all requests", handle.sched.step_id)
+                    touched = eng.fail_all(e)
+            self._publish(touched)
+
+    def _publish(self, reqs) -> None:
+        """Wake the streams of requests that got tokens or finished; forget finished ones in the
+        scheduler (the stream keeps the Request, so its id can be reused at once)."""
+        sched = self.engine.scheduler
+        for req in reqs:
+            stream = self._streams.get(req.request_id)
+            if stream is not None and stream.req is req:
+                stream.event.set()
+            if req.finished and sched.requests.get(req.request_id) is req:
+                sched.pop_finished(req.request_id)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def _take(self, stream: _Stream) -> RequestOutput | None:
+        """The delta since the last yield, or None when there is nothing new."""
+        req = stream.req
+        n = len(req.output_token_ids)
+        if n == stream.sent and not req.finished:
+            return None
+        out = self.engine.make_output(req, delta_from=stream.sent)
+        stream.sent = n
+        if self.engine.tokenizer is not None:
+            out.outputs[0].text = self._text_delta(stream, n, req.finished)
+        return out
+
+    def _text_delta(self, stream: _Stream, n: int, final: bool) -> str:
+        """Text of the new tokens. Decodes a short window with a few tokens of left context (so
+        tokenizers that drop a leading space decode correctly) and holds back text that ends in an
+        incomplete UTF-8 sequence until more tokens arrive or the request finishes."""
+        ids, dec = stream.req.output_token_ids, self.engine.tokenizer.decode
+        p, r = stream.prefix_offset, stream.read_offset
+        prefix = dec(ids[p:r], skip_special_tokens=True)
+        full = dec(ids[p:n], skip_special_tokens=True)
+        if (len(full) <= len(prefix) or full.endswith("\ufffd")) and not final:
+            return ""
+        stream.prefix_offset, stream.read_offset = r, n
+        return full[len(prefix):] if full.startswith(prefix) else full[_common_prefix(prefix, full):]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    i = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        i += 1
+    return i
