@@ -230,6 +230,7 @@ class EngineCore:
         metrics = {"drafts_proposed": m.drafts_proposed, "drafts_accepted": m.drafts_accepted,
                    "accepted_per_position": list(m.accepted_per_position),
                    "mean_acceptance_length": m.mean_acceptance_length, "num_steps": m.num_steps,
+                   "num_preemptions": m.num_preemptions,
                    "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
                    "finish_time": m.finish_time}
         return RequestOutput(req.request_id, list(req.prompt_token_ids),

@@ -24,6 +24,7 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)   # [K] accepted at draft position j
 
     num_tokens_out: int = 0
+    num_preemptions: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

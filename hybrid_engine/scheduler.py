@@ -144,6 +144,7 @@ class Scheduler:
         req.status, req.num_computed_tokens, req.prefill_target = Status.WAITING, 0, 0
         req.num_inflight_steps = 0
         req.epoch = self._new_epoch()                  # in-flight outputs of the old epoch are dropped
+        req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _new_epoch(self) -> int:

@@ -31,6 +31,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hybrid_dir(model_dirs):
-    """The engine-core test model: Mamba, attention, MLP and MoE blocks."""
-    return model_dirs("hybrid", pattern="M-M*-ME*", seed=1)
+    """The engine-core test model: Mamba, attention, MLP and MoE blocks, plus MTP weights (which
+    transformers ignores, so its greedy reference is unchanged)."""
+    return model_dirs("hybrid", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
 

@@ -27,7 +27,15 @@ MAX_TOKENS = 12
 POOL_SIZE = 48
 
 
-SPEC_CONFIGS = [None, SpeculativeConfig("ngram", 3)]     # the lead extends this (draft_model, mtp)
+# every drafter: draft_model drafts with the target itself (its draws use the sampler's keys, so
+# seeded spec == no spec exactly); MTP's q differs from p, so its seeded rows are checked async == sync
+SPEC_CONFIGS = ["nospec", "ngram3", "draft_model2", "mtp2"]
+
+
+def make_spec(name, model_dir):
+    return {"nospec": None, "ngram3": SpeculativeConfig("ngram", 3),
+            "draft_model2": SpeculativeConfig("draft_model", 2, model=str(model_dir)),
+            "mtp2": SpeculativeConfig("mtp", 2)}[name]
 
 
 # (max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks): tight KV pools preempt, small
@@ -140,11 +148,15 @@ def drive(engine, reqs, max_steps=400):
     out = {}
     for rid, req in live.items():
         assert req.finished
-        out[rid] = (list(req.output_token_ids), req.finish_reason)
+        out[rid] = (list(req.output_token_ids), req.finish_reason, req.metrics.num_preemptions)
         engine.scheduler.pop_finished(rid)
     st = engine.stats()
     assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
     return out
+
+
+def preempted(r, res) -> bool:
+    return any(res[mode][r["rid"]][2] for mode in (True, False))
 
 
 def expected_greedy(ref, sp):
@@ -156,13 +168,10 @@ def expected_greedy(ref, sp):
     return toks, "length"
 
 
-def _spec_id(spec):
-    return "nospec" if spec is None else f"{spec.method}{spec.num_speculative_tokens}"
-
-
-@pytest.mark.parametrize("spec", SPEC_CONFIGS, ids=_spec_id)
+@pytest.mark.parametrize("spec_name", SPEC_CONFIGS)
 @pytest.mark.parametrize("seed", range(NUM_SCHEDULES))
-def test_fuzz_async_equals_sync_equals_reference(seed, spec, pool, hf_refs, engines, solo):
+def test_fuzz_async_equals_sync_equals_reference(seed, spec_name, pool, hf_refs, engines, solo, hybrid_dir):
+    spec = make_spec(spec_name, hybrid_dir)
     cfg, reqs = make_schedule(seed, pool, hf_refs)
     res = {mode: drive(engines(mode, spec, cfg), reqs) for mode in (True, False)}
     kept = [r for r in reqs if r["abort"] is None]
@@ -172,16 +181,23 @@ def test_fuzz_async_equals_sync_equals_reference(seed, spec, pool, hf_refs, engi
     seeded_ref = dict(zip([r["rid"] for r in seeded], solo([(r["prompt"], r["params"]) for r in seeded])))
     for r in kept:
         rid = r["rid"]
-        assert res[True][rid] == res[False][rid], f"{rid}: async != sync ({cfg})"
+        if spec_name == "mtp2" and not r["greedy"] and preempted(r, res):
+            # Known limitation: with probabilistic drafts (q != p) a preemption restarts the draft
+            # phase (the resumed prefill samples the next token plainly instead of verifying the
+            # old draft), so the tokens stay correctly distributed but depend on when it happened.
+            continue
+        assert res[True][rid][:2] == res[False][rid][:2], f"{rid}: async != sync ({cfg})"
         if r["greedy"]:
             want = expected_greedy(hf_refs(r["prompt"]), r["params"])
+        elif spec_name == "mtp2":
+            continue                                   # lossless in law only; async == sync above
         else:
             want = seeded_ref[rid]
-        assert res[True][rid] == want, f"{rid}: != reference ({cfg}, greedy={r['greedy']})"
+        assert res[True][rid][:2] == want, f"{rid}: != reference ({cfg}, greedy={r['greedy']})"
     for r in reqs:                                     # aborted: a prefix of the un-aborted output
         if r["abort"] is not None:
             for mode in (True, False):
-                toks, reason = res[mode][r["rid"]]
+                toks, reason, _ = res[mode][r["rid"]]
                 assert reason in ("abort", "stop", "length")
                 if r["greedy"]:
                     full, _ = expected_greedy(hf_refs(r["prompt"]), r["params"])
