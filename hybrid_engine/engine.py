@@ -98,9 +98,12 @@ class EngineCore:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
                              f"most {self.max_model_len - 1} so that one token can be generated")
         sched = self.scheduler
-        need = blocks_needed(len(ids) + 2 * (1 + self.num_spec), sched.block_size)
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = blocks_needed(total + 2 * (1 + self.num_spec), sched.block_size)
         if need > sched.blocks.num_total:
-            raise ValueError(f"prompt needs {need} KV blocks but the cache has {sched.blocks.num_total}")
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                             f"but the whole cache has {sched.blocks.num_total}: lower max_tokens or enlarge "
+                             f"the cache (num_kv_blocks / kv_cache_memory_fraction)")
         if request_id is None:
             request_id = f"req-{self._req_counter}"
         self._req_counter += 1

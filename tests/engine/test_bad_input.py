@@ -107,3 +107,12 @@ def test_checkpoint_tensor_problems(hybrid_dir, tmp_path):
         save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(ValueError, match="layers.0.mixer.A_log"):
             LLM(d)
+
+
+def test_request_that_can_never_fit_the_cache(hybrid_dir):
+    """prompt + max_tokens beyond the whole KV cache would preempt itself forever: refuse it."""
+    small = LLM(hybrid_dir, dtype="float32", device=DEV, block_size=4, num_kv_blocks=10, max_model_len=100)
+    with pytest.raises(ValueError, match="max_tokens"):
+        small.generate([GOOD], SamplingParams(max_tokens=40), use_tqdm=False)
+    out = small.generate([GOOD], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 20
