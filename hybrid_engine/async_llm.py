@@ -36,9 +36,7 @@ import asyncio
 import logging
 import uuid
 
-from .config import SpeculativeConfig
-from .engine import EngineCore
-from .llm import _engine_config
+from .llm import build_engine
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
@@ -62,16 +60,8 @@ class AsyncLLM:
     """Streaming generation. Arguments as ``LLM`` (DESIGN.md section 1); ``model=None`` uses the
     embedded default model."""
 
-    def __init__(self, model=None, *, dtype="auto", device="auto", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 speculative_config: SpeculativeConfig | None = None, async_scheduling: bool = True,
-                 seed: int = 0, block_size: int = 16, num_kv_blocks: int | None = None,
-                 enforce_eager: bool = False, **cache_kw):
-        self.engine = EngineCore(_engine_config(
-            model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            speculative_config=speculative_config, async_scheduling=async_scheduling, seed=seed,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, **cache_kw))
+    def __init__(self, model=None, **engine_args):
+        self.engine = build_engine(model, **engine_args)
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None

@@ -5,32 +5,28 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig, SpeculativeConfig
+from .config import EngineConfig
 from .engine import EngineCore
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 
-def _engine_config(model, **kw) -> EngineConfig:
+def build_engine(model=None, **engine_args) -> EngineCore:
+    """An EngineCore from user-level arguments: those of ``EngineConfig.resolve`` (dtype, device,
+    max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config, async_scheduling, seed,
+    block_size, num_kv_blocks, kv_cache_memory_fraction, kv_cache_bytes, enforce_eager).
+    ``model=None`` uses the embedded default model."""
     if model is None:
         from .default_model import default_model_dir
         model = default_model_dir()
-    return EngineConfig.resolve(model, **kw)
+    return EngineCore(EngineConfig.resolve(model, **engine_args))
 
 
 class LLM:
-    """Batch generation. Arguments as in DESIGN.md section 1; ``model=None`` uses the embedded default."""
+    """Batch generation (DESIGN.md section 1). Arguments: see ``build_engine``."""
 
-    def __init__(self, model=None, *, dtype="auto", device="auto", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 speculative_config: SpeculativeConfig | None = None, async_scheduling: bool = True,
-                 seed: int = 0, block_size: int = 16, num_kv_blocks: int | None = None,
-                 enforce_eager: bool = False, **cache_kw):
-        self.engine = EngineCore(_engine_config(
-            model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            speculative_config=speculative_config, async_scheduling=async_scheduling, seed=seed,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, **cache_kw))
+    def __init__(self, model=None, **engine_args):
+        self.engine = build_engine(model, **engine_args)
 
     @property
     def tokenizer(self):
