@@ -83,6 +83,17 @@ def cuda_time(fn, warmup: int = 1, iters: int = 3) -> float:
     return statistics.median(ts)
 
 
+def event_ms(fn, n: int) -> float:
+    """GPU time per call in ms of n back-to-back calls of fn, between two CUDA events."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import event_ms  # noqa: E402
 from hybrid_engine.attention.ops import paged_attention_ref  # noqa: E402
 from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
                              gated_rmsnorm_ref, selective_state_update_ref, ssd_scan_varlen_ref)
@@ -41,14 +42,7 @@ DEV = "cuda"
 L2_ROTATE_BYTES = 256 << 20
 
 
-def ev_time(fn, n):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
+ev_time = event_ms
 
 
 def bench(calls, reps=None, replays=10, use_graph=True):

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import event_ms  # noqa: E402
 from mamba_cache.ops import selective_state_update, ssd_scan_varlen  # noqa: E402
 
 H, P, G, NST, CS = 128, 64, 8, 128, 128
@@ -47,19 +48,11 @@ def load_mamba_ssm():
 
 
 def time_ms(fn, reps, inner, warmup=3):
+    """Median over reps of the per-call GPU time of `inner` back-to-back calls, after warm-up."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / inner)
-    return statistics.median(ts)
+    return statistics.median(event_ms(fn, inner) for _ in range(reps))
 
 
 def rnd(*shape, dtype=DT, scale=1.0):
