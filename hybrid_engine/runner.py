@@ -193,20 +193,27 @@ class ModelRunner:
                                 slots_t[nd:], start_p_t > 0),
             logits_indices=logits_idx_t)
         next_ids = torch.cat([torch.full((nd * s,), -1, dtype=torch.int64, device=dev), next_p_t])
+        st_all, st_decode, st_prefill = self._sampling(rows, nd, sample_rows_p, srp_t)
         return StepInputs(fb, start, num_tokens, drafts, draft_probs, backup_t, slots_t, srp_t, next_ids,
-                          self._sampling(rows[:nd]), self._sampling(rows[sample_rows_p]),
-                          self._sampling(rows) if k else None)
+                          st_decode, st_prefill, st_all if k else None)
 
-    def _sampling(self, rows: np.ndarray) -> SamplingTensors | None:
-        if len(rows) == 0:
-            return None
+    def _sampling(self, rows: np.ndarray, nd: int, sample_rows_p: np.ndarray, sample_rows_p_t: torch.Tensor):
+        """Sampling parameters of every step row in one transfer -> (all rows, decode rows [:nd],
+        sampling prefill rows); the subsets are device slices/gathers, their host flags from numpy."""
         b = self.batch
-        temp, top_k, top_p, min_p, seed = self.h2d.put(b.temperature[rows], b.top_k[rows], b.top_p[rows],
-                                                       b.min_p[rows], b.seed[rows])
-        rand = b.temperature[rows] > 0
-        filt = (b.top_k[rows] > 0) | (b.top_p[rows] < 1) | (b.min_p[rows] > 0)
-        return SamplingTensors(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                               all_greedy=not rand.any(), any_filter=bool((filt & rand).any()))
+        host = (b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows], b.seed[rows])
+        dev = self.h2d.put(*host)
+        rand = host[0] > 0
+        filt = ((host[1] > 0) | (host[2] < 1) | (host[3] > 0)) & rand
+
+        def subset(host_sel, dev_sel) -> SamplingTensors | None:
+            if not rand[host_sel].size:
+                return None
+            t, tk, tp, mp, sd = (x[dev_sel] for x in dev)
+            return SamplingTensors(temperature=t, top_k=tk, top_p=tp, min_p=mp, seed=sd,
+                                   all_greedy=not rand[host_sel].any(), any_filter=bool(filt[host_sel].any()))
+        return (subset(slice(None), slice(None)), subset(slice(0, nd), slice(0, nd)),
+                subset(sample_rows_p, sample_rows_p_t))
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         k = self.num_spec
