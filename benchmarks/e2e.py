@@ -166,7 +166,7 @@ def main() -> int:
         draft_dir = write_config(tmp / "draft", {**SHAPE_SMALL, "vocab_size": mc.vocab_size})
         res["spec"] = bench_spec(model_dir, draft_dir, mc, args.spec_batches, args.gen, rng)
     save_json(out_json, res)
-    print(f"\n| batch | ours tok/s | step ms | HF tok/s | x HF | roofline tok/s | % roofline |")
+    print("\n| batch | ours tok/s | step ms | HF tok/s | x HF | roofline tok/s | % roofline |")
     print("|---|---|---|---|---|---|---|")
     for r in res["decode"]:
         print(f"| {r['batch']} | {r['ours_tok_s']:.1f} | {r['step_ms']:.2f} | {r.get('hf_tok_s') or float('nan'):.1f} "

@@ -1,0 +1,186 @@
+"""SSD scan, multi-token state update and gated RMSNorm vs the float64 oracles."""
+import math
+
+import pytest
+import torch
+
+from mamba_cache import NULL_SLOT
+from mamba_cache.ops import (
+    gated_rmsnorm,
+    selective_state_update,
+    ssd_scan_naive,
+    ssd_scan_varlen,
+)
+from oracles import F64, close, dt64, qsl_of, silu64, ssm_params, ssm_seq64, tol_of
+
+
+# ----------------------------------------------------------------------------- SSD scan
+
+def run_ssd_case(lens, H, G, P, N, chunk, gen, dt_limit=(0.0, math.inf), small_dt=False,
+                 idx_dtype=torch.int32, max_seqlen=None):
+    T = sum(lens)
+    x = torch.randn(T, H, P, generator=gen)
+    dt_raw = torch.randn(T, H, generator=gen)
+    dt_bias, A, D = ssm_params(H, G, N, P, gen, small_dt)
+    B = torch.randn(T, G, N, generator=gen)
+    C = torch.randn(T, G, N, generator=gen)
+    init = torch.randn(len(lens), H, P, N, generator=gen)
+    qsl = qsl_of(lens, idx_dtype)
+    y, fin = ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, qsl, init, chunk, dt_limit,
+                             max_seqlen=max_seqlen)
+    assert y.dtype == torch.float32 and fin.dtype == torch.float32
+    assert y.shape == (T, H, P) and fin.shape == init.shape
+    dt = dt64(dt_raw, dt_bias, dt_limit)
+    st = qsl.tolist()
+    for b in range(len(lens)):
+        yr, hs = ssm_seq64(init[b], x[st[b]:st[b + 1]], dt[st[b]:st[b + 1]], A,
+                           B[st[b]:st[b + 1]], C[st[b]:st[b + 1]], D)
+        close(y[st[b]:st[b + 1]], yr, 1e-5)
+        close(fin[b], hs[-1] if lens[b] else init[b], 1e-5)
+    # the package's own oracle agrees too
+    yn, fn = ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, qsl, init, chunk, dt_limit)
+    close(y, yn, 1e-5)
+    close(fin, fn, 1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_ssd_chunk_boundaries(seed, chunk):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [chunk - 1, chunk, chunk + 1, 2 * chunk + 3, 1, 0, 3]
+    lens = lens[seed:] + lens[:seed]                         # vary the order
+    run_ssd_case(lens, H=4, G=2, P=3, N=5, chunk=chunk, gen=gen,
+                 idx_dtype=torch.int64 if seed % 2 else torch.int32)
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_ssd_groups_and_single_sequence(G):
+    gen = torch.Generator().manual_seed(11)
+    run_ssd_case([37], H=4, G=G, P=4, N=8, chunk=8, gen=gen)
+    run_ssd_case([5], H=4, G=G, P=4, N=8, chunk=16, gen=gen)          # shorter than a chunk
+
+
+def test_ssd_dt_limit_and_hint():
+    gen = torch.Generator().manual_seed(12)
+    run_ssd_case([9, 20, 2], H=3, G=1, P=2, N=4, chunk=8, gen=gen, dt_limit=(1e-3, 0.5),
+                 small_dt=True)
+    run_ssd_case([9, 20, 2], H=3, G=1, P=2, N=4, chunk=8, gen=gen, max_seqlen=20)
+    run_ssd_case([3, 5], H=3, G=1, P=2, N=4, chunk=64, gen=gen, max_seqlen=5)
+
+
+@pytest.mark.parametrize("hint", [None, 20])
+def test_ssd_device_grid_bounds(monkeypatch, hint):
+    """The device path sizes its chunk grid from T, B (and the hint), not from query_start_loc;
+    force that path on CPU."""
+    import functools
+    import mamba_cache.ops.ssd as ssd_mod
+    monkeypatch.setattr(ssd_mod, "_grid_size", functools.partial(ssd_mod._grid_size, exact=False))
+    gen = torch.Generator().manual_seed(15)
+    run_ssd_case([7, 0, 20, 1, 8, 9], H=4, G=2, P=3, N=4, chunk=8, gen=gen, max_seqlen=hint)
+
+
+def test_ssd_long_chunk_exact():
+    """A long chunk with strong decay: segment sums must not cancel."""
+    gen = torch.Generator().manual_seed(13)
+    run_ssd_case([130, 64], H=2, G=1, P=2, N=3, chunk=64, gen=gen)
+
+
+def test_ssd_all_empty_and_padding_tokens():
+    gen = torch.Generator().manual_seed(14)
+    H, P, N = 2, 3, 4
+    init = torch.randn(2, H, P, N, generator=gen)
+    dt_bias, A, D = ssm_params(H, 1, N, P, gen)
+    e = torch.zeros(0, H, P)
+    y, fin = ssd_scan_varlen(e, torch.zeros(0, H), dt_bias, A, torch.zeros(0, 1, N),
+                             torch.zeros(0, 1, N), D, torch.tensor([0, 0, 0]), init, 8)
+    assert y.shape == (0, H, P)
+    torch.testing.assert_close(fin, init)
+    # trailing padding tokens (NaN) past query_start_loc[B] do not disturb real rows
+    T = 12
+    x = torch.randn(T, H, P, generator=gen)
+    dt_raw = torch.randn(T, H, generator=gen)
+    Bm, Cm = torch.randn(T, 1, N, generator=gen), torch.randn(T, 1, N, generator=gen)
+    qsl = torch.tensor([0, 4, 9])
+    y_ref, f_ref = ssd_scan_varlen(x[:9], dt_raw[:9], dt_bias, A, Bm[:9], Cm[:9], D, qsl, init, 4)
+    x[9:], dt_raw[9:], Bm[9:] = math.nan, math.nan, math.nan
+    y2, f2 = ssd_scan_varlen(x, dt_raw, dt_bias, A, Bm, Cm, D, qsl, init, 4)
+    torch.testing.assert_close(y2[:9], y_ref)
+    torch.testing.assert_close(f2, f_ref)
+
+
+# ----------------------------------------------------------------------------- state update
+
+@pytest.mark.parametrize("K", [0, 1, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_state_update_vs_naive(K, seed):
+    gen = torch.Generator().manual_seed(200 + seed)
+    H, G, P, N, S, Nr = 4, 2, 3, 5, 8, 5
+    dtype = torch.bfloat16 if seed else torch.float32       # model-dtype inputs, f32 state
+    dt_bias, A, D = ssm_params(H, G, N, P, gen)
+    for s in sorted({1, K + 1, max(1, K // 2 + 1)}):
+        x = torch.randn(Nr, s, H, P, generator=gen).to(dtype)
+        dt_raw = torch.randn(Nr, s, H, generator=gen).to(dtype)
+        B = torch.randn(Nr, s, G, N, generator=gen).to(dtype)
+        C = torch.randn(Nr, s, G, N, generator=gen).to(dtype)
+        pool = torch.full((S, 1 + K, H, P, N), math.nan)
+        slots = torch.randperm(S - 1, generator=gen)[:Nr] + 1
+        slots[3] = NULL_SLOT
+        pool[slots] = torch.randn(Nr, 1 + K, H, P, N, generator=gen)
+        pool[NULL_SLOT] = -7.0                               # finite: a NaN write would hide
+        acc = torch.randint(1, K + 2, (Nr,), generator=gen)
+        before = pool.clone()
+        y = selective_state_update(pool, x, dt_raw, dt_bias, A, B, C, D,
+                                   slots.to(torch.int32), acc, dt_limit=(0.0, math.inf))
+        assert y.dtype == torch.float32 and y.shape == (Nr, s, H, P)
+        for r in range(Nr):
+            if slots[r] == NULL_SLOT:
+                continue
+            h0 = before[slots[r], int(acc[r]) - 1]
+            yr, hs = ssm_seq64(h0, x[r], dt64(dt_raw[r], dt_bias), A, B[r], C[r], D)
+            close(y[r], yr, 1e-5)
+            close(pool[slots[r], :s], hs, 1e-5)
+            torch.testing.assert_close(pool[slots[r], s:], before[slots[r], s:],
+                                       equal_nan=True, rtol=0, atol=0)
+        used = set(slots.tolist())
+        for sl in range(S):
+            if sl not in used or sl == NULL_SLOT:
+                torch.testing.assert_close(pool[sl], before[sl], equal_nan=True, rtol=0, atol=0)
+
+
+def test_state_update_dt_limit():
+    gen = torch.Generator().manual_seed(300)
+    H, G, P, N = 2, 1, 2, 3
+    dt_bias, A, D = ssm_params(H, G, N, P, gen, small_dt=True)
+    x = torch.randn(2, 2, H, P, generator=gen)
+    dt_raw = torch.randn(2, 2, H, generator=gen)
+    B, C = torch.randn(2, 2, G, N, generator=gen), torch.randn(2, 2, G, N, generator=gen)
+    pool = torch.randn(3, 2, H, P, N, generator=gen)
+    h0 = pool[1:3, 0].clone()
+    lim = (1e-3, 0.3)
+    y = selective_state_update(pool, x, dt_raw, dt_bias, A, B, C, D, torch.tensor([1, 2]),
+                               torch.tensor([1, 1]), lim)
+    for r in range(2):
+        yr, hs = ssm_seq64(h0[r], x[r], dt64(dt_raw[r], dt_bias, lim), A, B[r], C[r], D)
+        close(y[r], yr, 1e-5)
+        close(pool[1 + r], hs, 1e-5)
+
+
+# ----------------------------------------------------------------------------- gated rmsnorm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [4, 16])
+def test_gated_rmsnorm(dtype, group_size):
+    gen = torch.Generator().manual_seed(group_size)
+    T, I, eps = 7, 16, 1e-5
+    y = (torch.randn(T, I, generator=gen) * 3).to(dtype)
+    z = torch.randn(T, I, generator=gen).to(dtype)
+    w = torch.randn(I, generator=gen).to(dtype)
+    out = gated_rmsnorm(y, z, w, group_size, eps)
+    assert out.dtype == dtype and out.shape == (T, I)
+    ref = torch.empty(T, I, dtype=F64)
+    for t in range(T):
+        g = y[t].to(F64) * silu64(z[t].to(F64))
+        for s in range(0, I, group_size):
+            seg = g[s: s + group_size]
+            ref[t, s: s + group_size] = seg / torch.sqrt((seg * seg).mean() + eps)
+    close(out, w.to(F64) * ref, tol_of(dtype))
