@@ -119,20 +119,22 @@ def mk_ssu(B, s, impl):
         acc = torch.randint(1, s + 1, (B,), device=DEV, dtype=torch.int32)
         sets.append((x, dt, Bm, Cm, slots, acc))
 
-    def calls(fn):
-        return [lambda a=a: fn(pool, a[0], a[1], dt_bias, A, a[2], a[3], D, a[4], a[5])
-                for a in sets]
+    def calls(fn):       # y in the model dtype, as the model asks for it
+        return [lambda a=a: fn(pool, a[0], a[1], dt_bias, A, a[2], a[3], D, a[4], a[5],
+                               out_dtype=DT) for a in sets]
     nbytes = B * (H * P * NST * 4 * (1 + s)                       # read 1 checkpoint, write s
                   + s * (H * P * 2 + H * 2 + 2 * G * NST * 2)      # x, dt, B, C (bf16)
-                  + s * H * P * 4)                                 # y f32
+                  + s * H * P * 2)                                 # y bf16
     return calls(selective_state_update_ref), calls(impl), nbytes
 
 
-def mk_conv_update(B, s, impl):
+def mk_conv_update(B, s, impl, token_major=True):
     K = s - 1
     ncols = W - 1 + K
     ns = nsets_for(B * CONV * ncols * 2 + B * s * CONV * 4)
-    pool = rnd(B * ns + 1, CONV, ncols)
+    # MambaPool's layout: token-major storage seen as [S, C, ncols]
+    pool = (rnd(B * ns + 1, ncols, CONV).transpose(1, 2) if token_major
+            else rnd(B * ns + 1, CONV, ncols))
     w, b = rnd(CONV, W, scale=0.5), rnd(CONV)
     sets = []
     for k in range(ns):
@@ -197,7 +199,7 @@ def mk_attn_prefill(nseq, L, impl):
 def mk_conv_varlen(T, impl):
     x = rnd(T, CONV)
     w, b = rnd(CONV, W, scale=0.5), rnd(CONV)
-    pool = rnd(4, CONV, W - 1)
+    pool = rnd(4, W - 1, CONV).transpose(1, 2)                    # MambaPool's layout
     qsl = torch.tensor([0, T], device=DEV, dtype=torch.int32)
     slots = torch.tensor([1], device=DEV, dtype=torch.int32)
     init = torch.ones(1, device=DEV, dtype=torch.bool)
@@ -214,9 +216,9 @@ def mk_ssd(T, impl, cs=128, **kw):
     qsl = torch.tensor([0, T], device=DEV, dtype=torch.int32)
     init = torch.randn(1, H, P, NST, device=DEV)
 
-    def calls(fn, **k2):
-        return [lambda: fn(x, dt, dt_bias, A, Bm, Cm, D, qsl, init, cs, **k2)]
-    nbytes = T * (H * P * 2 + H * 2 + 2 * G * NST * 2 + H * P * 4) + 2 * H * P * NST * 4
+    def calls(fn, **k2):  # y in the model dtype, as the model asks for it
+        return [lambda: fn(x, dt, dt_bias, A, Bm, Cm, D, qsl, init, cs, out_dtype=DT, **k2)]
+    nbytes = T * (H * P * 2 + H * 2 + 2 * G * NST * 2 + H * P * 2) + 2 * H * P * NST * 4
     return calls(ssd_scan_varlen_ref), calls(impl, **kw), nbytes
 
 
@@ -227,6 +229,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel block configs")
     ap.add_argument("--sweep-only", action="store_true", help="only the config sweeps")
+    ap.add_argument("--sweep-conv", action="store_true", help="only the conv-update sweep")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of the prefill ops")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
@@ -252,6 +255,8 @@ def main():
     batches = [1, 8, 64, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     if args.sweep_only:
         args.sweep = True
+    if args.sweep_conv:
+        args.sweep_only = True     # the conv-update sweep alone
     rows, raw = [], []
 
     def record(op, shape, mk, *a, reps=None, **kw):
@@ -307,18 +312,19 @@ def main():
         main_table()
 
     sweep = []
-    if args.sweep:
+
+    def sw(name, mk, *a, reps=None, **cfg):
+        _, calls, nb = mk(*a)
+        t = bench(calls, reps)[0]
+        sweep.append(dict(op=name, args=[str(v) for v in a if not callable(v)], ms=t,
+                          pct_copy=100 * nb / (t * 1e-3) / 1e9 / bw, **cfg))
+        print(f"{name} {[v for v in a if not callable(v)]} {cfg}: {t:.4f} ms "
+              f"({sweep[-1]['pct_copy']:.0f}% copy BW)", flush=True)
+        torch.cuda.empty_cache()
+
+    if args.sweep or args.sweep_conv:
         print("\nconfig sweeps (triton ms, graph-timed)", flush=True)
-
-        def sw(name, mk, *a, reps=None, **cfg):
-            _, calls, nb = mk(*a)
-            t = bench(calls, reps)[0]
-            sweep.append(dict(op=name, args=[str(v) for v in a if not callable(v)], ms=t,
-                              pct_copy=100 * nb / (t * 1e-3) / 1e9 / bw, **cfg))
-            print(f"{name} {[v for v in a if not callable(v)]} {cfg}: {t:.4f} ms "
-                  f"({sweep[-1]['pct_copy']:.0f}% copy BW)", flush=True)
-            torch.cuda.empty_cache()
-
+    if args.sweep and not args.sweep_conv:
         for T in (8192, 2048):
             for lowp in (False, True):
                 for cb_pre in (False, True):
@@ -342,12 +348,17 @@ def main():
                                                       **k))
                     sw("conv_varlen", mk_conv_varlen, 8192, fn, reps=5, block_t=bt, block_c=bc,
                        num_warps=nw)
-        for B, s in ((256, 1), (256, 4)):
-            for bc in (64, 128, 256, 512):
-                for nw in (2, 4):
-                    fn = (lambda *x, bc=bc, nw=nw, **k:
-                          triton_causal_conv1d_update(*x, block_c=bc, num_warps=nw, **k))
-                    sw("conv_update", mk_conv_update, B, s, fn, block_c=bc, num_warps=nw)
+    if args.sweep or args.sweep_conv:
+        for B, s in ((64, 1), (256, 1), (64, 4), (256, 4)):
+            for tm in (True, False):
+                for bc in (128, 256, 512, 1024):
+                    for nw in (2, 4, 8):
+                        if nw * 32 > bc:
+                            continue
+                        fn = (lambda *x, bc=bc, nw=nw, **k:
+                              triton_causal_conv1d_update(*x, block_c=bc, num_warps=nw, **k))
+                        sw("conv_update", mk_conv_update, B, s, fn, tm, block_c=bc, num_warps=nw,
+                           token_major=tm)
     if args.profile:
         # where the time goes inside the prefill ops (default configs)
         for name, (mk, a) in {"ssd 1x8192": (mk_ssd, (8192, triton_ssd_scan_varlen)),

@@ -99,8 +99,9 @@ def ssd_scan_varlen_ref(
     dt_limit=(0.0, math.inf),
     *,
     max_seqlen: int | None = None,      # optional host-side upper bound on the longest sequence
+    out_dtype: torch.dtype = torch.float32,
 ):
-    """Chunked SSD scan (CONTRACT item 3) -> (y [T, H, P] f32, final_states [B, H, P, N] f32).
+    """Chunked SSD scan (CONTRACT item 3) -> (y [T, H, P] out_dtype, final_states [B, H, P, N] f32).
 
     Tokens go into a grid of chunks [NC, Lc] (chunk c of sequence b at row first_chunk[b] + c,
     Lc = min(chunk_size, longest sequence)); padding positions get dt = 0 and x = B = C = 0, so
@@ -152,7 +153,7 @@ def ssd_scan_varlen_ref(
     hp_t = h_prev.reshape(NC1, G, hpg, P, N).transpose(-1, -2)            # [NC1, G, hpg, N, P]
     y = y + (Cg[:, :, None] @ hp_t).reshape(NC1, H, Lc, P) * cum_in[..., None]
     y = y[row, :, col] + D.float()[:, None] * x.float()                  # [T, H, P]
-    return y, h
+    return y.to(out_dtype), h
 
 
 def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
@@ -179,12 +180,14 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
 
 
 def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states, chunk_size,
-                    dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None):
+                    dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None,
+                    out_dtype: torch.dtype = torch.float32):
     """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere."""
     from mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
         from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
         return triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc,
-                                      initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen)
+                                      initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen,
+                                      out_dtype=out_dtype)
     return ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
-                               chunk_size, dt_limit, max_seqlen=max_seqlen)
+                               chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype)

@@ -25,7 +25,8 @@ def selective_state_update_ref(
     state_indices: torch.Tensor,        # [N] pool slots (NULL_SLOT rows: no state write)
     num_accepted: torch.Tensor,         # [N] accepted count of the previous step, >= 1
     dt_limit=(0.0, math.inf),
-) -> torch.Tensor:                      # y [N, s, H, P] float32
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:                      # y [N, s, H, P] out_dtype
     """h = ssm_state[slot, num_accepted-1] (loaded whole first); for t in 0..s-1:
     h = exp(dt_t A) h + dt_t x_t B_t^T ; ssm_state[slot, t] = h ; y_t = h C_t + D x_t.
 
@@ -50,16 +51,17 @@ def selective_state_update_ref(
         h = dA[:, t, :, None, None] * h + dBx
         ssm_state[slots, t] = torch.where(keep, old[:, t], h)
         ys.append(torch.einsum("rhpn,rhn->rhp", h, Ch[:, t]) + D.float()[:, None] * xf[:, t])
-    return torch.stack(ys, dim=1)                                         # [N, s, H, P]
+    return torch.stack(ys, dim=1).to(out_dtype)                           # [N, s, H, P]
 
 
 def selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted,
-                           dt_limit=(0.0, math.inf)):
+                           dt_limit=(0.0, math.inf), out_dtype=torch.float32):
     """Public entry point (CONTRACT item 4): Triton kernel on CUDA, torch reference elsewhere."""
     from mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("selective_state_update", x.device) == "triton":
         from mamba_cache.ops.triton_state_update import triton_selective_state_update
         return triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
-                                             state_indices, num_accepted, dt_limit)
+                                             state_indices, num_accepted, dt_limit,
+                                             out_dtype=out_dtype)
     return selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
-                                      num_accepted, dt_limit)
+                                      num_accepted, dt_limit, out_dtype)

@@ -9,7 +9,9 @@ ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four la
 2. ``_chunk_state_kernel`` (chunk, head, P block): the state the chunk produces from zero,
    S_c = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T   (tl.dot over the chunk's tokens).
 3. ``_state_pass_kernel`` (sequence, head, state tile): sequential over the sequence's chunks,
-   h_in(c) = h; h = exp(cum_last_c) h + S_c; h_in overwrites S_c in place; final state out.
+   h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
+   chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
+   by step 4; in place over S_c otherwise).
 4. ``_chunk_out_kernel`` (chunk, head, row block): y_i = exp(cum_i) C_i h_in^T
    + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j + D x_i   (tl.dot, causal blocks only).
 
@@ -161,7 +163,7 @@ def _chunk_cb_kernel(
 
 @triton.jit
 def _state_pass_kernel(
-    S_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr,
+    S_ptr, hin_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr,
     H, P, N, n_nblocks,
     si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,7 +194,8 @@ def _state_pass_kernel(
         nrow = (tl.minimum(c + 1, cum_b - 1) * H + h).to(tl.int64)
         s_nxt = tl.load(S_ptr + nrow * P * N + tile, mask=m2, other=0.0)
         d_nxt = tl.load(cuma_ptr + nrow * BLOCK_L + BLOCK_L - 1)
-        tl.store(S_ptr + crow * P * N + tile, st, mask=m2)   # S_c becomes the state entering c
+        # the state entering chunk c (hin may alias S: S_c is already in registers)
+        tl.store(hin_ptr + crow * P * N + tile, st.to(hin_ptr.dtype.element_ty), mask=m2)
         st = dec * st + s_c
     tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
              + offs_n[None, :] * sf_n, st, mask=m2)
@@ -200,8 +203,8 @@ def _state_pass_kernel(
 
 @triton.jit
 def _chunk_out_kernel(
-    x_ptr, B_ptr, C_ptr, D_ptr, meta_ptr, dtc_ptr, cuma_ptr, S_ptr, cb_ptr, y_ptr,
-    H, P, N, G, nheads_per_group,
+    x_ptr, B_ptr, C_ptr, D_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, cb_ptr, y_ptr,
+    H, P, N, G, nheads_per_group, n_pblocks,
     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, sy_t, sy_h, sy_p,
     PREC: tl.constexpr, LOWP: tl.constexpr, CB_PRE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -209,7 +212,8 @@ def _chunk_out_kernel(
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    mb = tl.program_id(2) // n_pblocks
+    pb = tl.program_id(2) % n_pblocks
     clen = tl.load(meta_ptr + c * 2 + 1)
     m0 = mb * BLOCK_M
     if m0 < clen:
@@ -217,7 +221,7 @@ def _chunk_out_kernel(
         g = h // nheads_per_group
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mm = offs_m < clen
-        offs_p = tl.arange(0, BLOCK_P)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         mp = offs_p < P
         mn = offs_n < N
@@ -227,7 +231,7 @@ def _chunk_out_kernel(
                      mask=mm[:, None] & mn[None, :], other=0.0)                       # [M, N]
         cum_m = tl.load(cuma_ptr + row + offs_m, mask=mm, other=0.0)
         # state entering the chunk
-        hin = tl.load(S_ptr + ((c * H + h).to(tl.int64) * P + offs_p[None, :]) * N
+        hin = tl.load(hin_ptr + ((c * H + h).to(tl.int64) * P + offs_p[None, :]) * N
                       + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0)    # [N, P]
         if LOWP:
             acc = tl.dot(cm, hin.to(cm.dtype))                                          # [M, P]
@@ -262,8 +266,8 @@ def _chunk_out_kernel(
         xm = tl.load(x_ptr + tok_m[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=mm[:, None] & mp[None, :], other=0.0).to(tl.float32)
         acc += tl.load(D_ptr + h).to(tl.float32) * xm
-        tl.store(y_ptr + tok_m[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p, acc,
-                 mask=mm[:, None] & mp[None, :])
+        tl.store(y_ptr + tok_m[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
+                 acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mp[None, :])
 
 
 def _dt_args(dt_limit):
@@ -274,19 +278,23 @@ def _dt_args(dt_limit):
 
 def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
                            chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
-                           lowp=None, cb_pre=None, block_m=None, block_k=None, num_warps=None):
-    """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] f32, final [B,H,P,N]).
+                           out_dtype=torch.float32, lowp=None, cb_pre=None, block_m=None,
+                           block_k=None, num_warps=None, block_p=None, num_stages=None):
+    """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
+    final [B,H,P,N] f32).
 
     lowp: 16-bit operands (the model dtype) for the dots whose operands are float32 values
     (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
     cb_pre: compute C.B once per (chunk, group) in its own launch instead of once per head.
+    block_p: head_dim columns per chunk-output program (default all of them; splitting them
+    pairs best with cb_pre, else C.B is recomputed per column block).
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
     Bn = query_start_loc.numel() - 1
     dev = x.device
     cs = int(chunk_size)
-    y = torch.empty((T, H, P), dtype=torch.float32, device=dev)
+    y = torch.empty((T, H, P), dtype=out_dtype, device=dev)
     final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
     if Bn == 0:
         return y, final
@@ -310,6 +318,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     dtc = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
+    # chunk-entry states: rounded to the dot operand dtype anyway under lowp, so stored that way
+    hin = torch.empty((NC, H, P, N), dtype=x.dtype, device=dev) if lowp else S
     cb = torch.empty((NC, G, BLOCK_L, BLOCK_L) if cb_pre else (1,), dtype=torch.float32,
                      device=dev)
     BLOCK_H = max(1, min(next_pow2(H), 4096 // BLOCK_L))
@@ -340,21 +350,26 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
         nnb = triton.cdiv(N, BN_PASS)
         _state_pass_kernel[(Bn, H, triton.cdiv(P, BP_PASS) * nnb)](
-            S, cuma, cum, initial_states, final, H, P, N, nnb,
+            S, hin, cuma, cum, initial_states, final, H, P, N, nnb,
             *initial_states.stride(), *final.stride(),
             BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, num_warps=4,
         )
-        _chunk_out_kernel[(NC, H, triton.cdiv(cs, BLOCK_M))](
-            x, B, C, D, meta, dtc, cuma, S, cb, y, H, P, N, G, H // G,
+        BP_OUT = min(BLOCK_P, max(16, next_pow2(block_p or _DEFAULTS["block_p"] or P)))
+        npb = triton.cdiv(P, BP_OUT)
+        stages = num_stages or _DEFAULTS["num_stages"]
+        _chunk_out_kernel[(NC, H, triton.cdiv(cs, BLOCK_M) * npb)](
+            x, B, C, D, meta, dtc, cuma, hin, cb, y, H, P, N, G, H // G, npb,
             *x.stride(), *B.stride(), *C.stride(), *y.stride(),
             PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
+            BLOCK_K=BLOCK_K, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, num_warps=nw,
+            **({"num_stages": stages} if stages else {}),
         )
     return y, final
 
 
 # defaults, from the H100 sweep in benchmarks/kernels.py (2026-11-22)
-_DEFAULTS = dict(lowp=True, cb_pre=False, block_m=128, block_k=32, num_warps=4)
+_DEFAULTS = dict(lowp=True, cb_pre=False, block_m=128, block_k=32, num_warps=4, block_p=None,
+                 num_stages=None)
 
 
 # ----------------------------------------------------------------------------- sequential variant
@@ -394,19 +409,20 @@ def _ssd_seq_kernel(
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         st = st * tl.exp(dt * A) + (x * dt)[:, None] * Bv[None, :]
         yv = tl.sum(st * Cv[None, :], axis=1) + Dh * x
-        tl.store(y_ptr + tt * sy_t + h * sy_h + offs_p * sy_p, yv, mask=mp)
+        tl.store(y_ptr + tt * sy_t + h * sy_h + offs_p * sy_p, yv.to(y_ptr.dtype.element_ty),
+                 mask=mp)
     tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
              + offs_n[None, :] * sf_n, st, mask=m2)
 
 
 def triton_ssd_scan_sequential(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
                                chunk_size=None, dt_limit=(0.0, math.inf), *, max_seqlen=None,
-                               block_p=16):
+                               out_dtype=torch.float32, block_p=16):
     """Sequential-recurrence kernel with the same arguments and results (chunk_size ignored)."""
     T, H, P = x.shape
     G, N = B.shape[-2:]
     Bn = query_start_loc.numel() - 1
-    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
+    y = torch.empty((T, H, P), dtype=out_dtype, device=x.device)
     final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=x.device)
     if Bn == 0:
         return y, final

@@ -76,7 +76,7 @@ def _ssu_kernel(
         h = h * dA + (x * dt)[:, None] * Bv[None, :]
         tl.store(base + t * st_k + tile, h, mask=mst)
         y = tl.sum(h * Cv[None, :], axis=1) + Dh * x
-        tl.store(y_base + t * sy_t, y, mask=mp)
+        tl.store(y_base + t * sy_t, y.to(y_ptr.dtype.element_ty), mask=mp)
 
 
 # (BLOCK_P, num_warps) per (head_dim, d_state); measured on an H100 (benchmarks/kernels.py)
@@ -89,15 +89,15 @@ def _config(P: int, N: int, rows_x_heads: int):
 
 
 def triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
-                                  num_accepted, dt_limit=(0.0, math.inf), *, block_p=None,
-                                  num_warps=None):
-    """Same arguments and result as ``selective_state_update_ref`` (y [N, s, H, P] float32)."""
+                                  num_accepted, dt_limit=(0.0, math.inf), *,
+                                  out_dtype=torch.float32, block_p=None, num_warps=None):
+    """Same arguments and result as ``selective_state_update_ref`` (y [N, s, H, P] out_dtype)."""
     nrows, s, H, P = x.shape
     G, Nst = B.shape[-2:]
     assert ssm_state.dtype == torch.float32
     assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
     assert ssm_state.shape[2:] == (H, P, Nst)
-    y = torch.empty((nrows, s, H, P), dtype=torch.float32, device=x.device)
+    y = torch.empty((nrows, s, H, P), dtype=out_dtype, device=x.device)
     if nrows == 0:
         return y
     BLOCK_P, BLOCK_N, nw = _config(P, Nst, nrows * H)
