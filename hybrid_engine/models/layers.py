@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .rmsnorm import rmsnorm
+from .activation import relu2
+from .linear import Linear
+from .rmsnorm import fused_add_rmsnorm, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -21,16 +23,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, self.weight, self.eps)
 
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual step: -> (norm(r), r) with r = residual + x, one kernel on CUDA.
+        residual None (the first block of a stack): r = x, no add."""
+        if residual is None:
+            return self(x), x
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
@@ -81,8 +87,8 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias)
         if cfg.moe_latent_size:
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.fc1_latent_proj = Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
 

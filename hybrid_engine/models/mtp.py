@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ATTENTION, MLP as MLP_KIND, MOE, ModelConfig
 from ..forward_batch import ForwardBatch
 from .layers import MLP, MoE, RMSNorm
+from .linear import Linear
 
 
 class MTPLayer(nn.Module):
@@ -24,7 +25,7 @@ class MTPLayer(nn.Module):
         d, eps = cfg.hidden_size, cfg.layer_norm_epsilon
         if first:
             self.enorm, self.hnorm = RMSNorm(d, eps), RMSNorm(d, eps)
-            self.eh_proj = nn.Linear(2 * d, d, bias=False)
+            self.eh_proj = Linear(2 * d, d, bias=False)
         self.norm = RMSNorm(d, eps)
         if kind == ATTENTION:
             self.mixer = Attention(cfg, attn_ordinal)
@@ -57,7 +58,9 @@ class MTP(nn.Module):
         """embeds, prev_hidden [T, D] -> (hidden before final norm [T, D], normed [T, D])."""
         first = self.layers[0]
         h = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(prev_hidden)], -1))
-        for layer in self.layers:
-            x = layer.norm(h)
-            h = h + (layer.mixer(x, fb, caches) if layer.attn else layer.mixer(x))
-        return h, self.layers[-1].final_layernorm(h)
+        residual = None
+        for layer in self.layers:              # residual adds fused into the next norm (as Block)
+            x, residual = layer.norm.add_norm(h, residual)
+            h = layer.mixer(x, fb, caches) if layer.attn else layer.mixer(x)
+        normed, h = self.layers[-1].final_layernorm.add_norm(h, residual)
+        return h, normed

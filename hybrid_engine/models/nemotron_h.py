@@ -14,6 +14,7 @@ from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
 from ..forward_batch import ForwardBatch
 from .layers import MLP, MoE, RMSNorm
+from .linear import Linear
 
 
 class Caches:
@@ -32,14 +33,14 @@ class Mamba2Mixer(nn.Module):
         self.I, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
         self.chunk_size, self.eps = cfg.chunk_size, cfg.layer_norm_epsilon
         self.dt_limit = tuple(cfg.time_step_limit)
-        self.in_proj = nn.Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.use_bias)
+        self.in_proj = Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
                                 bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(self.H))
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.D = nn.Parameter(torch.ones(self.H))
         self.norm = RMSNormWeight(self.I)
-        self.out_proj = nn.Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
+        self.out_proj = Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
 
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, recomputed only when A_log changes (weights are constant
@@ -66,7 +67,7 @@ class Mamba2Mixer(nn.Module):
             y = mops.selective_state_update(
                 ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias, A,
                 bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
-                md.decode_slots, md.num_accepted, dt_limit=self.dt_limit)
+                md.decode_slots, md.num_accepted, dt_limit=self.dt_limit, out_dtype=x.dtype)
             ys.append(y.reshape(nd, self.I))
         if md.num_prefill_rows:
             xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,
@@ -77,10 +78,11 @@ class Mamba2Mixer(nn.Module):
             y, final = mops.ssd_scan_varlen(
                 xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
                 cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, init, self.chunk_size,
-                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len)
+                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len, out_dtype=x.dtype)
             ssm_state[md.prefill_slots, 0] = final
             ys.append(y.reshape(-1, self.I))
-        y = (ys[0] if len(ys) == 1 else torch.cat(ys)).to(x.dtype)
+        # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
         y = mops.gated_rmsnorm(y, z, self.norm.weight, self.I // self.G, self.eps)
         return self.out_proj(y)
 
@@ -100,10 +102,10 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.hd ** -0.5
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, d, bias=False)
+        self.q_proj = Linear(d, self.nh * self.hd, bias=False)
+        self.k_proj = Linear(d, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(d, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, d, bias=False)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         t = x.shape[0]
@@ -140,9 +142,14 @@ class Block(nn.Module):
             raise ValueError(f"unsupported layer kind {kind!r}; allowed: M, *, -, E")
         self.stateful = kind in (MAMBA, ATTENTION)
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
-        x = self.norm(h)
-        return h + (self.mixer(x, fb, caches) if self.stateful else self.mixer(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+                caches: Caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous block's mixer output (the embeddings for the first block, with residual
+        None) [T, D] -> (this mixer's output [T, D], residual stream [T, D]). The residual add
+        ``residual + h`` happens inside this block's norm kernel instead of as a separate kernel
+        at the end of the previous block; the stream is bit-identical to ``h + mixer(norm(h))``."""
+        x, residual = self.norm.add_norm(h, residual)
+        return (self.mixer(x, fb, caches) if self.stateful else self.mixer(x)), residual
 
 
 class Backbone(nn.Module):
@@ -165,7 +172,7 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.backbone = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         if with_mtp:                        # loaded from mtp.* tensors; used by the MTP drafter
@@ -174,10 +181,10 @@ class NemotronHForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Returns the final-normed hidden states [T, D] of every scheduled token."""
-        h = self.backbone.embeddings(fb.input_ids)
+        h, residual = self.backbone.embeddings(fb.input_ids), None     # [T, D]
         for layer in self.backbone.layers:
-            h = layer(h, fb, caches)
-        return self.backbone.norm_f(h)
+            h, residual = layer(h, residual, fb, caches)
+        return self.backbone.norm_f.add_norm(h, residual)[0]           # last add fused into norm_f
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                # [L, V] float32

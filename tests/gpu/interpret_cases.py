@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 
 import kernel_cases as kc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
+from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
 from mamba_cache.ops.triton_conv import (triton_causal_conv1d_update,  # noqa: E402
                                          triton_causal_conv1d_varlen)
 from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
@@ -29,10 +30,17 @@ CASES = {
                                                    [1, 3], 8, W=2, K=0, bias=False, seed=1),
     "conv_update": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
                                                 5, 4, 24, K=3),
+    "conv_update_channel_major": lambda: kc.check_conv_update(
+        triton_causal_conv1d_update, "cpu", F32, 5, 4, 24, K=3, token_major=False, seed=3),
+    "conv_varlen_channel_major": lambda: kc.check_conv_varlen(
+        triton_causal_conv1d_varlen, "cpu", F32, [5, 1, 0, 2, 17], 24, W=4, K=3,
+        token_major=False, seed=3),
     "conv_update_k8": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
                                                    4, 9, 16, K=8, seed=1),
     "ssu": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 5, 3, 4,
                                 dt_limit=(0.01, 0.4)),
+    "ssu_out_f16": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 4, 2, 1,
+                                        out_dtype=torch.float16, seed=2),
     "ssu_k0": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 3, 1, 0, seed=1),
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
     "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
@@ -41,8 +49,20 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen(*a, lowp=True, cb_pre=True, block_m=16,
                                                block_k=16, **k),
         "cpu", torch.float16, [16, 1, 0, 35, 7], chunk_size=32, seed=2),
+    "ssd_out_f16": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7],
+                                        out_dtype=torch.float16, seed=4),
+    "ssd_pblocks": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, cb_pre=True, block_p=16, block_m=16,
+                                               block_k=16, **k),
+        "cpu", F32, [16, 1, 0, 35, 7], P=40, chunk_size=32, seed=5),
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
+    "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(
+        x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
+        for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300))],
+    "linear_dot": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_dot(
+        x, w, b, block_n=32, block_k=64), "cpu", F32, M, N, K, bias=M != 3, seed=M)
+        for M, N, K in ((1, 37, 100), (3, 64, 256), (16, 65, 129))],
     "attention_decode": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
                                                    [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                    hd=16, bs=4),
@@ -53,6 +73,22 @@ CASES = {
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                     seed=1),
 }
+
+
+# model-side kernels (block norm, fused residual add + norm, relu²): float32 and float16
+import model_kernel_cases as mkc  # noqa: E402
+from hybrid_engine.models.activation import relu2_triton  # noqa: E402
+from hybrid_engine.models.rmsnorm import fused_add_rmsnorm_triton, rmsnorm_triton  # noqa: E402
+
+CASES.update({
+    "rmsnorm": lambda: mkc.check_rmsnorm(rmsnorm_triton, "cpu", F32, 5, 48),
+    "add_rmsnorm": lambda: mkc.check_add_rmsnorm(fused_add_rmsnorm_triton, rmsnorm_triton,
+                                                 "cpu", F32, 5, 100, seed=1),
+    "add_rmsnorm_f16": lambda: mkc.check_add_rmsnorm(fused_add_rmsnorm_triton, rmsnorm_triton,
+                                                     "cpu", torch.float16, 3, 64, seed=2),
+    "relu2": lambda: mkc.check_relu2(relu2_triton, "cpu", F32, 3, 700),
+    "relu2_f16": lambda: mkc.check_relu2(relu2_triton, "cpu", torch.float16, 2, 1500, seed=1),
+})
 
 
 def main(names):

@@ -33,6 +33,9 @@ TOL = {
 }
 
 
+_ULP = {BF16: 2 ** -7, F16: 2 ** -10}     # relative spacing of 16-bit floats near 1
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> float:
     """max|a-e| / max|e| over positions where e is finite; NaN/inf in a there -> inf."""
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
@@ -93,10 +96,24 @@ def _slots(num_rows, num_slots, gen, null_rows=()):
     return s.to(torch.int32)
 
 
+def _conv_pool(S, C, ncols, dtype, token_major):
+    """NaN conv pool [S, C, ncols]: channel-major storage, or token-major storage [S, ncols, C]
+    seen through a transposed view (MambaPool's layout)."""
+    if token_major:
+        return torch.full((S, ncols, C), math.nan).to(dtype).transpose(1, 2)
+    return torch.full((S, C, ncols), math.nan).to(dtype)
+
+
+def _clone_like(t):
+    """A copy with the same strides (clone() of a transposed view keeps them too; be explicit)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
 # ----------------------------------------------------------------------------- conv varlen
 
 def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0, pad=3,
-                      tol=None):
+                      tol=None, token_major=True):
     g = _gen(seed)
     Bn, T = len(lens), sum(lens)
     S = Bn + 3
@@ -105,7 +122,7 @@ def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0,
     w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
     b = torch.randn(C, generator=g).to(dtype) if bias else None
     slots = _slots(Bn, S, g, null_rows)
-    pool = torch.full((S, C, W - 1 + K), math.nan).to(dtype)
+    pool = _conv_pool(S, C, W - 1 + K, dtype, token_major)
     live = slots[slots != NULL_SLOT].long()
     pool[live] = torch.randn(len(live), C, W - 1 + K, generator=g).to(dtype)
     has_init = torch.rand(Bn, generator=g) < 0.5
@@ -117,7 +134,7 @@ def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0,
             tok_ok[int(qsl[r]):int(qsl[r + 1])] = True
     d = lambda t: t.to(device) if t is not None else None        # noqa: E731
     x, w, b, pool, slots, has_init, qsl = map(d, (x, w, b, pool, slots, has_init, qsl))
-    p_ref, p_k = pool.clone(), pool.clone()
+    p_ref, p_k = _clone_like(pool), _clone_like(pool)
     out_ref = causal_conv1d_varlen_ref(x, w, b, p_ref, qsl, slots, has_init)
     poison_allocator(device)
     out = impl(x, w, b, p_k, qsl, slots, has_init)
@@ -130,7 +147,8 @@ def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0,
 
 # ----------------------------------------------------------------------------- conv update
 
-def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0, tol=None):
+def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0, tol=None,
+                      token_major=True):
     g = _gen(seed)
     S = N + 3
     null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
@@ -138,14 +156,14 @@ def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0,
     w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
     b = torch.randn(C, generator=g).to(dtype) if bias else None
     slots = _slots(N, S, g, null_rows)
-    pool = torch.full((S, C, W - 1 + K), math.nan).to(dtype)
+    pool = _conv_pool(S, C, W - 1 + K, dtype, token_major)
     live = slots[slots != NULL_SLOT].long()
     pool[live] = torch.randn(len(live), C, W - 1 + K, generator=g).to(dtype)
     acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)   # a_prev in 1..K+1
     rows_ok = (slots != NULL_SLOT)
     d = lambda t: t.to(device) if t is not None else None        # noqa: E731
     x, w, b, pool, slots, acc = map(d, (x, w, b, pool, slots, acc))
-    p_ref, p_k = pool.clone(), pool.clone()
+    p_ref, p_k = _clone_like(pool), _clone_like(pool)
     out_ref = causal_conv1d_update_ref(x, w, b, p_ref, slots, acc)
     poison_allocator(device)
     out = impl(x, w, b, p_k, slots, acc)
@@ -166,7 +184,8 @@ def ssm_params(H, gen, small_dt=False):
 
 
 def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
-              dt_limit=(0.0, math.inf), seed=0, pad=2, tol=None, qsl_on_device=True):
+              dt_limit=(0.0, math.inf), seed=0, pad=2, tol=None, qsl_on_device=True,
+              out_dtype=F32):
     g = _gen(seed)
     Bn, T = len(lens), sum(lens)
     x = torch.randn(T + pad, H, P, generator=g).to(dtype)
@@ -180,13 +199,14 @@ def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
     x, dt, B, C, dt_bias, A, D, init = map(d, (x, dt, B, C, dt_bias, A, D, init))
     qsl_d = d(qsl) if qsl_on_device else qsl
     y_ref, f_ref = ssd_scan_varlen_ref(x, dt, dt_bias, A, B, C, D, qsl_d, init, chunk_size,
-                                       dt_limit)
+                                       dt_limit, out_dtype=out_dtype)
     poison_allocator(device)
     init_k = init.clone()
-    y, f = impl(x, dt, dt_bias, A, B, C, D, qsl_d, init_k, chunk_size, dt_limit)
-    assert y.dtype == F32 and f.dtype == F32 and y.shape == (T + pad, H, P)
+    y, f = impl(x, dt, dt_bias, A, B, C, D, qsl_d, init_k, chunk_size, dt_limit,
+                out_dtype=out_dtype)
+    assert y.dtype == out_dtype and f.dtype == F32 and y.shape == (T + pad, H, P)
     assert torch.equal(init_k, init), "initial_states modified"
-    tol = tol or TOL["ssd"][dtype]
+    tol = tol or TOL["ssd"][dtype] + _ULP.get(out_dtype, 0.0)
     return {"y": assert_close(y[:T], y_ref[:T], tol, "ssd y"),
             "final": assert_close(f, f_ref, tol, "ssd final")}
 
@@ -194,7 +214,7 @@ def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
 # ----------------------------------------------------------------------------- state update
 
 def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.0, math.inf),
-              seed=0, tol=None):
+              seed=0, tol=None, out_dtype=F32):
     g = _gen(seed)
     S = N + 3
     null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
@@ -213,11 +233,13 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
     x, dt, B, C, dt_bias, A, D, slots, pool, acc = map(d, (x, dt, B, C, dt_bias, A, D, slots, pool,
                                                            acc))
     p_ref, p_k = pool.clone(), pool.clone()
-    y_ref = selective_state_update_ref(p_ref, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit)
+    y_ref = selective_state_update_ref(p_ref, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit,
+                                       out_dtype)
     poison_allocator(device)
-    y = impl(p_k, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit)
-    assert y.dtype == F32 and y.shape == (N, s, H, P)
-    tol = tol or TOL["ssu"][dtype]
+    y = impl(p_k, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit, out_dtype=out_dtype)
+    assert y.dtype == out_dtype and y.shape == (N, s, H, P)
+    # a 16-bit y is one rounding of the float32 value: allow one unit in the last place
+    tol = tol or TOL["ssu"][dtype] + _ULP.get(out_dtype, 0.0)
     ok = rows_ok.to(device)
     return {"y": assert_close(y[ok], y_ref[ok], tol, "ssu y"),
             "state": assert_pool(p_k, p_ref, tol, "ssu state")}
@@ -275,3 +297,24 @@ def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, b
     out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms)
     assert out.dtype == dtype and out.shape == q.shape
     return {"out": assert_close(out, ref, tol or TOL["attn"][dtype], "paged_attention")}
+
+
+# ----------------------------------------------------------------------------- skinny linear
+
+def check_linear(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
+    """impl(x, weight, bias) vs F.linear in float64 on the same (rounded) inputs; x is a strided
+    row view (unit inner stride) as hidden-state slices are in the model."""
+    g = _gen(seed)
+    xbig = torch.randn(M, K + 5, generator=g).to(dtype)
+    x = xbig[:, 2:2 + K]
+    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    x, w = x.to(device), w.to(device)
+    b = b.to(device) if bias else None
+    poison_allocator(device)
+    y = impl(x, w, b)
+    assert y.dtype == dtype and y.shape == (M, N)
+    # float32 accumulation, one rounding to dtype at the end
+    tol = tol or {F32: 1e-5, BF16: 1e-2, F16: 2e-3}[dtype]
+    return {"y": assert_close(y.cpu().double(), ref, tol, "skinny linear")}

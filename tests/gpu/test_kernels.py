@@ -17,6 +17,7 @@ from mamba_cache.ops import triton_common
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
+F32 = torch.float32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DT_IDS = ["f32", "bf16", "f16"]
 
@@ -61,8 +62,9 @@ CONV_VARLEN = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(CONV_VARLEN)))
 def test_conv_varlen(dtype, case):
-    for seed in (0, 1):
-        kc.check_conv_varlen(causal_conv1d_varlen, DEV, dtype, seed=seed, **CONV_VARLEN[case])
+    for seed in (0, 1):      # seed 0: MambaPool's token-major layout; seed 1: channel-major
+        kc.check_conv_varlen(causal_conv1d_varlen, DEV, dtype, seed=seed, token_major=seed == 0,
+                             **CONV_VARLEN[case])
 
 
 # ----------------------------------------------------------------------------- conv update
@@ -81,8 +83,9 @@ CONV_UPDATE = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(CONV_UPDATE)))
 def test_conv_update(dtype, case):
-    for seed in (0, 1):
-        kc.check_conv_update(causal_conv1d_update, DEV, dtype, seed=seed, **CONV_UPDATE[case])
+    for seed in (0, 1):      # seed 0: MambaPool's token-major layout; seed 1: channel-major
+        kc.check_conv_update(causal_conv1d_update, DEV, dtype, seed=seed, token_major=seed == 0,
+                             **CONV_UPDATE[case])
 
 
 @pytest.mark.parametrize("K", range(9))
@@ -109,8 +112,9 @@ SSD = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(SSD)))
 def test_ssd(dtype, case):
-    for seed in (0, 1):
-        kc.check_ssd(ssd_scan_varlen, DEV, dtype, seed=seed, **SSD[case])
+    for seed in (0, 1):      # y in float32, then in the model dtype (what the model asks for)
+        kc.check_ssd(ssd_scan_varlen, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed],
+                     **SSD[case])
 
 
 SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
@@ -122,10 +126,12 @@ SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
 def test_ssd_variants(dtype, lowp, cb_pre, case):
     """The non-default kernel variants (16-bit dot operands, precomputed C.B) and block shapes."""
     from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
-    for seed, (bm, bk, nw) in enumerate([(None, None, None), (64, 64, 8)]):
+    for seed, (bm, bk, nw, bp, st) in enumerate([(None, None, None, None, None),
+                                                  (64, 64, 8, None, None), (64, 32, 4, 32, 3)]):
         impl = functools.partial(triton_ssd_scan_varlen, lowp=lowp, cb_pre=cb_pre, block_m=bm,
-                                 block_k=bk, num_warps=nw)
-        kc.check_ssd(impl, DEV, dtype, seed=seed, **SSD_VARIANT_CASES[case])
+                                 block_k=bk, num_warps=nw, block_p=bp, num_stages=st)
+        kc.check_ssd(impl, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed % 2],
+                     **SSD_VARIANT_CASES[case])
 
 
 # ----------------------------------------------------------------------------- state update
@@ -149,8 +155,9 @@ SSU = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(SSU)))
 def test_ssu(dtype, case):
-    for seed in (0, 1):
-        kc.check_ssu(selective_state_update, DEV, dtype, seed=seed, **SSU[case])
+    for seed in (0, 1):      # y in float32, then in the model dtype (what the model asks for)
+        kc.check_ssu(selective_state_update, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed],
+                     **SSU[case])
 
 
 # ----------------------------------------------------------------------------- gated norm
@@ -213,3 +220,37 @@ def test_nan_is_caught():
         return out
     with pytest.raises(AssertionError):
         kc.check_conv_update(bad, DEV, torch.float32, 4, 2, 16, K=1)
+
+
+# ----------------------------------------------------------------------------- skinny linear
+
+LINEAR = [(1, 37, 100), (1, 4096, 4096), (1, 1024, 4096), (1, 18560, 4096), (1, 4096, 21504),
+          (2, 200, 333), (4, 4096, 8192), (4, 21504, 4096), (8, 1000, 1024), (16, 65, 129)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", range(len(LINEAR)))
+def test_skinny_linear(dtype, case):
+    """The dispatcher's choice for M rows (FMA kernel for 1 row, dot kernel for 2..16) and both
+    kernels directly, with and without bias, against F.linear in float64."""
+    from hybrid_engine.models.skinny_linear import (skinny_linear, skinny_linear_dot,
+                                                    skinny_linear_fma)
+    M, N, K = LINEAR[case]
+    impls = [skinny_linear, skinny_linear_dot] + ([skinny_linear_fma] if M <= 4 else [])
+    for seed, impl in enumerate(impls):
+        kc.check_linear(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
+
+
+def test_linear_module_dispatch():
+    """models.linear.Linear: Triton for decode-sized 16-bit inputs, F.linear otherwise; the
+    same numbers either way (within bf16 rounding)."""
+    from hybrid_engine.models.linear import Linear
+    torch.manual_seed(0)
+    lin = Linear(256, 512, bias=True).to(DEV, torch.bfloat16)
+    for rows in (1, 4, 8, 9, 64):
+        x = torch.randn(rows, 256, device=DEV, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+        kc.assert_close(lin(x).double(), ref, 1e-2, f"Linear rows={rows}")
+    f32 = Linear(64, 32).to(DEV)
+    x = torch.randn(1, 64, device=DEV)
+    assert torch.equal(f32(x), torch.nn.functional.linear(x, f32.weight, f32.bias))

@@ -19,9 +19,12 @@ from mamba_cache.ops import triton_common
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-KERNEL_CASES = ["conv_varlen", "conv_varlen_w2", "conv_update", "conv_update_k8", "ssu", "ssu_k0",
-                "ssd", "ssd_odd", "ssd_fp16_variants", "ssd_sequential", "norm",
+KERNEL_CASES = ["conv_varlen", "conv_varlen_w2", "conv_update", "conv_update_k8",
+                "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0",
+                "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
+                "ssd_sequential", "norm", "linear_fma", "linear_dot",
                 "attention_decode", "attention_split", "attention_prefill"]
+KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,6 @@ def test_mtp_drafts_match_naive_recompute(target, prompts):
     finally:
         mtp_mod.MTPDrafter.propose = orig
     seq = prompt + out[0].outputs[0].token_ids
-    model = llm.engine.model
     # naive: target hidden states of the whole sequence, then the MTP layers as plain causal attention
     ref_first, ref_second = _naive_mtp_drafts(llm, seq, len(prompt))
     _, drafts, valid = recorded[0]            # proposal after the prefill step
@@ -116,7 +115,6 @@ def test_mtp_drafts_match_naive_recompute(target, prompts):
 
 def _naive_mtp_drafts(llm, seq, prompt_len):
     """Drafts 1 and 2 proposed right after prefilling seq[:prompt_len] and sampling seq[prompt_len]."""
-    from hybrid_engine.models.layers import relu2  # noqa: F401  (MoE/MLP are stateless modules)
     model = llm.engine.model
     mtp = model.mtp
     p = prompt_len

@@ -1,0 +1,130 @@
+"""Decode-sized projections (M = 1..4 token rows) on the Nemotron-H-8B shapes: cuBLAS (F.linear)
+versus the Triton kernels in hybrid_engine/models/skinny_linear.py over a config sweep (CUDA).
+
+Timing: each call set is captured in a CUDA graph (20 calls, rotating over enough weight copies
+that the working set exceeds L2) and replayed; median over replays; GB/s counts weight + x + y
+bytes once. The summary weights each shape by its calls per 8B decode step.
+
+    python benchmarks/gemv.py [--m 1 4] [--out table.md] [--json f.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import copy_bandwidth, event_ms  # noqa: E402
+from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
+
+# (name, N, K, calls per decode step of the 8B shape)
+SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24),
+          ("mlp up_proj", 21504, 4096, 24), ("mlp down_proj", 4096, 21504, 24),
+          ("attn q/o_proj", 4096, 4096, 8), ("attn k/v_proj", 1024, 4096, 8),
+          ("lm_head", 131072, 4096, 1)]
+DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
+            for bn, bk, nw, st in ((32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4),
+                                   (64, 256, 4, 3), (64, 128, 4, 6), (128, 128, 4, 4),
+                                   (32, 512, 4, 2), (16, 256, 4, 4), (16, 512, 4, 3))]
+FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
+            for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
+                               (16, 512, 8), (32, 256, 8), (4, 1024, 4))]
+
+
+def graph_ms(calls, reps=20, replays=7):
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        for k in range(reps):
+            calls[k % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    t = statistics.median(event_ms(g.replay, 1) / reps for _ in range(replays))
+    del g
+    return t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth() / 1e9
+    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+            f"copy {bw:.0f} GB/s")
+    print(head, flush=True)
+    res = []
+    for name, N, K, per_step in SHAPES:
+        wbytes = N * K * 2
+        ncopy = max(1, min(8, -(-(200 << 20) // wbytes)))      # > L2 working set
+        ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) * 0.02 for _ in range(ncopy)]
+        for M in args.m:
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            ref = F.linear(x.float(), ws[0].float())
+            nbytes = wbytes + (M * K + M * N) * 2
+            cands = [("cublas", {}, lambda w, x=x: F.linear(x, w))]
+            cands += [("dot", c, lambda w, x=x, c=c: skinny_linear_dot(x, w, **c)) for c in DOT_CFGS]
+            if M <= 4:
+                cands += [("fma", c, lambda w, x=x, c=c: skinny_linear_fma(x, w, **c))
+                          for c in FMA_CFGS]
+            for kind, cfg, fn in cands:
+                try:
+                    err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
+                    ms = graph_ms([lambda w=w, fn=fn: fn(w) for w in ws])
+                except Exception as exc:  # a config that does not compile: report, go on
+                    print(f"  {name} M={M} {kind} {cfg}: FAILED {type(exc).__name__}: {exc}"[:300],
+                          flush=True)
+                    continue
+                r = dict(shape=name, N=N, K=K, M=M, per_step=per_step, kind=kind, cfg=cfg, ms=ms,
+                         pct=100 * nbytes / (ms * 1e-3) / 1e9 / bw, err=err)
+                res.append(r)
+                print(f"  {name} M={M} {kind:6s} {str(cfg):70s} {ms * 1e3:8.1f} us "
+                      f"{r['pct']:5.1f}% err {err:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    lines = [head, "", "| shape | N x K | M | cuBLAS us (% copy) | best Triton us (% copy) | config |",
+             "|---|---|---|---|---|---|"]
+    tot = {}
+    for name, N, K, per_step in SHAPES:
+        for M in args.m:
+            rows = [r for r in res if r["shape"] == name and r["M"] == M]
+            cb = [r for r in rows if r["kind"] == "cublas"]
+            tr = sorted([r for r in rows if r["kind"] != "cublas"], key=lambda r: r["ms"])
+            if not cb or not tr:
+                continue
+            c, t = cb[0], tr[0]
+            lines.append(f"| {name} | {N} x {K} | {M} | {c['ms'] * 1e3:.1f} ({c['pct']:.0f}%) | "
+                         f"{t['ms'] * 1e3:.1f} ({t['pct']:.0f}%) | {t['kind']} {t['cfg']} |")
+            a = tot.setdefault(M, [0.0, 0.0])
+            a[0] += per_step * c["ms"]
+            a[1] += per_step * min(c["ms"], t["ms"])
+    for M, (c, b) in tot.items():
+        lines.append(f"\nM={M}: projections of one 8B decode step: cuBLAS {c:.3f} ms, "
+                     f"best-of per shape {b:.3f} ms ({c / b:.3f}x)")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(dict(head=head, rows=res), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

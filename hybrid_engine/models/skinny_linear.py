@@ -1,0 +1,139 @@
+"""y = x W^T (+ b) for decode-sized inputs (a few token rows): Triton kernels that stream the weight.
+
+At batch 1 a decode step is a sequence of matrix-vector products that must each read their weight
+at the copy bandwidth. cuBLAS picks split-K kernels for the tall-K shapes (out_proj, down_proj)
+whose partial sums need an extra reduction kernel each, and every extra kernel in a CUDA graph
+also costs a launch gap. These kernels give one launch per projection, float32 accumulation:
+- ``_linear_dot_kernel``: one program per BLOCK_N output features; the rows of x (padded to 16)
+  times the [BLOCK_K, BLOCK_N] weight tile with ``tl.dot``, so Triton's pipeliner prefetches the
+  weight tiles ``num_stages`` deep.
+- ``_linear_fma_kernel``: one program per BLOCK_N output features, products accumulated in a
+  [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no tensor cores; x rows <= 4).
+``skinny_linear_ref`` (= ``F.linear``) is the reference twin. The choice between these and
+cuBLAS is made by ``hybrid_engine.models.linear`` from H100 measurements (benchmarks/gemv.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * swn
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
+                     mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
+        wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
+                     other=0.0)                                                  # [BK, BN]
+        if x_ptr.dtype.element_ty == tl.float32:
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
+                       HAS_BIAS: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
+    for m in tl.static_range(M_ROWS):        # x rows re-read the same weight tiles from L1/L2
+        if m < M:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mk = offs_k < K
+                wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+                xv = tl.load(x_ptr + m * sxm + offs_k, mask=mk, other=0.0)
+                acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+            out = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * sym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+
+
+def _check(x, weight):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         "must be [M, K] and [N, K]")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("skinny_linear: x and weight need a unit inner stride")
+
+
+def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warps=4,
+                      num_stages=4):
+    """x [M <= 16, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (tl.dot kernel)."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M <= 16, "dot kernel pads x rows to 16"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    _linear_dot_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps=4,
+                      num_stages=2):
+    """x [M <= 4, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M <= 4, "fma kernel handles up to 4 x rows"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    _linear_fma_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_ROWS=4 if M > 1 else 1,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+# configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md)
+def _fma_config(N: int, K: int) -> dict:
+    if N <= 4096 and N * K >= (1 << 24):        # out_proj, down_proj, q/o_proj: few, long rows
+        return dict(block_n=4, block_k=1024, num_warps=4)
+    return dict(block_n=8, block_k=1024, num_warps=8)
+
+
+def _dot_config(N: int, K: int) -> dict:
+    if N >= 20000:                               # up_proj, lm_head
+        return dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [M <= 16, K] @ weight[N, K]^T (+ bias): the FMA kernel for one row, the dot kernel for
+    2..16 rows."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M == 1:
+        return skinny_linear_fma(x, weight, bias, **_fma_config(N, K))
+    return skinny_linear_dot(x, weight, bias, **_dot_config(N, K))
