@@ -36,6 +36,8 @@ class PrevStep:
 @dataclass(frozen=True)
 class StepInputs:
     fb: ForwardBatch
+    num_decode: int              # N_d: decode/verify rows (first in step-row order)
+    num_prefill: int             # prefill rows
     start: torch.Tensor          # [B] int64 exact start position per step row
     num_tokens: torch.Tensor     # [B] int64 query length per step row
     drafts: torch.Tensor         # [N_d, K] drafts verified this step (-1 = none)
@@ -43,20 +45,34 @@ class StepInputs:
     backup: torch.Tensor         # [B] int64 backup token per row
     slots: torch.Tensor          # [B] int64
     sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
+    sample_pos_p: torch.Tensor   # [R_p] int64 position of the token each of them samples
     next_input_ids: torch.Tensor # [T] int64 token after each input token where the host knows it, else -1
+    is_decode: torch.Tensor      # [B] bool step row is a decode/verify row
+    query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the step rows
     st_decode: SamplingTensors | None
     st_prefill: SamplingTensors | None
     st_all: SamplingTensors | None   # every step row (drafters sample with it)
+    rows_sampling_np: np.ndarray # [R] batch rows of the step rows that sample (host)
 
 
 class StepHandle:
     def __init__(self, sched: SchedulerOutput, req_ids: tuple[str, ...], copy: D2HCopy | None,
-                 error: BaseException | None = None):
+                 error: BaseException | None = None, num_spec: int = 0):
         self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
+        self.num_spec = num_spec
 
     def _output(self, host) -> ModelRunnerOutput:
-        return ModelRunnerOutput(self.sched.step_id, self.req_ids, host["sampled"], host["num_valid"],
-                                 host["num_drafts"])
+        """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
+        the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""
+        s = 1 + self.num_spec
+        out = host["out"]
+        sampled = out[:, :s]
+        num_valid = (sampled != -1).sum(1, dtype=np.int64)
+        if self.num_spec:
+            num_drafts = (out[:, s:] != -1).sum(1, dtype=np.int64)
+        else:
+            num_drafts = np.zeros(len(out), dtype=np.int64)
+        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts)
 
     def result(self) -> ModelRunnerOutput:
         return self._output(self._copy.wait())
@@ -75,6 +91,8 @@ class ModelRunner:
         self.h2d = H2D(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.prev: PrevStep | None = None
+        self._ar_s = torch.arange(1 + num_spec, device=device)          # [1+K] token offsets in a decode row
+        self._greedy_st: dict[int, SamplingTensors] = {}                 # all-greedy params by row count
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -88,33 +106,50 @@ class ModelRunner:
         except BaseException:
             self.prev = None
             raise
+        nd, npf = inp.num_decode, inp.num_prefill
         num_valid = (sampled != -1).sum(1)                                   # [B], invariant 7
-        n_dec = inp.drafts.shape[0]
-        next_start = inp.start + torch.cat([num_valid[:n_dec], inp.num_tokens[n_dec:]])
-        last_idx = (num_valid - 1).clamp(min=0)
-        last_tok = sampled.gather(1, last_idx[:, None]).squeeze(1)
-        ctx = DraftContext(
-            req_ids=req_ids, slots=inp.slots, sampled=sampled, num_valid=num_valid,
-            input_token=torch.where(num_valid > 0, last_tok, inp.backup), input_pos=next_start,
-            hidden=hidden, token_index=self._token_index(inp, last_idx, n_dec),
-            is_decode=torch.arange(len(order), device=self.device) < n_dec,
-            query_start_loc=inp.fb.attn.query_start_loc.long(), input_ids=inp.fb.input_ids,
-            positions=inp.fb.positions, next_input_ids=inp.next_input_ids, forward_batch=inp.fb, sampling=inp.st_all, block_size=self.block_size)
+        # decode rows advance by their valid tokens, prefill rows by their chunk
+        next_start = inp.start + _cat_rows(num_valid[:nd] if npf else num_valid,
+                                           inp.num_tokens[nd:] if nd else inp.num_tokens, nd, npf)
+        ctx = self._draft_context(req_ids, inp, hidden, sampled, num_valid, next_start)
         drafts, draft_probs = self.drafter.propose(ctx)
         self.prev = PrevStep(sampled, num_valid, next_start, drafts, draft_probs)
         self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
-        rows = np.array([self.batch.req_id_to_row[r.req_id] for r in order if r.samples], dtype=np.int64)
-        self.batch.append_placeholders(rows)
-        num_drafts = torch.zeros(len(order), dtype=torch.int64, device=self.device)
-        if n_dec and self.num_spec:
-            num_drafts[:n_dec] = (inp.drafts != -1).sum(1)
-        copy = D2HCopy({"sampled": sampled, "num_valid": num_valid, "num_drafts": num_drafts},
-                       self.copy_stream)
-        return StepHandle(sched, req_ids, copy)
+        self.batch.append_placeholders(inp.rows_sampling_np)
+        copy = D2HCopy({"out": self._d2h_payload(sampled, inp)}, self.copy_stream)
+        return StepHandle(sched, req_ids, copy, num_spec=self.num_spec)
+
+    def _d2h_payload(self, sampled: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """[B, 1+K] sampled tokens, then (K > 0) the [B, K] drafts verified (-1 = none; prefill rows
+        verified none): one tensor, one copy; the host derives num_valid and num_drafts from it."""
+        if not self.num_spec:
+            return sampled
+        npf = inp.num_prefill
+        drafts = inp.drafts
+        if npf:
+            drafts = torch.cat([drafts, torch.full((npf, self.num_spec), -1, dtype=torch.int64, device=self.device)])
+        return torch.cat([sampled, drafts], 1)
+
+    def _draft_context(self, req_ids, inp: StepInputs, hidden, sampled, num_valid, next_start) -> DraftContext:
+        """The drafter's view of this step. For drafters with ``full_context = False`` (n-gram, none)
+        input_token and token_index stay None, which saves the device ops that derive them."""
+        common = dict(req_ids=req_ids, slots=inp.slots, sampled=sampled, num_valid=num_valid, input_pos=next_start,
+                      is_decode=inp.is_decode, query_start_loc=inp.query_start_loc,
+                      hidden=hidden, input_ids=inp.fb.input_ids, positions=inp.fb.positions,
+                      next_input_ids=inp.next_input_ids, forward_batch=inp.fb, sampling=inp.st_all,
+                      block_size=self.block_size)
+        if not self.drafter.full_context:
+            return DraftContext(input_token=None, token_index=None, **common)
+        n_dec = inp.num_decode
+        last_idx = (num_valid - 1).clamp(min=0)
+        last_tok = sampled.gather(1, last_idx[:, None]).squeeze(1)
+        return DraftContext(
+            input_token=torch.where(num_valid > 0, last_tok, inp.backup),
+            token_index=self._token_index(inp, last_idx, n_dec), **common)
 
     def _token_index(self, inp: StepInputs, last_idx: torch.Tensor, n_dec: int) -> torch.Tensor:
         """Index into hidden of the token whose logits produced each row's last valid sample."""
-        qsl = inp.fb.attn.query_start_loc.long()
+        qsl = inp.query_start_loc
         end = qsl[1:] - 1                                          # prefill rows: last token
         dec = qsl[:-1] + last_idx                                  # verify rows: the accepted prefix end
         return torch.cat([dec[:n_dec], end[n_dec:]])
@@ -135,99 +170,178 @@ class ModelRunner:
         return order
 
     def _prepare(self, order: list[ScheduledRow]) -> StepInputs:
+        """Host arrays of the step -> one H2D copy -> the ForwardBatch. Decode rows' tokens, positions
+        and accepted counts come from the previous step's device outputs; everything host-exact
+        (prefill tokens and positions, query lengths, Mamba prefill metadata, sampling parameters) is
+        staged, so the device only gathers and does no bookkeeping arithmetic the host can do."""
         self.h2d.begin_step()
         b, bs, k = self.batch, self.block_size, self.num_spec
         s = 1 + k
-        dec = [r for r in order if r.is_decode]
-        pre = order[len(dec):]
-        nd, npf = len(dec), len(pre)
-        rows = np.array([b.req_id_to_row[r.req_id] for r in order], dtype=np.int64)
+        nd = sum(1 for r in order if r.is_decode)
+        pre = order[nd:]
+        npf = len(pre)
+        rows = np.fromiter((b.req_id_to_row[r.req_id] for r in order), dtype=np.int64, count=len(order))
         rows_p = rows[nd:]
+        host: dict[str, np.ndarray] = {}
         # prefill rows: everything is exact on the host
-        start_p = np.array([r.start_pos for r in pre], dtype=np.int64)
-        len_p = np.array([r.num_tokens for r in pre], dtype=np.int64)
-        pos_p = np.concatenate([np.arange(a, a + n) for a, n in zip(start_p, len_p)]) if npf else np.zeros(0, np.int64)
+        start_p = np.fromiter((r.start_pos for r in pre), dtype=np.int64, count=npf)
+        len_p = np.fromiter((r.num_tokens for r in pre), dtype=np.int64, count=npf)
+        samples_p = np.fromiter((r.samples for r in pre), dtype=bool, count=npf)
+        qsl = np.concatenate([np.arange(nd + 1) * s, nd * s + np.cumsum(len_p)]).astype(np.int32)
+        pos_p = np.concatenate([np.arange(a, a + n) for a, n in zip(start_p, len_p)]) if npf else start_p
         row_of_tok = np.repeat(rows_p, len_p)
-        ids_p = b.token_ids_cpu[row_of_tok, pos_p]
-        next_ids_p = b.token_ids_cpu[row_of_tok, pos_p + 1]          # -1 where not known on the host
-        slot_map_p = b.block_table[row_of_tok, pos_p // bs].astype(np.int64) * bs + pos_p % bs
-        qsl = np.concatenate([[0], np.arange(1, nd + 1) * s, nd * s + np.cumsum(len_p)]).astype(np.int32)
-        samples_p = np.array([r.samples for r in pre], dtype=bool)
-        logits_idx = np.concatenate([np.arange(nd * s), (qsl[nd + 1:] - 1)[samples_p]]).astype(np.int64)
-        max_blocks = int(b.num_blocks[rows].max()) if len(rows) else 1
-        bt = np.ascontiguousarray(b.block_table[rows, :max(max_blocks, 1)])
-        prev_idx = b.prev_positions([r.req_id for r in dec])
-        if nd and (self.prev is None or (prev_idx < 0).any()):
-            raise RuntimeError("decode row without a previous step output (scheduler/runner out of sync)")
-        qsl_p_cpu = tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)]))
+        host["ids_p"] = b.token_ids_cpu[row_of_tok, pos_p]
+        host["pos_p"] = pos_p
+        host["slot_p"] = b.block_table[row_of_tok, pos_p // bs].astype(np.int64) * bs + pos_p % bs
+        host["start_p"] = start_p
+        host["qsl_p"] = (qsl[nd:] - nd * s).astype(np.int64)      # Mamba: relative to the first prefill token
+        host["init_p"] = start_p > 0                               # chunk continues an earlier chunk
+        # the token after each input token: -1 on decode rows and where not known on the host
+        host["next_ids"] = np.concatenate([np.full(nd * s, -1, np.int64), b.token_ids_cpu[row_of_tok, pos_p + 1]])
         sample_rows_p = nd + np.flatnonzero(samples_p)
-        (ids_p_t, pos_p_t, slot_p_t, qsl_t, logits_idx_t, bt_t, prev_t, start_p_t, len_p_t, slots_t, backup_t,
-         srp_t, next_p_t) = self.h2d.put(ids_p, pos_p, slot_map_p, qsl, logits_idx, bt, prev_idx, start_p, len_p,
-                                         b.slot[rows], b.backup_tokens(rows), sample_rows_p, next_ids_p)
+        host["sample_rows_p"] = sample_rows_p
+        host["sample_pos_p"] = (start_p + len_p)[samples_p]
+        host["num_tokens"] = np.concatenate([np.full(nd, s, np.int64), len_p])
+        host["qsl"] = qsl
+        host["qsl64"] = qsl.astype(np.int64)                        # drafters index hidden with it
+        host["is_decode"] = np.arange(nd + npf) < nd
+        host["logits_idx"] = np.concatenate([np.arange(nd * s), (qsl[nd + 1:] - 1)[samples_p]]).astype(np.int64)
+        max_blocks = int(b.num_blocks[rows].max()) if len(rows) else 1
+        host["bt"] = np.ascontiguousarray(b.block_table[rows, :max(max_blocks, 1)])
+        host["slots"] = b.slot[rows]
+        host["backup"] = b.backup_tokens(rows)
+        if nd:
+            prev_idx = b.prev_positions([r.req_id for r in order[:nd]])
+            if self.prev is None or (prev_idx < 0).any():
+                raise RuntimeError("decode row without a previous step output (scheduler/runner out of sync)")
+            host["prev"] = prev_idx
+            host["bt_d"] = host["bt"][:nd].astype(np.int64)        # gathered in int64: no device cast
+            if not k:
+                # K = 0: every sampling row produced exactly one token, so each decode row's Mamba
+                # accepted count is 1 and its input is column 0 of its previous sample (host-known)
+                host["a_prev"] = np.ones(nd, dtype=np.int64)
+        random_np = self._stage_sampling(host, rows)
+        t = dict(zip(host, self.h2d.put(*host.values())))                     # the step's one H2D copy
         dev = self.device
         if nd:
-            p = self.prev
-            a_prev = p.num_valid[prev_t].clamp(min=1)                          # Mamba accepted count
-            last = p.sampled[prev_t].gather(1, (a_prev - 1)[:, None])          # [nd, 1]
-            drafts = p.drafts[prev_t] if k else torch.empty(nd, 0, dtype=torch.int64, device=dev)
-            draft_probs = p.draft_probs[prev_t] if (k and p.draft_probs is not None) else None
-            start_d = p.next_start[prev_t]
-            ids_d = torch.cat([last, drafts.clamp(min=0)], 1).reshape(-1)
-            pos_d = start_d[:, None] + torch.arange(s, device=dev)
-            slot_d = (bt_t[:nd].long().gather(1, pos_d // bs) * bs + pos_d % bs).reshape(-1)
+            ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(t)
         else:
-            a_prev = start_d = torch.zeros(0, dtype=torch.int64, device=dev)
+            a_prev = torch.zeros(0, dtype=torch.int64, device=dev)
             drafts, draft_probs = torch.empty(0, k, dtype=torch.int64, device=dev), None
-            ids_d = slot_d = pos_d = a_prev
-        start = torch.cat([start_d, start_p_t])
-        num_tokens = torch.cat([torch.full((nd,), s, dtype=torch.int64, device=dev), len_p_t])
+        start = _cat_rows(start_d if nd else None, t["start_p"], nd, npf)
+        num_tokens = t["num_tokens"]
         seq_lens = (start + num_tokens).to(torch.int32)
         max_seq = int(max([r.start_pos + r.num_tokens for r in order], default=1))
         fb = ForwardBatch(
-            input_ids=torch.cat([ids_d, ids_p_t]),
-            positions=torch.cat([pos_d.reshape(-1), pos_p_t]),
-            attn=AttnMetadata(qsl_t, seq_lens, bt_t, torch.cat([slot_d, slot_p_t]),
+            input_ids=_cat_rows(ids_d if nd else None, t["ids_p"], nd, npf),
+            positions=_cat_rows(pos_d if nd else None, t["pos_p"], nd, npf),
+            attn=AttnMetadata(t["qsl"], seq_lens, t["bt"], _cat_rows(slot_d if nd else None, t["slot_p"], nd, npf),
                               max_query_len=int(max([r.num_tokens for r in order], default=1)),
                               max_seq_len=max_seq),
-            mamba=MambaMetadata(nd, s, slots_t[:nd], a_prev, qsl_t[nd:].long() - nd * s, qsl_p_cpu,
-                                slots_t[nd:], start_p_t > 0),
-            logits_indices=logits_idx_t)
-        next_ids = torch.cat([torch.full((nd * s,), -1, dtype=torch.int64, device=dev), next_p_t])
-        st_all, st_decode, st_prefill = self._sampling(rows, nd, sample_rows_p, srp_t)
-        return StepInputs(fb, start, num_tokens, drafts, draft_probs, backup_t, slots_t, srp_t, next_ids,
-                          st_decode, st_prefill, st_all if k else None)
+            mamba=MambaMetadata(nd, s, t["slots"][:nd], a_prev, t["qsl_p"],
+                                tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)])),
+                                t["slots"][nd:], t["init_p"]),
+            logits_indices=t["logits_idx"])
+        st_all, st_decode, st_prefill = self._sampling(t, rows, nd, sample_rows_p, random_np)
+        rows_sampling = np.concatenate([rows[:nd], rows_p[samples_p]])
+        return StepInputs(fb, nd, npf, start, num_tokens, drafts, draft_probs, t["backup"], t["slots"],
+                          t["sample_rows_p"], t["sample_pos_p"], t["next_ids"], t["is_decode"], t["qsl64"], st_decode, st_prefill,
+                          st_all if k else None, rows_sampling)
 
-    def _sampling(self, rows: np.ndarray, nd: int, sample_rows_p: np.ndarray, sample_rows_p_t: torch.Tensor):
-        """Sampling parameters of every step row in one transfer -> (all rows, decode rows [:nd],
-        sampling prefill rows); the subsets are device slices/gathers, their host flags from numpy."""
+    def _decode_inputs(self, t: dict[str, torch.Tensor]):
+        """Decode rows' inputs gathered from the previous step's outputs through t["prev"] [N_d]
+        -> (ids [N_d*s], positions [N_d*s], slot mapping [N_d*s], start [N_d], accepted [N_d],
+        drafts [N_d, K], draft probs [N_d, K, V] or None)."""
+        p, k, bs = self.prev, self.num_spec, self.block_size
+        prev_t = t["prev"]
+        nd = prev_t.shape[0]
+        if k:
+            a_prev = p.num_valid[prev_t].clamp(min=1)                      # Mamba accepted count
+            last = p.sampled[prev_t].gather(1, (a_prev - 1)[:, None])      # [nd, 1]
+            drafts = p.drafts[prev_t]
+            draft_probs = p.draft_probs[prev_t] if p.draft_probs is not None else None
+            ids_d = torch.cat([last, drafts.clamp(min=0)], 1).reshape(-1)
+        else:
+            a_prev = t["a_prev"]
+            drafts, draft_probs = torch.empty(nd, 0, dtype=torch.int64, device=self.device), None
+            ids_d = p.sampled[prev_t].reshape(-1)                          # [nd, 1] -> [nd]
+        start_d = p.next_start[prev_t]
+        pos_d = start_d[:, None] + self._ar_s                              # [nd, s]
+        slot_d = (t["bt_d"].gather(1, pos_d // bs) * bs + pos_d % bs).reshape(-1)
+        return ids_d, pos_d.reshape(-1), slot_d, start_d, a_prev, drafts, draft_probs
+
+    def _stage_sampling(self, host: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
+        """Add the step rows' sampling parameters to the step's staging when any row samples at
+        random; returns the host flags ``temperature > 0`` per step row."""
         b = self.batch
-        host = (b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows], b.seed[rows])
-        dev = self.h2d.put(*host)
-        rand = host[0] > 0
-        filt = ((host[1] > 0) | (host[2] < 1) | (host[3] > 0)) & rand
+        temp = b.temperature[rows]
+        random_np = temp > 0
+        if random_np.any():
+            host.update(temp=temp, top_k=b.top_k[rows], top_p=b.top_p[rows], min_p=b.min_p[rows], seed=b.seed[rows])
+        return random_np
+
+    def _sampling(self, t: dict[str, torch.Tensor], rows: np.ndarray, nd: int, sample_rows_p: np.ndarray,
+                  random_np: np.ndarray):
+        """Sampling parameters -> (all rows, decode rows [:nd], sampling prefill rows); the subsets
+        are device slices/gathers of the one staged copy, their host flags from numpy. A step whose
+        rows are all greedy stages nothing: it gets cached all-greedy tensors (never read by the
+        sampler's argmax path, but shaped like real ones for drafters)."""
+        if not random_np.any():
+            g = self._greedy_sampling
+            return (g(len(rows)), g(nd) if nd else None, g(len(sample_rows_p)) if len(sample_rows_p) else None)
+        b = self.batch
+        filt = ((b.top_k[rows] > 0) | (b.top_p[rows] < 1) | (b.min_p[rows] > 0)) & random_np
+        dev = (t["temp"], t["top_k"], t["top_p"], t["min_p"], t["seed"])
 
         def subset(host_sel, dev_sel) -> SamplingTensors | None:
-            if not rand[host_sel].size:
+            if not random_np[host_sel].size:
                 return None
-            t, tk, tp, mp, sd = (x[dev_sel] for x in dev)
-            return SamplingTensors(temperature=t, top_k=tk, top_p=tp, min_p=mp, seed=sd,
-                                   all_greedy=not rand[host_sel].any(), any_filter=bool(filt[host_sel].any()))
+            tt, tk, tp, mp, sd = (x[dev_sel] for x in dev)
+            return SamplingTensors(temperature=tt, top_k=tk, top_p=tp, min_p=mp, seed=sd,
+                                   all_greedy=not random_np[host_sel].any(), any_filter=bool(filt[host_sel].any()))
         return (subset(slice(None), slice(None)), subset(slice(0, nd), slice(0, nd)),
-                subset(sample_rows_p, sample_rows_p_t))
+                subset(sample_rows_p, t["sample_rows_p"]))
+
+    def _greedy_sampling(self, n: int) -> SamplingTensors:
+        """Parameters of n greedy rows (temperature 0, filters off, seed 0), built once per n."""
+        st = self._greedy_st.get(n)
+        if st is None:
+            dev = self.device
+            st = self._greedy_st[n] = SamplingTensors(
+                temperature=torch.zeros(n, dtype=torch.float32, device=dev),
+                top_k=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                top_p=torch.ones(n, dtype=torch.float32, device=dev),
+                min_p=torch.zeros(n, dtype=torch.float32, device=dev),
+                seed=torch.zeros(n, dtype=torch.int64, device=dev), all_greedy=True, any_filter=False)
+        return st
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """sampled [B, 1+K] int64: decode rows verified/sampled, sampling prefill rows in column 0,
+        -1 elsewhere. A decode-only step returns the decode result itself (no -1 rows to fill)."""
         k = self.num_spec
-        nd = inp.drafts.shape[0]
-        out = torch.full((inp.start.shape[0], 1 + k), -1, dtype=torch.int64, device=self.device)
+        nd, npf = inp.num_decode, inp.num_prefill
+        dec = None
         if nd:
-            ld = logits[:nd * (1 + k)].view(nd, 1 + k, -1)
-            pos = inp.start[:nd] + 1                                # position of the first produced token
+            pos = (inp.start[:nd] if npf else inp.start) + 1        # position of the first produced token
             if k:
-                out[:nd] = rejection_sample(ld, inp.drafts, inp.draft_probs, inp.st_decode, pos)
+                ld = logits[:nd * (1 + k)].view(nd, 1 + k, -1)
+                dec = rejection_sample(ld, inp.drafts, inp.draft_probs, inp.st_decode, pos)
             else:
-                out[:nd, 0] = sample(ld[:, 0], inp.st_decode, pos)
+                dec = sample(logits[:nd] if npf else logits, inp.st_decode, pos)[:, None]
+            if not npf:
+                return dec
+        out = torch.full((nd + npf, 1 + k), -1, dtype=torch.int64, device=self.device)
+        if nd:
+            out[:nd] = dec
         if inp.st_prefill is not None:
-            rows = inp.sample_rows_p
-            pos = (inp.start + inp.num_tokens)[rows]
-            out[rows, 0] = sample(logits[nd * (1 + k):], inp.st_prefill, pos)
+            out[inp.sample_rows_p, 0] = sample(logits[nd * (1 + k):], inp.st_prefill, inp.sample_pos_p)
         return out
+
+
+def _cat_rows(dec: torch.Tensor | None, pre: torch.Tensor | None, nd: int, npf: int) -> torch.Tensor:
+    """Decode rows' part then prefill rows' part; no copy when one side is empty (host counts)."""
+    if not npf:
+        return dec
+    if not nd:
+        return pre
+    return torch.cat([dec, pre])

@@ -174,16 +174,19 @@ class Scheduler:
         """Commit one step's tokens; returns the requests that got tokens or finished."""
         rows = {r.req_id: r for r in sched.rows}
         touched = []
+        # host arrays -> Python ints once (numpy scalar access per element costs more than the work)
+        num_valid, num_drafts = out.num_valid.tolist(), out.num_drafts.tolist()
+        sampled = out.sampled.tolist()
         for i, req_id in enumerate(out.req_ids):
             row, req = rows[req_id], self.requests.get(req_id)
             if req is None or req.finished or req.epoch != row.epoch or not row.samples:
                 continue
             req.num_inflight_steps -= 1
-            n_valid = int(out.num_valid[i])
+            n_valid = num_valid[i]
             if row.is_decode:
                 req.num_computed_tokens -= row.num_tokens - n_valid    # the one-step-late correction
-                self._record_spec(req, int(out.num_drafts[i]), n_valid)
-            self._append_tokens(req, out.sampled[i, :n_valid])
+                self._record_spec(req, num_drafts[i], n_valid)
+            self._append_tokens(req, sampled[i][:n_valid])
             touched.append(req)
         return touched
 
@@ -198,17 +201,18 @@ class Scheduler:
         for j in range(accepted):
             m.accepted_per_position[j] += 1
 
-    def _append_tokens(self, req: Request, tokens) -> None:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
         p = req.params
-        if req.metrics.first_token_time is None and len(tokens):
+        if req.metrics.first_token_time is None and tokens:
             req.metrics.first_token_time = time.perf_counter()
+        stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + req.eos_token_ids
+        out_ids = req.output_token_ids
         for tok in tokens:
-            tok = int(tok)
-            req.output_token_ids.append(tok)
+            out_ids.append(tok)
             req.metrics.num_tokens_out += 1
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids):
+            if tok in stop_ids:
                 self._finish(req, "stop")
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(out_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 self._finish(req, "length")
             if req.finished:
                 return

@@ -33,12 +33,19 @@ class H2D:
         self._retired[self._i].clear()   # buffers retired RING steps ago are no longer read
 
     def put(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Copy int64/int32/float32/bool arrays to the device in one transfer; returns device tensors."""
+        """Copy int64/int32/float32/bool arrays to the device in one transfer; returns device tensors.
+
+        The arrays are packed word-aligned into one int64 staging run; the device copy is cut back
+        into per-array tensors with one ``view(dtype)`` + ``split`` per dtype (views, no kernels),
+        so a put costs one copy plus O(dtypes) dispatches, not O(arrays)."""
         flat = [np.ascontiguousarray(a) for a in arrays]
         words = [(a.nbytes + 7) // 8 for a in flat]
         total = sum(words)
         if not self.cuda:
-            return [torch.from_numpy(a.copy()) for a in flat]
+            # a fresh buffer per put: the returned tensors alias it, so it is never reused
+            host = np.empty(total, dtype=np.int64)
+            self._pack(host.view(np.uint8), 0, flat, words)
+            return self._unpack(torch.from_numpy(host), flat, words)
         buf = self._ring[self._i]
         if buf.numel() < self._off + total:
             # grow: earlier puts of this step may still read the old buffer, so keep it alive
@@ -47,17 +54,33 @@ class H2D:
             self._off = 0
         start = self._off
         self._off += total
-        host = buf.numpy().view(np.uint8)
-        off = start
+        self._pack(buf.numpy().view(np.uint8), start, flat, words)
+        return self._unpack(buf[start:start + total].to(self.device, non_blocking=True), flat, words)
+
+    @staticmethod
+    def _pack(host_u8: np.ndarray, start_word: int, flat: list[np.ndarray], words: list[int]) -> None:
+        off = start_word * 8
         for a, w in zip(flat, words):
-            host[off * 8: off * 8 + a.nbytes] = a.view(np.uint8).reshape(-1)
-            off += w
-        dev = buf[start:start + total].to(self.device, non_blocking=True)
-        out, off = [], 0
-        for a, w in zip(flat, words):
-            t = dev[off:off + w].view(torch.uint8)[:a.nbytes].view(_TORCH_DTYPE[a.dtype.str[1:]])
-            out.append(t.view(a.shape))
-            off += w
+            host_u8[off: off + a.nbytes] = a.view(np.uint8).reshape(-1)
+            off += w * 8
+
+    @staticmethod
+    def _unpack(dev: torch.Tensor, flat: list[np.ndarray], words: list[int]) -> list[torch.Tensor]:
+        """dev[total] int64 holding the packed arrays -> one tensor per array (views of dev)."""
+        out: list[torch.Tensor | None] = [None] * len(flat)
+        by_dtype: dict[str, list[int]] = {}
+        for i, a in enumerate(flat):
+            by_dtype.setdefault(a.dtype.str[1:], []).append(i)
+        for code, idx in by_dtype.items():
+            dt = _TORCH_DTYPE[code]
+            per_word = 8 // flat[idx[0]].itemsize
+            typed = dev if dt is torch.int64 else dev.view(dt)
+            parts = typed.split([w * per_word for w in words])   # every array's words, in this dtype
+            for i in idx:
+                a, t = flat[i], parts[i]
+                if t.numel() != a.size:
+                    t = t[:a.size]                                 # drop the word padding
+                out[i] = t if a.ndim == 1 else t.view(a.shape)
         return out
 
 

@@ -8,15 +8,16 @@ import torch
 
 @dataclass(frozen=True)
 class DraftContext:
-    """Everything a drafter may read about the step just sampled, in step-row space."""
+    """Everything a drafter may read about the step just sampled, in step-row space. The fields
+    marked ``| None`` are None for drafters with ``full_context = False``."""
     req_ids: tuple[str, ...]
     slots: torch.Tensor          # [B] int64 Mamba/drafter slot per row (fixed for a request's life)
     sampled: torch.Tensor        # [B, 1+K] int64, -1 after the last valid token
     num_valid: torch.Tensor      # [B] int64 (0: the row sampled nothing, e.g. a partial prefill)
-    input_token: torch.Tensor    # [B] int64 last valid sampled token, or the backup token
+    input_token: torch.Tensor | None  # [B] int64 last valid sampled token, or the backup token
     input_pos: torch.Tensor      # [B] int64 absolute position of input_token
     hidden: torch.Tensor         # [T, D] target hidden states of this step (MTP reads them)
-    token_index: torch.Tensor    # [B] int64 index into hidden of the token that produced input_token
+    token_index: torch.Tensor | None  # [B] int64 index into hidden of the token that produced input_token
     is_decode: torch.Tensor      # [B] bool row was a verify row this step
     query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the rows in this step
     input_ids: torch.Tensor      # [T] int64 the target's input tokens of this step (placeholders clamped)
@@ -31,6 +32,9 @@ class DraftContext:
 class Drafter:
     num_spec: int = 0
     has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection
+    # False: propose never reads input_token or token_index; the runner passes None for them and
+    # spares the device ops that derive them every step.
+    full_context: bool = True
 
     def add_request(self, slot: int, token_ids: tuple[int, ...]) -> None:
         """A request (new or resumed) got ``slot``; reset every slot-indexed field it owns."""
@@ -40,5 +44,7 @@ class Drafter:
 
 
 class NoDrafter(Drafter):
+    full_context = False
+
     def propose(self, ctx: DraftContext):
         return torch.empty(ctx.sampled.shape[0], 0, dtype=torch.int64, device=ctx.sampled.device), None

@@ -34,6 +34,7 @@ SENTINEL = -3      # ends every n-gram: never equal to a token, NO_TOKEN or PAD
 
 class NgramDrafter(Drafter):
     has_probs = False
+    full_context = False          # reads slots, sampled, num_valid, input_pos only
 
     def __init__(self, num_spec: int, min_n: int, max_n: int, num_slots: int, max_len: int,
                  device: torch.device | str, h2d: H2D | None = None, window: int | None = None):
