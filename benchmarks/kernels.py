@@ -241,7 +241,8 @@ def main():
     from mamba_cache.ops.triton_conv import (triton_causal_conv1d_update,
                                              triton_causal_conv1d_varlen)
     from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_sequential, triton_ssd_scan_varlen
+    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
     from mamba_cache.ops.triton_state_update import triton_selective_state_update
 
     torch.manual_seed(0)

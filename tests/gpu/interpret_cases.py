@@ -18,8 +18,8 @@ from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_
 from mamba_cache.ops.triton_conv import (triton_causal_conv1d_update,  # noqa: E402
                                          triton_causal_conv1d_varlen)
 from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
-from mamba_cache.ops.triton_ssd import (triton_ssd_scan_sequential,  # noqa: E402
-                                        triton_ssd_scan_varlen)
+from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
+from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
 from mamba_cache.ops.triton_state_update import triton_selective_state_update  # noqa: E402
 
 F32 = torch.float32

@@ -205,7 +205,7 @@ def test_attention_splits(num_splits, case):
 # ----------------------------------------------------------------------------- misc
 
 def test_ssd_sequential_variant():
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_sequential
+    from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
     for dtype in (torch.float32, torch.bfloat16):
         kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [16, 1, 0, 35, 7], seed=3)
         kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [300], H=8, G=2, P=64, N=128,
