@@ -94,6 +94,25 @@ def event_ms(fn, n: int) -> float:
     return s.elapsed_time(e) / n
 
 
+def graph_ms(calls, reps: int = 20, replays: int = 7) -> float:
+    """GPU ms per call: ``reps`` calls (cycling through ``calls``, zero-arg callables already warmed
+    up) captured in one CUDA graph, median over ``replays`` replays; no Python launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for k in range(reps):
+            calls[k % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    t = statistics.median(event_ms(g.replay, 1) / reps for _ in range(replays))
+    del g
+    return t
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, event_ms  # noqa: E402
+from benchmarks.common import copy_bandwidth, graph_ms  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
 
 # (name, N, K, calls per decode step of the 8B shape)
@@ -36,26 +35,6 @@ DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
                                (16, 512, 8), (32, 256, 8), (4, 1024, 4))]
-
-
-def graph_ms(calls, reps=20, replays=7):
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g):
-        for k in range(reps):
-            calls[k % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    t = statistics.median(event_ms(g.replay, 1) / reps for _ in range(replays))
-    del g
-    return t
 
 
 def main() -> int:
@@ -86,7 +65,10 @@ def main() -> int:
             for kind, cfg, fn in cands:
                 try:
                     err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
-                    ms = graph_ms([lambda w=w, fn=fn: fn(w) for w in ws])
+                    calls = [lambda w=w, fn=fn: fn(w) for w in ws]
+                    for c in calls:
+                        c()
+                    ms = graph_ms(calls)
                 except Exception as exc:  # a config that does not compile: report, go on
                     print(f"  {name} M={M} {kind} {cfg}: FAILED {type(exc).__name__}: {exc}"[:300],
                           flush=True)

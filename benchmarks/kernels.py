@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import event_ms  # noqa: E402
+from benchmarks.common import event_ms, graph_ms  # noqa: E402
 from hybrid_engine.attention.ops import paged_attention_ref  # noqa: E402
 from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
                              gated_rmsnorm_ref, selective_state_update_ref, ssd_scan_varlen_ref)
@@ -61,21 +61,7 @@ def bench(calls, reps=None, replays=10, use_graph=True):
     if not use_graph:
         return eager, eager
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for k in range(reps):
-                calls[k % len(calls)]()
-        g.replay()
-        torch.cuda.synchronize()
-        t = statistics.median(ev_time(g.replay, 1) / reps for _ in range(replays))
-        del g
-        return t, eager
+        return graph_ms(calls, reps, replays), eager
     except Exception as exc:  # pragma: no cover - reported, then eager numbers are used
         print(f"  (graph capture failed: {type(exc).__name__}: {exc}; eager timing)", flush=True)
         torch.cuda.synchronize()

@@ -82,38 +82,35 @@ def _check(x, weight):
         raise ValueError("skinny_linear: x and weight need a unit inner stride")
 
 
-def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warps=4,
-                      num_stages=4):
-    """x [M <= 16, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (tl.dot kernel)."""
+def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, **consts):
+    """Checks, allocates y [M, N] in x.dtype and launches ``kernel`` over N / block_n programs."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
-    assert M <= 16, "dot kernel pads x rows to 16"
+    assert M <= max_rows, f"{kernel.__name__} handles up to {max_rows} x rows"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    _linear_dot_kernel[(triton.cdiv(N, block_n),)](
+    kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
-        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages, **consts)
     return y
+
+
+def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warps=4,
+                      num_stages=4):
+    """x [M <= 16, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (tl.dot kernel; x rows are
+    padded to 16)."""
+    return _launch(_linear_dot_kernel, x, weight, bias, 16, block_n, num_warps, num_stages,
+                   BLOCK_M=16, BLOCK_K=block_k)
 
 
 def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps=4,
                       num_stages=2):
     """x [M <= 4, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
-    _check(x, weight)
-    M, K = x.shape
-    N = weight.shape[0]
-    assert M <= 4, "fma kernel handles up to 4 x rows"
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y
-    _linear_fma_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
-        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_ROWS=4 if M > 1 else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    return y
+    return _launch(_linear_fma_kernel, x, weight, bias, 4, block_n, num_warps, num_stages,
+                   M_ROWS=4 if x.shape[0] > 1 else 1, BLOCK_K=block_k)
 
 
 # configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md)
