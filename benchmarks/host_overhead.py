@@ -99,6 +99,53 @@ class Probes:
         transfer_mod.D2HCopy.wait = self._orig_wait
 
 
+class PhaseTimer:
+    """Inclusive wall time per step of selected methods (``--phases``): wraps each with two
+    perf_counter calls (~0.2 us), so unlike cProfile it barely perturbs what it measures."""
+
+    PHASES = [("scheduler", "Scheduler.schedule"), ("scheduler", "Scheduler.update_from_output"),
+              ("runner", "ModelRunner._update_batch"), ("runner", "ModelRunner._prepare"),
+              ("runner", "ModelRunner._prepare_decode_only"), ("decode_prep", "prepare_decode"),
+              ("transfer", "H2D.put_raw"), ("transfer", "H2D.put"), ("graphs", "CudaGraphExecutor.forward"),
+              ("runner", "ModelRunner._sample"), ("runner", "ModelRunner._draft_context"),
+              ("transfer", "D2H.copy"), ("runner", "ModelRunner.execute"), ("transfer", "D2HCopy.wait"), ("runner", "StepHandle._output"),
+              ("input_batch", "InputBatch.append_placeholders"), ("engine", "EngineCore.launch"),
+              ("engine", "EngineCore.finish_step")]
+
+    def __init__(self):
+        import importlib
+        self.acc = collections.defaultdict(float)
+        self._undo = []
+        for mod_name, qual in self.PHASES:
+            mod = importlib.import_module(f"hybrid_engine.{mod_name}")
+            owner_name, _, attr = qual.rpartition(".")
+            owner = getattr(mod, owner_name) if owner_name else mod
+            orig = getattr(owner, attr)
+            self._undo.append((owner, attr, orig))
+            setattr(owner, attr, self._wrap(qual, orig))
+            if not owner_name:                       # module function: patch its importers too
+                for other in ("runner",):
+                    m2 = importlib.import_module(f"hybrid_engine.{other}")
+                    if getattr(m2, attr, None) is orig:
+                        self._undo.append((m2, attr, orig))
+                        setattr(m2, attr, self._wrap(qual, orig))
+
+    def _wrap(self, name, fn):
+        acc, pc = self.acc, time.perf_counter
+
+        def wrapped(*a, **kw):
+            t0 = pc()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] += pc() - t0
+        return wrapped
+
+    def close(self):
+        for owner, attr, orig in reversed(self._undo):
+            setattr(owner, attr, orig)
+
+
 VARIANTS = {
     "greedy": (None, lambda i: dict(temperature=0.0)),
     "ngram3": (lambda: SpeculativeConfig("ngram", 3), lambda i: dict(temperature=0.0)),
@@ -141,6 +188,17 @@ def run_variant(name, model_dir, args, dtype):
             counts.append(probes.counter.counts)
             fwd_counts.append(probes.counter.fwd_counts)
             probes.counter = None
+        phases = None
+        if args.phases:
+            timer = PhaseTimer()
+            try:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    eng.step()
+                phases = {k: v / args.steps * 1e6 for k, v in timer.acc.items()}
+                phases["step (all)"] = (time.perf_counter() - t0) / args.steps * 1e6
+            finally:
+                timer.close()
         prof = None
         if args.profile in (name, "all"):
             prof = cProfile.Profile()
@@ -162,7 +220,7 @@ def run_variant(name, model_dir, args, dtype):
         total.update(c)
     return dict(variant=name, step_ms=step_ms, fwd_ms=fwd_ms, wait_ms=wait_ms, host_ms=host_ms, ops=ops,
                 fwd_ops=fwd_ops, top_ops=[(op, n / len(counts)) for op, n in total.most_common(args.top_ops)],
-                prof=prof)
+                prof=prof, phases=phases)
 
 
 def main() -> int:
@@ -177,6 +235,8 @@ def main() -> int:
     ap.add_argument("--sync", action="store_true", help="async_scheduling=False")
     ap.add_argument("--top-ops", type=int, default=0, help="print the N most frequent ops per variant")
     ap.add_argument("--profile", default="", help="cProfile top 25 for this variant (or 'all')")
+    ap.add_argument("--phases", action="store_true", help="mean us per step inside selected methods")
+    ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"], help="cProfile order")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -194,9 +254,13 @@ def main() -> int:
         if r["top_ops"]:
             print(f"\n{r['variant']}: most frequent ops per step: "
                   + ", ".join(f"{op} {n:.0f}" for op, n in r["top_ops"]))
+        if r.get("phases"):
+            print(f"\n{r['variant']}: mean us per step inside (inclusive; nested calls overlap):")
+            for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
+                print(f"    {k:40s} {v:8.1f}")
         if r["prof"] is not None:
-            print(f"\ncProfile, {r['variant']}, {args.steps} steps, top 25 by cumulative time:")
-            pstats.Stats(r["prof"]).sort_stats("cumulative").print_stats(25)
+            print(f"\ncProfile, {r['variant']}, {args.steps} steps, top 25 by {args.sort}:")
+            pstats.Stats(r["prof"]).sort_stats(args.sort).print_stats(25)
     return 0
 
 

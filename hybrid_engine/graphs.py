@@ -16,6 +16,7 @@ import torch
 
 from mamba_cache import NULL_SLOT
 
+from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 
 logger = logging.getLogger("hybrid_engine")
@@ -29,6 +30,11 @@ class EagerExecutor:
         """-> (hidden [T, D], logits [L, V] float32 at fb.logits_indices)."""
         hidden = self.model(fb, self.caches)
         return hidden, self.model.compute_logits(hidden[fb.logits_indices])
+
+    def decode_dest(self, num_rows: int) -> tuple[DecodeDest, ForwardBatch] | None:
+        """Persistent buffers a decode-only batch of ``num_rows`` rows may be prepared in, and the
+        ForwardBatch viewing its real rows; None: the caller allocates its own (eager)."""
+        return None
 
 
 @dataclass
@@ -48,6 +54,7 @@ class CudaGraphExecutor(EagerExecutor):
         self.device = device
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, _Graph] = {}
+        self._views: dict[int, tuple[DecodeDest, ForwardBatch]] = {}
         self._capture_all()
 
     def _static_batch(self, b: int) -> ForwardBatch:
@@ -92,10 +99,35 @@ class CudaGraphExecutor(EagerExecutor):
             return super().forward(fb)
         bucket = next(x for x in self.buckets if x >= b)
         g = self.graphs[bucket]
-        self._load(g.fb, fb, b)
+        if fb.input_ids.data_ptr() != g.fb.input_ids.data_ptr():     # else prepared in place
+            self._load(g.fb, fb, b)
         g.graph.replay()
         t = b * self.s
         return g.hidden[:t], g.logits[:t]
+
+    def decode_dest(self, num_rows: int) -> tuple[DecodeDest, ForwardBatch] | None:
+        """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad
+        rows too), and a ForwardBatch of views on the first num_rows rows, which ``forward`` replays
+        without copies. Views are built once per row count."""
+        if not 0 < num_rows <= self.buckets[-1]:
+            return None
+        got = self._views.get(num_rows)
+        if got is None:
+            bucket = next(x for x in self.buckets if x >= num_rows)
+            f = self.graphs[bucket].fb
+            a, m = f.attn, f.mamba
+            dest = DecodeDest(f.input_ids, f.positions, a.slot_mapping, a.seq_lens, a.block_tables,
+                              m.decode_slots, m.num_accepted)
+            t = num_rows * self.s
+            view = ForwardBatch(
+                f.input_ids[:t], f.positions[:t],
+                AttnMetadata(a.query_start_loc[:num_rows + 1], a.seq_lens[:num_rows], a.block_tables[:num_rows],
+                             a.slot_mapping[:t], a.max_query_len, a.max_seq_len),
+                MambaMetadata(num_rows, self.s, m.decode_slots[:num_rows], m.num_accepted[:num_rows],
+                              m.prefill_query_start_loc, m.prefill_qsl_cpu, m.prefill_slots, m.has_initial_state),
+                f.logits_indices[:t])
+            got = self._views[num_rows] = (dest, view)
+        return got
 
     def _load(self, dst: ForwardBatch, src: ForwardBatch, b: int) -> None:
         """Copy a real decode batch into the static buffers; rows >= b become padding."""

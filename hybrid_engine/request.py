@@ -53,6 +53,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None                   # set when a step that carried it raised
     accounted: bool = False                    # counted in engine stats
+    stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,13 +14,14 @@ import torch
 from spec.drafters import DraftContext, Drafter
 from spec.rejection import rejection_sample
 
+from .decode_prep import DecodeDest, PrevOutputs, prepare_decode
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from .graphs import EagerExecutor
 from .input_batch import InputBatch
 from .models.nemotron_h import Caches
 from .sampler import SamplingTensors, sample
 from .scheduler_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
-from .transfer import D2HCopy, H2D
+from .transfer import D2H, D2HCopy, H2D
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class StepInputs:
     num_tokens: torch.Tensor     # [B] int64 query length per step row
     drafts: torch.Tensor         # [N_d, K] drafts verified this step (-1 = none)
     draft_probs: torch.Tensor | None
-    backup: torch.Tensor         # [B] int64 backup token per row
+    backup: torch.Tensor | None  # [B] int64 backup token per row (None: decode-only, never read)
     slots: torch.Tensor          # [B] int64
     sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
     sample_pos_p: torch.Tensor   # [R_p] int64 position of the token each of them samples
@@ -53,6 +54,7 @@ class StepInputs:
     st_prefill: SamplingTensors | None
     st_all: SamplingTensors | None   # every step row (drafters sample with it)
     rows_sampling_np: np.ndarray # [R] batch rows of the step rows that sample (host)
+    next_start: torch.Tensor | None = None  # [B] known before sampling (decode-only, K = 0), else None
 
 
 class StepHandle:
@@ -61,11 +63,11 @@ class StepHandle:
         self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
         self.num_spec = num_spec
 
-    def _output(self, host) -> ModelRunnerOutput:
+    def _output(self, host: np.ndarray) -> ModelRunnerOutput:
         """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
         the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""
         s = 1 + self.num_spec
-        out = host["out"]
+        out = host
         sampled = out[:, :s]
         num_valid = (sampled != -1).sum(1, dtype=np.int64)
         if self.num_spec:
@@ -89,10 +91,14 @@ class ModelRunner:
         self.device, self.block_size, self.num_spec = device, block_size, num_spec
         self.batch = InputBatch(max_num_seqs, max_model_len + 2 * (1 + num_spec), max_blocks)
         self.h2d = H2D(device)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.d2h = D2H(device)
         self.prev: PrevStep | None = None
         self._ar_s = torch.arange(1 + num_spec, device=device)          # [1+K] token offsets in a decode row
         self._greedy_st: dict[int, SamplingTensors] = {}                 # all-greedy params by row count
+        self._consts: dict[tuple, torch.Tensor] = {}                     # see _cached
+        self._empty_i64 = torch.zeros(0, dtype=torch.int64, device=device)
+        self._empty_bool = torch.zeros(0, dtype=torch.bool, device=device)
+        self._zero_i64_1 = torch.zeros(1, dtype=torch.int64, device=device)
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -107,16 +113,20 @@ class ModelRunner:
             self.prev = None
             raise
         nd, npf = inp.num_decode, inp.num_prefill
-        num_valid = (sampled != -1).sum(1)                                   # [B], invariant 7
-        # decode rows advance by their valid tokens, prefill rows by their chunk
-        next_start = inp.start + _cat_rows(num_valid[:nd] if npf else num_valid,
-                                           inp.num_tokens[nd:] if nd else inp.num_tokens, nd, npf)
+        if inp.next_start is not None:
+            # decode-only K = 0: every row yields exactly one token (invariant 7 holds by construction)
+            num_valid, next_start = self._const(nd, 1), inp.next_start
+        else:
+            num_valid = (sampled != -1).sum(1)                               # [B], invariant 7
+            # decode rows advance by their valid tokens, prefill rows by their chunk
+            next_start = inp.start + _cat_rows(num_valid[:nd] if npf else num_valid,
+                                               inp.num_tokens[nd:] if nd else inp.num_tokens, nd, npf)
         ctx = self._draft_context(req_ids, inp, hidden, sampled, num_valid, next_start)
         drafts, draft_probs = self.drafter.propose(ctx)
         self.prev = PrevStep(sampled, num_valid, next_start, drafts, draft_probs)
         self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
         self.batch.append_placeholders(inp.rows_sampling_np)
-        copy = D2HCopy({"out": self._d2h_payload(sampled, inp)}, self.copy_stream)
+        copy = self.d2h.copy(self._d2h_payload(sampled, inp))
         return StepHandle(sched, req_ids, copy, num_spec=self.num_spec)
 
     def _d2h_payload(self, sampled: torch.Tensor, inp: StepInputs) -> torch.Tensor:
@@ -144,7 +154,7 @@ class ModelRunner:
         last_idx = (num_valid - 1).clamp(min=0)
         last_tok = sampled.gather(1, last_idx[:, None]).squeeze(1)
         return DraftContext(
-            input_token=torch.where(num_valid > 0, last_tok, inp.backup),
+            input_token=last_tok if inp.backup is None else torch.where(num_valid > 0, last_tok, inp.backup),
             token_index=self._token_index(inp, last_idx, n_dec), **common)
 
     def _token_index(self, inp: StepInputs, last_idx: torch.Tensor, n_dec: int) -> torch.Tensor:
@@ -178,6 +188,8 @@ class ModelRunner:
         b, bs, k = self.batch, self.block_size, self.num_spec
         s = 1 + k
         nd = sum(1 for r in order if r.is_decode)
+        if nd == len(order) and nd:
+            return self._prepare_decode_only(order)
         pre = order[nd:]
         npf = len(pre)
         rows = np.fromiter((b.req_id_to_row[r.req_id] for r in order), dtype=np.int64, count=len(order))
@@ -247,6 +259,91 @@ class ModelRunner:
         return StepInputs(fb, nd, npf, start, num_tokens, drafts, draft_probs, t["backup"], t["slots"],
                           t["sample_rows_p"], t["sample_pos_p"], t["next_ids"], t["is_decode"], t["qsl64"], st_decode, st_prefill,
                           st_all if k else None, rows_sampling)
+
+    def _prepare_decode_only(self, order: list[ScheduledRow]) -> StepInputs:
+        """A step of decode/verify rows only: one staged array (prev index, slot, block-table rows)
+        and one ``prepare_decode`` launch that writes every input, straight into a CUDA graph
+        bucket's buffers when the executor has one. The other per-step tensors of such a step are
+        constants of the row count, built once."""
+        b, k = self.batch, self.num_spec
+        s, n = 1 + k, len(order)
+        req_ids = [r.req_id for r in order]
+        rows = np.fromiter((b.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=n)
+        prev_idx = b.prev_positions(req_ids)
+        if self.prev is None or (prev_idx < 0).any():
+            raise RuntimeError("decode row without a previous step output (scheduler/runner out of sync)")
+        width = max(int(b.num_blocks[rows].max()), 1)
+        host = np.empty(2 * n + n * width, dtype=np.int64)
+        host[:n] = prev_idx
+        host[n:2 * n] = b.slot[rows]
+        host[2 * n:].reshape(n, width)[:] = b.block_table[rows, :width]
+        random_np = b.temperature[rows] > 0
+        t = None
+        if random_np.any():
+            t = dict(zip(("temp", "top_k", "top_p", "min_p", "seed"), self.h2d.put(
+                b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows], b.seed[rows])))
+            t["sample_rows_p"] = self._empty_i64
+        staged = self.h2d.put_raw(host)
+        dev = self.device
+        got = self.executor.decode_dest(n)
+        if got is None:
+            fb, dest = self._fresh_decode_batch(n, width, max(r.start_pos + s for r in order))
+        else:
+            dest, fb = got
+        p = self.prev
+        start = torch.empty(n, dtype=torch.int64, device=dev)
+        drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else self._no_drafts(n)
+        next_start = None if k else torch.empty(n, dtype=torch.int64, device=dev)
+        prepare_decode(staged, n, width, PrevOutputs(p.sampled, p.num_valid, p.next_start, p.drafts), dest,
+                       block_size=self.block_size, num_spec=k, start_out=start,
+                       drafts_out=drafts if k else None, next_start_out=next_start)
+        draft_probs = p.draft_probs[staged[:n]] if (k and p.draft_probs is not None) else None
+        if t is None:
+            st = self._greedy_sampling(n)
+            st_all = st_decode = st
+        else:
+            st_all, st_decode, _ = self._sampling(t, rows, n, np.zeros(0, np.int64), random_np)
+        num_tokens = self._const(n, s)
+        return StepInputs(fb, n, 0, start, num_tokens, drafts, draft_probs, None, fb.mamba.decode_slots,
+                          self._empty_i64, self._empty_i64, self._const(n * s, -1), self._const(n, 1, torch.bool),
+                          self._qsl64(n), st_decode, None, st_all if k else None, rows, next_start)
+
+    def _fresh_decode_batch(self, n: int, width: int, max_seq: int) -> tuple[ForwardBatch, DecodeDest]:
+        """Eager executor: new buffers for a decode-only batch (R = N rows, width W)."""
+        s, dev = 1 + self.num_spec, self.device
+        e64 = lambda m: torch.empty(m, dtype=torch.int64, device=dev)  # noqa: E731
+        dest = DecodeDest(e64(n * s), e64(n * s), e64(n * s), torch.empty(n, dtype=torch.int32, device=dev),
+                          torch.empty(n, width, dtype=torch.int32, device=dev), e64(n), e64(n))
+        fb = ForwardBatch(dest.input_ids, dest.positions,
+                          AttnMetadata(self._qsl32(n), dest.seq_lens, dest.block_tables, dest.slot_mapping,
+                                       max_query_len=s, max_seq_len=max_seq),
+                          MambaMetadata(n, s, dest.decode_slots, dest.num_accepted, self._zero_i64_1, (0,),
+                                        self._empty_i64, self._empty_bool),
+                          logits_indices=self._arange(n * s))
+        return fb, dest
+
+    # constants of a row count, built once (decode-only steps read them every step)
+    def _cached(self, key, make):
+        v = self._consts.get(key)
+        if v is None:
+            v = self._consts[key] = make()
+        return v
+
+    def _const(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
+        return self._cached(("const", n, value, dtype), lambda: torch.full((n,), value, dtype=dtype, device=self.device))
+
+    def _arange(self, n: int) -> torch.Tensor:
+        return self._cached(("arange", n), lambda: torch.arange(n, device=self.device))
+
+    def _qsl64(self, n: int) -> torch.Tensor:
+        s = 1 + self.num_spec
+        return self._cached(("qsl64", n), lambda: torch.arange(n + 1, device=self.device) * s)
+
+    def _qsl32(self, n: int) -> torch.Tensor:
+        return self._cached(("qsl32", n), lambda: self._qsl64(n).to(torch.int32))
+
+    def _no_drafts(self, n: int) -> torch.Tensor:
+        return self._cached(("nodrafts", n), lambda: torch.empty(n, 0, dtype=torch.int64, device=self.device))
 
     def _decode_inputs(self, t: dict[str, torch.Tensor]):
         """Decode rows' inputs gathered from the previous step's outputs through t["prev"] [N_d]
@@ -322,7 +419,8 @@ class ModelRunner:
         nd, npf = inp.num_decode, inp.num_prefill
         dec = None
         if nd:
-            pos = (inp.start[:nd] if npf else inp.start) + 1        # position of the first produced token
+            # position of the first produced token (the noise key; greedy rows never read it)
+            pos = None if inp.st_decode.all_greedy else (inp.start[:nd] if npf else inp.start) + 1
             if k:
                 ld = logits[:nd * (1 + k)].view(nd, 1 + k, -1)
                 dec = rejection_sample(ld, inp.drafts, inp.draft_probs, inp.st_decode, pos)

@@ -66,6 +66,7 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         new: list[NewRequestData] = []
         # 1) running requests in admission order; preempt the newest when blocks run out
+        dl, bs = self.decode_len, self.block_size
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue                               # preempted earlier in this loop
@@ -73,13 +74,21 @@ class Scheduler:
                 n = min(req.prefill_target - req.num_computed_tokens, budget)
                 if n <= 0:
                     continue
-            elif self._may_skip_decode(req):
-                continue
+                if not self._grow(req, req.num_computed_tokens + n + self._lookahead(req, n)):
+                    continue                           # req itself was preempted
+                rows.append(self._row(req, n))
             else:
-                n = self.decode_len
-            if not self._grow(req, req.num_computed_tokens + n + self._lookahead(req, n)):
-                continue                               # req itself was preempted
-            rows.append(self._row(req, n))
+                if self._may_skip_decode(req):
+                    continue
+                n = dl
+                need = req.num_computed_tokens + n + self.num_spec     # + the drafters' lookahead
+                # the common case (blocks already cover it) skips _grow's call
+                if -(-need // bs) > len(req.block_ids) and not self._grow(req, need):
+                    continue                           # req itself was preempted
+                start = req.num_computed_tokens
+                req.num_computed_tokens = start + n
+                req.num_inflight_steps += 1
+                rows.append(ScheduledRow(req.request_id, req.epoch, n, start, True, True, tuple(req.block_ids)))
             budget -= n
         # 2) admit waiting requests FCFS while a slot, blocks and token budget are available
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -192,8 +201,10 @@ class Scheduler:
 
     def _record_spec(self, req: Request, drafts: int, n_valid: int) -> None:
         m = req.metrics
-        accepted = min(n_valid - 1, drafts)
         m.num_steps += 1
+        if not self.num_spec:
+            return
+        accepted = min(n_valid - 1, drafts)
         m.drafts_proposed += drafts
         m.drafts_accepted += accepted
         if len(m.accepted_per_position) < self.num_spec:
@@ -202,19 +213,24 @@ class Scheduler:
             m.accepted_per_position[j] += 1
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> None:
-        p = req.params
-        if req.metrics.first_token_time is None and tokens:
-            req.metrics.first_token_time = time.perf_counter()
-        stop_ids = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + req.eos_token_ids
+        p, m = req.params, req.metrics
+        if m.first_token_time is None and tokens:
+            m.first_token_time = time.perf_counter()
+        stop_ids = req.stop_ids
+        if stop_ids is None:            # built once per request: this loop runs for every token
+            stop_ids = req.stop_ids = frozenset(
+                p.stop_token_ids if p.ignore_eos else tuple(p.stop_token_ids) + tuple(req.eos_token_ids))
         out_ids = req.output_token_ids
+        # stop at max_tokens or when prompt + outputs reach max_model_len, whichever comes first
+        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         for tok in tokens:
             out_ids.append(tok)
-            req.metrics.num_tokens_out += 1
+            m.num_tokens_out += 1
             if tok in stop_ids:
                 self._finish(req, "stop")
-            elif len(out_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                return
+            if len(out_ids) >= limit:
                 self._finish(req, "length")
-            if req.finished:
                 return
 
     def requeue_removed(self, req_ids: Iterable[str]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,8 +20,8 @@ class NewRequestData:
     seed: int
 
 
-@dataclass(frozen=True)
-class ScheduledRow:
+class ScheduledRow(NamedTuple):
+    """One request's part of a step (a NamedTuple: immutable and cheap to build, one per row per step)."""
     req_id: str
     epoch: int
     num_tokens: int                  # query length this step (decode rows: 1 + K)

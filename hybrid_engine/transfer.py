@@ -25,6 +25,8 @@ class H2D:
         self._retired: list[list[torch.Tensor]] = [[] for _ in range(RING)]  # outgrown slots, still in use
         self._i = 0
         self._off = 0                    # words used in the current slot by this step's puts
+        self._raw_dev: torch.Tensor | None = None        # put_raw's device buffer (CUDA)
+        self._np_views: dict[int, np.ndarray] = {}
 
     def begin_step(self) -> None:
         """Start a new step: its puts go to the next ring slot."""
@@ -57,6 +59,37 @@ class H2D:
         self._pack(buf.numpy().view(np.uint8), start, flat, words)
         return self._unpack(buf[start:start + total].to(self.device, non_blocking=True), flat, words)
 
+    def put_raw(self, arr: np.ndarray) -> torch.Tensor:
+        """One int64 array to the device as one int64 tensor (no unpacking views: the cheapest put)."""
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if not self.cuda:
+            return torch.from_numpy(arr.copy())
+        n = arr.size
+        buf = self._ring[self._i]
+        if buf.numel() < self._off + n:
+            self._retired[self._i].append(buf)
+            buf = self._ring[self._i] = torch.empty(2 * (self._off + n), dtype=torch.int64, pin_memory=True)
+            self._off = 0
+        start = self._off
+        self._off += n
+        host = self._np(buf)
+        host[start:start + n] = arr
+        # into a persistent device buffer: no allocation per step. Its previous contents are read
+        # only by kernels of the previous step, which the main stream runs before this copy.
+        if self._raw_dev is None or self._raw_dev.numel() < n:
+            self._raw_dev = torch.empty(max(2 * n, 1024), dtype=torch.int64, device=self.device)
+        dev = self._raw_dev[:n]
+        dev.copy_(buf[start:start + n], non_blocking=True)
+        return dev
+
+    def _np(self, buf: torch.Tensor) -> np.ndarray:
+        """numpy view of a pinned staging buffer, made once per buffer (``.numpy()`` dispatches ops)."""
+        key = buf.data_ptr()
+        v = self._np_views.get(key)
+        if v is None or v.size != buf.numel():
+            v = self._np_views[key] = buf.numpy()
+        return v
+
     @staticmethod
     def _pack(host_u8: np.ndarray, start_word: int, flat: list[np.ndarray], words: list[int]) -> None:
         off = start_word * 8
@@ -87,34 +120,64 @@ class H2D:
 _TORCH_DTYPE = {"i8": torch.int64, "i4": torch.int32, "f4": torch.float32, "b1": torch.bool}
 
 
-class D2HCopy:
-    """One step's outputs on their way to the host. ``wait()``/``await wait_async()`` to read."""
+class D2H:
+    """Step outputs to the host: a ring of pinned int64 buffers and a side stream (CUDA).
 
-    def __init__(self, tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None):
-        self._src = tensors                     # keeps the device tensors alive until read
-        if stream is None:                      # CPU: the values are ready now
-            self._host = {k: v.clone() for k, v in tensors.items()}
-            self._event = None
-            return
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
-                          for k, v in tensors.items()}
-            for v in tensors.values():
-                v.record_stream(stream)
-            self._event = torch.cuda.Event(blocking=True)
-            self._event.record(stream)
+    ``copy(t)`` copies one int64 device tensor into the next ring slot on the side stream, after
+    the main stream's work so far, and returns a ``D2HCopy``. A slot is reused RING copies later:
+    by then the step loop has waited on a later copy (one step in flight), and ``D2HCopy.wait``
+    hands out a numpy *copy*, so nothing still reads the slot."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 14):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._ring = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(RING)]
+        # events made once (a fresh Event per copy costs host time on every step): "main stream
+        # reached the copy" and "copy done", one pair per ring slot
+        self._main_ev = [torch.cuda.Event() for _ in range(RING)] if self.cuda else []
+        self._done_ev = [torch.cuda.Event(blocking=True) for _ in range(RING)] if self.cuda else []
+        self._i = 0
+
+    def copy(self, t: torch.Tensor) -> "D2HCopy":
+        if not self.cuda:                               # CPU: the values are ready now
+            return D2HCopy(t.clone(), None, t)
+        i = self._i = (self._i + 1) % RING
+        n = t.numel()
+        if self._ring[i].numel() < n:
+            self._ring[i] = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+        host = self._ring[i][:n].view(t.shape)
+        stream, main = self.stream, torch.cuda.current_stream()
+        self._main_ev[i].record(main)
+        stream.wait_event(self._main_ev[i])
+        torch.cuda.set_stream(stream)
+        try:
+            # no record_stream: the D2HCopy holds t until wait() has seen the copy finish, so the
+            # allocator cannot hand t's memory to main-stream work while the copy may still read it
+            # (a copy dropped unread may read reused memory, but nobody reads its result)
+            host.copy_(t, non_blocking=True)
+            self._done_ev[i].record(stream)
+        finally:
+            torch.cuda.set_stream(main)
+        return D2HCopy(host, self._done_ev[i], t)
+
+
+class D2HCopy:
+    """One step's output tensor on its way to the host. ``wait()``/``await wait_async()`` to read."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, src: torch.Tensor):
+        self._host, self._event = host, event
+        self._src = src                         # keeps the device tensor alive until read
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
 
-    def wait(self) -> dict[str, np.ndarray]:
+    def wait(self) -> np.ndarray:
         if self._event is not None:
             self._event.synchronize()           # the one designated wait
         self._src = None
-        return {k: v.numpy() for k, v in self._host.items()}
+        return self._host.numpy().copy()        # a copy: the ring slot is reused later
 
-    async def wait_async(self, poll_s: float = 5e-5) -> dict[str, np.ndarray]:
+    async def wait_async(self, poll_s: float = 5e-5) -> np.ndarray:
         while not self.ready():
             await asyncio.sleep(poll_s)
         return self.wait()

@@ -104,3 +104,42 @@ def tl_helpers():
 
 _helpers = None
 triton = tl = None
+
+
+class FastLaunch:
+    """Launch a ``@triton.jit`` kernel on the step path without ``JITFunction.run``'s per-call
+    argument binding and specialisation (~100 us of Python per launch on a slow host CPU).
+
+    The first launch for a set of constexprs goes through ``kernel[grid](...)``, which compiles
+    and returns the ``CompiledKernel``; later launches call that handle directly. The kernel must
+    list every int argument in ``do_not_specialize`` (a value compiled as 1 or as a multiple of 16
+    must not be reused for others). Tensor arguments are specialised on 16-byte alignment, so the
+    alignment pattern is part of the cache key. Any failure of the direct path (another Triton
+    version's API) logs once and falls back to the normal launch, never silently."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.names = list(kernel.arg_names)
+        self._cache: dict[tuple, object] = {}
+        self._broken = False
+
+    def __call__(self, grid, *args, **kw):
+        opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+        consts = {k: v for k, v in kw.items() if k not in opts}
+        align = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+        key = (tuple(sorted(consts.items())), tuple(sorted(opts.items())), align)
+        compiled = None if self._broken else self._cache.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kw)
+            if not self._broken:
+                self._cache[key] = compiled
+            return
+        full = list(args) + [consts[n] for n in self.names[len(args):]]
+        try:
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*full)     # the handle wants 3 grid dims
+        except Exception as exc:   # noqa: BLE001 - an API change must not break serving
+            self._broken = True
+            logger.warning("direct Triton launch of %s failed (%s: %s); using the normal launch path",
+                           self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel,
+                           type(exc).__name__, exc)
+            self.kernel[grid](*args, **kw)

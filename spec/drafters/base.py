@@ -46,5 +46,12 @@ class Drafter:
 class NoDrafter(Drafter):
     full_context = False
 
+    def __init__(self):
+        self._empty: dict[tuple[int, torch.device], torch.Tensor] = {}   # [B, 0] by row count
+
     def propose(self, ctx: DraftContext):
-        return torch.empty(ctx.sampled.shape[0], 0, dtype=torch.int64, device=ctx.sampled.device), None
+        key = (ctx.sampled.shape[0], ctx.sampled.device)
+        e = self._empty.get(key)
+        if e is None:
+            e = self._empty[key] = torch.empty(key[0], 0, dtype=torch.int64, device=key[1])
+        return e, None

@@ -1,0 +1,110 @@
+"""Decode-only step inputs in one launch: every field gathered from the previous step's outputs.
+
+A step whose rows are all decode/verify rows takes its tokens, positions and Mamba accepted counts
+from the previous step's device outputs (through ``prev``: the row's index in that step) and only
+three small arrays from the host (``prev``, the pool slot and the block-table row). As torch ops
+that is ~12 launches, plus ~18 copies into a CUDA graph's static buffers; ``prepare_decode`` writes
+every field straight into the destination buffers (a graph bucket's own when one is replayed),
+padding rows included, in one Triton launch on CUDA. ``prepare_decode_ref`` is its torch twin
+(CPU, and the oracle in the tests).
+
+Host staging, one int64 array ``staged``: ``[prev (N), slot (N), block table rows (N x W)]``.
+
+Per real row r < N, with p = prev[r], s = 1 + K tokens, start = prev_next_start[p]:
+- accepted a = max(prev_num_valid[p], 1) if K > 0 else 1  (the Mamba state offset + 1);
+- input_ids[r*s + j] = prev_sampled[p, a-1] for j = 0, max(prev_drafts[p, j-1], 0) for j >= 1;
+- positions[r*s + j] = start + j; slot_mapping = block_table[r, pos // bs] * bs + pos % bs;
+- seq_lens[r] = start + s; block_tables[r] = the staged row, zeros past W; decode_slots[r] = slot;
+- start_out[r] = start; drafts_out[r] = prev_drafts[p] (K > 0); next_start_out[r] = start + 1 (K = 0:
+  every decode row of a K = 0 step yields exactly one token, so its next start is known now).
+Padding rows N <= r < R (graph buckets): token 0, position 0, slot mapping 0 (the null block),
+seq_len s, an all-zero block-table row, the null Mamba slot, accepted count 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mamba_cache import NULL_SLOT
+
+
+@dataclass(frozen=True)
+class DecodeDest:
+    """Where ``prepare_decode`` writes: R >= N rows (R > N only for a CUDA-graph bucket)."""
+    input_ids: torch.Tensor      # [>= R*s] int64
+    positions: torch.Tensor      # [>= R*s] int64
+    slot_mapping: torch.Tensor   # [>= R*s] int64
+    seq_lens: torch.Tensor       # [R] int32
+    block_tables: torch.Tensor   # [R, M] int32, M >= W
+    decode_slots: torch.Tensor   # [R] int64
+    num_accepted: torch.Tensor   # [R] int64
+
+    @property
+    def rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class PrevOutputs:
+    """The previous step's device outputs, in its step-row space."""
+    sampled: torch.Tensor        # [Bp, s] int64
+    num_valid: torch.Tensor      # [Bp] int64 (read only when K > 0)
+    next_start: torch.Tensor     # [Bp] int64
+    drafts: torch.Tensor         # [Bp, K] int64
+
+
+def prepare_decode(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, dest: DecodeDest, *,
+                   block_size: int, num_spec: int, start_out: torch.Tensor, drafts_out: torch.Tensor | None,
+                   next_start_out: torch.Tensor | None) -> None:
+    """Fill ``dest`` (all R rows), ``start_out`` [N], ``drafts_out`` [N, K] (K > 0) and
+    ``next_start_out`` [N] (K = 0) from ``staged`` (see the module docstring)."""
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("prepare_decode", staged.device) == "triton":
+        from .triton_decode_prep import triton_prepare_decode
+        return triton_prepare_decode(staged, n, width, prev, dest, block_size=block_size, num_spec=num_spec,
+                                     start_out=start_out, drafts_out=drafts_out, next_start_out=next_start_out)
+    return prepare_decode_ref(staged, n, width, prev, dest, block_size=block_size, num_spec=num_spec,
+                              start_out=start_out, drafts_out=drafts_out, next_start_out=next_start_out)
+
+
+def prepare_decode_ref(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, dest: DecodeDest, *,
+                       block_size: int, num_spec: int, start_out: torch.Tensor, drafts_out: torch.Tensor | None,
+                       next_start_out: torch.Tensor | None) -> None:
+    s, k, bs = 1 + num_spec, num_spec, block_size
+    R = dest.rows
+    dev = staged.device
+    p = staged[:n]
+    slots = staged[n:2 * n]
+    bt = staged[2 * n:2 * n + n * width].view(n, width)
+    start = prev.next_start[p]                                           # [N]
+    if k:
+        a = prev.num_valid[p].clamp(min=1)
+        last = prev.sampled[p].gather(1, (a - 1)[:, None])               # [N, 1]
+        drafts = prev.drafts[p]
+        ids = torch.cat([last, drafts.clamp(min=0)], 1)                  # [N, s]
+        drafts_out.copy_(drafts)
+    else:
+        a = torch.ones(n, dtype=torch.int64, device=dev)
+        ids = prev.sampled[p][:, :1]
+        next_start_out.copy_(start + 1)
+    pos = start[:, None] + torch.arange(s, device=dev)                   # [N, s]
+    slot_map = bt.gather(1, pos // bs) * bs + pos % bs
+    start_out.copy_(start)
+    t = n * s
+    dest.input_ids[:t].copy_(ids.reshape(-1))
+    dest.positions[:t].copy_(pos.reshape(-1))
+    dest.slot_mapping[:t].copy_(slot_map.reshape(-1))
+    dest.seq_lens[:n].copy_(start + s)
+    dest.block_tables[:n, :width].copy_(bt)
+    dest.block_tables[:n, width:].zero_()
+    dest.decode_slots[:n].copy_(slots)
+    dest.num_accepted[:n].copy_(a)
+    # padding rows
+    dest.input_ids[t:R * s].zero_()
+    dest.positions[t:R * s].zero_()
+    dest.slot_mapping[t:R * s].zero_()
+    dest.seq_lens[n:].fill_(s)
+    dest.block_tables[n:].zero_()
+    dest.decode_slots[n:].fill_(NULL_SLOT)
+    dest.num_accepted[n:].fill_(1)

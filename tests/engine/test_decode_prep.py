@@ -1,0 +1,91 @@
+"""``prepare_decode``: the torch twin and the Triton kernel (interpreter on CPU; natively on CUDA in
+tests/gpu/test_decode_prep_cuda.py) against a per-row Python oracle, with poisoned destinations,
+padding rows and K = 0..8; ``FastLaunch``'s direct path and its loud fallback."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_engine.decode_prep import prepare_decode_ref
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from decode_prep_cases import CASES, check  # noqa: E402
+from triton_interpret import assert_case, run_cases  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ref_matches_oracle(name, seed):
+    check(prepare_decode_ref, seed=seed, **CASES[name])
+
+
+def test_oracle_catches_a_wrong_field():
+    """The check fails when one field is off (guards the oracle itself)."""
+    def broken(*a, **kw):
+        prepare_decode_ref(*a, **kw)
+        a[4].positions.add_(1)
+    with pytest.raises(AssertionError, match="pos"):
+        check(broken, **CASES["k3_pad"])
+
+
+def test_triton_kernel_in_interpreter():
+    res = run_cases(HERE / "decode_prep_cases.py")
+    for name in CASES:
+        assert_case(res, name)
+
+
+class _FakeKernel:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](...)`` records a normal launch and returns
+    ``compiled`` (the handle FastLaunch calls directly afterwards)."""
+    arg_names = ["x", "n", "S"]
+    __name__ = "fake_kernel"
+
+    def __init__(self, compiled):
+        self.normal, self.compiled = [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            self.normal.append((grid, a, kw))
+            return self.compiled
+        return launch
+
+
+class _Handle:
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def run(*a):
+            if self.fail:
+                raise IndexError("launcher API changed")
+            self.calls.append((grid, a))
+        return run
+
+
+def test_fast_launch_direct_path_passes_constexprs_in_order():
+    from mamba_cache.ops.triton_common import FastLaunch
+    handle = _Handle()
+    kern = _FakeKernel(handle)
+    fl = FastLaunch(kern)
+    x = torch.zeros(4)
+    fl((2,), x, 3, S=1, num_warps=1)       # first: the normal launch compiles
+    fl((2,), x, 7, S=1, num_warps=1)       # then the handle, grid padded to 3 dims, constexprs appended
+    assert len(kern.normal) == 1 and handle.calls == [((2, 1, 1), (x, 7, 1))]
+    fl((2,), x, 7, S=2, num_warps=1)       # other constexprs: compiled anew
+    assert len(kern.normal) == 2
+
+
+def test_fast_launch_falls_back_loudly(caplog):
+    from mamba_cache.ops.triton_common import FastLaunch
+    kern = _FakeKernel(_Handle(fail=True))
+    fl = FastLaunch(kern)
+    x = torch.zeros(4)
+    with caplog.at_level("WARNING", logger="hybrid_engine"):
+        fl((2,), x, 3, S=1)
+        fl((2,), x, 4, S=1)                # direct launch raises: warned, launched normally
+        fl((2,), x, 5, S=1)                # from now on the normal path, no second warning
+    assert len(kern.normal) == 3
+    assert caplog.text.count("direct Triton launch") == 1

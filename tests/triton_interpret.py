@@ -1,0 +1,52 @@
+"""Run a cases script under Triton's interpreter (TRITON_INTERPRET=1, CPU) in one subprocess.
+
+TRITON_INTERPRET must be set before Triton is imported, so kernels are interpreted in a child
+process; the script prints one ``CASE name OK|FAIL detail`` line per case. Shared by the
+interpreter tests (tests/gpu/test_kernels_interpret.py, tests/spec/test_ngram_triton.py,
+tests/engine/test_decode_prep.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cases(script: Path, timeout: int = 300) -> dict[str, tuple[str, str]]:
+    """-> {case: (status, detail)} plus "_stderr"; skips when Triton (or a working interpreter)
+    is missing, fails when the script reports nothing."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    import numpy
+    import triton
+    ver = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])   # noqa: E731
+    if ver(triton.__version__) < (3, 7) and ver(numpy.__version__) >= (2, 4):
+        pytest.skip("triton < 3.7's interpreter breaks with numpy >= 2.4 (notes/mamba-deps.md)")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    res = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"CASE (\S+) (OK|FAIL) ?(.*)", line)
+        if m:
+            res[m.group(1)] = (m.group(2), m.group(3))
+    if not res:
+        pytest.fail(f"interpreter run produced no results (rc {proc.returncode}):\n"
+                    f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    res["_stderr"] = proc.stderr
+    return res
+
+
+def assert_case(results: dict, name: str) -> None:
+    assert name in results, f"case {name} did not run"
+    status, detail = results[name]
+    assert status == "OK", f"{name}: {detail}\n{results['_stderr'][-3000:]}"
