@@ -11,25 +11,40 @@ outputs) followed by every valid token sampled since. Each step ``propose``:
    recent occurrence and proposes the K tokens that followed it, cut at ``length`` (-1 beyond).
 
 No host synchronisation: positions and lengths never leave the device, there is no ``.item()``,
-``nonzero`` or boolean-mask indexing, and no Python loop (one comparison of unfolded windows covers
-every row, position and n; the work is O(B * window * max_n) per step, ~65 small kernels). Host data
+``nonzero`` or boolean-mask indexing, and no Python loop. Two implementations of steps 1-2:
+
+- ``_append`` + ``_search`` (torch): one comparison of unfolded windows covers every row, position
+  and n; the work is O(B * window * max_n) per step, ~65 small kernels. The CPU path and the oracle.
+- ``triton_ngram.NgramTritonKernel``: both steps in one Triton launch, one program per step row
+  (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests). Results are identical.
+
+``backend="auto"`` picks Triton for CUDA devices (``HYBRID_ENGINE_KERNELS=torch`` forces torch) like
+the Mamba ops (``mamba_cache.ops.triton_common.kernel_backend``); the choice is logged once. Host
 (new requests' token ids) reaches the device through the drafter's own ``H2D`` staging ring, in one
 transfer per step (pending ``add_request`` calls are flushed at the start of the next ``propose``),
 so a ring slot is reused only after the step that filled it has been read back.
 """
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hybrid_engine.transfer import H2D
+from mamba_cache.ops.triton_common import kernel_backend
 
 from .base import DraftContext, Drafter
 
 NO_TOKEN = -1      # empty history cells and "no draft"
 PAD = -2           # past the start of a row in the search windows
 SENTINEL = -3      # ends every n-gram: never equal to a token, NO_TOKEN or PAD
+BACKENDS = ("auto", "torch", "triton")
+
+logger = logging.getLogger("hybrid_engine")
+_logged: set[tuple[str, str]] = set()
 
 
 class NgramDrafter(Drafter):
@@ -37,9 +52,12 @@ class NgramDrafter(Drafter):
     full_context = False          # reads slots, sampled, num_valid, input_pos only
 
     def __init__(self, num_spec: int, min_n: int, max_n: int, num_slots: int, max_len: int,
-                 device: torch.device | str, h2d: H2D | None = None, window: int | None = None):
+                 device: torch.device | str, h2d: H2D | None = None, window: int | None = None,
+                 backend: str = "auto"):
         """``num_slots`` slot rows of ``max_len`` tokens each. ``window`` (default: ``max_len``) bounds
-        the search to the last ``window`` tokens of a row; ``h2d`` defaults to an own staging ring."""
+        the search to the last ``window`` tokens of a row; ``h2d`` defaults to an own staging ring.
+        ``backend``: "auto" (Triton on CUDA, else torch), "torch" or "triton" (CUDA, or any device
+        under ``TRITON_INTERPRET=1``)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if num_spec < 1 or num_slots < 1 or max_len < 2:
@@ -62,6 +80,28 @@ class NgramDrafter(Drafter):
         self._v1 = torch.arange(1, w, device=dev)        # [W-1] occurrence ends v >= 1 tokens back
         self._ar_k = torch.arange(num_spec, device=dev)  # [K]
         self._ar_s = torch.arange(1 + num_spec, device=dev)  # [1+K]
+        self.backend = self._choose_backend(backend)
+        self._kernel = None
+        if self.backend == "triton":
+            from .triton_ngram import NgramTritonKernel
+            self._kernel = NgramTritonKernel(num_spec, min_n, self._m, max_len, w)
+
+    def _choose_backend(self, backend: str) -> str:
+        """'torch' or 'triton' (see __init__); logs the choice once per (device type, backend)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        dev = self.device
+        if backend == "auto":
+            # logs "ngram_propose backend on <device>: triton | torch_ref" once
+            return "triton" if kernel_backend("ngram_propose", dev) == "triton" else "torch"
+        if backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' on {dev.type} needs TRITON_INTERPRET=1 (set before "
+                             "Triton is imported)")
+        key = (dev.type, backend)
+        if key not in _logged:
+            _logged.add(key)
+            logger.info("ngram_propose backend on %s: %s (requested)", dev.type, backend)
+        return backend
 
     # ------------------------------------------------------------------------------------------ slots
     def add_request(self, slot: int, token_ids) -> None:
@@ -91,6 +131,9 @@ class NgramDrafter(Drafter):
     # ---------------------------------------------------------------------------------------- propose
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, None]:
         self.flush()
+        if self._kernel is not None:                     # append + search in one launch
+            return self._kernel(self._store, self.length, ctx.slots, ctx.sampled, ctx.num_valid,
+                                ctx.input_pos), None
         slots = ctx.slots.long()                         # [B] step row -> slot
         a = ctx.num_valid.long()                         # [B] valid sampled tokens (0..1+K)
         self._append(slots, ctx.sampled.long(), a, ctx.input_pos.long())
