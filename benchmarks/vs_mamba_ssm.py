@@ -15,11 +15,19 @@ groups of ``--inner`` calls.  mamba-ssm comes from its pure-python wheel through
 ``selective_scan_cuda`` stub as tests/gpu/test_mamba_ssm_crosscheck.py.
 
     python benchmarks/vs_mamba_ssm.py [--reps 15] [--inner 10] [--out table.md]
+    python benchmarks/vs_mamba_ssm.py --variants [--new-only] [--profile]  # our SSD configs
+    python benchmarks/vs_mamba_ssm.py --list-variants       # print them (no CUDA needed)
+
+``--variants`` times our SSD scan at 8192 tokens with each chunk-output config of ``VARIANTS``
+(keyword options of ``triton_ssd_scan_varlen``; see its docstring) next to the default; with
+``--profile`` also the GPU time of each config's step-4 kernels (C.B precompute + chunk output)
+from torch.profiler.  Without mamba-ssm installed only our side is timed (its columns read n/a).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import statistics
 import sys
 import types
@@ -38,12 +46,17 @@ DEV = "cuda"
 
 
 def load_mamba_ssm():
+    """(mamba_chunk_scan_combined, selective_state_update), or (None, None) without mamba-ssm."""
     try:
         importlib.import_module("selective_scan_cuda")
     except ImportError:
         sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
-    from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ms_ssu
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ms_ssu
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError as exc:
+        print(f"mamba-ssm not importable ({exc}): timing ours only", flush=True)
+        return None, None
     return mamba_chunk_scan_combined, ms_ssu
 
 
@@ -68,6 +81,8 @@ def ssd_case(T, chunk_scan):
     from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen   # what ssd_scan_varlen runs
     ours = lambda **kw: triton_ssd_scan_varlen(  # noqa: E731
         x, dt, dt_bias, A, B, C, D, qsl, init, CS, max_seqlen=T, out_dtype=DT, **kw)
+    if chunk_scan is None:
+        return ours, None, "n/a (no mamba-ssm)"
     ms = lambda: chunk_scan(x[None], dt[None], A, B[None], C[None], CS, D=D,  # noqa: E731
                             dt_bias=dt_bias, dt_softplus=True, return_final_states=True)
     # sanity: same math (bf16 inputs; loose bound, report only)
@@ -78,12 +93,52 @@ def ssd_case(T, chunk_scan):
     return ours, ms, f"y {err:.1e}, final {errf:.1e}"
 
 
-# our SSD configs timed by --variants (defaults: block_m 128, block_k 32, 4 warps, all of P)
-VARIANTS = [dict(num_stages=2), dict(num_stages=3), dict(num_stages=4),
-            dict(block_m=64, num_stages=3), dict(cb_pre=True, block_p=32),
-            dict(cb_pre=True, block_p=32, block_m=64), dict(cb_pre=True, block_p=32, num_stages=3),
-            dict(cb_pre=True, block_p=32, block_m=64, num_stages=4),
-            dict(block_p=32, block_m=64), dict(cb_pre=True, block_m=64, num_stages=4)]
+# our SSD configs timed by --variants, next to the default (bf16: the multi-head chunk-output
+# kernel, 4 heads per program, block_m 64, C.B in bf16, 2 stages; triton_ssd._DEFAULTS).
+# ``_PH`` = the per-head kernel (heads_per_program=1; its defaults: block_m 128, block_k 32,
+# 4 warps, all of P, Triton's stages, C.B in float32; the default before 2026-11-22).
+_PH = dict(heads_per_program=1)
+# Session-2 configs of the per-head kernel (none beat its defaults; chunk-first program order):
+OLD_VARIANTS = [dict(_PH, **kw) for kw in (
+    dict(num_stages=2), dict(num_stages=3), dict(num_stages=4), dict(block_m=64, num_stages=3),
+    dict(cb_pre=True, block_p=32), dict(cb_pre=True, block_p=32, block_m=64),
+    dict(cb_pre=True, block_p=32, num_stages=3),
+    dict(cb_pre=True, block_p=32, block_m=64, num_stages=4), dict(block_p=32, block_m=64),
+    dict(cb_pre=True, block_m=64, num_stages=4))]
+# 2026-11-22 configs (triton_ssd_scan_varlen docstring).  ``_CBM`` = C.B precomputed in bf16.
+# (A "tile-first" program order was tried too, 0.78-1.27 ms; removed after a GPU test of it with
+# block_k=64 and 3 stages hit an illegal address.)
+_CBM = dict(cb_pre=True, cb_dtype="model")
+NEW_VARIANTS = [
+    _PH,    # the per-head kernel with its defaults (H100: 0.822 ms vs 0.740 ms, the default)
+] + [dict(_PH, **kw) for kw in (
+    # C.B precomputed once per (chunk, group) in bf16, read as [block_m, block_k] tiles
+    dict(**_CBM), dict(block_m=64, **_CBM), dict(block_m=64, **_CBM),
+    dict(block_m=64, block_p=32, **_CBM), dict(block_m=64, block_k=64, **_CBM),
+    dict(block_m=64, num_stages=2, **_CBM),
+    dict(block_m=64, num_stages=4, **_CBM),
+    dict(block_m=128, num_warps=8, **_CBM), dict(block_m=64, num_warps=2, **_CBM),
+    dict(block_m=32, num_warps=2, **_CBM),
+    # the same in float32 (mamba-ssm's C.B dtype)
+    dict(cb_pre=True, block_m=64), dict(cb_pre=True, block_m=64, block_p=32),
+)] + [
+    # several heads of a group per program, C.B tile in registers, loop over the heads (the
+    # default is heads_per_program=4, block_m=64, cb_dtype="model", num_stages=2)
+    dict(heads_per_program=2, block_m=64, cb_dtype="model", num_stages=2),
+    dict(heads_per_program=4, block_m=64, cb_dtype="model", num_stages=3),
+    dict(heads_per_program=4, block_m=64, cb_dtype="float32", num_stages=2),
+    dict(heads_per_program=4, block_m=64, block_p=32, cb_dtype="model", num_stages=2),
+    dict(heads_per_program=2, block_m=128, num_warps=8, cb_dtype="model", num_stages=2),
+    dict(heads_per_program=4, block_m=128, num_warps=8, cb_dtype="model", num_stages=2),
+    dict(heads_per_program=8, block_m=128, num_warps=8, cb_dtype="model", num_stages=2),
+    dict(heads_per_program=4, block_m=64, num_stages=2, **_CBM),
+]
+VARIANTS = OLD_VARIANTS + NEW_VARIANTS
+
+
+def step4_us(fn):
+    """GPU us per call of the chunk-output step (C.B precompute + chunk-output kernels)."""
+    return sum(us for k, us in profile_kernels(fn) if "_chunk_out" in k or "_chunk_cb" in k)
 
 
 def profile_kernels(fn, n=5):
@@ -130,22 +185,44 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="per-kernel SSD times at 8192, both")
     ap.add_argument("--variants", action="store_true", help="time our SSD block configs at 8192")
+    ap.add_argument("--new-only", action="store_true", help="--variants: skip OLD_VARIANTS")
+    ap.add_argument("--list-variants", action="store_true", help="print VARIANTS and exit")
     a = ap.parse_args()
+    variants = NEW_VARIANTS if a.new_only else VARIANTS
+    if a.list_variants:
+        for kw in variants:
+            print(kw)
+        return
     chunk_scan, ms_ssu = load_mamba_ssm()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rows = []
     for T in (2048, 8192):
         ours, ms, chk = ssd_case(T, chunk_scan)
-        t_o, t_m = time_ms(ours, a.reps, a.inner), time_ms(ms, a.reps, a.inner)
+        t_o = time_ms(ours, a.reps, a.inner)
+        t_m = time_ms(ms, a.reps, a.inner) if ms is not None else math.nan
         rows.append((f"SSD prefill 1x{T} (bf16, cs={CS})", "1 call each", t_o, t_m, chk))
         print(rows[-1], flush=True)
         if a.variants and T == 8192:
-            for kw in VARIANTS:
-                t_v = time_ms(lambda kw=kw, f=ours: f(**kw), a.reps, a.inner)
-                print(f"  variant {kw}: {t_v:.4f} ms ({t_m / t_v:.2f}x mamba-ssm)", flush=True)
+            y0 = ours()[0].float()
+            for kw in [{}] + variants:
+                fn = lambda kw=kw, f=ours: f(**kw)  # noqa: E731
+                try:
+                    dy = float((fn()[0].float() - y0).abs().max()) / float(y0.abs().max())
+                    t_v = time_ms(fn, a.reps, a.inner)
+                    k_us = f", step 4 {step4_us(fn):.1f} us" if a.profile else ""
+                except Exception as exc:   # a config that does not compile / fit: report, go on
+                    print(f"  variant {kw}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
+                          flush=True)
+                    continue
+                name = kw or "(default)"
+                vs_ms = "" if math.isnan(t_m) else f", {t_m / t_v:.2f}x mamba-ssm"
+                print(f"  variant {name}: {t_v:.4f} ms ({t_o / t_v:.2f}x default{vs_ms}{k_us}; "
+                      f"y vs default {dy:.1e})", flush=True)
         if a.profile and T == 8192:
             for name, fn in (("ours", ours), ("mamba-ssm", ms)):
+                if fn is None:
+                    continue
                 print(f"  kernels of {name} SSD 1x{T}:", flush=True)
                 for k, us in profile_kernels(fn):
                     print(f"    {k[:70]:70s} {us:8.1f} us/call", flush=True)
@@ -154,7 +231,8 @@ def main():
     for Bsz in (64, 256):
         for s in (1, 4):
             ours, ms = ssu_case(Bsz, s, ms_ssu)
-            t_o, t_m = time_ms(ours, a.reps, a.inner), time_ms(ms, a.reps, a.inner)
+            t_o = time_ms(ours, a.reps, a.inner)
+            t_m = time_ms(ms, a.reps, a.inner) if ms_ssu is not None else math.nan
             how = ("1 launch each" if s == 1 else
                    f"ours 1 launch (s={s}, per-token states) vs mamba-ssm {s} launches of s=1 "
                    "(no state copies)")
@@ -165,7 +243,9 @@ def main():
     lines = ["| op | launches | ours (ms) | mamba-ssm (ms) | mamba-ssm / ours | check (rel err) |",
              "|---|---|---|---|---|---|"]
     for name, how, t_o, t_m, chk in rows:
-        lines.append(f"| {name} | {how} | {t_o:.4f} | {t_m:.4f} | {t_m / t_o:.2f}x | {chk} |")
+        ms_col, ratio = (("n/a", "n/a") if math.isnan(t_m) else
+                         (f"{t_m:.4f}", f"{t_m / t_o:.2f}x"))
+        lines.append(f"| {name} | {how} | {t_o:.4f} | {ms_col} | {ratio} | {chk} |")
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -146,7 +146,7 @@ def causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepte
     """Public entry point (CONTRACT item 2): Triton kernel on CUDA, torch reference elsewhere."""
     from mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("causal_conv1d_update", x.device) == "triton":
-        from mamba_cache.ops.triton_conv import triton_causal_conv1d_update
+        from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
         return triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices,
                                            num_accepted)
     return causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, num_accepted)

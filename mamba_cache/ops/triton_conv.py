@@ -1,4 +1,4 @@
-"""Triton causal depthwise conv1d: packed varlen prefill and decode/verify update (CONTRACT 1, 2).
+"""Triton causal depthwise conv1d over packed varlen prefill (CONTRACT 1).
 
 Prefill: two launches.
   1. ``_conv_varlen_kernel`` over (token block, channel block): each token finds its sequence by a
@@ -7,10 +7,8 @@ Prefill: two launches.
   2. ``_conv_varlen_state_kernel`` over (sequence, channel block): writes the new window (the last
      W-1 inputs, reaching into the old window for sequences shorter than W-1), after loading it
      whole.  It runs after launch 1 (same stream), so launch 1 always sees the old windows.
-Update: one launch over (row, channel block); the program loads the W-1 window columns at offset
-num_accepted-1 and the s tokens, computes the s outputs, barrier, then writes columns 0..W-3+s.
-NULL_SLOT rows: prefill output is computed as the reference does, state untouched; update rows
-write zeros to their output and leave the state untouched.
+The decode/verify update lives in ``triton_conv_update.py``.
+NULL_SLOT rows: prefill output is computed as the reference does, state untouched.
 """
 from __future__ import annotations
 
@@ -108,64 +106,6 @@ def _conv_varlen_state_kernel(
         tl.store(base + j[:, None] * ss_k, new, mask=m2)
 
 
-@triton.jit
-def _conv_update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slot_ptr, acc_ptr, out_ptr,
-    s, Cdim, ncols,
-    sx_r, sx_t, sx_c, sw_c, sw_w, ss_s, ss_c, ss_k, so_r, so_t, so_c,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, NULL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_WIN: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """One program per (row, channel block).  Two tiles, each as tall as it needs to be (a tile
-    padded to the taller one left most threads masked at s = 1): outputs [BLOCK_S >= s, C] and the
-    new window [BLOCK_WIN >= W-2+s, C].  xs[j] = window column off+j for j < W-1, else token
-    j-(W-1); every load of a window column is one contiguous row of channels in MambaPool's
-    token-major layout."""
-    row = tl.program_id(0)
-    cb = tl.program_id(1)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    mc = offs_c < Cdim
-    t = tl.arange(0, BLOCK_S)
-    m2 = (t < s)[:, None] & mc[None, :]
-    # slot and accepted count are independent loads: issued together, no branch on the slot
-    # between them (the kernel is a few microseconds long, so each serial latency shows)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    off = tl.load(acc_ptr + row).to(tl.int32) - 1
-    # full-shape masks (a scalar & block mask trips the interpreter)
-    m2s = m2 & ((tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.int64) + slot) != NULL)
-    sbase = state_ptr + slot * ss_s + offs_c[None, :] * ss_c
-    xbase = x_ptr + row * sx_r + offs_c[None, :] * sx_c
-    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
-    for w in tl.static_range(W):
-        j = t + w
-        in_win = j < W - 1
-        col = tl.minimum(tl.maximum(off + j, 0), ncols - 1)
-        sv = tl.load(sbase + col[:, None] * ss_k, mask=m2s & in_win[:, None], other=0.0)
-        xv = tl.load(xbase + (j - (W - 1))[:, None] * sx_t, mask=m2 & (~in_win)[:, None],
-                     other=0.0)
-        v = tl.where(in_win[:, None], sv, xv.to(state_ptr.dtype.element_ty)).to(tl.float32)
-        wt = tl.load(w_ptr + offs_c * sw_c + w * sw_w, mask=mc, other=0.0).to(tl.float32)
-        acc += v * wt[None, :]
-    # new window: column i (0 <= i <= W-3+s) = xs[i+1]
-    i = tl.arange(0, BLOCK_WIN)
-    mi = (i < W - 2 + s)[:, None] & mc[None, :]
-    mi = mi & ((tl.zeros([BLOCK_WIN, BLOCK_C], dtype=tl.int64) + slot) != NULL)
-    j = i + 1
-    in_win = j < W - 1
-    col = tl.minimum(tl.maximum(off + j, 0), ncols - 1)
-    sv = tl.load(sbase + col[:, None] * ss_k, mask=mi & in_win[:, None], other=0.0)
-    xv = tl.load(xbase + (j - (W - 1))[:, None] * sx_t, mask=mi & (~in_win)[:, None], other=0.0)
-    new = tl.where(in_win[:, None], sv, xv.to(state_ptr.dtype.element_ty))
-    # null-slot rows: outputs are unspecified by the contract; write zeros (finite, no NaN)
-    out = tl.where(m2s, _silu(acc), 0.0)
-    tl.store(out_ptr + row * so_r + t[:, None] * so_t + offs_c[None, :] * so_c,
-             out.to(out_ptr.dtype.element_ty), mask=m2)
-    tl.debug_barrier()                               # the whole window is read before any store
-    tl.store(sbase + i[:, None] * ss_k, new, mask=mi)
-
-
 def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, state_indices,
                                 has_initial_state, *, block_t=None, block_c=None, num_warps=None):
     """Same arguments and result as ``causal_conv1d_varlen_ref``."""
@@ -201,29 +141,4 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
                 Cdim, *x.stride(), *conv_state.stride(),
                 WM1=W - 1, BLOCK_W=next_pow2(W - 1), NULL=NULL_SLOT, BLOCK_C=BC, num_warps=4,
             )
-    return out
-
-
-def triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted, *,
-                                block_c=None, num_warps=None):
-    """Same arguments and result as ``causal_conv1d_update_ref``."""
-    N, s, Cdim = x.shape
-    W = weight.shape[-1]
-    ncols = conv_state.shape[-1]
-    assert 1 <= s and W - 2 + s <= ncols, "need 1 <= s <= 1+K"
-    out = torch.empty_like(x)
-    if N == 0:
-        return out
-    # H100 sweep (benchmarks/kernels.py --sweep-conv, token-major pool, 2026-11-22):
-    # 512 channels; 8 warps for one token per row, 4 for verify rows
-    BLOCK_C = block_c or min(512, next_pow2(Cdim))
-    bias_arg = bias if bias is not None else weight
-    with device_ctx(x):
-        _conv_update_kernel[(N, triton.cdiv(Cdim, BLOCK_C))](
-            x, weight, bias_arg, conv_state, state_indices, num_accepted, out,
-            s, Cdim, ncols, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
-            W=W, HAS_BIAS=bias is not None, NULL=NULL_SLOT, BLOCK_S=next_pow2(s),
-            BLOCK_WIN=next_pow2(W - 2 + s), BLOCK_C=BLOCK_C,
-            num_warps=num_warps or (8 if s == 1 else 4),
-        )
     return out

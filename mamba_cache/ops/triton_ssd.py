@@ -12,15 +12,28 @@ ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four la
    h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
    chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
    by step 4; in place over S_c otherwise).
-4. ``_chunk_out_kernel`` (chunk, head, row block): y_i = exp(cum_i) C_i h_in^T
-   + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j + D x_i   (tl.dot, causal blocks only).
+4. Chunk output: y_i = exp(cum_i) C_i h_in^T + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
+   + D x_i   (tl.dot, causal blocks only).  Default path by dot operand dtype (``_DEFAULTS``):
+   - bf16 / fp16 models (16-bit operands, ``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``,
+     one program per (chunk, 64-row block, 4 heads of one group): C and the C.B tile of its rows
+     x the whole chunk (kept in the model dtype) are loaded / computed once and reused for the 4
+     heads (1.11x the whole scan on an H100, see ``_DEFAULTS``);
+   - float32 models (and ``lowp=False``), one head per group, ``heads_per_program=1``:
+     ``_chunk_out_kernel`` (chunk, head, 128-row block), C.B recomputed per head
+     (``_PER_HEAD_DEFAULTS``, the defaults from before the multi-head kernel).
+
+Other step-4 options (keyword options of ``triton_ssd_scan_varlen``, see its docstring):
+``cb_pre`` (``_chunk_cb_kernel`` (chunk, group, row block) computes C.B once per (chunk, group)
+into a [NC, G, L, L] buffer that the output kernels read; ``cb_dtype="model"`` stores it in the
+model dtype), ``heads_per_program``, block sizes and launch options.
 
 All accumulation in float32.  For bf16/fp16 models every dot takes 16-bit operands by default
 (``lowp``: the decay-weighted inputs and the chunk-entry states are rounded to the model dtype
 for the dot, as mamba-ssm does; 1.3x faster on an H100 than TF32 dots over float32 operands,
 which ``lowp=False`` gives); float32 models use IEEE float32 dots (tests, tiny models).
-``triton_ssd_sequential.triton_ssd_scan_sequential`` is the simple alternative: one program per (sequence, head,
-P block) walking the tokens with the state in registers (kept for comparison and as a fallback).
+``triton_ssd_sequential.triton_ssd_scan_sequential`` is the simple alternative: one program per
+(sequence, head, P block) walking the tokens with the state in registers (kept for comparison and
+as a fallback).
 """
 from __future__ import annotations
 
@@ -32,6 +45,7 @@ import triton.language as tl
 
 from mamba_cache.ops.ssd import _grid_size
 from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 
 _softplus, _silu = tl_helpers()
 
@@ -135,7 +149,9 @@ def _chunk_cb_kernel(
     sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
     PREC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """CB[c, g, i, j] = C_i . B_j for the chunk's tokens (float32), rows i in one M block."""
+    """CB[c, g, i, j] = C_i . B_j for the chunk's tokens (float32 accumulation, stored in the
+    buffer's dtype: float32, or the model dtype under ``cb_dtype="model"``), rows i in one M
+    block."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     mb = tl.program_id(2)
@@ -158,7 +174,8 @@ def _chunk_cb_kernel(
         else:
             cb = tl.dot(cm, bt)
         out = ((c * G + g).to(tl.int64) * BLOCK_L + offs_m[:, None]) * BLOCK_L + offs_j[None, :]
-        tl.store(cb_ptr + out, cb, mask=mm[:, None] & (offs_j < BLOCK_L)[None, :])
+        tl.store(cb_ptr + out, cb.to(cb_ptr.dtype.element_ty),
+                 mask=mm[:, None] & (offs_j < BLOCK_L)[None, :])
 
 
 @triton.jit
@@ -210,10 +227,10 @@ def _chunk_out_kernel(
     BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    c = tl.program_id(0)               # grid (NC, H, row blocks * column blocks)
     mb = tl.program_id(2) // n_pblocks
     pb = tl.program_id(2) % n_pblocks
+    h = tl.program_id(1)
     clen = tl.load(meta_ptr + c * 2 + 1)
     m0 = mb * BLOCK_M
     if m0 < clen:
@@ -244,7 +261,8 @@ def _chunk_out_kernel(
             mk = offs_k < clen
             tok_k = cstart + offs_k
             if CB_PRE:
-                cb = tl.load(cb_row + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+                cb = tl.load(cb_row + offs_k[None, :], mask=mm[:, None] & mk[None, :],
+                             other=0.0).to(tl.float32)
             else:
                 bk = tl.load(B_ptr + tok_k[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
                              mask=mn[:, None] & mk[None, :], other=0.0)               # [N, K]
@@ -279,15 +297,36 @@ def _dt_args(dt_limit):
 def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
                            chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
                            out_dtype=torch.float32, lowp=None, cb_pre=None, block_m=None,
-                           block_k=None, num_warps=None, block_p=None, num_stages=None):
+                           block_k=None, num_warps=None, block_p=None, num_stages=None,
+                           cb_dtype=None, heads_per_program=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32).
 
+    Chunk-output (step 4) options; None takes ``_DEFAULTS`` when the multi-head kernel runs
+    with 16-bit dot operands, ``_PER_HEAD_DEFAULTS`` otherwise (module docstring):
     lowp: 16-bit operands (the model dtype) for the dots whose operands are float32 values
     (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
-    cb_pre: compute C.B once per (chunk, group) in its own launch instead of once per head.
+    heads_per_program: heads of one group handled by one chunk-output program
+    (``triton_ssd_heads._chunk_out_heads_kernel``; rounded up to a power of two, capped at the
+    heads per group; 1: the per-head kernel ``_chunk_out_kernel``).  The program keeps the
+    causally masked C.B tile of its rows x the whole chunk in registers and loops over its heads
+    (per head: C.h_in, then the decay / dt weighting and the dot with x in two steps of half a
+    chunk), so C.B is computed H/G / heads_per_program times per (chunk, group) instead of H/G
+    (or read that many fewer times from the cb_pre buffer).  Blocks never straddle groups (the
+    last block of a group may be short).  Default 4 under lowp, 1 otherwise.  The per-head
+    kernel runs instead with float32 dot operands and chunks over 64 tokens (the tiles would not
+    fit in shared memory), with one head per group, and when the in-chunk offsets of x / y do
+    not fit int32.
+    cb_pre: compute C.B once per (chunk, group) in its own launch instead of once per program.
+    block_m / block_k: rows of a chunk-output program / tokens per step of the per-head kernel's
+    causal K loop (the loop stops at the program's last row).  num_warps / num_stages: the
+    chunk-output launch options.
     block_p: head_dim columns per chunk-output program (default all of them; splitting them
     pairs best with cb_pre, else C.B is recomputed per column block).
+    cb_dtype: "float32" or "model": C.B rounded to the model dtype (bf16/fp16; a no-op for
+    float32 models) where it is kept: the cb_pre buffer (half the bytes written once and re-read
+    by every head of the group) and the registers of the multi-head kernel.  The decay / dt
+    weighting stays float32 (then rounded to the model dtype for the dot under lowp).
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -313,19 +352,42 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     lowp = _DEFAULTS["lowp"] if lowp is None else lowp
     lowp = bool(lowp) and x.dtype in (torch.bfloat16, torch.float16) and B.dtype == x.dtype \
         and C.dtype == x.dtype
-    cb_pre = _DEFAULTS["cb_pre"] if cb_pre is None else cb_pre
+    # step 4: which kernel, then its defaults
+    BP_OUT = min(BLOCK_P, max(16, next_pow2(block_p or _DEFAULTS["block_p"] or P)))
+    hpg = H // G
+    hpp = heads_per_program or (_DEFAULTS["heads_per_program"] if lowp else 1)
+    hpp = max(1, min(next_pow2(int(hpp)), next_pow2(hpg)))     # a power of two
+    # float32 dot operands: the multi-head kernel's whole-chunk tiles need more shared memory
+    # than an SM has past 64-token chunks (and minutes of compile)
+    if not lowp and BLOCK_L > 64:
+        hpp = 1
+    # the multi-head kernel takes int32 offsets inside a chunk (x / y rows, the state tile);
+    # past that range the per-head kernel (int64 offsets) runs
+    lim = max(BLOCK_L * abs(st) + BP_OUT * abs(sp) + 1
+              for st, sp in ((x.stride(0), x.stride(2)), (y.stride(0), y.stride(2))))
+    if max(lim, BLOCK_P * N + BLOCK_N) >= 2**31:
+        hpp = 1
+    dflt = _DEFAULTS if (lowp and hpp > 1) else _PER_HEAD_DEFAULTS
+    opt = lambda v, k: dflt[k] if v is None else v                 # noqa: E731
+    cb_pre, cb_dtype = opt(cb_pre, "cb_pre"), opt(cb_dtype, "cb_dtype")
+    assert cb_dtype in ("float32", "model"), cb_dtype
+    cb_round = cb_dtype == "model" and x.dtype != torch.float32      # C.B in the model dtype
+    BLOCK_K = min(block_k or dflt["block_k"], BLOCK_L)
+    BLOCK_M = min(block_m or dflt["block_m"], BLOCK_L)
+    stages = num_stages or dflt["num_stages"]
+    launch = dict(num_warps=num_warps or dflt["num_warps"])
+    if stages:
+        launch["num_stages"] = stages
+
     meta = torch.empty((NC, 2), dtype=torch.int32, device=dev)
     dtc = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
     # chunk-entry states: rounded to the dot operand dtype anyway under lowp, so stored that way
     hin = torch.empty((NC, H, P, N), dtype=x.dtype, device=dev) if lowp else S
-    cb = torch.empty((NC, G, BLOCK_L, BLOCK_L) if cb_pre else (1,), dtype=torch.float32,
-                     device=dev)
+    cb = torch.empty((NC, G, BLOCK_L, BLOCK_L) if cb_pre else (1,),
+                     dtype=x.dtype if cb_round else torch.float32, device=dev)
     BLOCK_H = max(1, min(next_pow2(H), 4096 // BLOCK_L))
-    BLOCK_K = min(block_k or _DEFAULTS["block_k"], BLOCK_L)
-    BLOCK_M = min(block_m or _DEFAULTS["block_m"], BLOCK_L)
-    nw = num_warps or _DEFAULTS["num_warps"]
     with device_ctx(x):
         _chunk_dt_kernel[(NC, triton.cdiv(H, BLOCK_H))](
             dt_raw, dt_bias, A, qsl, cum, meta, dtc, cuma,
@@ -341,7 +403,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             )
         BP_S = min(BLOCK_P, 64)
         _chunk_state_kernel[(NC, H, triton.cdiv(P, BP_S))](
-            x, B, meta, dtc, cuma, S, H, P, N, H // G,
+            x, B, meta, dtc, cuma, S, H, P, N, hpg,
             *x.stride(), *B.stride(),
             PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=min(64, BLOCK_L), BLOCK_P=BP_S,
             BLOCK_N=BLOCK_N, num_warps=4,
@@ -354,19 +416,37 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             *initial_states.stride(), *final.stride(),
             BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, num_warps=4,
         )
-        BP_OUT = min(BLOCK_P, max(16, next_pow2(block_p or _DEFAULTS["block_p"] or P)))
         npb = triton.cdiv(P, BP_OUT)
-        stages = num_stages or _DEFAULTS["num_stages"]
-        _chunk_out_kernel[(NC, H, triton.cdiv(cs, BLOCK_M) * npb)](
-            x, B, C, D, meta, dtc, cuma, hin, cb, y, H, P, N, G, H // G, npb,
-            *x.stride(), *B.stride(), *C.stride(), *y.stride(),
-            PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK_K, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, num_warps=nw,
-            **({"num_stages": stages} if stages else {}),
-        )
+        nmb = triton.cdiv(cs, BLOCK_M)
+        strides = (*x.stride(), *B.stride(), *C.stride(), *y.stride())
+        if hpp > 1:
+            nhb = triton.cdiv(hpg, hpp)
+            _chunk_out_heads_kernel[(NC * nmb * npb, G * nhb)](
+                x, B, C, D, A, meta, dtc, cuma, hin, cb, y, H, P, N, G, hpg, nhb, npb, *strides,
+                PREC=prec, LOWP=lowp, CB_PRE=cb_pre, CB_ROUND=cb_round, BLOCK_L=BLOCK_L,
+                BLOCK_M=BLOCK_M, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, BLOCK_H=hpp,
+                N_MBLOCKS=nmb, HALVES=BLOCK_L >= 32, **launch,
+            )
+        else:
+            _chunk_out_kernel[(NC, H, nmb * npb)](
+                x, B, C, D, meta, dtc, cuma, hin, cb, y, H, P, N, G, hpg, npb, *strides,
+                PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
+                BLOCK_K=BLOCK_K, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, **launch,
+            )
     return y, final
 
 
-# defaults, from the H100 sweep in benchmarks/kernels.py (2026-11-22)
-_DEFAULTS = dict(lowp=True, cb_pre=False, block_m=128, block_k=32, num_warps=4, block_p=None,
-                 num_stages=None)
+# Defaults.  16-bit dot operands (lowp: bf16 / fp16 models) with more than one head per group:
+# the multi-head kernel, from the H100 sweep of 2026-11-22 (benchmarks/vs_mamba_ssm.py
+# --variants; T=8192, Nemotron-H-8B shape, bf16, eager): 4 heads per program, 64 rows, C.B kept
+# in bf16, 2 stages: 0.740 ms for the whole scan, 1.11x the per-head kernel (0.822 ms) and 1.13x
+# mamba-ssm (0.838 ms); chunk output 319 us vs 414 us (mamba-ssm's chunk scan + bmm: 338 us).
+# Runner-up configs (C.B precomputed, 2 or 8 heads per program) were 0.767-0.783 ms.
+_DEFAULTS = dict(lowp=True, cb_pre=False, block_m=64, block_k=32, num_warps=4, block_p=None,
+                 num_stages=2, cb_dtype="model", heads_per_program=4)
+# Everything else (float32 dot operands: float32 models or lowp=False; one head per group;
+# heads_per_program=1; the fallbacks above) runs the per-head kernel with the defaults of the
+# H100 sweep in benchmarks/kernels.py (session 2; unchanged): 128 rows, Triton's stages, C.B in
+# float32.
+_PER_HEAD_DEFAULTS = dict(_DEFAULTS, block_m=128, num_stages=None, cb_dtype="float32",
+                          heads_per_program=1)

@@ -2,6 +2,7 @@
 this process starts: Triton reads it at import).  Prints one line per case:
 ``CASE <name> OK <errors>`` or ``CASE <name> FAIL <message>``; exits 1 if any case failed.
 float32 (and one float16 case): bf16 tl.dot is wrong in the interpreter."""
+import functools
 import os
 import sys
 import time
@@ -15,8 +16,8 @@ torch.set_num_threads(1)
 import kernel_cases as kc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
-from mamba_cache.ops.triton_conv import (triton_causal_conv1d_update,  # noqa: E402
-                                         triton_causal_conv1d_varlen)
+from mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
+from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
 from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
 from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
 from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
@@ -37,6 +38,30 @@ CASES = {
         token_major=False, seed=3),
     "conv_update_k8": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
                                                    4, 9, 16, K=8, seed=1),
+    # conv-update variants (triton_causal_conv1d_update options): the previous kernel, the cols
+    # kernel without hints (the default has 2 rows per program and .cs stores)
+    "conv_update_window": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, variant="window"), "cpu", F32,
+        5, 4, 24, K=3, seed=4),
+    "conv_update_cols": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, variant="cols", rows_per_program=1,
+                          cache_hints="none"), "cpu", F32, 5, 4, 24, K=3, seed=4),
+    "conv_update_cols_rows": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, rows_per_program=4, block_c=16), "cpu",
+        F32, 7, 2, 40, K=1, token_major=False, seed=5),
+    "conv_update_cols_taps_w3": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, rows_per_program=2, weight_load="taps"),
+        "cpu", F32, 5, 3, 20, W=3, K=2, bias=False, seed=6),
+    "conv_update_cols_flat_w2_f16": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, weight_load="flat", block_c=8), "cpu",
+        torch.float16, 4, 2, 20, W=2, K=5, seed=7),
+    "conv_update_cols_order_hints": lambda: kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, rows_per_program=2, inputs_first=True,
+                          channels_fast=True, cache_hints="evict+cg+cs", pdl=2, block_c=16),
+        "cpu", F32, 5, 4, 24, K=3, seed=8),
+    "conv_update_tap_major_weight": lambda: [kc.check_conv_update(
+        functools.partial(triton_causal_conv1d_update, **o), "cpu", F32, 5, 4, 24, K=3,
+        tap_major_weight=True, seed=9) for o in ({}, dict(rows_per_program=2))],
     "ssu": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 5, 3, 4,
                                 dt_limit=(0.01, 0.4)),
     "ssu_out_f16": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 4, 2, 1,
@@ -45,9 +70,9 @@ CASES = {
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
     "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
                                     N=20, chunk_size=8, dt_limit=(0.0, 0.5), seed=1),
-    "ssd_fp16_variants": lambda: kc.check_ssd(
+    "ssd_fp16_variants": lambda: kc.check_ssd(      # the per-head kernel with 16-bit dots
         lambda *a, **k: triton_ssd_scan_varlen(*a, lowp=True, cb_pre=True, block_m=16,
-                                               block_k=16, **k),
+                                               block_k=16, heads_per_program=1, **k),
         "cpu", torch.float16, [16, 1, 0, 35, 7], chunk_size=32, seed=2),
     "ssd_out_f16": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7],
                                         out_dtype=torch.float16, seed=4),
@@ -55,6 +80,28 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen(*a, cb_pre=True, block_p=16, block_m=16,
                                                block_k=16, **k),
         "cpu", F32, [16, 1, 0, 35, 7], P=40, chunk_size=32, seed=5),
+    # the default chunk output of fp16 models (the multi-head kernel: 4 heads per program, C.B
+    # in the model dtype): 3 heads per group (a short head block), chunk 128 (two row blocks; the
+    # first skips the second half of the chunk), then chunk 16 (one step over the chunk)
+    "ssd_default_f16": lambda: [
+        kc.check_ssd(triton_ssd_scan_varlen, "cpu", torch.float16, [150, 1, 0, 70], H=6, G=2,
+                     chunk_size=128, seed=6, out_dtype=torch.float16),
+        kc.check_ssd(triton_ssd_scan_varlen, "cpu", torch.float16, [16, 1, 0, 35, 7], H=8, G=2,
+                     chunk_size=16, seed=7)],
+    # chunk-output options (triton_ssd_scan_varlen docstring): C.B precomputed in the model dtype
+    # (per-head kernel), several heads per program with float32 dots, and with C.B precomputed
+    "ssd_cb_model_f16": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, heads_per_program=1, cb_pre=True,
+                                               cb_dtype="model", block_m=16,
+                                               block_k=16, block_p=16, **k),
+        "cpu", torch.float16, [16, 1, 0, 35, 7], P=32, chunk_size=32, seed=6),
+    "ssd_heads_loop": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, heads_per_program=2, block_m=16, **k),
+        "cpu", F32, [20, 0, 45, 3], H=6, G=2, P=12, N=20, chunk_size=32, seed=8),
+    "ssd_heads_cb_pre_f16": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, heads_per_program=4, cb_pre=True,
+                                               cb_dtype="model", block_m=16, block_p=16, **k),
+        "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=9),
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
     "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(

@@ -148,12 +148,15 @@ def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0,
 # ----------------------------------------------------------------------------- conv update
 
 def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0, tol=None,
-                      token_major=True):
+                      token_major=True, tap_major_weight=False):
+    """tap_major_weight: the weight is a [C, W] view of [W, C] storage (strides (1, C))."""
     g = _gen(seed)
     S = N + 3
     null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
     x = torch.randn(N, s, C, generator=g).to(dtype)
     w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+    if tap_major_weight:
+        w = w.t().contiguous().t()
     b = torch.randn(C, generator=g).to(dtype) if bias else None
     slots = _slots(N, S, g, null_rows)
     pool = _conv_pool(S, C, W - 1 + K, dtype, token_major)
@@ -163,6 +166,7 @@ def check_conv_update(impl, device, dtype, N, s, C, W=4, K=3, bias=True, seed=0,
     rows_ok = (slots != NULL_SLOT)
     d = lambda t: t.to(device) if t is not None else None        # noqa: E731
     x, w, b, pool, slots, acc = map(d, (x, w, b, pool, slots, acc))
+    assert not tap_major_weight or (W == 1 or w.stride(0) == 1), w.stride()
     p_ref, p_k = _clone_like(pool), _clone_like(pool)
     out_ref = causal_conv1d_update_ref(x, w, b, p_ref, slots, acc)
     poison_allocator(device)

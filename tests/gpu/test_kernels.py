@@ -94,6 +94,75 @@ def test_conv_update_all_k(K):
         kc.check_conv_update(causal_conv1d_update, DEV, torch.bfloat16, 6, s, 72, K=K, seed=K)
 
 
+# selectable variants of triton_causal_conv1d_update (the cols kernel; benchmarks/kernels.py
+# --sweep-conv times them): each on a subset of CONV_UPDATE, both pool layouts
+CONV_UPDATE_VARIANTS = [
+    dict(variant="window"),                        # the previous kernel
+    dict(variant="window", block_c=256, num_warps=4),
+    dict(variant="cols", cache_hints="none"),
+    dict(rows_per_program=2),
+    dict(rows_per_program=4, block_c=256, num_warps=4),
+    dict(rows_per_program=8, block_c=1024, num_warps=16),
+    dict(rows_per_program=2, block_c=512, num_warps=2, weight_load="taps"),
+    dict(block_c=64, num_warps=1, weight_load="flat"),
+    dict(rows_per_program=2, inputs_first=True),
+    dict(cache_hints="evict"),
+    dict(rows_per_program=2, cache_hints="cg+cs"),
+    dict(cache_hints="evict+cg+cs"),
+    dict(rows_per_program=2, channels_fast=True),
+    dict(pdl=1),
+    dict(rows_per_program=2, pdl=2, inputs_first=True, cache_hints="evict"),
+]
+CONV_UPDATE_VARIANT_CASES = [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("case", CONV_UPDATE_VARIANT_CASES)
+@pytest.mark.parametrize("variant", range(len(CONV_UPDATE_VARIANTS)))
+def test_conv_update_variants(variant, case):
+    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    impl = functools.partial(triton_causal_conv1d_update, **CONV_UPDATE_VARIANTS[variant])
+    for seed in (0, 1):      # seed 0: MambaPool's token-major layout; seed 1: channel-major
+        kc.check_conv_update(impl, DEV, torch.bfloat16, seed=seed, token_major=seed == 0,
+                             **CONV_UPDATE[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("opts", [dict(variant="cols"), dict(rows_per_program=4)],
+                         ids=["cols", "rows4"])
+def test_conv_update_variant_dtypes_all_k(dtype, opts):
+    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    impl = functools.partial(triton_causal_conv1d_update, **opts)
+    for K in range(9):
+        for s in sorted({1, K + 1}):
+            kc.check_conv_update(impl, DEV, dtype, 6, s, 72, K=K, seed=K, token_major=K % 2 == 0)
+
+
+@pytest.mark.parametrize("weight_load", ["auto", "flat", "taps"])
+def test_conv_update_variant_widths(weight_load):
+    """Conv widths 2..8 through both weight loads (flat: W in 2, 4, 8)."""
+    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    for W in (2, 3, 4, 5, 8):
+        if weight_load == "flat" and W not in (2, 4, 8):
+            continue
+        for rows, bc, nw in ((1, None, None), (2, 64, 1), (4, 256, 2)):
+            impl = functools.partial(triton_causal_conv1d_update, weight_load=weight_load,
+                                     rows_per_program=rows, block_c=bc, num_warps=nw)
+            for dtype in (torch.float32, torch.bfloat16):
+                kc.check_conv_update(impl, DEV, dtype, 9, 3, 136, W=W, K=2, seed=W + rows,
+                                     token_major=rows != 2)
+
+
+@pytest.mark.parametrize("opts", [{}, dict(variant="cols"), dict(rows_per_program=2),
+                                  dict(rows_per_program=2, num_warps=2)],
+                         ids=["default", "cols", "rows2", "rows2_nw2"])
+def test_conv_update_tap_major_weight(opts):
+    """A [C, W] weight view of [W, C] storage (vector loads per tap)."""
+    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    impl = functools.partial(triton_causal_conv1d_update, **opts)
+    for case in (2, 5, 6):
+        kc.check_conv_update(impl, DEV, torch.bfloat16, tap_major_weight=True, **CONV_UPDATE[case])
+
+
 # ----------------------------------------------------------------------------- ssd
 
 SSD = [
@@ -124,7 +193,8 @@ SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
 @pytest.mark.parametrize("lowp,cb_pre", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("case", range(len(SSD_VARIANT_CASES)))
 def test_ssd_variants(dtype, lowp, cb_pre, case):
-    """The non-default kernel variants (16-bit dot operands, precomputed C.B) and block shapes."""
+    """lowp / cb_pre combinations and block shapes (16-bit models with lowp: the multi-head
+    kernel where a group has several heads; otherwise the per-head kernel)."""
     from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
     for seed, (bm, bk, nw, bp, st) in enumerate([(None, None, None, None, None),
                                                   (64, 64, 8, None, None), (64, 32, 4, 32, 3)]):
@@ -132,6 +202,41 @@ def test_ssd_variants(dtype, lowp, cb_pre, case):
                                  block_k=bk, num_warps=nw, block_p=bp, num_stages=st)
         kc.check_ssd(impl, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed % 2],
                      **SSD_VARIANT_CASES[case])
+
+
+# chunk-output options (triton_ssd_scan_varlen docstring).  bf16 / fp16 models run the multi-head
+# kernel by default (test_ssd covers it: 2 / 8 heads per group, chunks 16..256, and the per-head
+# fallback for one head per group); float32 models the per-head kernel.  Here: the per-head
+# kernel on 16-bit models (heads_per_program=1) with C.B precomputed in the model dtype; the
+# multi-head kernel with 2 / 4 / 8 heads per program on 3 / 6 / 8 heads per
+# group (blocks cut short), C.B in float32 or precomputed; each option on two shapes (float32
+# models run the multi-head kernel on the chunks <= 64 only: the per-head kernel above that)
+SSD_OUT_CASES = [
+    SSD[0],                                                                     # hpg 2, cs 16
+    dict(lens=[40, 33, 0, 65], H=6, G=2, P=24, N=24, chunk_size=32),            # hpg 3, cs 32
+    dict(lens=[70, 1, 129], H=12, G=2, P=32, N=64, chunk_size=64),              # hpg 6, cs 64
+    dict(lens=[300, 5, 0, 129], H=12, G=2, P=64, N=128, chunk_size=128),        # hpg 6, cs 128
+    SSD[6],                                                                     # hpg 8, cs 256
+]
+SSD_OUT_OPTIONS = [      # (options, SSD_OUT_CASES indices)
+    (dict(), (1, 3)),
+    (dict(heads_per_program=1), (1, 4)),
+    (dict(heads_per_program=1, cb_pre=True, cb_dtype="model", block_m=64, block_p=32), (0, 3)),
+    (dict(heads_per_program=2, block_m=64, cb_dtype="float32"), (1, 3)),
+    (dict(heads_per_program=4, cb_pre=True, cb_dtype="model"), (1, 2)),
+    (dict(heads_per_program=8, block_m=128, num_warps=8, block_p=32), (2, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("opt", range(len(SSD_OUT_OPTIONS)))
+def test_ssd_chunk_out_options(dtype, opt):
+    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    opts, cases = SSD_OUT_OPTIONS[opt]
+    impl = functools.partial(triton_ssd_scan_varlen, **opts)
+    for seed, case in enumerate(cases):
+        kc.check_ssd(impl, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed % 2],
+                     **SSD_OUT_CASES[case])
 
 
 # ----------------------------------------------------------------------------- state update

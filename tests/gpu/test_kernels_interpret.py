@@ -4,11 +4,7 @@
 TRITON_INTERPRET must be set before Triton is imported, so the cases run in one subprocess
 (about 10 s on 2 cores); skipped when Triton is not installed.
 """
-import importlib.util
 import logging
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,44 +15,29 @@ from mamba_cache.ops import triton_common
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from triton_interpret import assert_case, run_cases  # noqa: E402
 KERNEL_CASES = ["conv_varlen", "conv_varlen_w2", "conv_update", "conv_update_k8",
                 "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
                 "ssd_sequential", "norm", "linear_fma", "linear_dot",
                 "attention_decode", "attention_split", "attention_prefill"]
 KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/
+KERNEL_CASES += ["conv_update_window", "conv_update_cols", "conv_update_cols_rows", "conv_update_cols_taps_w3",  # conv
+                 "conv_update_cols_flat_w2_f16", "conv_update_cols_order_hints",       # variants
+                 "conv_update_tap_major_weight"]
+KERNEL_CASES += ["ssd_default_f16", "ssd_cb_model_f16",   # SSD chunk output
+                 "ssd_heads_loop", "ssd_heads_cb_pre_f16"]
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton not installed")
-    import numpy
-    import triton
-    ver = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])   # noqa: E731
-    if ver(triton.__version__) < (3, 7) and ver(numpy.__version__) >= (2, 4):
-        pytest.skip("triton < 3.7's interpreter breaks with numpy >= 2.4 (notes/mamba-deps.md)")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "interpret_cases.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    res = {}
-    for line in proc.stdout.splitlines():
-        m = re.match(r"CASE (\S+) (OK|FAIL) (.*)", line)
-        if m:
-            res[m.group(1)] = (m.group(2), m.group(3))
-    if not res:
-        pytest.fail(f"interpreter run produced no results (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    res["_stderr"] = proc.stderr
-    return res
+    return run_cases(HERE / "interpret_cases.py")
 
 
 @pytest.mark.parametrize("name", KERNEL_CASES)
 def test_kernel_in_interpreter(interpreter_results, name):
-    assert name in interpreter_results, f"case {name} did not run"
-    status, detail = interpreter_results[name]
-    assert status == "OK", f"{name}: {detail}\n{interpreter_results['_stderr'][-3000:]}"
+    assert_case(interpreter_results, name)
 
 
 # ----------------------------------------------------------------------------- dispatch on CPU
