@@ -21,6 +21,7 @@ from .input_batch import InputBatch
 from .models.nemotron_h import Caches
 from .sampler import SamplingTensors, sample
 from .scheduler_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
+from .step_constants import StepConstants
 from .transfer import D2H, D2HCopy, H2D
 
 
@@ -94,11 +95,7 @@ class ModelRunner:
         self.d2h = D2H(device)
         self.prev: PrevStep | None = None
         self._ar_s = torch.arange(1 + num_spec, device=device)          # [1+K] token offsets in a decode row
-        self._greedy_st: dict[int, SamplingTensors] = {}                 # all-greedy params by row count
-        self._consts: dict[tuple, torch.Tensor] = {}                     # see _cached
-        self._empty_i64 = torch.zeros(0, dtype=torch.int64, device=device)
-        self._empty_bool = torch.zeros(0, dtype=torch.bool, device=device)
-        self._zero_i64_1 = torch.zeros(1, dtype=torch.int64, device=device)
+        self.consts = StepConstants(device, num_spec)                   # tensors fixed by a row count
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -115,7 +112,7 @@ class ModelRunner:
         nd, npf = inp.num_decode, inp.num_prefill
         if inp.next_start is not None:
             # decode-only K = 0: every row yields exactly one token (invariant 7 holds by construction)
-            num_valid, next_start = self._const(nd, 1), inp.next_start
+            num_valid, next_start = self.consts.full(nd, 1), inp.next_start
         else:
             num_valid = (sampled != -1).sum(1)                               # [B], invariant 7
             # decode rows advance by their valid tokens, prefill rows by their chunk
@@ -282,7 +279,7 @@ class ModelRunner:
         if random_np.any():
             t = dict(zip(("temp", "top_k", "top_p", "min_p", "seed"), self.h2d.put(
                 b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows], b.seed[rows])))
-            t["sample_rows_p"] = self._empty_i64
+            t["sample_rows_p"] = self.consts.empty_i64
         staged = self.h2d.put_raw(host)
         dev = self.device
         got = self.executor.decode_dest(n)
@@ -292,21 +289,21 @@ class ModelRunner:
             dest, fb = got
         p = self.prev
         start = torch.empty(n, dtype=torch.int64, device=dev)
-        drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else self._no_drafts(n)
+        drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else self.consts.no_drafts(n)
         next_start = None if k else torch.empty(n, dtype=torch.int64, device=dev)
         prepare_decode(staged, n, width, PrevOutputs(p.sampled, p.num_valid, p.next_start, p.drafts), dest,
                        block_size=self.block_size, num_spec=k, start_out=start,
                        drafts_out=drafts if k else None, next_start_out=next_start)
         draft_probs = p.draft_probs[staged[:n]] if (k and p.draft_probs is not None) else None
         if t is None:
-            st = self._greedy_sampling(n)
+            st = self.consts.greedy_sampling(n)
             st_all = st_decode = st
         else:
             st_all, st_decode, _ = self._sampling(t, rows, n, np.zeros(0, np.int64), random_np)
-        num_tokens = self._const(n, s)
+        num_tokens = self.consts.full(n, s)
         return StepInputs(fb, n, 0, start, num_tokens, drafts, draft_probs, None, fb.mamba.decode_slots,
-                          self._empty_i64, self._empty_i64, self._const(n * s, -1), self._const(n, 1, torch.bool),
-                          self._qsl64(n), st_decode, None, st_all if k else None, rows, next_start)
+                          self.consts.empty_i64, self.consts.empty_i64, self.consts.full(n * s, -1), self.consts.full(n, 1, torch.bool),
+                          self.consts.qsl64(n), st_decode, None, st_all if k else None, rows, next_start)
 
     def _fresh_decode_batch(self, n: int, width: int, max_seq: int) -> tuple[ForwardBatch, DecodeDest]:
         """Eager executor: new buffers for a decode-only batch (R = N rows, width W)."""
@@ -315,35 +312,12 @@ class ModelRunner:
         dest = DecodeDest(e64(n * s), e64(n * s), e64(n * s), torch.empty(n, dtype=torch.int32, device=dev),
                           torch.empty(n, width, dtype=torch.int32, device=dev), e64(n), e64(n))
         fb = ForwardBatch(dest.input_ids, dest.positions,
-                          AttnMetadata(self._qsl32(n), dest.seq_lens, dest.block_tables, dest.slot_mapping,
+                          AttnMetadata(self.consts.qsl32(n), dest.seq_lens, dest.block_tables, dest.slot_mapping,
                                        max_query_len=s, max_seq_len=max_seq),
-                          MambaMetadata(n, s, dest.decode_slots, dest.num_accepted, self._zero_i64_1, (0,),
-                                        self._empty_i64, self._empty_bool),
-                          logits_indices=self._arange(n * s))
+                          MambaMetadata(n, s, dest.decode_slots, dest.num_accepted, self.consts.zero_i64_1, (0,),
+                                        self.consts.empty_i64, self.consts.empty_bool),
+                          logits_indices=self.consts.arange(n * s))
         return fb, dest
-
-    # constants of a row count, built once (decode-only steps read them every step)
-    def _cached(self, key, make):
-        v = self._consts.get(key)
-        if v is None:
-            v = self._consts[key] = make()
-        return v
-
-    def _const(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
-        return self._cached(("const", n, value, dtype), lambda: torch.full((n,), value, dtype=dtype, device=self.device))
-
-    def _arange(self, n: int) -> torch.Tensor:
-        return self._cached(("arange", n), lambda: torch.arange(n, device=self.device))
-
-    def _qsl64(self, n: int) -> torch.Tensor:
-        s = 1 + self.num_spec
-        return self._cached(("qsl64", n), lambda: torch.arange(n + 1, device=self.device) * s)
-
-    def _qsl32(self, n: int) -> torch.Tensor:
-        return self._cached(("qsl32", n), lambda: self._qsl64(n).to(torch.int32))
-
-    def _no_drafts(self, n: int) -> torch.Tensor:
-        return self._cached(("nodrafts", n), lambda: torch.empty(n, 0, dtype=torch.int64, device=self.device))
 
     def _decode_inputs(self, t: dict[str, torch.Tensor]):
         """Decode rows' inputs gathered from the previous step's outputs through t["prev"] [N_d]
@@ -384,7 +358,7 @@ class ModelRunner:
         rows are all greedy stages nothing: it gets cached all-greedy tensors (never read by the
         sampler's argmax path, but shaped like real ones for drafters)."""
         if not random_np.any():
-            g = self._greedy_sampling
+            g = self.consts.greedy_sampling
             return (g(len(rows)), g(nd) if nd else None, g(len(sample_rows_p)) if len(sample_rows_p) else None)
         b = self.batch
         filt = ((b.top_k[rows] > 0) | (b.top_p[rows] < 1) | (b.min_p[rows] > 0)) & random_np
@@ -398,19 +372,6 @@ class ModelRunner:
                                    all_greedy=not random_np[host_sel].any(), any_filter=bool(filt[host_sel].any()))
         return (subset(slice(None), slice(None)), subset(slice(0, nd), slice(0, nd)),
                 subset(sample_rows_p, t["sample_rows_p"]))
-
-    def _greedy_sampling(self, n: int) -> SamplingTensors:
-        """Parameters of n greedy rows (temperature 0, filters off, seed 0), built once per n."""
-        st = self._greedy_st.get(n)
-        if st is None:
-            dev = self.device
-            st = self._greedy_st[n] = SamplingTensors(
-                temperature=torch.zeros(n, dtype=torch.float32, device=dev),
-                top_k=torch.full((n,), -1, dtype=torch.int64, device=dev),
-                top_p=torch.ones(n, dtype=torch.float32, device=dev),
-                min_p=torch.zeros(n, dtype=torch.float32, device=dev),
-                seed=torch.zeros(n, dtype=torch.int64, device=dev), all_greedy=True, any_filter=False)
-        return st
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """sampled [B, 1+K] int64: decode rows verified/sampled, sampling prefill rows in column 0,

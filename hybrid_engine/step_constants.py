@@ -1,0 +1,57 @@
+"""Device tensors that depend only on a step's row count, built once per count.
+
+Decode-only steps read several tensors whose values follow from the number of rows alone (query
+offsets, logits indices, all-greedy sampling parameters, "every row yields one token"). Building
+them every step costs a torch op (and host time) each; these are made on first use and reused.
+Nothing may write into them: consumers that need to modify one clone it first.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampler import SamplingTensors
+
+
+class StepConstants:
+    def __init__(self, device: torch.device, num_spec: int):
+        self.device, self.s = device, 1 + num_spec
+        self._cache: dict[tuple, object] = {}
+        self.empty_i64 = torch.zeros(0, dtype=torch.int64, device=device)    # [0]
+        self.empty_bool = torch.zeros(0, dtype=torch.bool, device=device)    # [0]
+        self.zero_i64_1 = torch.zeros(1, dtype=torch.int64, device=device)   # [1]
+
+    def _get(self, key, make):
+        v = self._cache.get(key)
+        if v is None:
+            v = self._cache[key] = make()
+        return v
+
+    def full(self, n: int, value: int, dtype=torch.int64) -> torch.Tensor:
+        """[n] filled with value."""
+        return self._get(("full", n, value, dtype), lambda: torch.full((n,), value, dtype=dtype, device=self.device))
+
+    def arange(self, n: int) -> torch.Tensor:
+        """[n] int64 0..n-1."""
+        return self._get(("arange", n), lambda: torch.arange(n, device=self.device))
+
+    def qsl64(self, n: int) -> torch.Tensor:
+        """[n+1] int64 token offsets of n rows of 1+K tokens."""
+        return self._get(("qsl64", n), lambda: torch.arange(n + 1, device=self.device) * self.s)
+
+    def qsl32(self, n: int) -> torch.Tensor:
+        """[n+1] int32, the same offsets (attention metadata)."""
+        return self._get(("qsl32", n), lambda: self.qsl64(n).to(torch.int32))
+
+    def no_drafts(self, n: int) -> torch.Tensor:
+        """[n, 0] int64."""
+        return self._get(("nodrafts", n), lambda: torch.empty(n, 0, dtype=torch.int64, device=self.device))
+
+    def greedy_sampling(self, n: int) -> SamplingTensors:
+        """Parameters of n greedy rows (temperature 0, filters off, seed 0)."""
+        dev = self.device
+        return self._get(("greedy", n), lambda: SamplingTensors(
+            temperature=torch.zeros(n, dtype=torch.float32, device=dev),
+            top_k=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            top_p=torch.ones(n, dtype=torch.float32, device=dev),
+            min_p=torch.zeros(n, dtype=torch.float32, device=dev),
+            seed=torch.zeros(n, dtype=torch.int64, device=dev), all_greedy=True, any_filter=False))
