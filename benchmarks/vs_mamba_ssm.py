@@ -26,11 +26,9 @@ from torch.profiler.  Without mamba-ssm installed only our side is timed (its co
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -39,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import event_ms  # noqa: E402
 from mamba_cache.ops import selective_state_update  # noqa: E402
+from mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm  # noqa: E402
 
 H, P, G, NST, CS = 128, 64, 8, 128, 128
 DT = torch.bfloat16
@@ -47,17 +46,10 @@ DEV = "cuda"
 
 def load_mamba_ssm():
     """(mamba_chunk_scan_combined, selective_state_update), or (None, None) without mamba-ssm."""
-    try:
-        importlib.import_module("selective_scan_cuda")
-    except ImportError:
-        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update as ms_ssu
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError as exc:
-        print(f"mamba-ssm not importable ({exc}): timing ours only", flush=True)
-        return None, None
-    return mamba_chunk_scan_combined, ms_ssu
+    scan, ssu, why = _load_mamba_ssm()
+    if why is not None:
+        print(f"mamba-ssm not importable ({why}): timing ours only", flush=True)
+    return scan, ssu
 
 
 def time_ms(fn, reps, inner, warmup=3):

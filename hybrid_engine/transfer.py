@@ -48,15 +48,8 @@ class H2D:
             host = np.empty(total, dtype=np.int64)
             self._pack(host.view(np.uint8), 0, flat, words)
             return self._unpack(torch.from_numpy(host), flat, words)
-        buf = self._ring[self._i]
-        if buf.numel() < self._off + total:
-            # grow: earlier puts of this step may still read the old buffer, so keep it alive
-            self._retired[self._i].append(buf)
-            buf = self._ring[self._i] = torch.empty(2 * (self._off + total), dtype=torch.int64, pin_memory=True)
-            self._off = 0
-        start = self._off
-        self._off += total
-        self._pack(buf.numpy().view(np.uint8), start, flat, words)
+        buf, start = self._reserve(total)
+        self._pack(self._np(buf).view(np.uint8), start, flat, words)
         return self._unpack(buf[start:start + total].to(self.device, non_blocking=True), flat, words)
 
     def put_raw(self, arr: np.ndarray) -> torch.Tensor:
@@ -65,15 +58,8 @@ class H2D:
         if not self.cuda:
             return torch.from_numpy(arr.copy())
         n = arr.size
-        buf = self._ring[self._i]
-        if buf.numel() < self._off + n:
-            self._retired[self._i].append(buf)
-            buf = self._ring[self._i] = torch.empty(2 * (self._off + n), dtype=torch.int64, pin_memory=True)
-            self._off = 0
-        start = self._off
-        self._off += n
-        host = self._np(buf)
-        host[start:start + n] = arr
+        buf, start = self._reserve(n)
+        self._np(buf)[start:start + n] = arr
         # into a persistent device buffer: no allocation per step. Its previous contents are read
         # only by kernels of the previous step, which the main stream runs before this copy.
         if self._raw_dev is None or self._raw_dev.numel() < n:
@@ -81,6 +67,18 @@ class H2D:
         dev = self._raw_dev[:n]
         dev.copy_(buf[start:start + n], non_blocking=True)
         return dev
+
+    def _reserve(self, words: int) -> tuple[torch.Tensor, int]:
+        """``words`` int64 words of this step's ring slot -> (pinned buffer, start word)."""
+        buf = self._ring[self._i]
+        if buf.numel() < self._off + words:
+            # grow: earlier puts of this step may still read the old buffer, so keep it alive
+            self._retired[self._i].append(buf)
+            buf = self._ring[self._i] = torch.empty(2 * (self._off + words), dtype=torch.int64, pin_memory=True)
+            self._off = 0
+        start = self._off
+        self._off += words
+        return buf, start
 
     def _np(self, buf: torch.Tensor) -> np.ndarray:
         """numpy view of a pinned staging buffer, made once per buffer (``.numpy()`` dispatches ops)."""

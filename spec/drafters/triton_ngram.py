@@ -99,13 +99,8 @@ if triton_available():
         tl.store(out_ptr + b * K + k, d.to(tl.int64), mask=k < K)
 
 
-    # the step path's launch: triton_common.FastLaunch (skips JITFunction.run's per-call argument
-    # binding) where it exists, else the plain launch
-    if hasattr(triton_common, "FastLaunch"):
-        _launch = triton_common.FastLaunch(_ngram_propose_kernel)
-    else:
-        def _launch(grid, *args, **kw):
-            _ngram_propose_kernel[grid](*args, **kw)
+    # the step path's launch: FastLaunch skips JITFunction.run's per-call argument binding
+    _launch = triton_common.FastLaunch(_ngram_propose_kernel)
 
 
 class NgramTritonKernel:

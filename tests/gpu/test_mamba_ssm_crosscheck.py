@@ -3,7 +3,7 @@
 mamba-ssm is an optional reference, never a dependency: install its pure-python wheel (built with
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE, --no-build-isolation; see
 shared/notes/mamba-deps.md) with --no-deps.  Its package __init__ imports the compiled
-``selective_scan_cuda`` (Mamba-1 only), so ``load_mamba_ssm`` puts an empty stub module in
+``selective_scan_cuda`` (Mamba-1 only), so ``mamba_ssm_ref.load_mamba_ssm`` puts an empty stub module in
 ``sys.modules`` first; the Triton ops need only torch, triton, einops and packaging.  The tests
 skip when mamba-ssm (or CUDA) is not available.
 
@@ -14,14 +14,11 @@ single-token state update has no dots: 1e-4.
 """
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-
 import pytest
 import torch
 
 from mamba_cache.ops import selective_state_update, ssd_scan_naive, ssd_scan_varlen
+from mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm
 
 pytestmark = pytest.mark.gpu
 
@@ -31,17 +28,10 @@ SSU_TOL = 1e-4
 
 def load_mamba_ssm():
     """-> (mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or skip."""
-    try:
-        importlib.import_module("selective_scan_cuda")
-    except ImportError:
-        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import \
-            selective_state_update as ms_ssu
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError as exc:
-        pytest.skip(f"mamba-ssm not importable: {exc}")
-    return mamba_chunk_scan_combined, ms_ssu
+    scan, ssu, why = _load_mamba_ssm()
+    if why is not None:
+        pytest.skip(f"mamba-ssm not importable: {why}")
+    return scan, ssu
 
 
 def rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
