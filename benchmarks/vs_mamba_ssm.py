@@ -16,12 +16,15 @@ groups of ``--inner`` calls.  mamba-ssm comes from its pure-python wheel through
 
     python benchmarks/vs_mamba_ssm.py [--reps 15] [--inner 10] [--out table.md]
     python benchmarks/vs_mamba_ssm.py --variants [--new-only] [--profile]  # our SSD configs
+    python benchmarks/vs_mamba_ssm.py --state-variants [--profile]  # only the step-2 configs
     python benchmarks/vs_mamba_ssm.py --list-variants       # print them (no CUDA needed)
 
-``--variants`` times our SSD scan at 8192 tokens with each chunk-output config of ``VARIANTS``
-(keyword options of ``triton_ssd_scan_varlen``; see its docstring) next to the default; with
-``--profile`` also the GPU time of each config's step-4 kernels (C.B precompute + chunk output)
-from torch.profiler.  Without mamba-ssm installed only our side is timed (its columns read n/a).
+``--variants`` times our SSD scan at 8192 tokens with each chunk-output / chunk-state config of
+``VARIANTS`` (keyword options of ``triton_ssd_scan_varlen``; see its docstring) next to the
+default (``--state-variants``: the chunk-state configs ``STATE_VARIANTS`` only); with
+``--profile`` also the GPU time of each config's step-2 kernel (chunk state) and step-4 kernels
+(C.B precompute + chunk output) from torch.profiler.  Without mamba-ssm installed only our side
+is timed (its columns read n/a).
 """
 from __future__ import annotations
 
@@ -125,12 +128,22 @@ NEW_VARIANTS = [
     dict(heads_per_program=8, block_m=128, num_warps=8, cb_dtype="model", num_stages=2),
     dict(heads_per_program=4, block_m=64, num_stages=2, **_CBM),
 ]
-VARIANTS = OLD_VARIANTS + NEW_VARIANTS
+# chunk-state (step 2) configs (triton_ssd_state.launch_chunk_state): K step, stages, warps, P
+# block.  Multi-head programs (2 or 4 heads sharing the B tile) were swept on 2026-11-22 and lost
+# (201-1104 us vs 165 us for K 32 with one head; results/2026-11-22-vs-mamba-ssm-h100.md).
+STATE_VARIANTS = [dict(state_block_k=bk, **kw) for bk, kw in (     # default: block_k 32 (lowp)
+    (64, {}), (16, {}), (32, dict(state_num_stages=2)), (32, dict(state_num_stages=3)),
+    (32, dict(state_num_stages=4)), (32, dict(state_num_warps=8)), (16, dict(state_num_stages=3)),
+    (32, dict(state_block_p=32)))]
+VARIANTS = OLD_VARIANTS + NEW_VARIANTS + STATE_VARIANTS
 
 
-def step4_us(fn):
-    """GPU us per call of the chunk-output step (C.B precompute + chunk-output kernels)."""
-    return sum(us for k, us in profile_kernels(fn) if "_chunk_out" in k or "_chunk_cb" in k)
+def step_us(fn):
+    """GPU us per call of the chunk-state step (step 2) and of the chunk-output step (step 4:
+    C.B precompute + chunk-output kernels)."""
+    ks = profile_kernels(fn)
+    return (sum(us for k, us in ks if "_chunk_state" in k),
+            sum(us for k, us in ks if "_chunk_out" in k or "_chunk_cb" in k))
 
 
 def profile_kernels(fn, n=5):
@@ -178,9 +191,13 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel SSD times at 8192, both")
     ap.add_argument("--variants", action="store_true", help="time our SSD block configs at 8192")
     ap.add_argument("--new-only", action="store_true", help="--variants: skip OLD_VARIANTS")
+    ap.add_argument("--state-variants", action="store_true",
+                    help="time only STATE_VARIANTS (step-2 configs) at 8192")
     ap.add_argument("--list-variants", action="store_true", help="print VARIANTS and exit")
     a = ap.parse_args()
-    variants = NEW_VARIANTS if a.new_only else VARIANTS
+    variants = (STATE_VARIANTS if a.state_variants else
+                NEW_VARIANTS + STATE_VARIANTS if a.new_only else VARIANTS)
+    a.variants = a.variants or a.state_variants
     if a.list_variants:
         for kw in variants:
             print(kw)
@@ -202,7 +219,8 @@ def main():
                 try:
                     dy = float((fn()[0].float() - y0).abs().max()) / float(y0.abs().max())
                     t_v = time_ms(fn, a.reps, a.inner)
-                    k_us = f", step 4 {step4_us(fn):.1f} us" if a.profile else ""
+                    k_us = (", step 2 {:.1f} us, step 4 {:.1f} us".format(*step_us(fn))
+                            if a.profile else "")
                 except Exception as exc:   # a config that does not compile / fit: report, go on
                     print(f"  variant {kw}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
                           flush=True)

@@ -39,8 +39,16 @@ def _gated_rmsnorm_kernel(
              (g * w[None, :]).to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def triton_gated_rmsnorm(y, z, weight, group_size, eps):
-    """Same arguments and result as ``gated_rmsnorm_ref``."""
+# From the H100 sweep of 2026-11-22 (benchmarks/norm_sweep.py, intermediate 8192, group 1024,
+# bf16): one token per program with 4 warps took 2.6 / 3.1 / 5.4 us at T = 64 / 128 / 256 against
+# 3.0 / 3.7 / 6.1 us for 4 tokens per program (the rule kept for longer inputs, 85-94% of the
+# copy bandwidth at 2k-8k tokens).
+_SMALL_T = 512
+
+
+def triton_gated_rmsnorm(y, z, weight, group_size, eps, *, block_t=None, num_warps=None):
+    """Same arguments and results as ``gated_rmsnorm_ref``. block_t (tokens per program) and
+    num_warps: launch options, None for the defaults below."""
     T, I = y.shape
     assert I % group_size == 0
     # torch's weight * g.to(y.dtype) rounds to the promoted dtype first; we round to y.dtype only,
@@ -49,8 +57,12 @@ def triton_gated_rmsnorm(y, z, weight, group_size, eps):
     if T == 0:
         return out
     BLOCK_G = next_pow2(group_size)
-    BLOCK_T = max(1, min(16, 4096 // BLOCK_G))
-    nw = 4 if BLOCK_T * BLOCK_G <= 4096 else 8
+    if T <= _SMALL_T:       # decode / verify sizes: one token per program, more programs in flight
+        BLOCK_T, nw = 1, 4
+    else:
+        BLOCK_T = max(1, min(16, 4096 // BLOCK_G))
+        nw = 4 if BLOCK_T * BLOCK_G <= 4096 else 8
+    BLOCK_T, nw = block_t or BLOCK_T, num_warps or nw
     with device_ctx(y):
         _gated_rmsnorm_kernel[(triton.cdiv(T, BLOCK_T), I // group_size)](
             y, z, weight, out, T, group_size, float(eps),

@@ -6,26 +6,20 @@ ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four la
 
 1. ``_chunk_dt_kernel``  (chunk, head block): chunk metadata (start token, length), dt =
    clamp(softplus(dt_raw + dt_bias)) and the inclusive cumsum of dt*A inside the chunk.
-2. ``_chunk_state_kernel`` (chunk, head, P block): the state the chunk produces from zero,
-   S_c = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T   (tl.dot over the chunk's tokens).
+2. ``triton_ssd_state`` (chunk, head, P block): the state the chunk produces from
+   zero, S_c = sum_j exp(cum_last - cum_j) dt_j x_j B_j^T   (tl.dot over the chunk's tokens).
 3. ``_state_pass_kernel`` (sequence, head, state tile): sequential over the sequence's chunks,
    h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
    chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
    by step 4; in place over S_c otherwise).
 4. Chunk output: y_i = exp(cum_i) C_i h_in^T + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
    + D x_i   (tl.dot, causal blocks only).  Default path by dot operand dtype (``_DEFAULTS``):
-   - bf16 / fp16 models (16-bit operands, ``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``,
-     one program per (chunk, 64-row block, 4 heads of one group): C and the C.B tile of its rows
-     x the whole chunk (kept in the model dtype) are loaded / computed once and reused for the 4
-     heads (1.11x the whole scan on an H100, see ``_DEFAULTS``);
+   - bf16 / fp16 models (``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``, one program
+     per (chunk, 64-row block, 4 heads of one group) reusing C and the C.B tile of its rows x
+     the whole chunk (model dtype) for the 4 heads (1.11x the whole scan on an H100);
    - float32 models (and ``lowp=False``), one head per group, ``heads_per_program=1``:
-     ``_chunk_out_kernel`` (chunk, head, 128-row block), C.B recomputed per head
-     (``_PER_HEAD_DEFAULTS``, the defaults from before the multi-head kernel).
-
-Other step-4 options (keyword options of ``triton_ssd_scan_varlen``, see its docstring):
-``cb_pre`` (``_chunk_cb_kernel`` (chunk, group, row block) computes C.B once per (chunk, group)
-into a [NC, G, L, L] buffer that the output kernels read; ``cb_dtype="model"`` stores it in the
-model dtype), ``heads_per_program``, block sizes and launch options.
+     ``_chunk_out_kernel`` (chunk, head, 128-row block), C.B recomputed per head.
+   Optionally ``_chunk_cb_kernel`` (chunk, group, row block) precomputes C.B (``cb_pre``).
 
 All accumulation in float32.  For bf16/fp16 models every dot takes 16-bit operands by default
 (``lowp``: the decay-weighted inputs and the chunk-entry states are rounded to the model dtype
@@ -46,6 +40,7 @@ import triton.language as tl
 from mamba_cache.ops.ssd import _grid_size
 from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
 from mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
+from mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
 
@@ -99,48 +94,6 @@ def _chunk_dt_kernel(
     mo = (offs_l[:, None] < BLOCK_L) & mh[None, :]
     tl.store(dtc_ptr + out_off, dt, mask=mo)
     tl.store(cuma_ptr + out_off, cuma, mask=mo)
-
-
-@triton.jit
-def _chunk_state_kernel(
-    x_ptr, B_ptr, meta_ptr, dtc_ptr, cuma_ptr, S_ptr,
-    H, P, N, nheads_per_group,
-    sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-    PREC: tl.constexpr, LOWP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    pb = tl.program_id(2)
-    clen = tl.load(meta_ptr + c * 2 + 1)
-    if clen > 0:
-        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
-        g = h // nheads_per_group
-        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mp = offs_p < P
-        mn = offs_n < N
-        row = (c * H + h).to(tl.int64) * BLOCK_L
-        cum_last = tl.load(cuma_ptr + row + clen - 1)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, clen, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < clen
-            tok = cstart + offs_k
-            xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
-            bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
-                         mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
-            dtk = tl.load(dtc_ptr + row + offs_k, mask=mk, other=0.0)
-            cumk = tl.load(cuma_ptr + row + offs_k, mask=mk, other=0.0)
-            wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
-            xw = xk.to(tl.float32) * wk[:, None]
-            if LOWP:       # 16-bit operands, float32 accumulation
-                acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
-            else:
-                acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
-        S_off = ((c * H + h).to(tl.int64) * P + offs_p[:, None]) * N + offs_n[None, :]
-        tl.store(S_ptr + S_off, acc, mask=mp[:, None] & mn[None, :])
 
 
 @triton.jit
@@ -298,35 +251,30 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
                            out_dtype=torch.float32, lowp=None, cb_pre=None, block_m=None,
                            block_k=None, num_warps=None, block_p=None, num_stages=None,
-                           cb_dtype=None, heads_per_program=None):
+                           cb_dtype=None, heads_per_program=None, state_block_k=None,
+                           state_num_warps=None, state_num_stages=None, state_block_p=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32).
 
-    Chunk-output (step 4) options; None takes ``_DEFAULTS`` when the multi-head kernel runs
-    with 16-bit dot operands, ``_PER_HEAD_DEFAULTS`` otherwise (module docstring):
-    lowp: 16-bit operands (the model dtype) for the dots whose operands are float32 values
+    lowp: 16-bit dot operands (the model dtype) for the dots whose operands are float32 values
     (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
-    heads_per_program: heads of one group handled by one chunk-output program
-    (``triton_ssd_heads._chunk_out_heads_kernel``; rounded up to a power of two, capped at the
-    heads per group; 1: the per-head kernel ``_chunk_out_kernel``).  The program keeps the
-    causally masked C.B tile of its rows x the whole chunk in registers and loops over its heads
-    (per head: C.h_in, then the decay / dt weighting and the dot with x in two steps of half a
-    chunk), so C.B is computed H/G / heads_per_program times per (chunk, group) instead of H/G
-    (or read that many fewer times from the cb_pre buffer).  Blocks never straddle groups (the
-    last block of a group may be short).  Default 4 under lowp, 1 otherwise.  The per-head
-    kernel runs instead with float32 dot operands and chunks over 64 tokens (the tiles would not
-    fit in shared memory), with one head per group, and when the in-chunk offsets of x / y do
-    not fit int32.
-    cb_pre: compute C.B once per (chunk, group) in its own launch instead of once per program.
-    block_m / block_k: rows of a chunk-output program / tokens per step of the per-head kernel's
-    causal K loop (the loop stops at the program's last row).  num_warps / num_stages: the
-    chunk-output launch options.
-    block_p: head_dim columns per chunk-output program (default all of them; splitting them
-    pairs best with cb_pre, else C.B is recomputed per column block).
-    cb_dtype: "float32" or "model": C.B rounded to the model dtype (bf16/fp16; a no-op for
-    float32 models) where it is kept: the cb_pre buffer (half the bytes written once and re-read
-    by every head of the group) and the registers of the multi-head kernel.  The decay / dt
-    weighting stays float32 (then rounded to the model dtype for the dot under lowp).
+    Chunk-output (step 4) options; None takes ``_DEFAULTS`` when the multi-head kernel runs
+    with 16-bit dot operands, ``_PER_HEAD_DEFAULTS`` otherwise:
+    heads_per_program: heads of one group per program (``_chunk_out_heads_kernel``; rounded up
+    to a power of two, capped at the heads per group; blocks never straddle groups; 1: the
+    per-head ``_chunk_out_kernel``).  The C.B tile of the program's rows x the whole chunk is
+    kept in registers and reused for its heads.  Default 4 under lowp, else 1; the per-head
+    kernel runs anyway with float32 dot operands and chunks over 64 tokens, with one head per
+    group, and when the in-chunk offsets of x / y do not fit int32.
+    cb_pre: C.B once per (chunk, group) in its own launch instead of once per program.
+    block_m / block_k: rows per program / tokens per K step of the per-head kernel.
+    num_warps / num_stages: launch options.  block_p: head_dim columns per program (default
+    all; pairs best with cb_pre, else C.B is recomputed per column block).
+    cb_dtype: "float32" or "model": C.B rounded to the model dtype where it is kept (the cb_pre
+    buffer, the multi-head kernel's registers); the decay / dt weighting stays float32.
+    Chunk-state (step 2) options (``triton_ssd_state.launch_chunk_state``; None: its
+    defaults): state_block_k (tokens per K step), state_block_p (head_dim columns per program),
+    state_num_warps, state_num_stages.
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -401,13 +349,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 B, C, meta, cb, G, N, *B.stride(), *C.stride(),
                 PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
             )
-        BP_S = min(BLOCK_P, 64)
-        _chunk_state_kernel[(NC, H, triton.cdiv(P, BP_S))](
-            x, B, meta, dtc, cuma, S, H, P, N, hpg,
-            *x.stride(), *B.stride(),
-            PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=min(64, BLOCK_L), BLOCK_P=BP_S,
-            BLOCK_N=BLOCK_N, num_warps=4,
-        )
+        launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
+                           state_block_k, state_num_warps, state_num_stages, state_block_p)
         BN_PASS = min(BLOCK_N, 64)
         BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
         nnb = triton.cdiv(N, BN_PASS)

@@ -102,8 +102,22 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen(*a, heads_per_program=4, cb_pre=True,
                                                cb_dtype="model", block_m=16, block_p=16, **k),
         "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=9),
+    # chunk-state (step 2) options: several heads of a group per program (stacked along M, or
+    # looped over with the whole chunk's B tile); 3 / 6 heads per group (short head blocks), P
+    # not a power of two, sequences of 0 / 1 tokens and of whole chunks, several K steps
+    "ssd_state_opts": lambda: [kc.check_ssd(       # chunk-state options: K step, P block, launch
+        lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=bk, state_block_p=bp, **k),
+        "cpu", F32, [20, 0, 1, 45, 32, 3], H=6, G=2, P=P, N=20, chunk_size=32, seed=10 + bk)
+        for bk, bp, P in ((16, None, 12), (32, 16, 40))],
+    "ssd_state_opts_f16": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=16, state_num_warps=8,
+                                               state_num_stages=2, **k),
+        "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=14,
+        out_dtype=torch.float16),
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
+    "norm_opts": lambda: [kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=bt, num_warps=nw),
+                                        "cpu", F32, 5, 48, 12, seed=bt) for bt, nw in ((1, 1), (2, 2))],
     "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
         for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300))],

@@ -228,9 +228,19 @@ SSD_OUT_OPTIONS = [      # (options, SSD_OUT_CASES indices)
 ]
 
 
+# chunk-state (step 2) options (triton_ssd_scan_varlen docstring): K step, P block (P = 24 leaves
+# masked columns), launch knobs, on 2 / 3 / 6 / 8 heads per group and chunks 16..256
+SSD_OUT_OPTIONS += [
+    (dict(state_block_k=16), (0, 1, 3)),
+    (dict(state_block_k=64), (1, 2, 4)),
+    (dict(state_block_k=32, state_num_warps=8, state_num_stages=3), (2, 3, 4)),
+    (dict(state_block_p=32, state_num_stages=2), (0, 1, 3)),
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("opt", range(len(SSD_OUT_OPTIONS)))
-def test_ssd_chunk_out_options(dtype, opt):
+def test_ssd_options(dtype, opt):
     from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
     opts, cases = SSD_OUT_OPTIONS[opt]
     impl = functools.partial(triton_ssd_scan_varlen, **opts)
@@ -275,6 +285,16 @@ NORM = [(1, 64, 64), (7, 48, 12), (33, 8192, 1024), (5, 200, 40), (300, 1024, 12
 def test_norm(dtype, case):
     T, I, gs = NORM[case]
     kc.check_norm(gated_rmsnorm, DEV, dtype, T, I, gs, seed=case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("block_t,num_warps", [(1, 1), (1, 4), (2, 2), (4, 8)])
+def test_norm_launch_options(dtype, block_t, num_warps):
+    from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+    for case in (1, 2, 3):
+        T, I, gs = NORM[case]
+        kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=block_t, num_warps=num_warps),
+                      DEV, dtype, T, I, gs, seed=case)
 
 
 # ----------------------------------------------------------------------------- attention
