@@ -55,6 +55,7 @@ class CudaGraphExecutor(EagerExecutor):
         self.buckets = tuple(sorted(set(buckets)))
         self.graphs: dict[int, _Graph] = {}
         self._views: dict[int, tuple[DecodeDest, ForwardBatch]] = {}
+        self._outs: dict[int, tuple[_Graph, torch.Tensor, torch.Tensor]] = {}   # rows -> graph, outputs
         self._capture_all()
 
     def _static_batch(self, b: int) -> ForwardBatch:
@@ -97,13 +98,15 @@ class CudaGraphExecutor(EagerExecutor):
         b = md.num_decode_rows
         if md.num_prefill_rows or b == 0 or md.decode_len != self.s or b > self.buckets[-1]:
             return super().forward(fb)
-        bucket = next(x for x in self.buckets if x >= b)
-        g = self.graphs[bucket]
+        got = self._outs.get(b)
+        if got is None:                     # the bucket and its output views, once per row count
+            g = self.graphs[next(x for x in self.buckets if x >= b)]
+            got = self._outs[b] = (g, g.hidden[:b * self.s], g.logits[:b * self.s])
+        g, hidden, logits = got
         if fb.input_ids.data_ptr() != g.fb.input_ids.data_ptr():     # else prepared in place
             self._load(g.fb, fb, b)
         g.graph.replay()
-        t = b * self.s
-        return g.hidden[:t], g.logits[:t]
+        return hidden, logits
 
     def decode_dest(self, num_rows: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad

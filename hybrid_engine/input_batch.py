@@ -118,8 +118,8 @@ class InputBatch:
         return self.token_ids_cpu[rows, self.num_tokens_no_spec[rows] - 1]
 
     def append_placeholders(self, rows: np.ndarray) -> None:
-        """One -1 per row that sampled this step: the cursor counts tokens the host has not seen yet."""
-        cols = self.num_tokens_no_spec[rows]
-        ok = cols < self.token_ids_cpu.shape[1]
-        self.token_ids_cpu[rows[ok], cols[ok]] = PLACEHOLDER
+        """One -1 per row that sampled this step: the cursor counts tokens the host has not seen yet.
+
+        Only the cursor moves: every cell past a row's tokens already holds PLACEHOLDER (add_request
+        fills the whole row, condense moves whole rows, and nothing else writes token_ids_cpu)."""
         self.num_tokens_no_spec[rows] += 1

@@ -21,7 +21,7 @@ from .input_batch import InputBatch
 from .models.nemotron_h import Caches
 from .sampler import SamplingTensors, sample
 from .scheduler_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
-from .step_constants import StepConstants
+from .step_constants import StepConstants, StepScratch
 from .transfer import D2H, D2HCopy, H2D
 
 
@@ -96,6 +96,7 @@ class ModelRunner:
         self.prev: PrevStep | None = None
         self._ar_s = torch.arange(1 + num_spec, device=device)          # [1+K] token offsets in a decode row
         self.consts = StepConstants(device, num_spec)                   # tensors fixed by a row count
+        self.scratch = StepScratch(device)                              # decode-only step outputs
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -288,9 +289,10 @@ class ModelRunner:
         else:
             dest, fb = got
         p = self.prev
-        start = torch.empty(n, dtype=torch.int64, device=dev)
+        self.scratch.next_step()
+        start = self.scratch.i64("start", n)
         drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else self.consts.no_drafts(n)
-        next_start = None if k else torch.empty(n, dtype=torch.int64, device=dev)
+        next_start = None if k else self.scratch.i64("next_start", n)
         prepare_decode(staged, n, width, PrevOutputs(p.sampled, p.num_valid, p.next_start, p.drafts), dest,
                        block_size=self.block_size, num_spec=k, start_out=start,
                        drafts_out=drafts if k else None, next_start_out=next_start)
@@ -385,6 +387,8 @@ class ModelRunner:
             if k:
                 ld = logits[:nd * (1 + k)].view(nd, 1 + k, -1)
                 dec = rejection_sample(ld, inp.drafts, inp.draft_probs, inp.st_decode, pos)
+            elif pos is None and not npf:       # all greedy, decode only: one op
+                return logits.argmax(-1, keepdim=True)
             else:
                 dec = sample(logits[:nd] if npf else logits, inp.st_decode, pos)[:, None]
             if not npf:

@@ -134,17 +134,36 @@ class D2H:
         # reached the copy" and "copy done", one pair per ring slot
         self._main_ev = [torch.cuda.Event() for _ in range(RING)] if self.cuda else []
         self._done_ev = [torch.cuda.Event(blocking=True) for _ in range(RING)] if self.cuda else []
+        self._views: dict[tuple, torch.Tensor] = {}      # (slot, shape) -> view of the slot's buffer
         self._i = 0
+        # the stream the step runs on: torch.cuda.current_stream() builds a Stream object (~5 us
+        # per call), so it is cached and re-read only when the raw current stream changes
+        self._dev_index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else -1
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._main: torch.cuda.Stream | None = None
+        self._main_raw = -1
+
+    def _main_stream(self) -> "torch.cuda.Stream":
+        if self._raw_current is None:                   # no raw getter in this torch: the public call
+            return torch.cuda.current_stream()
+        raw = self._raw_current(self._dev_index)
+        if raw != self._main_raw:
+            self._main, self._main_raw = torch.cuda.current_stream(), raw
+        return self._main
 
     def copy(self, t: torch.Tensor) -> "D2HCopy":
         if not self.cuda:                               # CPU: the values are ready now
             return D2HCopy(t.clone(), None, t)
         i = self._i = (self._i + 1) % RING
-        n = t.numel()
-        if self._ring[i].numel() < n:
-            self._ring[i] = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-        host = self._ring[i][:n].view(t.shape)
-        stream, main = self.stream, torch.cuda.current_stream()
+        host = self._views.get((i, t.shape))
+        if host is None:
+            n = t.numel()
+            if self._ring[i].numel() < n:
+                self._ring[i] = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+                self._views = {k: v for k, v in self._views.items() if k[0] != i}
+            host = self._views[(i, t.shape)] = self._ring[i][:n].view(t.shape)
+        stream, main = self.stream, self._main_stream()
         self._main_ev[i].record(main)
         stream.wait_event(self._main_ev[i])
         torch.cuda.set_stream(stream)

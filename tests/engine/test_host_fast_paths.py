@@ -62,3 +62,53 @@ def test_decode_only_steps_equal_steps_mixed_with_prefill(hybrid_dir, spec):
     # a small token budget: long prompts are chunked while others decode (mixed steps)
     mixed = run(hybrid_dir, params, spec, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=128)
     assert alone == mixed
+
+
+def test_step_scratch_alternates_and_reuses_two_steps_later():
+    """A decode-only step's start / next_start buffers: step N+1 must not write the buffer step N
+    wrote (N+1 reads it as the previous step's output); step N+2 may reuse it."""
+    from hybrid_engine.step_constants import StepScratch
+    sc = StepScratch(torch.device(DEV))
+    seen = []
+    for _ in range(4):
+        sc.next_step()
+        seen.append((sc.i64("start", 5).data_ptr(), sc.i64("next_start", 5).data_ptr(),
+                     sc.i64("next_start", 3).data_ptr()))
+        assert sc.i64("start", 5).shape == (5,) and sc.i64("start", 5).dtype == torch.int64
+    for a, b in zip(seen, seen[1:]):
+        assert not set(a) & set(b)                   # consecutive steps share no buffer
+    assert seen[0] == seen[2] and seen[1] == seen[3]  # reused two steps later
+    assert len(set(seen[0])) == 3                    # names and row counts never alias
+
+
+def test_fast_launch_keeps_one_runner_per_grid():
+    """FastLaunch builds the handle's runner once per grid and passes the right grid each time."""
+    from mamba_cache.ops.triton_common import FastLaunch
+
+    class Handle:
+        def __init__(self):
+            self.made, self.calls = [], []
+
+        def __getitem__(self, grid):
+            self.made.append(grid)
+            return lambda *a: self.calls.append((grid, a))
+
+    class Kernel:
+        arg_names = ["x", "n", "S"]
+        __name__ = "k"
+
+        def __init__(self, h):
+            self.h = h
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.h
+
+    h = Handle()
+    fl = FastLaunch(Kernel(h))
+    x = torch.zeros(4)
+    fl((2,), x, 1, S=3)                                # compiles (normal launch)
+    for n, grid in ((2, (2,)), (3, (5,)), (4, (2,)), (5, (5,))):
+        fl(grid, x, n, S=3)
+    assert h.made == [(2, 1, 1), (5, 1, 1)]
+    assert h.calls == [((2, 1, 1), (x, 2, 3)), ((5, 1, 1), (x, 3, 3)), ((2, 1, 1), (x, 4, 3)),
+                       ((5, 1, 1), (x, 5, 3))]
