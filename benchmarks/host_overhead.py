@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import random_weights, write_config  # noqa: E402
+from benchmarks.common import SHAPE_SMALL, random_weights, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine import transfer as transfer_mod  # noqa: E402
 
@@ -156,7 +156,9 @@ VARIANTS = {
 def run_variant(name, model_dir, args, dtype):
     spec_fn, params_fn = VARIANTS[name]
     k = 3 if spec_fn else 0
-    steps = args.warmup + args.steps
+    # every loop below (warm-up, timed, counted, phases, profile) must find every request still
+    # decoding: a loop over finished requests would time empty steps
+    steps = args.warmup + 3 * args.steps + args.count_steps
     max_tokens = (1 + k) * steps + 64
     with random_weights():
         llm = LLM(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.batch,
@@ -236,11 +238,14 @@ def main() -> int:
     ap.add_argument("--top-ops", type=int, default=0, help="print the N most frequent ops per variant")
     ap.add_argument("--profile", default="", help="cProfile top 25 for this variant (or 'all')")
     ap.add_argument("--phases", action="store_true", help="mean us per step inside selected methods")
+    ap.add_argument("--shape", choices=["tiny", "small"], default="tiny",
+                    help="tiny (default) or the small e2e shape (benchmarks.common.SHAPE_SMALL)")
     ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"], help="cProfile order")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    model_dir = write_config(Path(tempfile.mkdtemp()) / "tiny", SHAPE_TINY)
+    shape = SHAPE_TINY if args.shape == "tiny" else SHAPE_SMALL
+    model_dir = write_config(Path(tempfile.mkdtemp()) / args.shape, shape)
     results = [run_variant(v, model_dir, args, dtype) for v in args.variants.split(",")]
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nhost overhead per decode step: batch {args.batch}, {dev}, torch {torch.__version__}, "
