@@ -5,7 +5,8 @@ its last kernel; gap(N) = start(N+1) - end(N) on the GPU clock. When step N+1 wa
 step N finished, start(N+1) fires immediately after end(N), so the gap reads ~0.
 
 Also per step: host busy (wall minus the time blocked in the D2H wait) and host wait, the GPU span
-of each step and of its forward alone (graph replay). The gap follows host busy: when the host
+of each step and of its forward alone (graph replay; for a greedy step graph, the replay of
+input preparation + forward + argmax). The gap follows host busy: when the host
 needs longer per step than the GPU, the GPU waits whatever the overlap. The timing events are
 made before the loop, so the measurement adds no allocation to the host path it measures.
 
@@ -74,8 +75,21 @@ def measure(model_dir, batch, steps, async_scheduling, spec, enforce_eager):
             return orig_wait(self)
         finally:
             waits.append(time.perf_counter() - t0)
+    gg = getattr(eng.runner, "greedy_graphs", None)   # greedy steps replay prepare + forward + argmax there
+    orig_gg = type(gg).step if gg is not None else None
+
+    def greedy_step(self, *a, **k):
+        start, end = fwd_pool[len(fwd_marks) % len(fwd_pool)]
+        start.record()
+        out = orig_gg(self, *a, **k)
+        end.record()
+        if out is not None:
+            fwd_marks.append((start, end))
+        return out
     runner_mod.ModelRunner.execute = execute
     type(eng.runner.executor).forward = forward
+    if gg is not None:
+        type(gg).step = greedy_step
     transfer_mod.D2HCopy.wait = wait
     try:
         rng = np.random.default_rng(0)
@@ -96,6 +110,8 @@ def measure(model_dir, batch, steps, async_scheduling, spec, enforce_eager):
     finally:
         runner_mod.ModelRunner.execute = orig
         type(eng.runner.executor).forward = orig_fwd
+        if gg is not None:
+            type(gg).step = orig_gg
         transfer_mod.D2HCopy.wait = orig_wait
     gaps = [marks[i][1].elapsed_time(marks[i + 1][0]) * 1e3 for i in range(len(marks) - 1)
             if _decode_only(marks[i][2]) and _decode_only(marks[i + 1][2])]          # microseconds, decode-only steps

@@ -19,6 +19,10 @@ Per real row r < N, with p = prev[r], s = 1 + K tokens, start = prev_next_start[
   every decode row of a K = 0 step yields exactly one token, so its next start is known now).
 Padding rows N <= r < R (graph buckets): token 0, position 0, slot mapping 0 (the null block),
 seq_len s, an all-zero block-table row, the null Mamba slot, accepted count 1.
+
+``header=True`` (CUDA kernel only): ``staged`` starts with ``[N, W]`` and the kernel reads them
+from there instead of its arguments, so one captured launch serves every N <= R and W
+(``greedy_graphs``).
 """
 from __future__ import annotations
 

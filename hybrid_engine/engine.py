@@ -17,6 +17,7 @@ import torch
 from .attention import KVCache, blocks_needed
 from .config import EngineConfig
 from .graphs import make_executor
+from .greedy_graphs import make_greedy_graphs
 from .models import build_model
 from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
@@ -67,6 +68,8 @@ class EngineCore:
                                   max_blocks=max_blocks, num_spec=k, device=cfg.device)
         self.runner.executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
                                              max_model_len=self.max_model_len, block_size=cc.block_size)
+        self.runner.greedy_graphs = make_greedy_graphs(self.runner.executor, num_spec=k, block_size=cc.block_size,
+                                                       max_blocks=max_blocks)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0

@@ -56,6 +56,7 @@ class CudaGraphExecutor(EagerExecutor):
         self.graphs: dict[int, _Graph] = {}
         self._views: dict[int, tuple[DecodeDest, ForwardBatch]] = {}
         self._outs: dict[int, tuple[_Graph, torch.Tensor, torch.Tensor]] = {}   # rows -> graph, outputs
+        self.pool = None                  # the graphs' memory pool (greedy_graphs captures into it too)
         self._capture_all()
 
     def _static_batch(self, b: int) -> ForwardBatch:
@@ -88,6 +89,7 @@ class CudaGraphExecutor(EagerExecutor):
                 hidden, logits = EagerExecutor.forward(self, fb)
             pool = g.pool()
             self.graphs[b] = _Graph(g, fb, hidden, logits)
+        self.pool = pool
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d CUDA graphs (B in %s, 1+K=%d) in %.1fs, %.1f MiB", len(self.graphs),

@@ -6,8 +6,6 @@ accepted counts from the previous step's device outputs, gathered through ``prev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -20,68 +18,10 @@ from .graphs import EagerExecutor
 from .input_batch import InputBatch
 from .models.nemotron_h import Caches
 from .sampler import SamplingTensors, sample
-from .scheduler_output import ModelRunnerOutput, ScheduledRow, SchedulerOutput
+from .scheduler_output import ScheduledRow, SchedulerOutput
 from .step_constants import StepConstants, StepScratch
-from .transfer import D2H, D2HCopy, H2D
-
-
-@dataclass(frozen=True)
-class PrevStep:
-    """Device outputs of the previous step, in its step-row space (read only via prev_positions)."""
-    sampled: torch.Tensor        # [B, 1+K] int64, -1 after the last valid token
-    num_valid: torch.Tensor      # [B] int64
-    next_start: torch.Tensor     # [B] int64 exact position of each row's next input token
-    drafts: torch.Tensor         # [B, K] int64, -1 = no draft
-    draft_probs: torch.Tensor | None  # [B, K, V] float32
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    fb: ForwardBatch
-    num_decode: int              # N_d: decode/verify rows (first in step-row order)
-    num_prefill: int             # prefill rows
-    start: torch.Tensor          # [B] int64 exact start position per step row
-    num_tokens: torch.Tensor     # [B] int64 query length per step row
-    drafts: torch.Tensor         # [N_d, K] drafts verified this step (-1 = none)
-    draft_probs: torch.Tensor | None
-    backup: torch.Tensor | None  # [B] int64 backup token per row (None: decode-only, never read)
-    slots: torch.Tensor          # [B] int64
-    sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
-    sample_pos_p: torch.Tensor   # [R_p] int64 position of the token each of them samples
-    next_input_ids: torch.Tensor # [T] int64 token after each input token where the host knows it, else -1
-    is_decode: torch.Tensor      # [B] bool step row is a decode/verify row
-    query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the step rows
-    st_decode: SamplingTensors | None
-    st_prefill: SamplingTensors | None
-    st_all: SamplingTensors | None   # every step row (drafters sample with it)
-    rows_sampling_np: np.ndarray # [R] batch rows of the step rows that sample (host)
-    next_start: torch.Tensor | None = None  # [B] known before sampling (decode-only, K = 0), else None
-
-
-class StepHandle:
-    def __init__(self, sched: SchedulerOutput, req_ids: tuple[str, ...], copy: D2HCopy | None,
-                 error: BaseException | None = None, num_spec: int = 0):
-        self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
-        self.num_spec = num_spec
-
-    def _output(self, host: np.ndarray) -> ModelRunnerOutput:
-        """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
-        the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""
-        s = 1 + self.num_spec
-        out = host
-        sampled = out[:, :s]
-        num_valid = (sampled != -1).sum(1, dtype=np.int64)
-        if self.num_spec:
-            num_drafts = (out[:, s:] != -1).sum(1, dtype=np.int64)
-        else:
-            num_drafts = np.zeros(len(out), dtype=np.int64)
-        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts)
-
-    def result(self) -> ModelRunnerOutput:
-        return self._output(self._copy.wait())
-
-    async def result_async(self) -> ModelRunnerOutput:
-        return self._output(await self._copy.wait_async())
+from .step_io import PrevStep, StepHandle, StepInputs
+from .transfer import D2H, H2D
 
 
 class ModelRunner:
@@ -96,6 +36,7 @@ class ModelRunner:
         self.prev: PrevStep | None = None
         self._ar_s = torch.arange(1 + num_spec, device=device)          # [1+K] token offsets in a decode row
         self.consts = StepConstants(device, num_spec)                   # tensors fixed by a row count
+        self.greedy_graphs = None       # a GreedyStepGraphs on CUDA with graphs on and K = 0 (engine)
         self.scratch = StepScratch(device)                              # decode-only step outputs
 
     # ------------------------------------------------------------------------------------------
@@ -104,6 +45,14 @@ class ModelRunner:
         order = self._update_batch(sched)
         req_ids = tuple(r.req_id for r in order)
         try:
+            fast = None if self.greedy_graphs is None else self.greedy_graphs.step(
+                order, self.batch, self.prev, self.h2d)
+            if fast is not None:        # a greedy decode-only step, replayed as one graph
+                sampled, next_start, rows = fast
+                n = len(rows)
+                return self._finish(sched, req_ids, rows, sampled, sampled,
+                                    PrevStep(sampled, self.consts.full(n, 1), next_start,
+                                             self.consts.no_drafts(n), None))
             inp = self._prepare(order)
             hidden, logits = self.executor.forward(inp.fb)
             sampled = self._sample(logits, inp)
@@ -121,11 +70,16 @@ class ModelRunner:
                                                inp.num_tokens[nd:] if nd else inp.num_tokens, nd, npf)
         ctx = self._draft_context(req_ids, inp, hidden, sampled, num_valid, next_start)
         drafts, draft_probs = self.drafter.propose(ctx)
-        self.prev = PrevStep(sampled, num_valid, next_start, drafts, draft_probs)
+        return self._finish(sched, req_ids, inp.rows_sampling_np, sampled, self._d2h_payload(sampled, inp),
+                            PrevStep(sampled, num_valid, next_start, drafts, draft_probs))
+
+    def _finish(self, sched: SchedulerOutput, req_ids: tuple[str, ...], rows_sampling: np.ndarray,
+                sampled: torch.Tensor, payload: torch.Tensor, prev: PrevStep) -> StepHandle:
+        """The step's outputs become the next step's inputs; its payload goes to the host."""
+        self.prev = prev
         self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
-        self.batch.append_placeholders(inp.rows_sampling_np)
-        copy = self.d2h.copy(self._d2h_payload(sampled, inp))
-        return StepHandle(sched, req_ids, copy, num_spec=self.num_spec)
+        self.batch.append_placeholders(rows_sampling)
+        return StepHandle(sched, req_ids, self.d2h.copy(payload), num_spec=self.num_spec)
 
     def _d2h_payload(self, sampled: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """[B, 1+K] sampled tokens, then (K > 0) the [B, K] drafts verified (-1 = none; prefill rows

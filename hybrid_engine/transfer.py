@@ -52,19 +52,25 @@ class H2D:
         self._pack(self._np(buf).view(np.uint8), start, flat, words)
         return self._unpack(buf[start:start + total].to(self.device, non_blocking=True), flat, words)
 
-    def put_raw(self, arr: np.ndarray) -> torch.Tensor:
-        """One int64 array to the device as one int64 tensor (no unpacking views: the cheapest put)."""
+    def put_raw(self, arr: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One int64 array to the device as one int64 tensor (no unpacking views: the cheapest put).
+        ``out``: a caller's int64 device buffer (a CUDA graph holds its address) to copy into."""
         arr = np.ascontiguousarray(arr, dtype=np.int64)
-        if not self.cuda:
-            return torch.from_numpy(arr.copy())
         n = arr.size
+        if out is not None and out.numel() < n:
+            raise ValueError(f"put_raw: {n} words do not fit the {out.numel()}-word buffer")
+        if not self.cuda:
+            if out is None:
+                return torch.from_numpy(arr.copy())
+            out[:n].copy_(torch.from_numpy(arr))
+            return out[:n]
         buf, start = self._reserve(n)
         self._np(buf)[start:start + n] = arr
         # into a persistent device buffer: no allocation per step. Its previous contents are read
         # only by kernels of the previous step, which the main stream runs before this copy.
-        if self._raw_dev is None or self._raw_dev.numel() < n:
+        if out is None and (self._raw_dev is None or self._raw_dev.numel() < n):
             self._raw_dev = torch.empty(max(2 * n, 1024), dtype=torch.int64, device=self.device)
-        dev = self._raw_dev[:n]
+        dev = (self._raw_dev if out is None else out)[:n]
         dev.copy_(buf[start:start + n], non_blocking=True)
         return dev
 

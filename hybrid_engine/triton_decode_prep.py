@@ -15,9 +15,13 @@ def _prepare_decode_kernel(
     start_ptr, drafts_ptr, next_ptr,
     n, width, M, bs, ss_r, sd_r, sbt_r,
     S: tl.constexpr, K: tl.constexpr, NULL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, HDR: tl.constexpr,
 ):
     r = tl.program_id(0)
+    if HDR:     # [n, W] lead the staged array (a CUDA graph replays with the n and W of each step)
+        n = tl.load(staged_ptr).to(tl.int32)
+        width = tl.load(staged_ptr + 1).to(tl.int32)
+        staged_ptr = staged_ptr + 2
     j = tl.arange(0, BLOCK_S)
     mj = j < S
     cols = tl.arange(0, BLOCK_W)
@@ -65,7 +69,7 @@ _launch = FastLaunch(_prepare_decode_kernel)
 
 
 def triton_prepare_decode(staged, n, width, prev, dest, *, block_size, num_spec, start_out, drafts_out,
-                          next_start_out) -> None:
+                          next_start_out, header=False) -> None:
     s, k = 1 + num_spec, num_spec
     R = dest.rows
     M = dest.block_tables.shape[1]
@@ -81,5 +85,5 @@ def triton_prepare_decode(staged, n, width, prev, dest, *, block_size, num_spec,
             n, width, M, block_size, prev.sampled.stride(0), prev.drafts.stride(0) if k else 0,
             dest.block_tables.stride(0),
             S=s, K=k, NULL=NULL_SLOT, BLOCK_S=next_pow2(s), BLOCK_W=min(512, max(16, next_pow2(M))),
-            num_warps=1,
+            HDR=header, num_warps=1,
         )

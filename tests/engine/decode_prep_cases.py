@@ -117,12 +117,22 @@ CASES = {
 }
 
 
+def with_header(kernel):
+    """The kernel in header mode: [N, W] prepended to the staged array, and 0 passed for both
+    arguments, so a right answer proves they were read from the header."""
+    def run(staged, n, width, *a, **kw):
+        head = torch.tensor([n, width], dtype=torch.int64, device=staged.device)
+        return kernel(torch.cat([head, staged]), 0, 0, *a, header=True, **kw)
+    return run
+
+
 def main() -> int:
     from hybrid_engine.triton_decode_prep import triton_prepare_decode
     for name, kw in CASES.items():
         for seed in range(3):
             try:
                 check(triton_prepare_decode, seed=seed, **kw)
+                check(with_header(triton_prepare_decode), seed=seed, **kw)
                 check(prepare_decode_ref, seed=seed, **kw)
             except Exception:
                 print(f"CASE {name} FAIL {traceback.format_exc().splitlines()[-1]}")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from decode_prep_cases import CASES, check  # noqa: E402
+from decode_prep_cases import CASES, check, with_header  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -16,3 +16,4 @@ def test_triton_kernel_cuda(name):
     from hybrid_engine.triton_decode_prep import triton_prepare_decode
     for seed in range(3):
         check(triton_prepare_decode, seed=seed, device="cuda", **CASES[name])
+        check(with_header(triton_prepare_decode), seed=seed, device="cuda", **CASES[name])

@@ -1,0 +1,143 @@
+"""A greedy decode step as one CUDA graph replay: input preparation, forward and argmax.
+
+The steady state of greedy serving without speculation is a run of decode-only steps whose rows
+all take the argmax. Run as separate host calls (``prepare_decode``, the forward graph, the
+argmax), such a step costs more host time than its GPU time on a small model, and the GPU waits
+(results/2026-11-22-async-gap-h100.md). ``GreedyStepGraphs`` captures the three as one graph per
+bucket B and parity q:
+
+    prepare_decode(header mode: N and W read from the staged array; previous outputs from the
+    parity 1-q buffers) -> the bucket's forward -> argmax into tok[q]; next starts into nxt[q]
+
+so the host's calls for such a step are one H2D copy of the staged array (into a buffer whose
+address the graphs hold), one replay, and the D2H of tok[q][:N].
+
+Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
+live in different buffers, and a step writes the buffers of the step before the previous one.
+Every reader of those (the previous graph step's kernels, the side-stream D2H of its tokens) is
+ordered before that: the kernels on the same stream, and the D2H because the step loop reads a
+step's output before it launches the step after next. When the previous step did not come from
+these graphs (a mixed or a sampled step), its outputs are first copied into the buffers the graph
+reads (two copies, on those steps only).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .decode_prep import DecodeDest, PrevOutputs
+from .graphs import CudaGraphExecutor, EagerExecutor
+from .input_batch import InputBatch
+from .scheduler_output import ScheduledRow
+from .transfer import H2D
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class GreedyStepGraphs:
+    def __init__(self, executor: CudaGraphExecutor, *, block_size: int, max_blocks: int):
+        if executor.s != 1:
+            raise ValueError("greedy step graphs serve decode rows of one token (num_spec = 0)")
+        self.ex, self.block_size = executor, block_size
+        dev = executor.device
+        self.max_rows = bmax = executor.buckets[-1]
+        e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        self.tok = [e64(bmax, 1), e64(bmax, 1)]        # [Bmax, 1] tokens of a parity's steps
+        self.nxt = [e64(bmax), e64(bmax)]              # [Bmax] next start positions
+        self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (unread)
+        self._unused = e64(bmax)                       # num_valid / drafts inputs (read only for K > 0)
+        # [N, W, prev (N), slot (N), block-table rows (N x W)]: the graphs hold its address
+        self.staged = e64(2 + bmax * (2 + max_blocks))
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.q = 0                                     # parity of the next graph step
+        self._capture_all()
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def _body(self, b: int, q: int) -> None:
+        from .triton_decode_prep import triton_prepare_decode
+        g = self.ex.graphs[b]
+        a, m = g.fb.attn, g.fb.mamba
+        dest = DecodeDest(g.fb.input_ids, g.fb.positions, a.slot_mapping, a.seq_lens, a.block_tables,
+                          m.decode_slots, m.num_accepted)
+        prev = PrevOutputs(self.tok[1 - q], self._unused, self.nxt[1 - q], self._unused[:, None])
+        triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=0,
+                              start_out=self._start, drafts_out=None, next_start_out=self.nxt[q],
+                              header=True)
+        _, logits = EagerExecutor.forward(self.ex, g.fb)
+        self.tok[q][:b].copy_(logits.argmax(-1, keepdim=True))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        dev = self.ex.device
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
+        for b in sorted(self.ex.buckets, reverse=True):
+            for q in (0, 1):
+                self._body(b, q)                           # warm-up (compiles the header kernel)
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.ex.pool):
+                    self._body(b, q)
+                self.graphs[(b, q)] = g
+        torch.cuda.synchronize(dev)
+        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        logger.info("captured %d greedy step graphs (prepare + forward + argmax; B in %s, 2 parities) "
+                    "in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), time.perf_counter() - t0,
+                    used / 2**20)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self, order: list[ScheduledRow], batch: InputBatch, prev, h2d: H2D):
+        """Run the step as one replay when it is a greedy decode-only step of at most max_rows rows
+        whose rows all have a previous output -> (tokens [N, 1], next starts [N], batch rows [N]),
+        else None (the caller runs the general path). ``prev``: the runner's PrevStep."""
+        n = len(order)
+        if not 0 < n <= self.max_rows or prev is None or not order[-1].is_decode:
+            return None                                    # decode rows come first: the last decides
+        req_ids = [r.req_id for r in order]
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=n)
+        if batch.temperature[rows].any():
+            return None                                    # a row samples: the sampler's path
+        prev_idx = batch.prev_positions(req_ids)
+        if (prev_idx < 0).any():
+            return None                                    # the general path reports it
+        width = max(int(batch.num_blocks[rows].max()), 1)
+        host = np.empty(2 + 2 * n + n * width, dtype=np.int64)
+        host[0], host[1] = n, width
+        host[2:2 + n] = prev_idx
+        host[2 + n:2 + 2 * n] = batch.slot[rows]
+        host[2 + 2 * n:].reshape(n, width)[:] = batch.block_table[rows, :width]
+        q = self.q
+        if prev.sampled.data_ptr() != self.tok[1 - q].data_ptr():
+            bp = prev.sampled.shape[0]                     # not this family's output: copy it in
+            self.tok[1 - q][:bp].copy_(prev.sampled[:, :1])
+            self.nxt[1 - q][:bp].copy_(prev.next_start)
+        h2d.begin_step()
+        h2d.put_raw(host, out=self.staged)
+        bucket = next(x for x in self.ex.buckets if x >= n)
+        self.graphs[(bucket, q)].replay()
+        self.q = 1 - q
+        views = self._views.get((q, n))
+        if views is None:
+            views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n])
+        return views[0], views[1], rows
+
+
+def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int) -> GreedyStepGraphs | None:
+    """Greedy step graphs where they apply (CUDA graphs on, no speculation, the Triton input
+    preparation available); the choice is logged once either way."""
+    if not isinstance(executor, CudaGraphExecutor):
+        return None
+    if num_spec:
+        logger.info("greedy step graphs: off (speculative decoding verifies drafts outside them)")
+        return None
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("prepare_decode", executor.device) != "triton":
+        logger.warning("greedy step graphs: off (the Triton prepare_decode kernel is unavailable); "
+                       "greedy decode steps take the general path")
+        return None
+    return GreedyStepGraphs(executor, block_size=block_size, max_blocks=max_blocks)

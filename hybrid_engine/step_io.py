@@ -1,0 +1,73 @@
+"""Typed hand-offs of the model runner: the previous step's device outputs (``PrevStep``), one
+step's prepared inputs (``StepInputs``) and the handle a launched step is read through
+(``StepHandle``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .forward_batch import ForwardBatch
+from .sampler import SamplingTensors
+from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from .transfer import D2HCopy
+
+
+@dataclass(frozen=True)
+class PrevStep:
+    """Device outputs of the previous step, in its step-row space (read only via prev_positions)."""
+    sampled: torch.Tensor        # [B, 1+K] int64, -1 after the last valid token
+    num_valid: torch.Tensor      # [B] int64
+    next_start: torch.Tensor     # [B] int64 exact position of each row's next input token
+    drafts: torch.Tensor         # [B, K] int64, -1 = no draft
+    draft_probs: torch.Tensor | None  # [B, K, V] float32
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    fb: ForwardBatch
+    num_decode: int              # N_d: decode/verify rows (first in step-row order)
+    num_prefill: int             # prefill rows
+    start: torch.Tensor          # [B] int64 exact start position per step row
+    num_tokens: torch.Tensor     # [B] int64 query length per step row
+    drafts: torch.Tensor         # [N_d, K] drafts verified this step (-1 = none)
+    draft_probs: torch.Tensor | None
+    backup: torch.Tensor | None  # [B] int64 backup token per row (None: decode-only, never read)
+    slots: torch.Tensor          # [B] int64
+    sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
+    sample_pos_p: torch.Tensor   # [R_p] int64 position of the token each of them samples
+    next_input_ids: torch.Tensor # [T] int64 token after each input token where the host knows it, else -1
+    is_decode: torch.Tensor      # [B] bool step row is a decode/verify row
+    query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the step rows
+    st_decode: SamplingTensors | None
+    st_prefill: SamplingTensors | None
+    st_all: SamplingTensors | None   # every step row (drafters sample with it)
+    rows_sampling_np: np.ndarray # [R] batch rows of the step rows that sample (host)
+    next_start: torch.Tensor | None = None  # [B] known before sampling (decode-only, K = 0), else None
+
+
+class StepHandle:
+    def __init__(self, sched: SchedulerOutput, req_ids: tuple[str, ...], copy: D2HCopy | None,
+                 error: BaseException | None = None, num_spec: int = 0):
+        self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
+        self.num_spec = num_spec
+
+    def _output(self, host: np.ndarray) -> ModelRunnerOutput:
+        """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
+        the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""
+        s = 1 + self.num_spec
+        out = host
+        sampled = out[:, :s]
+        num_valid = (sampled != -1).sum(1, dtype=np.int64)
+        if self.num_spec:
+            num_drafts = (out[:, s:] != -1).sum(1, dtype=np.int64)
+        else:
+            num_drafts = np.zeros(len(out), dtype=np.int64)
+        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts)
+
+    def result(self) -> ModelRunnerOutput:
+        return self._output(self._copy.wait())
+
+    async def result_async(self) -> ModelRunnerOutput:
+        return self._output(await self._copy.wait_async())

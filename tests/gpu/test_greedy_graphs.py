@@ -1,0 +1,109 @@
+"""Greedy step graphs (prepare + forward + argmax in one replay) against the eager engine: the same
+tokens through every transition (requests arriving into a running batch, rows finishing so the
+bucket shrinks, a sampling request forcing the general path and leaving again), with the graph
+path taken on most steps, and no host sync on it."""
+import numpy as np
+import pytest
+import torch
+
+from hybrid_engine import LLM, SamplingParams
+from hybrid_engine import greedy_graphs as gg_mod
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    return model_dirs("gpu_greedy", pattern="M-M*-M-", seed=5)
+
+
+def drive(llm, prompts):
+    """A fixed schedule of arrivals and lengths -> {request index: tokens}."""
+    eng = llm.engine
+    greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 9, 21, 14, 26, 5, 17, 12)]
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    reqs = {}
+
+    def add(i, params):
+        r = eng.make_request(prompts[i], params)
+        reqs[i] = r
+        eng.add_request(r)
+    for i in range(3):
+        add(i, greedy[i])
+    for step in range(60):
+        if step == 4:                          # arrivals into a running greedy batch
+            add(3, greedy[3])
+            add(4, greedy[4])
+        if step == 9:                          # a sampling row: general path while it runs
+            add(5, sampled)
+        if step == 12:
+            for i in (6, 7):
+                add(i, greedy[i])
+        if not eng.has_work():
+            break
+        eng.step()
+    while eng.has_work():
+        eng.step()
+    return {i: list(r.output_token_ids) for i, r in reqs.items()}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling):
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    calls = {"graph": 0, "general": 0}
+    orig = gg_mod.GreedyStepGraphs.step
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        calls["graph" if out is not None else "general"] += 1
+        return out
+    outs = {}
+    gg_mod.GreedyStepGraphs.step = spy
+    try:
+        for eager in (True, False):
+            llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=eager,
+                      async_scheduling=async_scheduling)
+            assert (llm.engine.runner.greedy_graphs is None) == eager
+            outs[eager] = drive(llm, prompts)
+    finally:
+        gg_mod.GreedyStepGraphs.step = orig
+    assert outs[False] == outs[True]
+    assert all(len(v) > 0 for v in outs[False].values())
+    assert calls["graph"] >= 20 and calls["general"] >= 5, calls
+
+
+def test_greedy_graph_steps_never_sync_the_host(target):
+    llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4)
+    eng = llm.engine
+    rng = np.random.default_rng(2)
+    for n in (5, 9, 13):
+        eng.add_request(eng.make_request(rng.integers(3, 256, n).tolist(),
+                                         SamplingParams(max_tokens=200, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    used = []
+    orig = gg_mod.GreedyStepGraphs.step
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        used.append(out is not None)
+        return out
+    gg_mod.GreedyStepGraphs.step = spy
+    prev = eng._inflight
+    eng._inflight = None
+    try:
+        for _ in range(30):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                cur, failed = eng.launch()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert not failed and cur is not None
+            if prev is not None:
+                eng.commit(prev, prev.result())
+            prev = cur
+        eng.commit(prev, prev.result())
+    finally:
+        gg_mod.GreedyStepGraphs.step = orig
+    assert all(used) and len(used) == 30
