@@ -66,28 +66,33 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         new: list[NewRequestData] = []
         # 1) running requests in admission order; preempt the newest when blocks run out
-        dl, bs = self.decode_len, self.block_size
+        dl, bs, k, max_len = self.decode_len, self.block_size, self.num_spec, self.max_model_len
+        running_status = Status.RUNNING
         for req in list(self.running):
-            if req.status is not Status.RUNNING:
+            if req.status is not running_status:
                 continue                               # preempted earlier in this loop
-            if req.is_prefilling:
-                n = min(req.prefill_target - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            if start < req.prefill_target:             # prefilling
+                n = min(req.prefill_target - start, budget)
                 if n <= 0:
                     continue
-                if not self._grow(req, req.num_computed_tokens + n + self._lookahead(req, n)):
+                if not self._grow(req, start + n + self._lookahead(req, n)):
                     continue                           # req itself was preempted
                 rows.append(self._row(req, n))
             else:
-                if self._may_skip_decode(req):
+                # skip when in-flight steps already reach max_tokens / max_model_len (known lower
+                # bounds of what the request has produced)
+                inflight, n_out = req.num_inflight_steps, len(req.output_token_ids)
+                if (n_out + inflight >= req.params.max_tokens
+                        or len(req.prompt_token_ids) + n_out + inflight >= max_len):
                     continue
                 n = dl
-                need = req.num_computed_tokens + n + self.num_spec     # + the drafters' lookahead
+                need = start + n + k                   # + the drafters' lookahead
                 # the common case (blocks already cover it) skips _grow's call
                 if -(-need // bs) > len(req.block_ids) and not self._grow(req, need):
                     continue                           # req itself was preempted
-                start = req.num_computed_tokens
                 req.num_computed_tokens = start + n
-                req.num_inflight_steps += 1
+                req.num_inflight_steps = inflight + 1
                 rows.append(ScheduledRow(req.request_id, req.epoch, n, start, True, True, tuple(req.block_ids)))
             budget -= n
         # 2) admit waiting requests FCFS while a slot, blocks and token budget are available
@@ -117,12 +122,6 @@ class Scheduler:
         """K positions past every row that samples: drafters write KV there while proposing."""
         samples = not req.is_prefilling or req.num_computed_tokens + n >= req.prefill_target
         return self.num_spec if samples else 0
-
-    def _may_skip_decode(self, req: Request) -> bool:
-        """True when in-flight steps already reach max_tokens / max_model_len (known lower bounds)."""
-        produced_lb = len(req.output_token_ids) + req.num_inflight_steps
-        return (produced_lb >= req.params.max_tokens
-                or req.num_tokens + req.num_inflight_steps >= self.max_model_len)
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
         decode = not req.is_prefilling
@@ -186,15 +185,19 @@ class Scheduler:
         # host arrays -> Python ints once (numpy scalar access per element costs more than the work)
         num_valid, num_drafts = out.num_valid.tolist(), out.num_drafts.tolist()
         sampled = out.sampled.tolist()
+        get, finished = self.requests.get, Status.FINISHED
         for i, req_id in enumerate(out.req_ids):
-            row, req = rows[req_id], self.requests.get(req_id)
-            if req is None or req.finished or req.epoch != row.epoch or not row.samples:
+            row, req = rows[req_id], get(req_id)
+            if req is None or req.status is finished or req.epoch != row.epoch or not row.samples:
                 continue
             req.num_inflight_steps -= 1
             n_valid = num_valid[i]
             if row.is_decode:
                 req.num_computed_tokens -= row.num_tokens - n_valid    # the one-step-late correction
-                self._record_spec(req, num_drafts[i], n_valid)
+                if self.num_spec:
+                    self._record_spec(req, num_drafts[i], n_valid)
+                else:
+                    req.metrics.num_steps += 1
             self._append_tokens(req, sampled[i][:n_valid])
             touched.append(req)
         return touched
