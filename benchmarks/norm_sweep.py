@@ -18,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kernels import DEV, I, bench, copy_bandwidth, mk_norm, nsets_for  # noqa: E402
 
-CONFIGS = [dict()] + [dict(block_t=bt, num_warps=nw) for bt in (1, 2, 4) for nw in (1, 2, 4, 8)]
+CONFIGS = ([dict()] + [dict(block_t=bt, num_warps=nw) for bt in (1, 2, 4) for nw in (1, 2, 4, 8)]
+           + [dict(streaming=True), dict(block_t=1, num_warps=8, streaming=True),
+              dict(block_t=4, num_warps=4, streaming=True)])
 
 
 def copy_ms(nbytes: int) -> float:
@@ -32,6 +34,7 @@ def copy_ms(nbytes: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="32,64,128,256")
+    ap.add_argument("--quick", action="store_true", help="the default and the streaming configs only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
@@ -44,7 +47,7 @@ def main() -> int:
     for T in (int(t) for t in args.tokens.split(",")):
         nbytes = T * I * 2 * 3
         cms = copy_ms(nbytes)
-        for cfg in CONFIGS:
+        for cfg in ([c for c in CONFIGS if not c or "streaming" in c] if args.quick else CONFIGS):
             _, calls, nb = mk_norm(T, lambda *a, cfg=cfg, **k: triton_gated_rmsnorm(*a, **cfg, **k))
             ms = bench(calls)[0]
             gbs = nb / (ms * 1e-3) / 1e9

@@ -18,7 +18,7 @@ _softplus, _silu = tl_helpers()
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, T, gs, eps,
     sy_t, sy_c, sz_t, sz_c, so_t, so_c,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, LD_EV: tl.constexpr, ST_CM: tl.constexpr,
 ):
     tb = tl.program_id(0)
     grp = tl.program_id(1)
@@ -28,27 +28,31 @@ def _gated_rmsnorm_kernel(
     mc = tl.arange(0, BLOCK_G) < gs
     m2 = mt[:, None] & mc[None, :]
     rows = offs_t[:, None].to(tl.int64)
-    y = tl.load(y_ptr + rows * sy_t + offs_c[None, :] * sy_c, mask=m2, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + rows * sz_t + offs_c[None, :] * sz_c, mask=m2, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + rows * sy_t + offs_c[None, :] * sy_c, mask=m2, other=0.0,
+                eviction_policy=LD_EV).to(tl.float32)
+    z = tl.load(z_ptr + rows * sz_t + offs_c[None, :] * sz_c, mask=m2, other=0.0,
+                eviction_policy=LD_EV).to(tl.float32)
     g = y * _silu(z)
     ms = tl.sum(g * g, axis=1) / gs
     g = g * tl.rsqrt(ms + eps)[:, None]
     g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows * so_t + offs_c[None, :] * so_c,
-             (g * w[None, :]).to(out_ptr.dtype.element_ty), mask=m2)
+             (g * w[None, :]).to(out_ptr.dtype.element_ty), mask=m2, cache_modifier=ST_CM)
 
 
-# From the H100 sweep of 2026-11-22 (benchmarks/norm_sweep.py, intermediate 8192, group 1024,
-# bf16): one token per program with 4 warps took 2.6 / 3.1 / 5.4 us at T = 64 / 128 / 256 against
-# 3.0 / 3.7 / 6.1 us for 4 tokens per program (the rule kept for longer inputs, 85-94% of the
-# copy bandwidth at 2k-8k tokens).
-_SMALL_T = 512
+# From the H100 sweeps of 2026-11-22 (benchmarks/norm_sweep.py, intermediate 8192, group 1024,
+# bf16): one token per program with 4 warps took 2.5-2.6 / 3.1 / 5.4 / 9.9 / 18.8 us at
+# T = 64 / 128 / 256 / 512 / 1024 against 3.0 / 3.7-4.1 / 6.1-6.3 / 9.7 / 19.8 us for 4 tokens
+# per program (the rule kept for longer inputs, 85-94% of the copy bandwidth at 2k-8k tokens).
+_SMALL_T = 1024
 
 
-def triton_gated_rmsnorm(y, z, weight, group_size, eps, *, block_t=None, num_warps=None):
+def triton_gated_rmsnorm(y, z, weight, group_size, eps, *, block_t=None, num_warps=None,
+                         streaming=False):
     """Same arguments and results as ``gated_rmsnorm_ref``. block_t (tokens per program) and
-    num_warps: launch options, None for the defaults below."""
+    num_warps: launch options, None for the defaults below; streaming: y and z loads marked
+    evict_first and the output stored with .cs (read once / written once)."""
     T, I = y.shape
     assert I % group_size == 0
     # torch's weight * g.to(y.dtype) rounds to the promoted dtype first; we round to y.dtype only,
@@ -67,6 +71,7 @@ def triton_gated_rmsnorm(y, z, weight, group_size, eps, *, block_t=None, num_war
         _gated_rmsnorm_kernel[(triton.cdiv(T, BLOCK_T), I // group_size)](
             y, z, weight, out, T, group_size, float(eps),
             *y.stride(), *z.stride(), *out.stride(),
-            BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, num_warps=nw,
+            BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, LD_EV="evict_first" if streaming else "",
+            ST_CM=".cs" if streaming else "", num_warps=nw,
         )
     return out

@@ -116,8 +116,10 @@ CASES = {
         out_dtype=torch.float16),
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
-    "norm_opts": lambda: [kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=bt, num_warps=nw),
-                                        "cpu", F32, 5, 48, 12, seed=bt) for bt, nw in ((1, 1), (2, 2))],
+    "norm_opts": lambda: [kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=bt, num_warps=nw,
+                                                                        streaming=st),
+                                        "cpu", F32, 5, 48, 12, seed=bt) for bt, nw, st in ((1, 1, False),
+                                                                                          (2, 2, True))],
     "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
         for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300))],

@@ -288,12 +288,14 @@ def test_norm(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("block_t,num_warps", [(1, 1), (1, 4), (2, 2), (4, 8)])
-def test_norm_launch_options(dtype, block_t, num_warps):
+@pytest.mark.parametrize("block_t,num_warps,streaming", [(1, 1, False), (1, 4, True), (2, 2, False),
+                                                         (4, 8, True)])
+def test_norm_launch_options(dtype, block_t, num_warps, streaming):
     from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
-    for case in (1, 2, 3):
+    for case in (1, 2, 3, 4):
         T, I, gs = NORM[case]
-        kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=block_t, num_warps=num_warps),
+        kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=block_t, num_warps=num_warps,
+                                                      streaming=streaming),
                       DEV, dtype, T, I, gs, seed=case)
 
 
