@@ -14,11 +14,13 @@ address the graphs hold), one replay, and the D2H of tok[q][:N].
 
 Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
 live in different buffers, and a step writes the buffers of the step before the previous one.
-Every reader of those (the previous graph step's kernels, the side-stream D2H of its tokens) is
-ordered before that: the kernels on the same stream, and the D2H because the step loop reads a
-step's output before it launches the step after next. When the previous step did not come from
-these graphs (a mixed or a sampled step), its outputs are first copied into the buffers the graph
-reads (two copies, on those steps only).
+Every reader of those is ordered before that: the previous graph step's kernels run on the same
+stream, and the side-stream D2H of a parity's tokens is waited for on the device (the main
+stream waits on that copy's event before the buffers are written again; the step loop, which
+reads a step's output before it launches the step after next, makes that wait free, but the
+order does not depend on the loop). When the previous step did not come from these graphs (a
+mixed or a sampled step), its outputs are first copied into the buffers the graph reads (two
+copies, on those steps only).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor
 from .input_batch import InputBatch
 from .scheduler_output import ScheduledRow
-from .transfer import H2D
+from .transfer import H2D, CurrentStream
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -54,6 +56,8 @@ class GreedyStepGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.q = 0                                     # parity of the next graph step
+        self._read_ev: list = [None, None]             # last D2H of tok[q] (an Event), per parity
+        self._main = CurrentStream(dev)
         self._capture_all()
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -112,8 +116,13 @@ class GreedyStepGraphs:
         host[2 + n:2 + 2 * n] = batch.slot[rows]
         host[2 + 2 * n:].reshape(n, width)[:] = batch.block_table[rows, :width]
         q = self.q
+        main = self._main()
+        if self._read_ev[q] is not None:                   # tok[q] is written below
+            main.wait_event(self._read_ev[q])
         if prev.sampled.data_ptr() != self.tok[1 - q].data_ptr():
             bp = prev.sampled.shape[0]                     # not this family's output: copy it in
+            if self._read_ev[1 - q] is not None:
+                main.wait_event(self._read_ev[1 - q])
             self.tok[1 - q][:bp].copy_(prev.sampled[:, :1])
             self.nxt[1 - q][:bp].copy_(prev.next_start)
         h2d.begin_step()
@@ -125,6 +134,11 @@ class GreedyStepGraphs:
         if views is None:
             views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n])
         return views[0], views[1], rows
+
+    def read_by(self, event) -> None:
+        """The D2H copy of the tokens the last ``step`` wrote finishes at ``event`` (None: no
+        side-stream reader); the next write of that parity's buffers waits for it."""
+        self._read_ev[1 - self.q] = event
 
 
 def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int) -> GreedyStepGraphs | None:
@@ -140,4 +154,10 @@ def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: 
         logger.warning("greedy step graphs: off (the Triton prepare_decode kernel is unavailable); "
                        "greedy decode steps take the general path")
         return None
-    return GreedyStepGraphs(executor, block_size=block_size, max_blocks=max_blocks)
+    try:
+        return GreedyStepGraphs(executor, block_size=block_size, max_blocks=max_blocks)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. no memory left for capture
+        logger.warning("greedy step graphs: off (capture failed: %s: %s); greedy decode steps take "
+                       "the general path", type(exc).__name__, exc)
+        torch.cuda.empty_cache()
+        return None

@@ -50,9 +50,11 @@ class ModelRunner:
             if fast is not None:        # a greedy decode-only step, replayed as one graph
                 sampled, next_start, rows = fast
                 n = len(rows)
-                return self._finish(sched, req_ids, rows, sampled, sampled,
-                                    PrevStep(sampled, self.consts.full(n, 1), next_start,
-                                             self.consts.no_drafts(n), None))
+                handle = self._finish(sched, req_ids, rows, sampled, sampled,
+                                      PrevStep(sampled, self.consts.full(n, 1), next_start,
+                                               self.consts.no_drafts(n), None))
+                self.greedy_graphs.read_by(handle.copy_event)
+                return handle
             inp = self._prepare(order)
             hidden, logits = self.executor.forward(inp.fb)
             sampled = self._sample(logits, inp)

@@ -205,8 +205,6 @@ class Scheduler:
     def _record_spec(self, req: Request, drafts: int, n_valid: int) -> None:
         m = req.metrics
         m.num_steps += 1
-        if not self.num_spec:
-            return
         accepted = min(n_valid - 1, drafts)
         m.drafts_proposed += drafts
         m.drafts_accepted += accepted

@@ -53,6 +53,11 @@ class StepHandle:
         self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
         self.num_spec = num_spec
 
+    @property
+    def copy_event(self) -> torch.cuda.Event | None:
+        """The event after the D2H copy of this step's payload (None on CPU or without a copy)."""
+        return None if self._copy is None else self._copy.event
+
     def _output(self, host: np.ndarray) -> ModelRunnerOutput:
         """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
         the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""

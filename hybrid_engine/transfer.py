@@ -124,6 +124,26 @@ class H2D:
 _TORCH_DTYPE = {"i8": torch.int64, "i4": torch.int32, "f4": torch.float32, "b1": torch.bool}
 
 
+class CurrentStream:
+    """``torch.cuda.current_stream()`` for one device, cached: the public call builds a Stream
+    object (~5 us per call on the step path), so it is re-read only when the raw current stream
+    changes (or every call, where this torch has no raw getter)."""
+
+    def __init__(self, device: torch.device):
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._stream: torch.cuda.Stream | None = None
+        self._raw = -1
+
+    def __call__(self) -> "torch.cuda.Stream":
+        if self._raw_current is None:
+            return torch.cuda.current_stream(self._index)
+        raw = self._raw_current(self._index)
+        if raw != self._raw:
+            self._stream, self._raw = torch.cuda.current_stream(self._index), raw
+        return self._stream
+
+
 class D2H:
     """Step outputs to the host: a ring of pinned int64 buffers and a side stream (CUDA).
 
@@ -142,21 +162,7 @@ class D2H:
         self._done_ev = [torch.cuda.Event(blocking=True) for _ in range(RING)] if self.cuda else []
         self._views: dict[tuple, torch.Tensor] = {}      # (slot, shape) -> view of the slot's buffer
         self._i = 0
-        # the stream the step runs on: torch.cuda.current_stream() builds a Stream object (~5 us
-        # per call), so it is cached and re-read only when the raw current stream changes
-        self._dev_index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if self.cuda else -1
-        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._main: torch.cuda.Stream | None = None
-        self._main_raw = -1
-
-    def _main_stream(self) -> "torch.cuda.Stream":
-        if self._raw_current is None:                   # no raw getter in this torch: the public call
-            return torch.cuda.current_stream()
-        raw = self._raw_current(self._dev_index)
-        if raw != self._main_raw:
-            self._main, self._main_raw = torch.cuda.current_stream(), raw
-        return self._main
+        self._main_stream = CurrentStream(device) if self.cuda else None
 
     def copy(self, t: torch.Tensor) -> "D2HCopy":
         if not self.cuda:                               # CPU: the values are ready now
@@ -190,6 +196,12 @@ class D2HCopy:
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, src: torch.Tensor):
         self._host, self._event = host, event
         self._src = src                         # keeps the device tensor alive until read
+
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """Recorded on the copy stream after the copy (None on CPU): a stream that waits on it
+        may overwrite the copied device tensor."""
+        return self._event
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
