@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 
 pytestmark = pytest.mark.gpu
@@ -31,21 +32,7 @@ def test_async_steps_never_sync_the_host(target, prompts, method):
         eng.add_request(eng.make_request(p, params))
     for _ in range(6):                       # warm-up: prefill, allocator and Triton caches
         eng.step()
-    launched = 0
-    prev = eng._inflight
-    eng._inflight = None
-    while launched < 50:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            cur, failed = eng.launch()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert not failed and cur is not None
-        launched += 1
-        if prev is not None:
-            eng.commit(prev, prev.result())
-        prev = cur
-    eng.commit(prev, prev.result())
+    launch_steps_without_sync(eng, 50)
     for r in list(eng.scheduler.running):
         eng.abort(r.request_id)
 

@@ -4,8 +4,8 @@ bucket shrinks, a sampling request forcing the general path and leaving again), 
 path taken on most steps, and no host sync on it."""
 import numpy as np
 import pytest
-import torch
 
+from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine import greedy_graphs as gg_mod
 
@@ -97,20 +97,8 @@ def test_greedy_graph_steps_never_sync_the_host(target):
         used.append(out is not None)
         return out
     gg_mod.GreedyStepGraphs.step = spy
-    prev = eng._inflight
-    eng._inflight = None
     try:
-        for _ in range(30):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                cur, failed = eng.launch()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            assert not failed and cur is not None
-            if prev is not None:
-                eng.commit(prev, prev.result())
-            prev = cur
-        eng.commit(prev, prev.result())
+        launch_steps_without_sync(eng, 30)
     finally:
         gg_mod.GreedyStepGraphs.step = orig
     assert all(used) and len(used) == 30

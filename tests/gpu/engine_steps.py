@@ -1,0 +1,20 @@
+"""Drive an engine step by step with the host-sync detector armed around every launch."""
+import torch
+
+
+def launch_steps_without_sync(eng, steps: int) -> None:
+    """Launch ``steps`` steps, each under torch.cuda sync debug mode "error" (a hidden host sync on
+    the step path raises), reading each step's output one step late as the async loop does."""
+    prev = eng._inflight
+    eng._inflight = None
+    for _ in range(steps):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cur, failed = eng.launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not failed and cur is not None
+        if prev is not None:
+            eng.commit(prev, prev.result())
+        prev = cur
+    eng.commit(prev, prev.result())
