@@ -109,12 +109,7 @@ class GreedyStepGraphs:
         prev_idx = batch.prev_positions(req_ids)
         if (prev_idx < 0).any():
             return None                                    # the general path reports it
-        width = max(int(batch.num_blocks[rows].max()), 1)
-        host = np.empty(2 + 2 * n + n * width, dtype=np.int64)
-        host[0], host[1] = n, width
-        host[2:2 + n] = prev_idx
-        host[2 + n:2 + 2 * n] = batch.slot[rows]
-        host[2 + 2 * n:].reshape(n, width)[:] = batch.block_table[rows, :width]
+        host, _ = batch.stage_decode(rows, prev_idx, header=True)
         q = self.q
         main = self._main()
         if self._read_ev[q] is not None:                   # tok[q] is written below

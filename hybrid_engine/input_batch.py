@@ -109,6 +109,19 @@ class InputBatch:
         get = self.prev_req_id_to_index.get
         return np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
 
+    def stage_decode(self, rows: np.ndarray, prev_idx: np.ndarray, header: bool = False) -> tuple[np.ndarray, int]:
+        """``prepare_decode``'s staged array for these batch rows -> (array, W): [prev (N), slot (N),
+        block-table rows (N x W)], W the widest row's block count; ``header``: [N, W] first."""
+        n, h = len(rows), 2 if header else 0
+        width = max(int(self.num_blocks[rows].max()), 1)
+        host = np.empty(h + 2 * n + n * width, dtype=np.int64)
+        if header:
+            host[0], host[1] = n, width
+        host[h:h + n] = prev_idx
+        host[h + n:h + 2 * n] = self.slot[rows]
+        host[h + 2 * n:].reshape(n, width)[:] = self.block_table[rows, :width]
+        return host, width
+
     def backup_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Last committed token per row: index num_tokens_no_spec - 1, never a placeholder (invariant 5).
 

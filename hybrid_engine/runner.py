@@ -226,11 +226,7 @@ class ModelRunner:
         prev_idx = b.prev_positions(req_ids)
         if self.prev is None or (prev_idx < 0).any():
             raise RuntimeError("decode row without a previous step output (scheduler/runner out of sync)")
-        width = max(int(b.num_blocks[rows].max()), 1)
-        host = np.empty(2 * n + n * width, dtype=np.int64)
-        host[:n] = prev_idx
-        host[n:2 * n] = b.slot[rows]
-        host[2 * n:].reshape(n, width)[:] = b.block_table[rows, :width]
+        host, width = b.stage_decode(rows, prev_idx)
         random_np = b.temperature[rows] > 0
         t = None
         if random_np.any():

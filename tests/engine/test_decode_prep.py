@@ -89,3 +89,19 @@ def test_fast_launch_falls_back_loudly(caplog):
         fl((2,), x, 5, S=1)                # from now on the normal path, no second warning
     assert len(kern.normal) == 3
     assert caplog.text.count("direct Triton launch") == 1
+
+
+def test_stage_decode_layout_with_and_without_header():
+    """InputBatch.stage_decode: [prev, slot, block-table rows cut to the widest row], with [N, W]
+    first in header mode (what the greedy step graphs stage)."""
+    import numpy as np
+    from hybrid_engine.input_batch import InputBatch
+    b = InputBatch(4, 64, 8)
+    b.slot[:3] = [5, 6, 7]
+    b.num_blocks[:3] = [1, 3, 2]
+    b.block_table[:3, :4] = [[11, 0, 0, 9], [21, 22, 23, 9], [31, 32, 0, 9]]
+    rows, prev = np.array([2, 0]), np.array([1, 0])
+    host, w = b.stage_decode(rows, prev)
+    assert w == 2 and host.tolist() == [1, 0, 7, 5, 31, 32, 11, 0]
+    hdr, w2 = b.stage_decode(rows, prev, header=True)
+    assert w2 == 2 and hdr.tolist() == [2, 2] + host.tolist()

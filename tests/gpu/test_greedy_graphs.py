@@ -17,6 +17,20 @@ def target(model_dirs):
     return model_dirs("gpu_greedy", pattern="M-M*-M-", seed=5)
 
 
+@pytest.fixture
+def graph_path_log(monkeypatch):
+    """Per call of GreedyStepGraphs.step, whether the step took the graph path (True) or not."""
+    log = []
+    orig = gg_mod.GreedyStepGraphs.step
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        log.append(out is not None)
+        return out
+    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "step", spy)
+    return log
+
+
 def drive(llm, prompts):
     """A fixed schedule of arrivals and lengths -> {request index: tokens}."""
     eng = llm.engine
@@ -49,29 +63,19 @@ def drive(llm, prompts):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling, dtype):
+def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling, dtype, graph_path_log):
     """Eager, CUDA graphs without the greedy step graphs, and with them: the same tokens."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
-    seq = []
-    orig = gg_mod.GreedyStepGraphs.step
-
-    def spy(self, *a, **k):
-        out = orig(self, *a, **k)
-        seq.append(out is not None)
-        return out
+    seq = graph_path_log
     outs = {}
-    gg_mod.GreedyStepGraphs.step = spy
-    try:
-        for mode in ("eager", "graphs", "greedy"):
-            llm = LLM(target, dtype=dtype, device="cuda", max_num_seqs=8, enforce_eager=mode == "eager",
-                      async_scheduling=async_scheduling)
-            assert (llm.engine.runner.greedy_graphs is None) == (mode == "eager")
-            if mode == "graphs":
-                llm.engine.runner.greedy_graphs = None       # the executor's graphs only
-            outs[mode] = drive(llm, prompts)
-    finally:
-        gg_mod.GreedyStepGraphs.step = orig
+    for mode in ("eager", "graphs", "greedy"):
+        llm = LLM(target, dtype=dtype, device="cuda", max_num_seqs=8, enforce_eager=mode == "eager",
+                  async_scheduling=async_scheduling)
+        assert (llm.engine.runner.greedy_graphs is None) == (mode == "eager")
+        if mode == "graphs":
+            llm.engine.runner.greedy_graphs = None           # the executor's graphs only
+        outs[mode] = drive(llm, prompts)
     assert outs["greedy"] == outs["graphs"] == outs["eager"]
     assert all(len(v) > 0 for v in outs["greedy"].values())
     # the graph path ran most decode steps, and was entered from the general path several times
@@ -80,7 +84,7 @@ def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling,
     assert sum(seq) >= 20 and entries >= 3, (sum(seq), entries)
 
 
-def test_greedy_graph_steps_never_sync_the_host(target):
+def test_greedy_graph_steps_never_sync_the_host(target, graph_path_log):
     llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4)
     eng = llm.engine
     rng = np.random.default_rng(2)
@@ -89,16 +93,6 @@ def test_greedy_graph_steps_never_sync_the_host(target):
                                          SamplingParams(max_tokens=200, ignore_eos=True)))
     for _ in range(4):
         eng.step()
-    used = []
-    orig = gg_mod.GreedyStepGraphs.step
-
-    def spy(self, *a, **k):
-        out = orig(self, *a, **k)
-        used.append(out is not None)
-        return out
-    gg_mod.GreedyStepGraphs.step = spy
-    try:
-        launch_steps_without_sync(eng, 30)
-    finally:
-        gg_mod.GreedyStepGraphs.step = orig
-    assert all(used) and len(used) == 30
+    graph_path_log.clear()                   # count the measured steps only
+    launch_steps_without_sync(eng, 30)
+    assert all(graph_path_log) and len(graph_path_log) == 30
