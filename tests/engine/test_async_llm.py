@@ -1,57 +1,15 @@
-"""AsyncLLM: streamed deltas equal LLM.generate / transformers, concurrency, abort, ids, shutdown,
-step failures and consumer-side cleanup. Each test drives its own event loop with asyncio.run."""
+"""AsyncLLM: streamed deltas equal LLM.generate / transformers, concurrency, abort, ids, shutdown
+and consumer-side cleanup (step failures: test_async_failures.py). Each test drives its own event
+loop with asyncio.run."""
 import asyncio
 import contextlib
 import gc
-import os
 
-import numpy as np
 import pytest
 
+from async_llm_helpers import (DEV, GREEDY, MAX_TOKENS, collect, make, prompts,  # noqa: F401
+                               reference, wait_until)
 from hybrid_engine import LLM, AsyncLLM, SamplingParams
-from hybrid_engine.testing import hf_greedy
-
-DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(7)
-    return [rng.integers(3, 256, n).tolist() for n in (3, 17, 40, 1, 9)]
-
-
-@pytest.fixture(scope="module")
-def reference(hybrid_dir, prompts):
-    return hf_greedy(hybrid_dir, prompts, max_new_tokens=MAX_TOKENS)
-
-
-def make(hybrid_dir, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("device", DEV)
-    return AsyncLLM(hybrid_dir, **kw)
-
-
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-async def collect(engine, prompt, params=GREEDY, request_id=None, outs=None):
-    """All deltas of one stream; returns (tokens, last output)."""
-    toks, last = [], None
-    async for out in engine.generate(prompt, params, request_id=request_id):
-        assert last is None or not last.finished, "nothing may follow the finished output"
-        if outs is not None:
-            outs.append(out)
-        toks += out.outputs[0].token_ids
-        last = out
-    return toks, last
-
-
-async def wait_until(cond, timeout=30.0):
-    t0 = asyncio.get_running_loop().time()
-    while not cond():
-        assert asyncio.get_running_loop().time() - t0 < timeout, "timed out"
-        await asyncio.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------------------- streams
@@ -285,122 +243,4 @@ def test_reused_across_event_loops(hybrid_dir, prompts, reference):
     for i in (0, 1):
         toks, _ = asyncio.run(collect(eng, prompts[i]))
         assert toks == reference[i]
-    eng.shutdown()
-
-
-# --------------------------------------------------------------------------------------- failures
-
-@pytest.mark.parametrize("where", ["before", "inside"])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_failed_step_fails_only_its_requests(hybrid_dir, prompts, reference, monkeypatch, where,
-                                             async_scheduling):
-    """Step 3 raises (before the runner touched anything, or inside the forward): the two requests in
-    it end with finish_reason "error"; the queued one (max_num_seqs=2) and later ones succeed."""
-    eng = make(hybrid_dir, max_num_seqs=2, async_scheduling=async_scheduling)
-    runner = eng.engine.runner
-    calls = {"n": 0, "in_failed": None}
-    orig_execute, orig_forward = runner.execute, runner.model.forward
-
-    def execute(sched):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            calls["in_failed"] = {r.req_id for r in sched.rows}
-            if where == "before":
-                raise RuntimeError("injected failure")
-            runner.model.forward = boom
-            try:
-                return orig_execute(sched)
-            finally:
-                runner.model.forward = orig_forward
-        return orig_execute(sched)
-
-    def boom(*a, **k):
-        raise RuntimeError("injected failure")
-    monkeypatch.setattr(runner, "execute", execute)
-
-    async def main():
-        res = await asyncio.gather(*[collect(eng, p, request_id=f"r{i}") for i, p in enumerate(prompts[:3])])
-        later = await asyncio.gather(*[collect(eng, p, request_id=f"later{i}") for i, p in enumerate(prompts[3:])])
-        return res, later
-    res, later = asyncio.run(main())
-    assert calls["in_failed"] == {"r0", "r1"}
-    for i, (toks, last) in enumerate(res):
-        if i < 2:
-            assert last.outputs[0].finish_reason == "error" and "injected failure" in last.error
-            assert toks == reference[i][:len(toks)]
-        else:
-            assert toks == reference[i] and last.outputs[0].finish_reason == "length"
-    for (toks, last), ref in zip(later, reference[3:]):
-        assert toks == ref and last.error is None
-    st = eng.stats()
-    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
-    assert eng.engine.runner.batch.num_reqs <= 2           # failed rows left the batch
-    eng.shutdown()
-
-
-def test_failed_step_with_llm_generate(hybrid_dir, prompts, reference, monkeypatch):
-    """The sync API shares the step logic: the failed request reports "error", the rest succeed."""
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=1)
-    runner = llm.engine.runner
-    orig, calls = runner.execute, {"n": 0}
-
-    def execute(sched):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected failure")
-        return orig(sched)
-    monkeypatch.setattr(runner, "execute", execute)
-    outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
-    for o, ref in zip(outs[1:], reference[1:3]):
-        assert o.outputs[0].token_ids == ref
-
-
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_failed_step_does_not_leak_batch_rows(hybrid_dir, prompts, monkeypatch, async_scheduling):
-    """A step that raises before the runner applied it must not lose the removals it carried: every
-    row left in the input batch belongs to a live request or to one queued for removal."""
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, async_scheduling=async_scheduling)
-    eng, runner = llm.engine, llm.engine.runner
-    orig, seen = runner.execute, {"failed": None}
-
-    def execute(sched):
-        if sched.removed_req_ids and seen["failed"] is None:
-            seen["failed"] = sched
-            raise RuntimeError("injected failure")
-        return orig(sched)
-    monkeypatch.setattr(runner, "execute", execute)
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 12, 5, 7, 3)]
-    for _ in range(3):
-        llm.generate(prompts, params, use_tqdm=False)
-        live = {r.request_id for r in eng.scheduler.running}
-        assert set(runner.batch.req_id_to_row) <= live | eng.scheduler._removed
-    assert seen["failed"] is not None
-    out = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-    assert all(o.outputs[0].finish_reason == "length" for o in out)
-
-
-def test_loop_failure_outside_a_step_fails_streams_and_recovers(hybrid_dir, prompts, reference, monkeypatch):
-    """If the loop machinery itself raises (here: the commit), every running stream ends with
-    "error" instead of hanging, and the engine serves new requests afterwards."""
-    eng = make(hybrid_dir)
-    core = eng.engine
-    orig, calls = core.commit, {"n": 0}
-
-    def commit(handle, out):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("commit exploded")
-        return orig(handle, out)
-    monkeypatch.setattr(core, "commit", commit)
-
-    async def main():
-        first = await asyncio.gather(*[collect(eng, p) for p in prompts[:2]])
-        return first, await collect(eng, prompts[2])
-    first, (toks, last) = asyncio.run(main())
-    for _, lst in first:
-        assert lst.outputs[0].finish_reason == "error" and "commit exploded" in lst.error
-    assert toks == reference[2] and last.outputs[0].finish_reason == "length"
-    st = eng.stats()
-    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
     eng.shutdown()
