@@ -42,11 +42,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Scheduling state. num_computed_tokens is optimistic: it counts every token scheduled into the
-    # caches (drafts included) and is corrected when the step's output arrives (an upper bound).
-    num_computed_tokens: int = 0
-    prefill_target: int = 0                    # tokens to prefill since the last (re)start
-    num_inflight_steps: int = 0                # scheduled steps whose output is not processed yet
+    # Scheduling counters (properties below): held here while the request waits or after it
+    # finished, and by the scheduler's RunningTable while it runs.
+    _computed: int = field(default=0, repr=False)
+    _prefill_target: int = field(default=0, repr=False)
+    _inflight: int = field(default=0, repr=False)
+    _table: object = field(default=None, repr=False, compare=False)   # RunningTable or None
+    _trow: int = field(default=-1, repr=False, compare=False)         # row in _table
     epoch: int = 0                             # set by the scheduler (unique); new on preemption: older outputs are dropped
     slot: int | None = None                    # Mamba pool slot
     block_ids: list[int] = field(default_factory=list)
@@ -54,6 +56,46 @@ class Request:
     error: str | None = None                   # set when a step that carried it raised
     accounted: bool = False                    # counted in engine stats
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
+
+    # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
+    # included) and is corrected when the step's output arrives (an upper bound).
+    @property
+    def num_computed_tokens(self) -> int:
+        t = self._table
+        return self._computed if t is None else int(t.computed[self._trow])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, v: int) -> None:
+        if self._table is None:
+            self._computed = v
+        else:
+            self._table.computed[self._trow] = v
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to prefill since the last (re)start."""
+        t = self._table
+        return self._prefill_target if t is None else int(t.prefill_target[self._trow])
+
+    @prefill_target.setter
+    def prefill_target(self, v: int) -> None:
+        if self._table is None:
+            self._prefill_target = v
+        else:
+            self._table.prefill_target[self._trow] = v
+
+    @property
+    def num_inflight_steps(self) -> int:
+        """Scheduled steps whose output is not processed yet."""
+        t = self._table
+        return self._inflight if t is None else int(t.inflight[self._trow])
+
+    @num_inflight_steps.setter
+    def num_inflight_steps(self, v: int) -> None:
+        if self._table is None:
+            self._inflight = v
+        else:
+            self._table.inflight[self._trow] = v
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -11,16 +11,20 @@ import time
 from collections import deque
 from typing import Iterable
 
+import numpy as np
+
 from .attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
 from .config import SchedulerConfig
 from .request import Request, Status
-from .scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRow, SchedulerOutput
+from .running_table import RunningTable
+from .scheduler_commit import CommitMixin
+from .scheduler_output import DecodeRows, NewRequestData, ScheduledRow, SchedulerOutput
 from mamba_cache.pool import SlotAllocator
 
 logger = logging.getLogger("hybrid_engine")
 
 
-class Scheduler:
+class Scheduler(CommitMixin):
     def __init__(self, cfg: SchedulerConfig, *, max_model_len: int, block_size: int, num_kv_blocks: int,
                  num_slots: int, num_spec: int):
         self.cfg = cfg
@@ -32,7 +36,10 @@ class Scheduler:
         self.slots = SlotAllocator(num_slots)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []          # admission order (oldest first)
+        self.table = RunningTable(cfg.max_num_seqs)  # running requests (admission order) + counters
+        self._arange = np.arange(cfg.max_num_seqs)
+        self._arange.flags.writeable = False
+        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray] = (None, np.zeros(0, np.int64))
         self._removed: set[str] = set()            # left the batch since the last schedule()
         self._step_id = 0
         self._epochs = 0                           # source of scheduler-unique request epochs
@@ -57,6 +64,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def running(self) -> list[Request]:
+        """Running requests, oldest first (the table's rows; change them through the table)."""
+        return self.table.reqs
+
     def pop_finished(self, req_id: str) -> Request | None:
         return self.requests.pop(req_id, None)
 
@@ -66,6 +78,75 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         new: list[NewRequestData] = []
         # 1) running requests in admission order; preempt the newest when blocks run out
+        decode = self._schedule_steady()
+        if decode is not None:
+            budget -= len(decode) * self.decode_len
+        else:
+            budget = self._schedule_running(rows, budget)
+        # 2) admit waiting requests FCFS while a slot, blocks and token budget are available
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if (len(self.running) + 1) * self.decode_len > self.cfg.max_num_batched_tokens:
+                break                                  # its decode steps would not fit beside the others
+            target = req.num_tokens
+            n = min(target, budget)
+            need = blocks_needed(n + (self.num_spec if n == target else 0), self.block_size)
+            if self.slots.num_free == 0 or self.blocks.num_free < need:
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.block_ids = self.blocks.allocate(need)
+            req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
+            self.table.add(req, self.max_model_len)
+            new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
+                                      req.params, req.seed))
+            rows.append(self._row(req, n))
+            budget -= n
+        self._step_id += 1
+        removed, self._removed = frozenset(self._removed), set()
+        return SchedulerOutput(self._step_id, tuple(rows), tuple(new), removed, self.num_spec, decode)
+
+    def _schedule_steady(self) -> DecodeRows | None:
+        """The running loop as numpy operations when every running request decodes (the steady
+        state of serving); None when one prefills, none runs, or growing blocks preempted one
+        (``_schedule_running`` takes those steps). Same rows, same counters as that loop."""
+        t, n = self.table, len(self.table)
+        if not n:
+            return None
+        computed = t.computed[:n]
+        if (computed < t.prefill_target[:n]).any():
+            return None
+        dl, k = self.decode_len, self.num_spec
+        # skip rows whose in-flight steps already reach their limit (see _schedule_running)
+        sel = t.n_out[:n] + t.inflight[:n] < t.limit[:n]                 # [n] bool
+        if not sel.any():
+            return None                                # no row to run: DecodeRows is never empty
+        need = computed + (dl + k)                                         # [n] tokens to cover
+        grow = sel & (need > t.num_blocks[:n] * self.block_size)
+        grow_rows: list[int] = []
+        if grow.any():
+            version = t.version
+            grow_rows = np.flatnonzero(grow).tolist()
+            for i, tokens in zip(grow_rows, need[grow].tolist()):
+                self._grow(t.reqs[i], tokens)
+                if t.version != version:
+                    return None                        # a preemption moved rows: the per-row loop
+        if sel.all():
+            table_rows, ids, blocks, grown = self._arange[:n], t.ids(), t.block_lists(), tuple(grow_rows)
+        else:
+            table_rows = np.flatnonzero(sel)
+            rl = table_rows.tolist()
+            ids = tuple(t.reqs[i].request_id for i in rl)
+            blocks = tuple(t.reqs[i].block_ids for i in rl)
+            grown = tuple(np.searchsorted(table_rows, grow_rows).tolist())
+        start = computed[table_rows]                                       # a copy (fancy index)
+        t.computed[table_rows] = start + dl
+        t.inflight[table_rows] += 1
+        return DecodeRows(ids, t.epoch[table_rows], start, dl, blocks, grown, table_rows, t.version)
+
+    def _schedule_running(self, rows: list[ScheduledRow], budget: int) -> int:
+        """Schedule the running requests one by one (prefill chunks, decode rows); returns the
+        token budget left."""
         dl, bs, k, max_len = self.decode_len, self.block_size, self.num_spec, self.max_model_len
         running_status = Status.RUNNING
         for req in list(self.running):
@@ -95,28 +176,7 @@ class Scheduler:
                 req.num_inflight_steps = inflight + 1
                 rows.append(ScheduledRow(req.request_id, req.epoch, n, start, True, True, tuple(req.block_ids)))
             budget -= n
-        # 2) admit waiting requests FCFS while a slot, blocks and token budget are available
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            if (len(self.running) + 1) * self.decode_len > self.cfg.max_num_batched_tokens:
-                break                                  # its decode steps would not fit beside the others
-            target = req.num_tokens
-            n = min(target, budget)
-            need = blocks_needed(n + (self.num_spec if n == target else 0), self.block_size)
-            if self.slots.num_free == 0 or self.blocks.num_free < need:
-                break
-            self.waiting.popleft()
-            req.slot = self.slots.allocate()
-            req.block_ids = self.blocks.allocate(need)
-            req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
-            self.running.append(req)
-            new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
-                                      req.params, req.seed))
-            rows.append(self._row(req, n))
-            budget -= n
-        self._step_id += 1
-        removed, self._removed = frozenset(self._removed), set()
-        return SchedulerOutput(self._step_id, tuple(rows), tuple(new), removed, self.num_spec)
+        return budget
 
     def _lookahead(self, req: Request, n: int) -> int:
         """K positions past every row that samples: drafters write KV there while proposing."""
@@ -138,6 +198,7 @@ class Scheduler:
         while need > 0:
             try:
                 req.block_ids.extend(self.blocks.allocate(need))
+                self.table.blocks_changed(req)
                 return True
             except NoFreeBlocks:
                 victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
@@ -168,8 +229,8 @@ class Scheduler:
         if req.block_ids:
             self.blocks.free(req.block_ids)
             req.block_ids = []
-        if req in self.running:
-            self.running.remove(req)
+        if req._table is self.table:
+            self.table.remove(req)
             self._removed.add(req.request_id)
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -177,62 +238,7 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
 
-    # ---- results --------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
-        """Commit one step's tokens; returns the requests that got tokens or finished."""
-        rows = {r.req_id: r for r in sched.rows}
-        touched = []
-        # host arrays -> Python ints once (numpy scalar access per element costs more than the work)
-        num_valid, num_drafts = out.num_valid.tolist(), out.num_drafts.tolist()
-        sampled = out.sampled.tolist()
-        get, finished = self.requests.get, Status.FINISHED
-        for i, req_id in enumerate(out.req_ids):
-            row, req = rows[req_id], get(req_id)
-            if req is None or req.status is finished or req.epoch != row.epoch or not row.samples:
-                continue
-            req.num_inflight_steps -= 1
-            n_valid = num_valid[i]
-            if row.is_decode:
-                req.num_computed_tokens -= row.num_tokens - n_valid    # the one-step-late correction
-                if self.num_spec:
-                    self._record_spec(req, num_drafts[i], n_valid)
-                else:
-                    req.metrics.num_steps += 1
-            self._append_tokens(req, sampled[i][:n_valid])
-            touched.append(req)
-        return touched
-
-    def _record_spec(self, req: Request, drafts: int, n_valid: int) -> None:
-        m = req.metrics
-        m.num_steps += 1
-        accepted = min(n_valid - 1, drafts)
-        m.drafts_proposed += drafts
-        m.drafts_accepted += accepted
-        if len(m.accepted_per_position) < self.num_spec:
-            m.accepted_per_position = [0] * self.num_spec
-        for j in range(accepted):
-            m.accepted_per_position[j] += 1
-
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
-        p, m = req.params, req.metrics
-        if m.first_token_time is None and tokens:
-            m.first_token_time = time.perf_counter()
-        stop_ids = req.stop_ids
-        if stop_ids is None:            # built once per request: this loop runs for every token
-            stop_ids = req.stop_ids = frozenset(
-                p.stop_token_ids if p.ignore_eos else tuple(p.stop_token_ids) + tuple(req.eos_token_ids))
-        out_ids = req.output_token_ids
-        # stop at max_tokens or when prompt + outputs reach max_model_len, whichever comes first
-        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        for tok in tokens:
-            out_ids.append(tok)
-            m.num_tokens_out += 1
-            if tok in stop_ids:
-                self._finish(req, "stop")
-                return
-            if len(out_ids) >= limit:
-                self._finish(req, "length")
-                return
+    # ---- results: update_from_output and its helpers live in scheduler_commit.CommitMixin ----
 
     def requeue_removed(self, req_ids: Iterable[str]) -> None:
         """A step that raised may not have reached the runner: report its removals again next step

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -32,16 +33,49 @@ class ScheduledRow(NamedTuple):
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """The decode rows of a steady step, columnar (the scheduler's vectorised path): every row
+    is a running request in decode, with 1 + K tokens, sampling. Consumers that need per-row
+    objects read ``SchedulerOutput.rows``, which builds them from these columns."""
+    req_ids: tuple[str, ...]         # the same tuple object while the batch composition holds
+    epochs: np.ndarray               # [n] int64
+    start_pos: np.ndarray            # [n] int64 upper bounds (as ScheduledRow.start_pos)
+    num_tokens: int                  # 1 + K
+    block_ids: tuple[list[int], ...] # each request's live block list (only grows while it runs)
+    grown: tuple[int, ...]           # rows (indices into req_ids) whose blocks grew this step
+    table_rows: np.ndarray           # [n] int64 rows of the scheduler's RunningTable
+    table_version: int               # RunningTable.version when scheduled (rows valid while equal)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def to_rows(self) -> tuple[ScheduledRow, ...]:
+        n = self.num_tokens
+        return tuple(ScheduledRow(rid, ep, n, st, True, True, tuple(b)) for rid, ep, st, b in
+                     zip(self.req_ids, self.epochs.tolist(), self.start_pos.tolist(), self.block_ids))
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int
-    rows: tuple[ScheduledRow, ...]
+    other_rows: tuple[ScheduledRow, ...]   # every row when ``decode`` is None, else the rows after it
     new_requests: tuple[NewRequestData, ...]
     removed_req_ids: frozenset[str]  # left the batch since the previous step
     num_spec: int                    # K: placeholder drafts per decode row
+    decode: DecodeRows | None = None # a steady step's decode rows (first in step order)
+
+    @cached_property
+    def rows(self) -> tuple[ScheduledRow, ...]:
+        """All rows of the step in scheduling order (built from ``decode`` on first use)."""
+        if self.decode is None:
+            return self.other_rows
+        return self.decode.to_rows() + self.other_rows
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        if self.decode is None:
+            return sum(r.num_tokens for r in self.other_rows)
+        return len(self.decode) * self.decode.num_tokens + sum(r.num_tokens for r in self.other_rows)
 
 
 @dataclass(frozen=True)

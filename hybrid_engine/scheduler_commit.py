@@ -1,0 +1,155 @@
+"""The scheduler's commit of step outputs (``update_from_output``): tokens appended, counters
+corrected one step late, stop and length limits applied. A mixin of ``Scheduler``; the state it
+touches (requests, the running table) is the scheduler's.
+
+A steady step (``SchedulerOutput.decode`` set, and no table row moved since it was scheduled)
+commits its decode rows with numpy operations on the table; only rows whose tokens may finish
+them take the per-token path. Everything else is committed row by row.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .request import Request, Status
+from .scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
+
+
+class CommitMixin:
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Commit one step's tokens; returns the requests that got tokens or finished."""
+        d = sched.decode
+        if d is None or d.table_version != self.table.version:
+            return self._update_rows(sched.rows, out, 0)
+        # no row moved since the step was scheduled: its rows are all live, in their epochs
+        touched = self._update_steady(d, out)
+        if sched.other_rows:
+            touched += self._update_rows(sched.other_rows, out, len(d))
+        return touched
+
+    def _update_steady(self, d: DecodeRows, out: ModelRunnerOutput) -> list[Request]:
+        """``_update_rows`` for a steady step's decode rows: the counters as numpy operations; only
+        rows whose tokens may finish them (a stop id among them, or the length limit reached) take
+        the per-token path, after the others (finishing moves table rows)."""
+        t, n, k = self.table, len(d), self.num_spec
+        idx = d.table_rows                                                 # [n]
+        num_valid, sampled = out.num_valid[:n], out.sampled[:n]            # [n], [n, 1+K]
+        t.inflight[idx] -= 1
+        t.computed[idx] -= d.num_tokens - num_valid                        # the one-step-late correction
+        n_out = t.n_out[idx] + num_valid
+        t.n_out[idx] = n_out
+        risky = n_out >= t.limit[idx]
+        stops = self._stop_union()
+        if stops.size:
+            risky |= np.isin(sampled, stops).any(1)                        # -1 pads never match
+        reqs = t.reqs
+        rl = idx.tolist()
+        now = None
+        if not k:
+            toks = sampled[:, 0].tolist()
+            for req, tok, bad in zip((reqs[j] for j in rl), toks, risky.tolist()):
+                if bad:
+                    continue
+                req.output_token_ids.append(tok)
+                m = req.metrics
+                m.num_steps += 1
+                m.num_tokens_out += 1
+                if m.first_token_time is None:
+                    m.first_token_time = now = now or time.perf_counter()
+        else:
+            nv, nd, rows = num_valid.tolist(), out.num_drafts[:n].tolist(), sampled.tolist()
+            for i, j in enumerate(rl):
+                if risky[i]:
+                    continue
+                req = reqs[j]
+                req.output_token_ids.extend(rows[i][:nv[i]])
+                self._record_spec(req, nd[i], nv[i])
+                m = req.metrics
+                m.num_tokens_out += nv[i]
+                if m.first_token_time is None:
+                    m.first_token_time = now = now or time.perf_counter()
+        touched = [reqs[j] for j in rl]
+        if risky.any():
+            sl = sampled.tolist()
+            for i in np.flatnonzero(risky).tolist():
+                req = touched[i]
+                if k:
+                    self._record_spec(req, int(out.num_drafts[i]), int(num_valid[i]))
+                else:
+                    req.metrics.num_steps += 1
+                self._append_tokens(req, sl[i][:int(num_valid[i])])
+        return touched
+
+    def _stop_union(self) -> np.ndarray:
+        """Every stop id of the running requests (EOS unless ignore_eos), cached per composition."""
+        ids = self.table.ids()
+        if self._stop_cache[0] is not ids:
+            u: set[int] = set()
+            for r in self.table.reqs:
+                p = r.params
+                u.update(p.stop_token_ids)
+                if not p.ignore_eos:
+                    u.update(r.eos_token_ids)
+            self._stop_cache = (ids, np.array(sorted(u), dtype=np.int64))
+        return self._stop_cache[1]
+
+    def _update_rows(self, step_rows: tuple[ScheduledRow, ...], out: ModelRunnerOutput,
+                     offset: int) -> list[Request]:
+        """Commit the output rows from ``offset`` on, one by one (rows: the step's rows among them)."""
+        rows = {r.req_id: r for r in step_rows}
+        touched = []
+        # host arrays -> Python ints once (numpy scalar access per element costs more than the work)
+        num_valid, num_drafts = out.num_valid.tolist(), out.num_drafts.tolist()
+        sampled = out.sampled.tolist()
+        get, finished = self.requests.get, Status.FINISHED
+        for i in range(offset, len(out.req_ids)):
+            req_id = out.req_ids[i]
+            row, req = rows[req_id], get(req_id)
+            if req is None or req.status is finished or req.epoch != row.epoch or not row.samples:
+                continue
+            req.num_inflight_steps -= 1
+            n_valid = num_valid[i]
+            if row.is_decode:
+                req.num_computed_tokens -= row.num_tokens - n_valid    # the one-step-late correction
+                if self.num_spec:
+                    self._record_spec(req, num_drafts[i], n_valid)
+                else:
+                    req.metrics.num_steps += 1
+            self._append_tokens(req, sampled[i][:n_valid])
+            touched.append(req)
+        return touched
+
+    def _record_spec(self, req: Request, drafts: int, n_valid: int) -> None:
+        m = req.metrics
+        m.num_steps += 1
+        accepted = min(n_valid - 1, drafts)
+        m.drafts_proposed += drafts
+        m.drafts_accepted += accepted
+        if len(m.accepted_per_position) < self.num_spec:
+            m.accepted_per_position = [0] * self.num_spec
+        for j in range(accepted):
+            m.accepted_per_position[j] += 1
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+        p, m = req.params, req.metrics
+        if m.first_token_time is None and tokens:
+            m.first_token_time = time.perf_counter()
+        stop_ids = req.stop_ids
+        if stop_ids is None:            # built once per request: this loop runs for every token
+            stop_ids = req.stop_ids = frozenset(
+                p.stop_token_ids if p.ignore_eos else tuple(p.stop_token_ids) + tuple(req.eos_token_ids))
+        out_ids = req.output_token_ids
+        # stop at max_tokens or when prompt + outputs reach max_model_len, whichever comes first
+        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        for tok in tokens:
+            out_ids.append(tok)
+            m.num_tokens_out += 1
+            if tok in stop_ids:
+                self._finish(req, "stop")
+                return
+            if len(out_ids) >= limit:
+                self._finish(req, "length")
+                return
+        if req._table is self.table:
+            self.table.n_out[req._trow] = len(out_ids)
