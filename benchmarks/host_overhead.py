@@ -110,7 +110,8 @@ class PhaseTimer:
               ("runner", "ModelRunner._sample"), ("runner", "ModelRunner._draft_context"),
               ("transfer", "D2H.copy"), ("runner", "ModelRunner.execute"), ("transfer", "D2HCopy.wait"), ("runner", "StepHandle._output"),
               ("input_batch", "InputBatch.append_placeholders"), ("engine", "EngineCore.launch"),
-              ("engine", "EngineCore.finish_step")]
+              ("engine", "EngineCore.finish_step"), ("greedy_graphs", "GreedyStepGraphs.step"),
+              ("runner", "ModelRunner._finish")]
 
     def __init__(self):
         import importlib

@@ -27,13 +27,11 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor
 from .input_batch import InputBatch
-from .scheduler_output import ScheduledRow
 from .transfer import H2D, CurrentStream
 
 logger = logging.getLogger("hybrid_engine")
@@ -95,15 +93,15 @@ class GreedyStepGraphs:
                     used / 2**20)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self, order: list[ScheduledRow], batch: InputBatch, prev, h2d: H2D):
-        """Run the step as one replay when it is a greedy decode-only step of at most max_rows rows
-        whose rows all have a previous output -> (tokens [N, 1], next starts [N], batch rows [N]),
-        else None (the caller runs the general path). ``prev``: the runner's PrevStep."""
-        n = len(order)
-        if not 0 < n <= self.max_rows or prev is None or not order[-1].is_decode:
-            return None                                    # decode rows come first: the last decides
-        req_ids = [r.req_id for r in order]
-        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=n)
+    def step(self, req_ids: tuple[str, ...], batch: InputBatch, prev, h2d: H2D):
+        """Run a decode-only step (``req_ids``: its rows, in step order) as one replay when its rows
+        all take the argmax, are at most max_rows and all have a previous output -> (tokens [N, 1],
+        next starts [N], batch rows [N]), else None (the caller runs the general path).
+        ``prev``: the runner's PrevStep."""
+        n = len(req_ids)
+        if not 0 < n <= self.max_rows or prev is None:
+            return None
+        rows = batch.rows_of(req_ids)
         if batch.temperature[rows].any():
             return None                                    # a row samples: the sampler's path
         prev_idx = batch.prev_positions(req_ids)

@@ -37,8 +37,15 @@ class InputBatch:
                             self.top_p, self.min_p, self.seed]
         self._holes: list[int] = []
         self.num_rows = 0                       # rows 0..num_rows-1 in use or holes
-        # req_id -> step row in the previous step's outputs (set by the runner after each step)
+        # req_id -> step row in the previous step's outputs (set_prev, by the runner after each step)
         self.prev_req_id_to_index: dict[str, int] = {}
+        self._prev_req_ids: tuple[str, ...] | None = None
+        # steady decode hands the same req-id tuple object back step after step: its batch rows
+        # are cached until a row moves (add / remove / condense bump layout_version)
+        self.layout_version = 0
+        self._rows_cache: tuple = (None, -1, None)
+        self._arange = np.arange(max_rows)
+        self._arange.flags.writeable = False
 
     @property
     def num_reqs(self) -> int:
@@ -66,6 +73,7 @@ class InputBatch:
         self.seed[row] = new.seed
         self.req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row
+        self.layout_version += 1
         return row
 
     def remove_request(self, req_id: str) -> int | None:
@@ -73,6 +81,7 @@ class InputBatch:
         if row is not None:
             self.req_ids[row] = None
             self._holes.append(row)
+            self.layout_version += 1
         return row
 
     def condense(self) -> None:
@@ -95,6 +104,7 @@ class InputBatch:
         req_id = self.req_ids[src]
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_id_to_row[req_id] = dst
+        self.layout_version += 1
 
     def set_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
         n = len(block_ids)
@@ -104,8 +114,29 @@ class InputBatch:
             self.block_table[row, :n] = block_ids
             self.num_blocks[row] = n
 
-    def prev_positions(self, req_ids: list[str]) -> np.ndarray:
-        """For each request, its step row in the previous step's outputs, or -1."""
+    def rows_of(self, req_ids: tuple[str, ...]) -> np.ndarray:
+        """[N] batch rows of these requests (read only). Cached for the same tuple object while no
+        row moved: steady decode looks them up once, not every step."""
+        c = self._rows_cache
+        if c[0] is req_ids and c[1] == self.layout_version:
+            return c[2]
+        get = self.req_id_to_row.__getitem__
+        rows = np.fromiter((get(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows.flags.writeable = False
+        self._rows_cache = (req_ids, self.layout_version, rows)
+        return rows
+
+    def set_prev(self, req_ids: tuple[str, ...]) -> None:
+        """The step just launched had these rows, in this order: its outputs are the previous
+        step's outputs of the next one."""
+        if req_ids is not self._prev_req_ids:
+            self._prev_req_ids = req_ids
+            self.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
+
+    def prev_positions(self, req_ids) -> np.ndarray:
+        """For each request, its step row in the previous step's outputs, or -1 (read only)."""
+        if req_ids is self._prev_req_ids:             # the same rows as the previous step
+            return self._arange[:len(req_ids)]
         get = self.prev_req_id_to_index.get
         return np.fromiter((get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
 

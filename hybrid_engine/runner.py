@@ -42,11 +42,20 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepHandle:
-        order = self._update_batch(sched)
-        req_ids = tuple(r.req_id for r in order)
+        d = sched.decode
+        if d is not None and not (sched.other_rows or sched.new_requests or sched.removed_req_ids):
+            # a steady decode step: no row joins or leaves, only grown block lists change
+            b = self.batch
+            for i in d.grown:
+                b.set_blocks(b.req_id_to_row[d.req_ids[i]], d.block_ids[i])
+            order, req_ids, decode_only = None, d.req_ids, True
+        else:
+            order = self._update_batch(sched)
+            req_ids = tuple(r.req_id for r in order)
+            decode_only = bool(order) and order[-1].is_decode      # decode rows come first
         try:
-            fast = None if self.greedy_graphs is None else self.greedy_graphs.step(
-                order, self.batch, self.prev, self.h2d)
+            fast = None if self.greedy_graphs is None or not decode_only else self.greedy_graphs.step(
+                req_ids, self.batch, self.prev, self.h2d)
             if fast is not None:        # a greedy decode-only step, replayed as one graph
                 sampled, next_start, rows = fast
                 n = len(rows)
@@ -55,7 +64,10 @@ class ModelRunner:
                                                self.consts.no_drafts(n), None))
                 self.greedy_graphs.read_by(handle.copy_event)
                 return handle
-            inp = self._prepare(order)
+            if order is None:
+                inp = self._prepare_decode_only(req_ids, int(d.start_pos.max()) + d.num_tokens)
+            else:
+                inp = self._prepare(order)
             hidden, logits = self.executor.forward(inp.fb)
             sampled = self._sample(logits, inp)
         except BaseException:
@@ -79,7 +91,7 @@ class ModelRunner:
                 sampled: torch.Tensor, payload: torch.Tensor, prev: PrevStep) -> StepHandle:
         """The step's outputs become the next step's inputs; its payload goes to the host."""
         self.prev = prev
-        self.batch.prev_req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
+        self.batch.set_prev(req_ids)
         self.batch.append_placeholders(rows_sampling)
         return StepHandle(sched, req_ids, self.d2h.copy(payload), num_spec=self.num_spec)
 
@@ -143,7 +155,8 @@ class ModelRunner:
         s = 1 + k
         nd = sum(1 for r in order if r.is_decode)
         if nd == len(order) and nd:
-            return self._prepare_decode_only(order)
+            return self._prepare_decode_only(tuple(r.req_id for r in order),
+                                             max(r.start_pos + s for r in order))
         pre = order[nd:]
         npf = len(pre)
         rows = np.fromiter((b.req_id_to_row[r.req_id] for r in order), dtype=np.int64, count=len(order))
@@ -214,15 +227,15 @@ class ModelRunner:
                           t["sample_rows_p"], t["sample_pos_p"], t["next_ids"], t["is_decode"], t["qsl64"], st_decode, st_prefill,
                           st_all if k else None, rows_sampling)
 
-    def _prepare_decode_only(self, order: list[ScheduledRow]) -> StepInputs:
-        """A step of decode/verify rows only: one staged array (prev index, slot, block-table rows)
-        and one ``prepare_decode`` launch that writes every input, straight into a CUDA graph
-        bucket's buffers when the executor has one. The other per-step tensors of such a step are
+    def _prepare_decode_only(self, req_ids: tuple[str, ...], max_seq: int) -> StepInputs:
+        """A step of decode/verify rows only (``req_ids`` in step order; ``max_seq`` bounds every
+        row's sequence length): one staged array (prev index, slot, block-table rows) and one
+        ``prepare_decode`` launch that writes every input, straight into a CUDA graph bucket's
+        buffers when the executor has one. The other per-step tensors of such a step are
         constants of the row count, built once."""
         b, k = self.batch, self.num_spec
-        s, n = 1 + k, len(order)
-        req_ids = [r.req_id for r in order]
-        rows = np.fromiter((b.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=n)
+        s, n = 1 + k, len(req_ids)
+        rows = b.rows_of(req_ids)
         prev_idx = b.prev_positions(req_ids)
         if self.prev is None or (prev_idx < 0).any():
             raise RuntimeError("decode row without a previous step output (scheduler/runner out of sync)")
@@ -237,7 +250,7 @@ class ModelRunner:
         dev = self.device
         got = self.executor.decode_dest(n)
         if got is None:
-            fb, dest = self._fresh_decode_batch(n, width, max(r.start_pos + s for r in order))
+            fb, dest = self._fresh_decode_batch(n, width, max_seq)
         else:
             dest, fb = got
         p = self.prev

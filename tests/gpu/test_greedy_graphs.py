@@ -8,6 +8,7 @@ import pytest
 from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine import greedy_graphs as gg_mod
+from hybrid_engine import runner as runner_mod
 
 pytestmark = pytest.mark.gpu
 
@@ -19,15 +20,23 @@ def target(model_dirs):
 
 @pytest.fixture
 def graph_path_log(monkeypatch):
-    """Per call of GreedyStepGraphs.step, whether the step took the graph path (True) or not."""
-    log = []
-    orig = gg_mod.GreedyStepGraphs.step
+    """Per step the runner executes, whether it took the graph path (True) or not (the runner
+    only offers decode-only steps to the graphs, so the spy sits on ``execute``)."""
+    log, took = [], [False]
+    orig_step, orig_exec = gg_mod.GreedyStepGraphs.step, runner_mod.ModelRunner.execute
 
-    def spy(self, *a, **k):
-        out = orig(self, *a, **k)
-        log.append(out is not None)
+    def spy_step(self, *a, **k):
+        out = orig_step(self, *a, **k)
+        took[0] = out is not None
         return out
-    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "step", spy)
+
+    def spy_exec(self, sched):
+        took[0] = False
+        handle = orig_exec(self, sched)
+        log.append(took[0])
+        return handle
+    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "step", spy_step)
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
     return log
 
 
