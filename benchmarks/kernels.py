@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import event_ms, graph_ms  # noqa: E402
+from benchmarks.kernels_ssu_gated import mk_ssu_gated  # noqa: E402
 from hybrid_engine.attention.ops import paged_attention_ref  # noqa: E402
 from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
                              gated_rmsnorm_ref, selective_state_update_ref, ssd_scan_varlen_ref)
@@ -233,7 +234,8 @@ def main():
     from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
     from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
     from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
-    from mamba_cache.ops.triton_state_update import triton_selective_state_update
+    from mamba_cache.ops.triton_state_update import (triton_selective_state_update,
+                                                     triton_selective_state_update_gated)
 
     torch.manual_seed(0)
     prop = torch.cuda.get_device_properties(0)
@@ -273,6 +275,11 @@ def main():
             for B in batches:
                 record("selective_state_update", f"B={B} s={s}", mk_ssu, B, s,
                        triton_selective_state_update)
+        for s in (1, 4):     # SSU + gated norm in one kernel; ref column: the two kernels
+            for B in batches:
+                record("ssu_gated (ref = triton SSU + norm)", f"B={B} s={s}", mk_ssu_gated, B, s,
+                       triton_selective_state_update_gated, triton_selective_state_update,
+                       triton_gated_rmsnorm)
         for s in (1, 4):
             for B in batches:
                 record("causal_conv1d_update", f"B={B} s={s}", mk_conv_update, B, s,

@@ -64,10 +64,14 @@ class Mamba2Mixer(nn.Module):
             xbc_d = mops.causal_conv1d_update(xbc[:nd].view(n, s, -1), weight, self.conv1d.bias, conv_state,
                                               md.decode_slots, md.num_accepted)
             xd, bd, cd = xbc_d.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
-            y = mops.selective_state_update(
-                ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias, A,
-                bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
-                md.decode_slots, md.num_accepted, dt_limit=self.dt_limit, out_dtype=x.dtype)
+            ssu_args = (ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias,
+                        A, bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
+                        md.decode_slots, md.num_accepted)
+            if not md.num_prefill_rows:       # decode-only step: the gated norm runs inside the SSU kernel
+                y = mops.selective_state_update_gated(*ssu_args, z[:nd], self.norm.weight, self.I // self.G,
+                                                      self.eps, dt_limit=self.dt_limit)    # [n, s, I]
+                return self.out_proj(y.view(nd, self.I))
+            y = mops.selective_state_update(*ssu_args, dt_limit=self.dt_limit, out_dtype=x.dtype)
             ys.append(y.reshape(nd, self.I))
         if md.num_prefill_rows:
             xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,

@@ -1,4 +1,5 @@
-"""Multi-token selective state update for decode / speculative verify (CONTRACT item 4).
+"""Multi-token selective state update for decode / speculative verify (CONTRACT item 4), and the
+same followed by the grouped gated RMSNorm of its output (item 6, fused into one kernel on CUDA).
 
 Pool tensor ``ssm_state [S, 1+K, H, P, N]`` float32, modified in place: checkpoint t holds the state
 after query token t of the last verify step; the next step resumes from checkpoint num_accepted-1.
@@ -10,6 +11,7 @@ import math
 import torch
 
 from mamba_cache import NULL_SLOT
+from mamba_cache.ops.gated_norm import gated_rmsnorm_ref
 from mamba_cache.ops.ssd import expand_groups, process_dt
 
 
@@ -65,3 +67,68 @@ def selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indi
                                              out_dtype=out_dtype)
     return selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                       num_accepted, dt_limit, out_dtype)
+
+
+def selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
+                                     num_accepted, z, norm_weight, group_size, eps,
+                                     dt_limit=(0.0, math.inf)):
+    """CONTRACT item 6: gated_rmsnorm_ref(y, z) of y = selective_state_update_ref(..., out_dtype=
+    x.dtype), i.e. the unfused path's composition.  -> out [N, s, H*P] in x.dtype."""
+    nrows, s, H, P = x.shape
+    _check_gated(x, z, norm_weight, group_size)
+    y = selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
+                                   num_accepted, dt_limit, out_dtype=x.dtype)   # [N, s, H, P]
+    out = gated_rmsnorm_ref(y.reshape(nrows * s, H * P), z.reshape(nrows * s, H * P), norm_weight,
+                            group_size, eps)
+    return out.view(nrows, s, H * P)
+
+
+def selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
+                                 num_accepted, z, norm_weight, group_size, eps,
+                                 dt_limit=(0.0, math.inf)):
+    """Public entry point (CONTRACT item 6): the state update and the gated norm of its output in
+    one Triton kernel on CUDA (two kernels if a norm group is not whole heads), the reference
+    composition elsewhere.  z: [N*s, I] or [N, s, I], any strides; -> out [N, s, I] in x.dtype."""
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("selective_state_update_gated", x.device) != "triton":
+        return selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
+                                                state_indices, num_accepted, z, norm_weight,
+                                                group_size, eps, dt_limit)
+    nrows, s, H, P = x.shape
+    _check_gated(x, z, norm_weight, group_size)
+    if group_size % P:
+        from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+        from mamba_cache.ops.triton_state_update import triton_selective_state_update
+        y = triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
+                                          state_indices, num_accepted, dt_limit,
+                                          out_dtype=x.dtype)
+        out = triton_gated_rmsnorm(y.view(nrows * s, H * P), z.reshape(nrows * s, H * P),
+                                   norm_weight, group_size, eps)
+        return out.view(nrows, s, H * P)
+    from mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
+    return triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
+                                               state_indices, num_accepted, z, norm_weight,
+                                               group_size, eps, dt_limit)
+
+
+def _check_gated(x, z, norm_weight, group_size) -> None:
+    """Argument checks shared by both paths (clear errors before any kernel)."""
+    nrows, s, H, P = x.shape
+    I = H * P
+    if not isinstance(group_size, int) or group_size <= 0 or I % group_size:
+        raise ValueError(f"group_size={group_size!r} must be a positive divisor of H*P={I}")
+    if tuple(z.shape) not in ((nrows * s, I), (nrows, s, I)):
+        raise ValueError(f"z has shape {tuple(z.shape)}; expected {(nrows * s, I)} or "
+                         f"{(nrows, s, I)}")
+    if tuple(norm_weight.shape) != (I,):
+        raise ValueError(f"norm_weight has shape {tuple(norm_weight.shape)}; expected {(I,)}")
+
+
+def reserve_ssu_norm_counters(device, max_rows: int, n_groups: int) -> None:
+    """Size the fused kernel's per-(row, norm group) counters for up to max_rows rows of n_groups
+    norm groups on ``device``, eagerly (call before capturing CUDA graphs that launch the fused
+    op at a larger row count than any eager call did); a no-op where the reference runs."""
+    from mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("selective_state_update_gated", torch.device(device)) == "triton":
+        from mamba_cache.ops import triton_state_update
+        triton_state_update.reserve_ssu_norm_counters(device, max_rows, n_groups)

@@ -5,6 +5,16 @@ registers.  It is loaded whole from checkpoint num_accepted-1 of the row's slot 
 and for each of the s tokens: dt = clamp(softplus(dt_raw + dt_bias)), h = exp(dt A) h + dt x B^T,
 store h to checkpoint t, y_t = h C_t + D x_t.  Rows on NULL_SLOT start from a zero state and store
 nothing (their y is unspecified, but finite for finite inputs).  Any input strides.
+
+FUSE_NORM (CONTRACT item 6): the gated RMSNorm (item 5) of y runs in the same launch.  Each program
+stores its rounded y, then bumps a per-(row, norm group) counter; the program that arrives last in
+its group (old value == programs per group - 1) resets the counter and normalises the whole group
+in place, a few tokens at a time, with the standalone norm kernel's math.  The sum of squares is
+done by that one program (no float atomics): deterministic, and the same math as the two-kernel
+path.
+Ordering: every thread's y stores -> CTA barrier -> counter RMW (acq_rel, gpu scope) in each
+program; the last program's acquire RMW reads the value written by the previous release RMWs, so
+all y stores of the group happen-before its (barrier, then .cg) loads.
 """
 from __future__ import annotations
 
@@ -30,8 +40,11 @@ def _ssu_kernel(
     sb_r, sb_t, sb_g, sb_n,
     sc_r, sc_t, sc_g, sc_n,
     sy_r, sy_t, sy_h, sy_p,
+    # FUSE_NORM only (None otherwise): z [N, s, I] strides, weight [I], counters [>= N * NG] int32
+    z_ptr, w_ptr, cnt_ptr, sz_r, sz_t, sz_c, heads_per_ngroup, NG, gs, eps, progs_per_ngroup,
     NULL: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSE_NORM: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -74,9 +87,49 @@ def _ssu_kernel(
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         dA = tl.exp(dt * A)
         h = h * dA + (x * dt)[:, None] * Bv[None, :]
-        tl.store(base + t * st_k + tile, h, mask=mst)
+        if FUSE_NORM:
+            if t < s - 1:                        # the last checkpoint: after the signal, below
+                tl.store(base + t * st_k + tile, h, mask=mst)
+        else:
+            tl.store(base + t * st_k + tile, h, mask=mst)
         y = tl.sum(h * Cv[None, :], axis=1) + Dh * x
         tl.store(y_base + t * sy_t, y.to(y_ptr.dtype.element_ty), mask=mp)
+
+    if FUSE_NORM:
+        ng = head // heads_per_ngroup
+        cnt = cnt_ptr + row * NG + ng
+        # all threads' y stores are ordered before the release (bar.sync, then a cumulative
+        # gpu-scope release by the thread doing the scalar atomic)
+        tl.debug_barrier()
+        old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        # the release waits for every earlier store of the thread to complete; the last state
+        # checkpoint (the bulk of them at s = 1) is stored after it, so it waits for y alone
+        tl.store(base + (s - 1) * st_k + tile, h, mask=mst)
+        if old == progs_per_ngroup - 1:          # uniform: the scalar result is CTA-broadcast
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
+            tl.debug_barrier()                   # the acquire (one thread) before every load
+            r64 = row.to(tl.int64)
+            offs_g = tl.arange(0, BLOCK_G)
+            mg = offs_g < gs
+            ch = ng * gs + offs_g                # [BLOCK_G] channels of the group
+            w = tl.load(w_ptr + ch, mask=mg, other=0.0).to(tl.float32)
+            # out is [N, s, H*P] contiguous (the wrapper allocates it): channel stride sy_p
+            o_row = y_ptr + r64 * sy_r + ch[None, :] * sy_p                # [1, BLOCK_G]
+            z_row = z_ptr + r64 * sz_r + ch[None, :] * sz_c
+            # BLOCK_S tokens at a time: their loads are in flight together (this tail is on the
+            # launch's critical path); each token is one row of the standalone kernel's block
+            for t0 in range(0, s, BLOCK_S):
+                offs_t = t0 + tl.arange(0, BLOCK_S)
+                m2g = (offs_t < s)[:, None] & mg[None, :]                  # [BLOCK_S, BLOCK_G]
+                # .cg: read L2, where the other programs' stores are; never a stale L1 line
+                yv = tl.load(o_row + offs_t[:, None] * sy_t, mask=m2g, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                zv = tl.load(z_row + offs_t[:, None] * sz_t, mask=m2g, other=0.0).to(tl.float32)
+                g = yv * _silu(zv)
+                g = g * tl.rsqrt(tl.sum(g * g, axis=1) / gs + eps)[:, None]
+                g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
+                g = (g * w[None, :]).to(y_ptr.dtype.element_ty)
+                tl.store(o_row + offs_t[:, None] * sy_t, g, mask=m2g)
 
 
 # (BLOCK_P, num_warps) per (head_dim, d_state); measured on an H100 (benchmarks/kernels.py)
@@ -93,13 +146,84 @@ def triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, sta
                                   out_dtype=torch.float32, block_p=None, num_warps=None):
     """Same arguments and result as ``selective_state_update_ref`` (y [N, s, H, P] out_dtype)."""
     nrows, s, H, P = x.shape
+    y = torch.empty((nrows, s, H, P), dtype=out_dtype, device=x.device)
+    _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit, y,
+            [None] * 11, dict(FUSE_NORM=False), block_p, num_warps)
+    return y
+
+
+def triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
+                                        num_accepted, z, norm_weight, group_size, eps,
+                                        dt_limit=(0.0, math.inf), *, block_p=None,
+                                        num_warps=None, block_s=None):
+    """Same arguments and result as ``selective_state_update_gated_ref`` (out [N, s, H*P] in
+    x.dtype); the norm groups must be whole heads (group_size % P == 0).  block_s: tokens per
+    step of the norm (default: up to 4096 elements per step, as the standalone kernel)."""
+    nrows, s, H, P = x.shape
+    I = H * P
+    assert group_size % P == 0 and I % group_size == 0, (group_size, P, I)
+    out = torch.empty((nrows, s, I), dtype=x.dtype, device=x.device)   # contiguous: see kernel
+    z3 = z.unflatten(0, (nrows, s)) if z.dim() == 2 else z              # [N, s, I] view
+    assert z3.shape == (nrows, s, I) and norm_weight.shape == (I,), (z.shape, norm_weight.shape)
+    if nrows == 0:
+        return out
+    NG = I // group_size
+    cnt = reserve_ssu_norm_counters(x.device, nrows, NG)
+    BLOCK_P = block_p or _config(P, B.shape[-1], nrows * H)[0]
+    fused = [z3, norm_weight, cnt, *z3.stride(), group_size // P, NG, group_size, float(eps),
+             (group_size // P) * triton.cdiv(P, BLOCK_P)]
+    BLOCK_G = next_pow2(group_size)
+    BLOCK_S = block_s or min(next_pow2(s), max(1, 4096 // BLOCK_G))
+    _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit,
+            out.view(nrows, s, H, P), fused, dict(FUSE_NORM=True, BLOCK_G=BLOCK_G, BLOCK_S=BLOCK_S),
+            BLOCK_P, num_warps)
+    return out
+
+
+# Counters of the fused kernel: int32, one per (row, norm group), all zero between launches (each
+# launch counts to programs-per-group and the last program resets its own).  One buffer per
+# device, shared by every layer: launches that use it must be stream-ordered (one stream at a
+# time).  It is never allocated during CUDA graph capture (the zero fill would only run at
+# replay): size it eagerly first, with reserve_ssu_norm_counters or one eager call at the
+# largest row count (the engine warms up each graph's batch eagerly before capturing it).
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []     # smaller buffers captured graphs may still use: kept alive
+
+
+def reserve_ssu_norm_counters(device, max_rows: int, n_groups: int) -> torch.Tensor:
+    """The device's counter buffer, grown (zeroed) to hold at least max_rows * n_groups."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _counters.get(device)
+    need = max_rows * n_groups
+    if buf is None or buf.numel() < need:
+        if device.type == "cuda" and _capturing(device):
+            raise RuntimeError(
+                f"selective_state_update_gated needs {need} counters during CUDA graph capture "
+                f"but {0 if buf is None else buf.numel()} are reserved: call "
+                f"reserve_ssu_norm_counters(device, max_rows, n_groups) (or run one eager call "
+                f"at the largest batch) before capturing")
+        if buf is not None:
+            _retired.append(buf)
+        buf = _counters[device] = torch.zeros(max(need, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def _capturing(device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit, y,
+            fused, consts, block_p, num_warps):
+    nrows, s, H, P = x.shape
     G, Nst = B.shape[-2:]
     assert ssm_state.dtype == torch.float32
     assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
     assert ssm_state.shape[2:] == (H, P, Nst)
-    y = torch.empty((nrows, s, H, P), dtype=out_dtype, device=x.device)
     if nrows == 0:
-        return y
+        return
     BLOCK_P, BLOCK_N, nw = _config(P, Nst, nrows * H)
     if block_p is not None:
         BLOCK_P = block_p
@@ -114,7 +238,7 @@ def triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, sta
             s, H, P, Nst, H // G, ssm_state.shape[1] - 1, lo if clamp else 0.0,
             hi if (clamp and hi < math.inf) else 3.0e38,
             *ssm_state.stride(), *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(),
-            *y.stride(),
+            *y.stride(), *fused,
             NULL=NULL_SLOT, CLAMP=clamp, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
+            **consts,
         )
-    return y

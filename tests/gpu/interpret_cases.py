@@ -21,9 +21,24 @@ from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # no
 from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
 from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
 from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
-from mamba_cache.ops.triton_state_update import triton_selective_state_update  # noqa: E402
+from mamba_cache.ops import selective_state_update_gated  # noqa: E402
+from mamba_cache.ops.triton_state_update import (triton_selective_state_update,  # noqa: E402
+                                                  triton_selective_state_update_gated)
 
 F32 = torch.float32
+
+
+def _on_triton(case):
+    """Run case with every public op dispatching to its Triton kernel (CPU tensors included)."""
+    from mamba_cache.ops import triton_common
+    real = triton_common.kernel_backend
+    triton_common.kernel_backend = lambda op, device: "triton"
+    try:
+        return case()
+    finally:
+        triton_common.kernel_backend = real
+
+
 CASES = {
     "conv_varlen": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                 [5, 1, 0, 2, 17], 24, W=4, K=3),
@@ -67,6 +82,23 @@ CASES = {
     "ssu_out_f16": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 4, 2, 1,
                                         out_dtype=torch.float16, seed=2),
     "ssu_k0": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 3, 1, 0, seed=1),
+    # state update + gated norm in one kernel: 2 heads per norm group; then 1 head per group with
+    # z as [N, s, I]; then 2 head_dim blocks per head (4 programs per group), 3 norm groups over
+    # 2 SSM groups, 2 tokens per norm step (s = 3: a short second step); then a 16-bit model
+    "ssu_norm": lambda: kc.check_ssu_norm(triton_selective_state_update_gated, "cpu", F32, 5, 3, 4,
+                                          dt_limit=(0.01, 0.4)),
+    "ssu_norm_k0": lambda: kc.check_ssu_norm(triton_selective_state_update_gated, "cpu", F32, 3, 1,
+                                             0, G=1, norm_groups=4, z_3d=True, seed=1),
+    "ssu_norm_pblocks": lambda: kc.check_ssu_norm(
+        functools.partial(triton_selective_state_update_gated, block_p=8, block_s=2), "cpu", F32,
+        4, 3, 2, H=6, G=2, P=12, Nst=8, norm_groups=3, seed=2),
+    "ssu_norm_f16": lambda: kc.check_ssu_norm(triton_selective_state_update_gated, "cpu",
+                                              torch.float16, 4, 2, 1, seed=3),
+    # the public op on the Triton backend: one kernel, then half a head per norm group (the
+    # two-kernel path)
+    "ssu_norm_dispatch": lambda: [_on_triton(lambda: kc.check_ssu_norm(
+        selective_state_update_gated, "cpu", F32, 3, 2, 1, norm_groups=ng, seed=4))
+        for ng in (1, 8)],
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
     "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
                                     N=20, chunk_size=8, dt_limit=(0.0, 0.5), seed=1),

@@ -13,13 +13,15 @@ It returns a dict of the measured errors.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 from hybrid_engine.attention.ops import paged_attention_ref
 from mamba_cache import NULL_SLOT
 from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref, gated_rmsnorm_ref,
-                             selective_state_update_ref, ssd_scan_varlen_ref)
+                             selective_state_update_gated_ref, selective_state_update_ref,
+                             ssd_scan_varlen_ref)
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -247,6 +249,66 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
     ok = rows_ok.to(device)
     return {"y": assert_close(y[ok], y_ref[ok], tol, "ssu y"),
             "state": assert_pool(p_k, p_ref, tol, "ssu state")}
+
+
+# ----------------------------------------------------------------------------- state update + norm
+
+def ssu_norm_counters_zero():
+    """True if every counter buffer of the fused kernel (current and kept-alive) is all zero."""
+    mod = sys.modules.get("mamba_cache.ops.triton_state_update")      # never imports Triton
+    bufs = [] if mod is None else list(mod._counters.values()) + mod._retired
+    return all(not bool(b.any()) for b in bufs)
+
+
+def check_ssu_norm(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, norm_groups=None,
+                   dt_limit=(0.0, math.inf), eps=1e-5, seed=0, tol=None, z_3d=False):
+    """impl: selective_state_update_gated's signature; called twice, each on a fresh copy of the
+    pool (the second launch relies on the counters the first left at zero)."""
+    g = _gen(seed)
+    S, I = N + 3, H * P
+    gs = I // (norm_groups or G)
+    null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
+    x = torch.randn(N, s, H, P, generator=g).to(dtype)
+    dt = (torch.randn(N, s, H, generator=g) * 0.5).to(dtype)
+    B = torch.randn(N, s, G, Nst, generator=g).to(dtype)
+    C = torch.randn(N, s, G, Nst, generator=g).to(dtype)
+    dt_bias, A, D = ssm_params(H, g)
+    zbig = torch.randn(N * s, I + 8, generator=g).to(dtype)       # z: a strided view of it
+    w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype)
+    slots = _slots(N, S, g, null_rows)
+    pool = torch.full((S, 1 + K, H, P, Nst), math.nan)
+    live = slots[slots != NULL_SLOT].long()
+    pool[live] = torch.randn(len(live), 1 + K, H, P, Nst, generator=g)
+    acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)
+    ok = (slots != NULL_SLOT).to(device)
+    d = lambda t: t.to(device)                                   # noqa: E731
+    x, dt, B, C, dt_bias, A, D, slots, pool, acc, zbig, w = map(
+        d, (x, dt, B, C, dt_bias, A, D, slots, pool, acc, zbig, w))
+    z = zbig[:, 3:3 + I]                                         # [N*s, I], row stride I + 8
+    if z_3d:
+        z = z.unflatten(0, (N, s))                               # [N, s, I]
+    p_ref = pool.clone()
+    ref = selective_state_update_gated_ref(p_ref, x, dt, dt_bias, A, B, C, D, slots, acc, z, w, gs,
+                                           eps, dt_limit)
+    # Tolerance: the norm's own (same math on the same y) plus the state update's float32 error,
+    # plus one unit in the last place of a 16-bit y: y is rounded to the model dtype before the
+    # norm, and a float32 y within 1e-4 of the reference can round to the neighbouring value;
+    # out_i is linear in y_i (a one-element change barely moves the group's rms), so that moves
+    # out_i by at most one ulp of out_i <= _ULP * max|out|.
+    tol = tol or TOL["norm"][dtype] + TOL["ssu"][dtype] + _ULP.get(dtype, 0.0)
+    errs, outs = {}, []
+    for k in range(2):
+        p_k = pool.clone()
+        poison_allocator(device)
+        out = impl(p_k, x, dt, dt_bias, A, B, C, D, slots, acc, z, w, gs, eps, dt_limit)
+        assert out.dtype == dtype and out.shape == (N, s, I), (out.dtype, out.shape)
+        assert ssu_norm_counters_zero(), "counters not all zero after the call"
+        assert bool(torch.isfinite(out[~ok]).all()), "null rows: output not finite"
+        errs[f"out{k}"] = assert_close(out[ok], ref[ok], tol, f"ssu_norm out (call {k})")
+        errs[f"state{k}"] = assert_pool(p_k, p_ref, TOL["ssu"][dtype], f"ssu_norm state (call {k})")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), "two identical calls differ (not deterministic)"
+    return errs
 
 
 # ----------------------------------------------------------------------------- gated norm

@@ -275,6 +275,9 @@ def test_ssu(dtype, case):
                      **SSU[case])
 
 
+# (the state update fused with the gated norm: test_kernels_ssu_norm.py)
+
+
 # ----------------------------------------------------------------------------- gated norm
 
 NORM = [(1, 64, 64), (7, 48, 12), (33, 8192, 1024), (5, 200, 40), (300, 1024, 128)]
