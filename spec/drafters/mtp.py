@@ -8,6 +8,8 @@ Embedding and lm_head are the target's. No Mamba state: rejected positions' KV i
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybrid_engine.attention import KVCache
@@ -15,6 +17,8 @@ from hybrid_engine.models.nemotron_h import Caches
 
 from .base import DraftContext, Drafter
 from .common import draw, single_token_batch
+
+logger = logging.getLogger("hybrid_engine")
 
 
 class MTPDrafter(Drafter):
@@ -24,6 +28,7 @@ class MTPDrafter(Drafter):
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, dtype, device)
         self.caches = Caches(self.kv, None)
+        self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp)
 
     def _step(self, tokens, prev_hidden, fb):
         h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
@@ -40,27 +45,41 @@ class MTPDrafter(Drafter):
         last_tok = ctx.query_start_loc[1:] - 1
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
-        h, normed = self._step(shifted.clamp(min=0), ctx.hidden, fb)
-        idx = ctx.token_index
+        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
         st = ctx.sampling
         want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample
-        logits = self.target.compute_logits(normed[idx])
         tok, q = draw(logits, st, pos + 1, want_probs)
         drafts, probs = [tok], [q]
-        hidden = h[idx]
         bt = fb.attn.block_tables
         max_seq = fb.attn.max_seq_len + 2 * k + 1
         for j in range(1, k):
             # pair index pos + j - 1: the previous MTP hidden stands in for the target's
-            step_fb = single_token_batch(tok, pos + j - 1, bt, ctx.block_size,
-                                         torch.zeros_like(pos), valid, max_seq)
-            hidden, normed = self._step(tok, hidden, step_fb)
-            tok, q = draw(self.target.compute_logits(normed), st, pos + j + 1, want_probs)
+            hidden, logits = self._single(tok, hidden, pos + j - 1, bt, valid, ctx.block_size, max_seq)
+            tok, q = draw(logits, st, pos + j + 1, want_probs)
             drafts.append(tok)
             probs.append(q)
         out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
         return out, (torch.stack(probs, 1) if want_probs else None)
+
+    def _verify(self, tokens, hidden, fb, idx):
+        """The MTP over the step's tokens -> (MTP hidden [B, D], logits [B, V]) at idx [B]; a
+        decode-only step within the graphs' buckets replays a graph."""
+        g, md = self.graphs, fb.mamba
+        if (g is not None and not md.num_prefill_rows and md.decode_len == g.s
+                and 0 < md.num_decode_rows <= g.max_rows):
+            return g.verify(tokens, hidden, fb, idx)
+        h, normed = self._step(tokens, hidden, fb)
+        return h[idx], self.target.compute_logits(normed[idx])
+
+    def _single(self, tok, hidden, pos, block_tables, valid, block_size: int, max_seq: int):
+        """One token per row -> (MTP hidden [B, D], logits [B, V]); a graph replay when one fits."""
+        g = self.graphs
+        if g is not None and tok.shape[0] <= g.max_rows:
+            return g.step(tok, hidden, pos, block_tables, valid)
+        fb = single_token_batch(tok, pos, block_tables, block_size, torch.zeros_like(pos), valid, max_seq)
+        h, normed = self._step(tok, hidden, fb)
+        return h, self.target.compute_logits(normed)
 
 
 def make_mtp(engine) -> MTPDrafter:
@@ -68,6 +87,19 @@ def make_mtp(engine) -> MTPDrafter:
     if not hasattr(engine.model, "mtp"):
         raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
     sched = engine.scheduler
-    return MTPDrafter(engine.model, num_spec=cfg.speculative.num_speculative_tokens,
-                      num_blocks=sched.blocks.num_total + 1, block_size=sched.block_size,
-                      dtype=cfg.dtype, device=cfg.device)
+    drafter = MTPDrafter(engine.model, num_spec=cfg.speculative.num_speculative_tokens,
+                         num_blocks=sched.blocks.num_total + 1, block_size=sched.block_size,
+                         dtype=cfg.dtype, device=cfg.device)
+    if cfg.device.type != "cuda" or cfg.enforce_eager:
+        logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
+        return drafter
+    from hybrid_engine.graphs import default_buckets
+    from .mtp_graphs import MTPGraphs
+    try:
+        drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(cfg.scheduler.max_num_seqs),
+                                   block_size=sched.block_size, max_blocks=engine.max_blocks_per_req,
+                                   max_model_len=engine.max_model_len, device=cfg.device)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. an op that cannot be captured
+        logger.warning("MTP drafter: eager (graph capture failed: %s: %s)", type(exc).__name__, exc)
+        torch.cuda.empty_cache()
+    return drafter

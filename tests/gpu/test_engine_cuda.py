@@ -99,3 +99,44 @@ def test_h2d_staging_never_overwrites_a_pending_copy():
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert g.cpu().numpy().tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("dtype,temperature", [("bfloat16", 0.0), ("float32", 0.8)])
+def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature):
+    """MTP drafts from CUDA graph replays (the verify pass and the single-token steps) give the
+    eager engine's tokens (greedy in bf16; seeded sampling, where the draft probabilities take
+    part in acceptance, in f32), async on; both graphs ran, and every step's draft
+    probabilities are fresh distributions."""
+    from spec.drafters import mtp as mtp_mod
+    from spec.drafters import mtp_graphs
+    calls = {"verify": 0, "step": 0}
+    for name in calls:
+        orig = getattr(mtp_graphs.MTPGraphs, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            calls[_name] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(mtp_graphs.MTPGraphs, name, spy)
+    sums = []
+    orig_propose = mtp_mod.MTPDrafter.propose
+
+    def record(self, ctx):
+        d, q = orig_propose(self, ctx)
+        if q is not None:
+            sums.append(q.float().sum(-1))
+        return d, q
+    monkeypatch.setattr(mtp_mod.MTPDrafter, "propose", record)
+    params = [SamplingParams(max_tokens=20, temperature=temperature, seed=11 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(target, dtype=dtype, device="cuda", max_num_seqs=8, enforce_eager=eager,
+                  speculative_config=SpeculativeConfig("mtp", 3), async_scheduling=True)
+        assert (llm.engine.drafter.graphs is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]
+    assert calls["verify"] >= 5 and calls["step"] >= 10, calls
+    if temperature:
+        assert len(sums) > 5
+        for s in sums:
+            torch.testing.assert_close(s, torch.ones_like(s), atol=1e-4, rtol=0)
