@@ -32,6 +32,27 @@ class RequestMetrics:
         return (1 + self.drafts_accepted / self.num_steps) if self.num_steps else 0.0
 
 
+class _Counter:
+    """A scheduling counter of a Request: its own field (``field``) while it waits or after it
+    finished, its RunningTable's column (``column``, row ``_trow``) while it runs."""
+
+    def __init__(self, field: str, column: str):
+        self.field, self.column = field, column
+
+    def __get__(self, req, owner=None):
+        if req is None:
+            return self
+        t = req._table
+        return getattr(req, self.field) if t is None else int(getattr(t, self.column)[req._trow])
+
+    def __set__(self, req, value: int) -> None:
+        t = req._table
+        if t is None:
+            setattr(req, self.field, value)
+        else:
+            getattr(t, self.column)[req._trow] = value
+
+
 @dataclass
 class Request:
     request_id: str
@@ -42,7 +63,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Scheduling counters (properties below): held here while the request waits or after it
+    # Scheduling counters (the _Counter descriptors below): held here while the request waits or after it
     # finished, and by the scheduler's RunningTable while it runs.
     _computed: int = field(default=0, repr=False)
     _prefill_target: int = field(default=0, repr=False)
@@ -59,43 +80,9 @@ class Request:
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).
-    @property
-    def num_computed_tokens(self) -> int:
-        t = self._table
-        return self._computed if t is None else int(t.computed[self._trow])
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, v: int) -> None:
-        if self._table is None:
-            self._computed = v
-        else:
-            self._table.computed[self._trow] = v
-
-    @property
-    def prefill_target(self) -> int:
-        """Tokens to prefill since the last (re)start."""
-        t = self._table
-        return self._prefill_target if t is None else int(t.prefill_target[self._trow])
-
-    @prefill_target.setter
-    def prefill_target(self, v: int) -> None:
-        if self._table is None:
-            self._prefill_target = v
-        else:
-            self._table.prefill_target[self._trow] = v
-
-    @property
-    def num_inflight_steps(self) -> int:
-        """Scheduled steps whose output is not processed yet."""
-        t = self._table
-        return self._inflight if t is None else int(t.inflight[self._trow])
-
-    @num_inflight_steps.setter
-    def num_inflight_steps(self, v: int) -> None:
-        if self._table is None:
-            self._inflight = v
-        else:
-            self._table.inflight[self._trow] = v
+    num_computed_tokens = _Counter("_computed", "computed")
+    prefill_target = _Counter("_prefill_target", "prefill_target")      # tokens to prefill since the last (re)start
+    num_inflight_steps = _Counter("_inflight", "inflight")  # scheduled steps whose output is not processed yet
 
     @property
     def all_token_ids(self) -> list[int]:

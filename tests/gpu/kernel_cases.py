@@ -219,9 +219,9 @@ def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
 
 # ----------------------------------------------------------------------------- state update
 
-def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.0, math.inf),
-              seed=0, tol=None, out_dtype=F32):
-    g = _gen(seed)
+def _ssu_case(g, device, dtype, N, s, K, H, G, P, Nst):
+    """Random state-update inputs on ``device``: (x, dt, B, C, dt_bias, A, D, slots, pool, acc);
+    two rows on the null slot (N > 2), the pool NaN everywhere no live slot owns."""
     S = N + 3
     null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
     x = torch.randn(N, s, H, P, generator=g).to(dtype)
@@ -234,10 +234,14 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
     live = slots[slots != NULL_SLOT].long()
     pool[live] = torch.randn(len(live), 1 + K, H, P, Nst, generator=g)
     acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)
+    return tuple(t.to(device) for t in (x, dt, B, C, dt_bias, A, D, slots, pool, acc))
+
+
+def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.0, math.inf),
+              seed=0, tol=None, out_dtype=F32):
+    x, dt, B, C, dt_bias, A, D, slots, pool, acc = _ssu_case(_gen(seed), device, dtype, N, s, K, H, G,
+                                                             P, Nst)
     rows_ok = slots != NULL_SLOT
-    d = lambda t: t.to(device)                                   # noqa: E731
-    x, dt, B, C, dt_bias, A, D, slots, pool, acc = map(d, (x, dt, B, C, dt_bias, A, D, slots, pool,
-                                                           acc))
     p_ref, p_k = pool.clone(), pool.clone()
     y_ref = selective_state_update_ref(p_ref, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit,
                                        out_dtype)
@@ -265,25 +269,12 @@ def check_ssu_norm(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, norm_gr
     """impl: selective_state_update_gated's signature; called twice, each on a fresh copy of the
     pool (the second launch relies on the counters the first left at zero)."""
     g = _gen(seed)
-    S, I = N + 3, H * P
+    I = H * P
     gs = I // (norm_groups or G)
-    null_rows = tuple(r for r in (1, N - 2) if 0 <= r < N and N > 2)
-    x = torch.randn(N, s, H, P, generator=g).to(dtype)
-    dt = (torch.randn(N, s, H, generator=g) * 0.5).to(dtype)
-    B = torch.randn(N, s, G, Nst, generator=g).to(dtype)
-    C = torch.randn(N, s, G, Nst, generator=g).to(dtype)
-    dt_bias, A, D = ssm_params(H, g)
-    zbig = torch.randn(N * s, I + 8, generator=g).to(dtype)       # z: a strided view of it
-    w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype)
-    slots = _slots(N, S, g, null_rows)
-    pool = torch.full((S, 1 + K, H, P, Nst), math.nan)
-    live = slots[slots != NULL_SLOT].long()
-    pool[live] = torch.randn(len(live), 1 + K, H, P, Nst, generator=g)
-    acc = torch.randint(1, K + 2, (N,), generator=g, dtype=torch.int32)
-    ok = (slots != NULL_SLOT).to(device)
-    d = lambda t: t.to(device)                                   # noqa: E731
-    x, dt, B, C, dt_bias, A, D, slots, pool, acc, zbig, w = map(
-        d, (x, dt, B, C, dt_bias, A, D, slots, pool, acc, zbig, w))
+    x, dt, B, C, dt_bias, A, D, slots, pool, acc = _ssu_case(g, device, dtype, N, s, K, H, G, P, Nst)
+    zbig = torch.randn(N * s, I + 8, generator=g).to(dtype).to(device)   # z: a strided view of it
+    w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype).to(device)
+    ok = slots != NULL_SLOT
     z = zbig[:, 3:3 + I]                                         # [N*s, I], row stride I + 8
     if z_3d:
         z = z.unflatten(0, (N, s))                               # [N, s, I]
