@@ -44,11 +44,11 @@ class CommitMixin:
         if stops.size:
             risky |= np.isin(sampled, stops).any(1)                        # -1 pads never match
         reqs = t.reqs
-        rl = idx.tolist()
+        touched = [reqs[j] for j in idx.tolist()]                          # [n] in step-row order
         now = None
         if not k:
             toks = sampled[:, 0].tolist()
-            for req, tok, bad in zip((reqs[j] for j in rl), toks, risky.tolist()):
+            for req, tok, bad in zip(touched, toks, risky.tolist()):
                 if bad:
                     continue
                 req.output_token_ids.append(tok)
@@ -59,17 +59,15 @@ class CommitMixin:
                     m.first_token_time = now = now or time.perf_counter()
         else:
             nv, nd, rows = num_valid.tolist(), out.num_drafts[:n].tolist(), sampled.tolist()
-            for i, j in enumerate(rl):
-                if risky[i]:
+            for i, (req, bad) in enumerate(zip(touched, risky.tolist())):
+                if bad:
                     continue
-                req = reqs[j]
                 req.output_token_ids.extend(rows[i][:nv[i]])
                 self._record_spec(req, nd[i], nv[i])
                 m = req.metrics
                 m.num_tokens_out += nv[i]
                 if m.first_token_time is None:
                     m.first_token_time = now = now or time.perf_counter()
-        touched = [reqs[j] for j in rl]
         if risky.any():
             sl = sampled.tolist()
             for i in np.flatnonzero(risky).tolist():
