@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SHAPE_MEDIUM, SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
-from hybrid_engine import runner as runner_mod  # noqa: E402
-from hybrid_engine import transfer as transfer_mod  # noqa: E402
+from hybrid_engine.step import runner as runner_mod  # noqa: E402
+from hybrid_engine.step import transfer as transfer_mod  # noqa: E402
 
 
 def _decode_only(sched) -> bool:

@@ -20,7 +20,7 @@ SHAPE_MEDIUM = dict(pattern="M-M-M*-M-M-M*-M-M-M*-", hidden_size=2048, num_atten
 
 
 def write_config(out_dir: Path, shape: dict) -> Path:
-    from hybrid_engine.testing import hf_config
+    from hybrid_engine.models.synthetic import hf_config
     kw = dict(shape)
     cfg = hf_config(kw.pop("pattern"), **kw)
     cfg.torch_dtype = "bfloat16"

@@ -44,9 +44,9 @@ def _enter_exit(ctx) -> None:
 
 def calls(n: int = 32):
     """name -> zero-arg callable, each one primitive of the decode step path."""
-    from hybrid_engine.decode_prep import DecodeDest, PrevOutputs, prepare_decode
-    from hybrid_engine.transfer import D2H, H2D
-    from mamba_cache.ops.triton_common import device_ctx
+    from hybrid_engine.step.decode_prep import DecodeDest, PrevOutputs, prepare_decode
+    from hybrid_engine.step.transfer import D2H, H2D
+    from hybrid_engine.mamba_cache.ops.triton_common import device_ctx
 
     dev = torch.device("cuda")
     a = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import event_ms, graph_ms  # noqa: E402
 from benchmarks.kernels_ssu_gated import mk_ssu_gated  # noqa: E402
 from hybrid_engine.attention.ops import paged_attention_ref  # noqa: E402
-from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
+from hybrid_engine.mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
                              gated_rmsnorm_ref, selective_state_update_ref, ssd_scan_varlen_ref)
 
 H, P, G, NST, W = 128, 64, 8, 128, 4
@@ -229,12 +229,12 @@ def main():
     import triton
 
     from hybrid_engine.attention.triton_attention import triton_paged_attention
-    from mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen
-    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
-    from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
-    from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
-    from mamba_cache.ops.triton_state_update import (triton_selective_state_update,
+    from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen
+    from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    from hybrid_engine.mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
+    from hybrid_engine.mamba_cache.ops.triton_state_update import (triton_selective_state_update,
                                                      triton_selective_state_update_gated)
 
     torch.manual_seed(0)

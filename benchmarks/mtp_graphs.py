@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
-from hybrid_engine.testing import make_hf_model  # noqa: E402
+from hybrid_engine.models.synthetic import make_hf_model  # noqa: E402
 
 
 def main() -> int:

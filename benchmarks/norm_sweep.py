@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the default and the streaming configs only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+    from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
     bw = copy_bandwidth()
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, intermediate {I}, "
              f"bf16, 1 GiB copy {bw:.0f} GB/s", "",

@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import event_ms  # noqa: E402
-from mamba_cache.ops import selective_state_update  # noqa: E402
-from mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm  # noqa: E402
+from hybrid_engine.mamba_cache.ops import selective_state_update  # noqa: E402
+from hybrid_engine.mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm  # noqa: E402
 
 H, P, G, NST, CS = 128, 64, 8, 128, 128
 DT = torch.bfloat16
@@ -73,7 +73,7 @@ def ssd_case(T, chunk_scan):
     B, C = rnd(T, G, NST), rnd(T, G, NST)
     qsl = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     init = torch.zeros(1, H, P, NST, device=DEV)
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen   # what ssd_scan_varlen runs
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen   # what ssd_scan_varlen runs
     ours = lambda **kw: triton_ssd_scan_varlen(  # noqa: E731
         x, dt, dt_bias, A, B, C, D, qsl, init, CS, max_seqlen=T, out_dtype=DT, **kw)
     if chunk_scan is None:

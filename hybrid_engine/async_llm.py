@@ -38,7 +38,7 @@ import uuid
 
 from .llm import build_engine
 from .outputs import RequestOutput
-from .request import Request
+from .scheduling.request import Request
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("hybrid_engine")

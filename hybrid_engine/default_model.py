@@ -4,7 +4,7 @@ offline from files shipped in ``hybrid_engine/data`` and materialised once into 
 ``default_model_dir()`` returns ``$HYBRID_ENGINE_CACHE/default-<hash>`` (or
 ``~/.cache/hybrid-engine/default-<hash>``), where the hash covers the config, the seed, the
 tokenizer corpus and a format version. The folder holds config.json, generation_config.json,
-model.safetensors (O(1)-scale weights from ``testing.sens_init_``, plus ``mtp.*`` tensors when the
+model.safetensors (O(1)-scale weights from ``models.synthetic.sens_init_``, plus ``mtp.*`` tensors when the
 config has MTP layers) and tokenizer.json / tokenizer_config.json (pad 0, bos 1, eos 2). It is
 written to a temporary folder and renamed into place, so concurrent callers are safe. The weights
 are random: the text it generates is gibberish, but it exercises every code path.
@@ -77,7 +77,7 @@ def _digest(cfg: dict) -> str:
 
 
 def _build(out_dir: Path, cfg: dict) -> None:
-    from hybrid_engine.testing import make_hf_model
+    from .models.synthetic import make_hf_model
 
     cfg = dict(cfg)
     seed = cfg.pop("seed")

@@ -16,16 +16,16 @@ import torch
 
 from .attention import KVCache, blocks_needed
 from .config import EngineConfig
-from .graphs import make_executor
-from .greedy_graphs import make_greedy_graphs
+from .step.graphs import make_executor
+from .step.greedy_graphs import make_greedy_graphs
 from .models import build_model
 from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
-from .request import Request
-from .runner import ModelRunner, StepHandle
+from .scheduling.request import Request
+from .step.runner import ModelRunner, StepHandle
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from mamba_cache.pool import MambaPool
+from .scheduling.scheduler import Scheduler
+from hybrid_engine.mamba_cache.pool import MambaPool
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -86,7 +86,7 @@ class EngineCore:
         return cc.kv_cache_bytes
 
     def _make_drafter(self):
-        from spec.drafters import make_drafter
+        from hybrid_engine.spec.drafters import make_drafter
         return make_drafter(self)
 
     # ---- requests ---------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_engine.sampler import SamplingTensors, filtered_logits, gumbel_argmax
-from hybrid_engine import rng
+from hybrid_engine.sampling.sampler import SamplingTensors, filtered_logits, gumbel_argmax
+from hybrid_engine.sampling import rng
 
 _ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM = 1, 2, 0
 

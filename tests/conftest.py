@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Tiny O(1)-scale Nemotron-H checkpoints written by transformers (the reference)."""
-    from hybrid_engine.testing import make_hf_model
+    from hybrid_engine.models.synthetic import make_hf_model
     root = tmp_path_factory.mktemp("models")
     cache = {}
 

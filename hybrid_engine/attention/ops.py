@@ -97,7 +97,7 @@ def _backend_for(device: torch.device) -> str:
     HYBRID_ENGINE_KERNELS=torch forces the reference); 'torch_ref' elsewhere."""
     import os
 
-    from mamba_cache.ops.triton_common import triton_available
+    from hybrid_engine.mamba_cache.ops.triton_common import triton_available
     if os.environ.get("HYBRID_ENGINE_KERNELS", "").strip().lower() in ("torch", "torch_ref", "ref"):
         return "torch_ref"
     if device.type == "cuda" and triton_available():   # triton_available() warns once if not

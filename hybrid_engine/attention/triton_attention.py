@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mamba_cache.ops.triton_common import kernel_backend, triton_available
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend, triton_available
 
 BLOCK = 1024                      # elements per program
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mamba_cache.ops.triton_common import kernel_backend
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
 _MAX_ROWS = 8
 _FAST_DTYPES = (torch.bfloat16, torch.float16)

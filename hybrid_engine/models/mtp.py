@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ATTENTION, MLP as MLP_KIND, MOE, ModelConfig
-from ..forward_batch import ForwardBatch
+from ..step.forward_batch import ForwardBatch
 from .layers import MLP, MoE, RMSNorm
 from .linear import Linear
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mamba_cache import ops as mops
+from hybrid_engine.mamba_cache import ops as mops
 
 from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
-from ..forward_batch import ForwardBatch
+from ..step.forward_batch import ForwardBatch
 from .layers import MLP, MoE, RMSNorm
 from .linear import Linear
 

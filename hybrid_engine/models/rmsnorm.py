@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mamba_cache.ops.triton_common import kernel_backend, next_pow2, triton_available
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend, next_pow2, triton_available
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,14 +1,14 @@
 """Mamba state ops (see CONTRACT.md).  Public names dispatch to a kernel where one exists; the
 ``*_ref`` twins are the torch references (CPU or CUDA), ``ssd_scan_naive`` the sequential oracle."""
-from mamba_cache.ops.conv1d import (
+from hybrid_engine.mamba_cache.ops.conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_ref,
     causal_conv1d_varlen,
     causal_conv1d_varlen_ref,
 )
-from mamba_cache.ops.gated_norm import gated_rmsnorm, gated_rmsnorm_ref
-from mamba_cache.ops.ssd import ssd_scan_naive, ssd_scan_varlen, ssd_scan_varlen_ref
-from mamba_cache.ops.state_update import (
+from hybrid_engine.mamba_cache.ops.gated_norm import gated_rmsnorm, gated_rmsnorm_ref
+from hybrid_engine.mamba_cache.ops.ssd import ssd_scan_naive, ssd_scan_varlen, ssd_scan_varlen_ref
+from hybrid_engine.mamba_cache.ops.state_update import (
     reserve_ssu_norm_counters,
     selective_state_update,
     selective_state_update_gated,

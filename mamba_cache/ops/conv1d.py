@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache import NULL_SLOT
 
 
 def token_seq_index(query_start_loc: torch.Tensor, num_tokens: int):
@@ -133,9 +133,9 @@ def causal_conv1d_update_ref(
 def causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, state_indices,
                          has_initial_state):
     """Public entry point (CONTRACT item 1): Triton kernel on CUDA, torch reference elsewhere."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("causal_conv1d_varlen", x.device) == "triton":
-        from mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen
+        from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen
         return triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc,
                                            state_indices, has_initial_state)
     return causal_conv1d_varlen_ref(x, weight, bias, conv_state, query_start_loc, state_indices,
@@ -144,9 +144,9 @@ def causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, state_ind
 
 def causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepted):
     """Public entry point (CONTRACT item 2): Triton kernel on CUDA, torch reference elsewhere."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("causal_conv1d_update", x.device) == "triton":
-        from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+        from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
         return triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices,
                                            num_accepted)
     return causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, num_accepted)

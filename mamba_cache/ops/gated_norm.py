@@ -23,8 +23,8 @@ def gated_rmsnorm_ref(
 
 def gated_rmsnorm(y, z, weight, group_size, eps):
     """Public entry point (CONTRACT item 5): Triton kernel on CUDA, torch reference elsewhere."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("gated_rmsnorm", y.device) == "triton":
-        from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+        from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
         return triton_gated_rmsnorm(y, z, weight, group_size, eps)
     return gated_rmsnorm_ref(y, z, weight, group_size, eps)

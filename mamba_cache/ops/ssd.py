@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mamba_cache.ops.conv1d import token_seq_index
+from hybrid_engine.mamba_cache.ops.conv1d import token_seq_index
 
 
 def process_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit=(0.0, math.inf)):
@@ -183,9 +183,9 @@ def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_sta
                     dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None,
                     out_dtype: torch.dtype = torch.float32):
     """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
-        from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+        from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
         return triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc,
                                       initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen,
                                       out_dtype=out_dtype)

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops.gated_norm import gated_rmsnorm_ref
-from mamba_cache.ops.ssd import expand_groups, process_dt
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops.gated_norm import gated_rmsnorm_ref
+from hybrid_engine.mamba_cache.ops.ssd import expand_groups, process_dt
 
 
 def selective_state_update_ref(
@@ -59,9 +59,9 @@ def selective_state_update_ref(
 def selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted,
                            dt_limit=(0.0, math.inf), out_dtype=torch.float32):
     """Public entry point (CONTRACT item 4): Triton kernel on CUDA, torch reference elsewhere."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("selective_state_update", x.device) == "triton":
-        from mamba_cache.ops.triton_state_update import triton_selective_state_update
+        from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update
         return triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                              state_indices, num_accepted, dt_limit,
                                              out_dtype=out_dtype)
@@ -89,7 +89,7 @@ def selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, stat
     """Public entry point (CONTRACT item 6): the state update and the gated norm of its output in
     one Triton kernel on CUDA (two kernels if a norm group is not whole heads), the reference
     composition elsewhere.  z: [N*s, I] or [N, s, I], any strides; -> out [N, s, I] in x.dtype."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("selective_state_update_gated", x.device) != "triton":
         return selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                                 state_indices, num_accepted, z, norm_weight,
@@ -97,15 +97,15 @@ def selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, stat
     nrows, s, H, P = x.shape
     _check_gated(x, z, norm_weight, group_size)
     if group_size % P:
-        from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
-        from mamba_cache.ops.triton_state_update import triton_selective_state_update
+        from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+        from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update
         y = triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                           state_indices, num_accepted, dt_limit,
                                           out_dtype=x.dtype)
         out = triton_gated_rmsnorm(y.view(nrows * s, H * P), z.reshape(nrows * s, H * P),
                                    norm_weight, group_size, eps)
         return out.view(nrows, s, H * P)
-    from mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
+    from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
     return triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                                state_indices, num_accepted, z, norm_weight,
                                                group_size, eps, dt_limit)
@@ -128,7 +128,7 @@ def reserve_ssu_norm_counters(device, max_rows: int, n_groups: int) -> None:
     """Size the fused kernel's per-(row, norm group) counters for up to max_rows rows of n_groups
     norm groups on ``device``, eagerly (call before capturing CUDA graphs that launch the fused
     op at a larger row count than any eager call did); a no-op where the reference runs."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("selective_state_update_gated", torch.device(device)) == "triton":
-        from mamba_cache.ops import triton_state_update
+        from hybrid_engine.mamba_cache.ops import triton_state_update
         triton_state_update.reserve_ssu_norm_counters(device, max_rows, n_groups)

@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_cache.ops.ssd import _grid_size
-from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
-from mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
-from mamba_cache.ops.triton_ssd_state import launch_chunk_state
+from hybrid_engine.mamba_cache.ops.ssd import _grid_size
+from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
+from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
 

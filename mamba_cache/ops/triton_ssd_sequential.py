@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
-from mamba_cache.ops.triton_ssd import _dt_args
+from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_ssd import _dt_args
 
 _softplus, _silu = tl_helpers()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_cache.ops.triton_common import next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
 
 
 @triton.jit

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
 
 _softplus, _silu = tl_helpers()
 

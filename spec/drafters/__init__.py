@@ -30,9 +30,9 @@ def _register_builtin() -> None:
         if name in DRAFTERS:
             continue
         try:
-            mod = __import__(f"spec.drafters.{module}", fromlist=[factory])
+            mod = __import__(f"hybrid_engine.spec.drafters.{module}", fromlist=[factory])
         except ModuleNotFoundError as e:
-            if e.name != f"spec.drafters.{module}":
+            if e.name != f"hybrid_engine.spec.drafters.{module}":
                 raise
             continue
         DRAFTERS[name] = getattr(mod, factory)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_engine.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-from hybrid_engine.sampler import SamplingTensors, probs_from_logits, sample
+from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from hybrid_engine.sampling.sampler import SamplingTensors, probs_from_logits, sample
 
 
 def single_token_batch(tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -15,10 +15,10 @@ import torch
 
 from hybrid_engine.attention import KVCache
 from hybrid_engine.config import ModelConfig
-from hybrid_engine.graphs import EagerExecutor, make_executor
+from hybrid_engine.step.graphs import EagerExecutor, make_executor
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
-from mamba_cache.pool import MambaPool
+from hybrid_engine.mamba_cache.pool import MambaPool
 
 from .base import DraftContext, Drafter
 from .common import draw, single_token_batch

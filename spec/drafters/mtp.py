@@ -93,7 +93,7 @@ def make_mtp(engine) -> MTPDrafter:
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return drafter
-    from hybrid_engine.graphs import default_buckets
+    from hybrid_engine.step.graphs import default_buckets
     from .mtp_graphs import MTPGraphs
     try:
         drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(cfg.scheduler.max_num_seqs),

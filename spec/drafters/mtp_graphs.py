@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hybrid_engine.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 
 from .common import single_token_batch
 

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.transfer import H2D
-from mamba_cache.ops.triton_common import kernel_backend
+from hybrid_engine.step.transfer import H2D
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
 from .base import DraftContext, Drafter
 

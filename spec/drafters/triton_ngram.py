@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from mamba_cache.ops import triton_common
-from mamba_cache.ops.triton_common import device_ctx, next_pow2, triton_available
+from hybrid_engine.mamba_cache.ops import triton_common
+from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, triton_available
 
 if triton_available():
     import triton

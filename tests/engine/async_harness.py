@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from hybrid_engine import LLM, SpeculativeConfig
-from hybrid_engine.testing import hf_logits
-from spec.drafters import Drafter
+from hf_reference import hf_logits
+from hybrid_engine.spec.drafters import Drafter
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 VOCAB = 256

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybrid_engine import AsyncLLM, SamplingParams
-from hybrid_engine.testing import hf_greedy
+from hf_reference import hf_greedy
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 MAX_TOKENS = 12

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from async_harness import OracleDrafter
-from hybrid_engine.testing import hf_greedy
-from spec.drafters import DRAFTERS
+from hf_reference import hf_greedy
+from hybrid_engine.spec.drafters import DRAFTERS
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import traceback
 import numpy as np
 import torch
 
-from hybrid_engine.decode_prep import DecodeDest, PrevOutputs, prepare_decode_ref
-from mamba_cache import NULL_SLOT
+from hybrid_engine.step.decode_prep import DecodeDest, PrevOutputs, prepare_decode_ref
+from hybrid_engine.mamba_cache import NULL_SLOT
 
 POISON = -7
 
@@ -127,7 +127,7 @@ def with_header(kernel):
 
 
 def main() -> int:
-    from hybrid_engine.triton_decode_prep import triton_prepare_decode
+    from hybrid_engine.step.triton_decode_prep import triton_prepare_decode
     for name, kw in CASES.items():
         for seed in range(3):
             try:

@@ -5,7 +5,7 @@ import pytest
 
 from async_harness import Spy, assert_hf_greedy, make_llm, run
 from hybrid_engine import SamplingParams
-from hybrid_engine.request import Status
+from hybrid_engine.scheduling.request import Status
 
 
 # --------------------------------------------------------------------------- (b) counter drift

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.testing import hf_greedy
+from hf_reference import hf_greedy
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 NUM_SCHEDULES = 100
@@ -207,8 +207,8 @@ def test_fuzz_async_equals_sync_equals_reference(seed, spec_name, pool, hf_refs,
 def test_fuzz_schedules_exercise_pressure(pool, hf_refs, engines, monkeypatch):
     """The schedule generator really produces preemption, chunked prefill, aborts with a step in
     flight and mid-batch condense moves (checked on a sample of schedules)."""
-    from hybrid_engine import scheduler as sched_mod
-    from hybrid_engine import input_batch as ib_mod
+    from hybrid_engine.scheduling import scheduler as sched_mod
+    from hybrid_engine.step import input_batch as ib_mod
     seen = {"preempt": 0, "chunk": 0, "move": 0, "abort_inflight": 0}
     orig_preempt, orig_row, orig_move = sched_mod.Scheduler._preempt, sched_mod.Scheduler._row, ib_mod.InputBatch._move
 

@@ -5,7 +5,7 @@ import pytest
 
 from async_harness import Spy, make_llm, run
 from hybrid_engine import SamplingParams
-from hybrid_engine.testing import hf_greedy
+from hf_reference import hf_greedy
 
 
 # --------------------------------------------------------------------- (a) reused slot / row state

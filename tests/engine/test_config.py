@@ -40,7 +40,7 @@ def _write(tmp_path, text):
 
 
 def test_transformers_save_pretrained_round_trip(tmp_path):
-    from hybrid_engine.testing import hf_config
+    from hybrid_engine.models.synthetic import hf_config
 
     cfg = hf_config("M-M*-ME", vocab_size=200, hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
                     head_dim=12, intermediate_size=96, mamba_num_heads=6, mamba_head_dim=8, n_groups=3,

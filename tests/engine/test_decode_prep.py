@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_engine.decode_prep import prepare_decode_ref
+from hybrid_engine.step.decode_prep import prepare_decode_ref
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -66,7 +66,7 @@ class _Handle:
 
 
 def test_fast_launch_direct_path_passes_constexprs_in_order():
-    from mamba_cache.ops.triton_common import FastLaunch
+    from hybrid_engine.mamba_cache.ops.triton_common import FastLaunch
     handle = _Handle()
     kern = _FakeKernel(handle)
     fl = FastLaunch(kern)
@@ -79,7 +79,7 @@ def test_fast_launch_direct_path_passes_constexprs_in_order():
 
 
 def test_fast_launch_falls_back_loudly(caplog):
-    from mamba_cache.ops.triton_common import FastLaunch
+    from hybrid_engine.mamba_cache.ops.triton_common import FastLaunch
     kern = _FakeKernel(_Handle(fail=True))
     fl = FastLaunch(kern)
     x = torch.zeros(4)
@@ -95,7 +95,7 @@ def test_stage_decode_layout_with_and_without_header():
     """InputBatch.stage_decode: [prev, slot, block-table rows cut to the widest row], with [N, W]
     first in header mode (what the greedy step graphs stage)."""
     import numpy as np
-    from hybrid_engine.input_batch import InputBatch
+    from hybrid_engine.step.input_batch import InputBatch
     b = InputBatch(4, 64, 8)
     b.slot[:3] = [5, 6, 7]
     b.num_blocks[:3] = [1, 3, 2]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.testing import engine_prefill_hidden, hf_greedy, hf_logits
+from hf_reference import engine_prefill_hidden, hf_greedy, hf_logits
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")   # "cuda" runs the same tests on a GPU
 
@@ -59,7 +59,7 @@ def test_greedy_equals_transformers_under_pressure(hybrid_dir, prompts, referenc
 
 def test_pressure_really_happens(hybrid_dir, prompts, monkeypatch):
     """The configuration above does chunk, queue, reuse slots and preempt."""
-    from hybrid_engine import scheduler as sched_mod
+    from hybrid_engine.scheduling import scheduler as sched_mod
     seen = {"preempt": 0, "chunks": 0, "slots": set()}
     orig_preempt, orig_row = sched_mod.Scheduler._preempt, sched_mod.Scheduler._row
 

@@ -17,7 +17,7 @@ import torch
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.config import SpeculativeConfig
-from hybrid_engine.transfer import H2D
+from hybrid_engine.step.transfer import H2D
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 PROMPTS = [[179, 228] * 3, [170, 88, 54, 39, 250, 105, 178] * 3, [139, 162, 196] * 5, [63, 5, 167, 65, 150] * 9]
@@ -67,7 +67,7 @@ def test_decode_only_steps_equal_steps_mixed_with_prefill(hybrid_dir, spec):
 def test_step_scratch_alternates_and_reuses_two_steps_later():
     """A decode-only step's start / next_start buffers: step N+1 must not write the buffer step N
     wrote (N+1 reads it as the previous step's output); step N+2 may reuse it."""
-    from hybrid_engine.step_constants import StepScratch
+    from hybrid_engine.step.step_constants import StepScratch
     sc = StepScratch(torch.device(DEV))
     seen = []
     for _ in range(4):
@@ -83,7 +83,7 @@ def test_step_scratch_alternates_and_reuses_two_steps_later():
 
 def test_fast_launch_keeps_one_runner_per_grid():
     """FastLaunch builds the handle's runner once per grid and passes the right grid each time."""
-    from mamba_cache.ops.triton_common import FastLaunch
+    from hybrid_engine.mamba_cache.ops.triton_common import FastLaunch
 
     class Handle:
         def __init__(self):

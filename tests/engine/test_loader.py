@@ -7,7 +7,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hybrid_engine.models.loader import load_checkpoint
-from hybrid_engine.testing import make_hf_model
+from hybrid_engine.models.synthetic import make_hf_model
 
 
 class Tree(torch.nn.Module):
@@ -99,7 +99,7 @@ def test_strict_prefixes_loads_a_submodule(ckpt):
 
 
 def test_sharded_with_index(tmp_path, capsys):
-    from hybrid_engine.testing import load_hf
+    from hf_reference import load_hf
     src = make_hf_model(tmp_path / "src", "M*-E", seed=5)
     model = load_hf(src)
     dst = tmp_path / "sharded"

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_engine.testing import NoHostSync
+from hf_reference import NoHostSync
 
-from hybrid_engine import rng
-from hybrid_engine.sampler import SamplingTensors, filtered_logits, probs_from_logits, sample
+from hybrid_engine.sampling import rng
+from hybrid_engine.sampling.sampler import SamplingTensors, filtered_logits, probs_from_logits, sample
 
 # Critical values of the chi-square distribution at p = 1e-3 (scipy.stats.chi2.isf(1e-3, dof)),
 # used when scipy is not installed.

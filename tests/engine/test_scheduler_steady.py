@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from hybrid_engine.config import SchedulerConfig
-from hybrid_engine.request import Request, Status
+from hybrid_engine.scheduling.request import Request, Status
 from hybrid_engine.sampling_params import SamplingParams
-from hybrid_engine.scheduler import Scheduler
-from hybrid_engine.scheduler_output import ModelRunnerOutput
+from hybrid_engine.scheduling.scheduler import Scheduler
+from hybrid_engine.scheduling.scheduler_output import ModelRunnerOutput
 
 EOS, STOP = 2, 7
 

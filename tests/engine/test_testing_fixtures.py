@@ -7,8 +7,8 @@ import torch
 from safetensors import safe_open
 
 from hybrid_engine.config import ModelConfig
-from hybrid_engine.testing import (TINY_TIME_STEP_MIN, hf_dt_values, hf_greedy, hf_logits, load_hf,
-                                   make_hf_model)
+from hybrid_engine.models.synthetic import TINY_TIME_STEP_MIN, make_hf_model
+from hf_reference import hf_dt_values, hf_greedy, hf_logits, load_hf
 
 
 def _prompts(n, vocab, seed=0, lengths=(5, 12, 23)):

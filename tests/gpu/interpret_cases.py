@@ -16,13 +16,13 @@ torch.set_num_threads(1)
 import kernel_cases as kc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
-from mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
-from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
-from mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
-from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
-from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
-from mamba_cache.ops import selective_state_update_gated  # noqa: E402
-from mamba_cache.ops.triton_state_update import (triton_selective_state_update,  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
+from hybrid_engine.mamba_cache.ops import selective_state_update_gated  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_state_update import (triton_selective_state_update,  # noqa: E402
                                                   triton_selective_state_update_gated)
 
 F32 = torch.float32
@@ -30,7 +30,7 @@ F32 = torch.float32
 
 def _on_triton(case):
     """Run case with every public op dispatching to its Triton kernel (CPU tensors included)."""
-    from mamba_cache.ops import triton_common
+    from hybrid_engine.mamba_cache.ops import triton_common
     real = triton_common.kernel_backend
     triton_common.kernel_backend = lambda op, device: "triton"
     try:

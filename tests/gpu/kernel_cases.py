@@ -18,8 +18,8 @@ import sys
 import torch
 
 from hybrid_engine.attention.ops import paged_attention_ref
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref, gated_rmsnorm_ref,
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref, gated_rmsnorm_ref,
                              selective_state_update_gated_ref, selective_state_update_ref,
                              ssd_scan_varlen_ref)
 
@@ -259,7 +259,7 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
 
 def ssu_norm_counters_zero():
     """True if every counter buffer of the fused kernel (current and kept-alive) is all zero."""
-    mod = sys.modules.get("mamba_cache.ops.triton_state_update")      # never imports Triton
+    mod = sys.modules.get("hybrid_engine.mamba_cache.ops.triton_state_update")      # never imports Triton
     bufs = [] if mod is None else list(mod._counters.values()) + mod._retired
     return all(not bool(b.any()) for b in bufs)
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_kernel_cuda(name):
-    from hybrid_engine.triton_decode_prep import triton_prepare_decode
+    from hybrid_engine.step.triton_decode_prep import triton_prepare_decode
     for seed in range(3):
         check(triton_prepare_decode, seed=seed, device="cuda", **CASES[name])
         check(with_header(triton_prepare_decode), seed=seed, device="cuda", **CASES[name])

@@ -45,7 +45,7 @@ def test_graph_replay_equals_eager(target, prompts, spec):
     for eager in (True, False):
         llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=8, speculative_config=cfg,
                   enforce_eager=eager, async_scheduling=True)
-        from hybrid_engine.graphs import CudaGraphExecutor
+        from hybrid_engine.step.graphs import CudaGraphExecutor
         assert isinstance(llm.engine.runner.executor, CudaGraphExecutor) != eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[True] == outs[False]
@@ -62,7 +62,7 @@ def test_padded_rows_never_change_real_rows(target, prompts):
 
 def test_draft_probs_fresh_every_step(target, prompts):
     """Draft probabilities are written every step (vLLM PR 37639 class): rows sum to 1 and change."""
-    from spec.drafters import draft_model as dm
+    from hybrid_engine.spec.drafters import draft_model as dm
     seen = []
     orig = dm.DraftModelDrafter.propose
 
@@ -86,7 +86,7 @@ def test_draft_probs_fresh_every_step(target, prompts):
 def test_h2d_staging_never_overwrites_a_pending_copy():
     """Several puts in one step and across RING-1 steps while the GPU is stalled: each copy must
     deliver the values it was given (a reused pinned buffer would deliver later values)."""
-    from hybrid_engine.transfer import H2D, RING
+    from hybrid_engine.step.transfer import H2D, RING
     h2d = H2D(torch.device("cuda"), capacity=8)           # tiny: forces the grow path too
     got, want = [], []
     torch.cuda._sleep(200_000_000)                         # keep the stream busy while we stage
@@ -107,8 +107,8 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
     eager engine's tokens (greedy in bf16; seeded sampling, where the draft probabilities take
     part in acceptance, in f32), async on; both graphs ran, and every step's draft
     probabilities are fresh distributions."""
-    from spec.drafters import mtp as mtp_mod
-    from spec.drafters import mtp_graphs
+    from hybrid_engine.spec.drafters import mtp as mtp_mod
+    from hybrid_engine.spec.drafters import mtp_graphs
     calls = {"verify": 0, "step": 0}
     for name in calls:
         orig = getattr(mtp_graphs.MTPGraphs, name)

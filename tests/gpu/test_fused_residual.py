@@ -9,7 +9,7 @@ from hybrid_engine import LLM
 from hybrid_engine.models import layers
 from hybrid_engine.models.activation import relu2_ref
 from hybrid_engine.models.nemotron_h import NemotronHForCausalLM
-from hybrid_engine.testing import engine_prefill_hidden
+from hf_reference import engine_prefill_hidden
 
 
 def unfused_forward(model, fb, caches):

@@ -7,8 +7,8 @@ import pytest
 
 from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine import greedy_graphs as gg_mod
-from hybrid_engine import runner as runner_mod
+from hybrid_engine.step import greedy_graphs as gg_mod
+from hybrid_engine.step import runner as runner_mod
 
 pytestmark = pytest.mark.gpu
 

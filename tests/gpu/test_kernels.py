@@ -10,9 +10,9 @@ import torch
 
 import kernel_cases as kc
 from hybrid_engine.attention import ops as attn_ops
-from mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
+from hybrid_engine.mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
                              selective_state_update, ssd_scan_varlen)
-from mamba_cache.ops import triton_common
+from hybrid_engine.mamba_cache.ops import triton_common
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +119,7 @@ CONV_UPDATE_VARIANT_CASES = [1, 2, 3, 4, 5, 6]
 @pytest.mark.parametrize("case", CONV_UPDATE_VARIANT_CASES)
 @pytest.mark.parametrize("variant", range(len(CONV_UPDATE_VARIANTS)))
 def test_conv_update_variants(variant, case):
-    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
     impl = functools.partial(triton_causal_conv1d_update, **CONV_UPDATE_VARIANTS[variant])
     for seed in (0, 1):      # seed 0: MambaPool's token-major layout; seed 1: channel-major
         kc.check_conv_update(impl, DEV, torch.bfloat16, seed=seed, token_major=seed == 0,
@@ -130,7 +130,7 @@ def test_conv_update_variants(variant, case):
 @pytest.mark.parametrize("opts", [dict(variant="cols"), dict(rows_per_program=4)],
                          ids=["cols", "rows4"])
 def test_conv_update_variant_dtypes_all_k(dtype, opts):
-    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
     impl = functools.partial(triton_causal_conv1d_update, **opts)
     for K in range(9):
         for s in sorted({1, K + 1}):
@@ -140,7 +140,7 @@ def test_conv_update_variant_dtypes_all_k(dtype, opts):
 @pytest.mark.parametrize("weight_load", ["auto", "flat", "taps"])
 def test_conv_update_variant_widths(weight_load):
     """Conv widths 2..8 through both weight loads (flat: W in 2, 4, 8)."""
-    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
     for W in (2, 3, 4, 5, 8):
         if weight_load == "flat" and W not in (2, 4, 8):
             continue
@@ -157,7 +157,7 @@ def test_conv_update_variant_widths(weight_load):
                          ids=["default", "cols", "rows2", "rows2_nw2"])
 def test_conv_update_tap_major_weight(opts):
     """A [C, W] weight view of [W, C] storage (vector loads per tap)."""
-    from mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
+    from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update
     impl = functools.partial(triton_causal_conv1d_update, **opts)
     for case in (2, 5, 6):
         kc.check_conv_update(impl, DEV, torch.bfloat16, tap_major_weight=True, **CONV_UPDATE[case])
@@ -195,7 +195,7 @@ SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
 def test_ssd_variants(dtype, lowp, cb_pre, case):
     """lowp / cb_pre combinations and block shapes (16-bit models with lowp: the multi-head
     kernel where a group has several heads; otherwise the per-head kernel)."""
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
     for seed, (bm, bk, nw, bp, st) in enumerate([(None, None, None, None, None),
                                                   (64, 64, 8, None, None), (64, 32, 4, 32, 3)]):
         impl = functools.partial(triton_ssd_scan_varlen, lowp=lowp, cb_pre=cb_pre, block_m=bm,
@@ -241,7 +241,7 @@ SSD_OUT_OPTIONS += [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("opt", range(len(SSD_OUT_OPTIONS)))
 def test_ssd_options(dtype, opt):
-    from mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
     opts, cases = SSD_OUT_OPTIONS[opt]
     impl = functools.partial(triton_ssd_scan_varlen, **opts)
     for seed, case in enumerate(cases):
@@ -294,7 +294,7 @@ def test_norm(dtype, case):
 @pytest.mark.parametrize("block_t,num_warps,streaming", [(1, 1, False), (1, 4, True), (2, 2, False),
                                                          (4, 8, True)])
 def test_norm_launch_options(dtype, block_t, num_warps, streaming):
-    from mamba_cache.ops.triton_norm import triton_gated_rmsnorm
+    from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
     for case in (1, 2, 3, 4):
         T, I, gs = NORM[case]
         kc.check_norm(lambda *a: triton_gated_rmsnorm(*a, block_t=block_t, num_warps=num_warps,
@@ -335,7 +335,7 @@ def test_attention_splits(num_splits, case):
 # ----------------------------------------------------------------------------- misc
 
 def test_ssd_sequential_variant():
-    from mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
+    from hybrid_engine.mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential
     for dtype in (torch.float32, torch.bfloat16):
         kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [16, 1, 0, 35, 7], seed=3)
         kc.check_ssd(triton_ssd_scan_sequential, DEV, dtype, [300], H=8, G=2, P=64, N=128,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mamba_cache.ops import triton_common
+from hybrid_engine.mamba_cache.ops import triton_common
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

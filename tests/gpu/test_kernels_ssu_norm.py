@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kernel_cases as kc
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops import (selective_state_update_gated, selective_state_update_gated_ref,
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops import (selective_state_update_gated, selective_state_update_gated_ref,
                              triton_common)
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +66,7 @@ def test_ssu_norm(dtype, case):
 def test_ssu_norm_launch_options(block_p, num_warps, block_s):
     """Several head_dim blocks per head (more programs per group than heads), other warps, and
     fewer tokens per step of the norm (s = 5 with 2 per step: a short last step)."""
-    from mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
+    from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
     impl = functools.partial(triton_selective_state_update_gated, block_p=block_p,
                              num_warps=num_warps, block_s=block_s)
     for dtype in DTYPES:
@@ -75,7 +75,7 @@ def test_ssu_norm_launch_options(block_p, num_warps, block_s):
 
 
 def test_counters_are_not_allocated_during_capture(monkeypatch):
-    from mamba_cache.ops import triton_state_update as tsu
+    from hybrid_engine.mamba_cache.ops import triton_state_update as tsu
     tsu.reserve_ssu_norm_counters(DEV, 4, 2)
     have = tsu._counters[torch.device(DEV, torch.cuda.current_device())].numel()
     monkeypatch.setattr(tsu.torch.cuda, "is_current_stream_capturing", lambda: True)

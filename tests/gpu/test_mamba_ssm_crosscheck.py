@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mamba_cache.ops import selective_state_update, ssd_scan_naive, ssd_scan_varlen
-from mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm
+from hybrid_engine.mamba_cache.ops import selective_state_update, ssd_scan_naive, ssd_scan_varlen
+from hybrid_engine.mamba_cache.ops.mamba_ssm_ref import load_mamba_ssm as _load_mamba_ssm
 
 pytestmark = pytest.mark.gpu
 

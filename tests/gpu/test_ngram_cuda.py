@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spec"))
 from ngram_triton_cases import CASES, compare, make_ctx  # noqa: E402
-from spec.drafters.ngram import NgramDrafter  # noqa: E402
+from hybrid_engine.spec.drafters.ngram import NgramDrafter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import torch
 import model_kernel_cases as mkc
 from hybrid_engine.models.activation import relu2
 from hybrid_engine.models.rmsnorm import (fused_add_rmsnorm, rmsnorm, rmsnorm_ref, rmsnorm_triton)
-from mamba_cache.ops import triton_common
+from hybrid_engine.mamba_cache.ops import triton_common
 
 pytestmark = pytest.mark.gpu
 

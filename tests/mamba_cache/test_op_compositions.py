@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops import (
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     selective_state_update,

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops import (
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops import (
     gated_rmsnorm,
     selective_state_update,
     ssd_scan_naive,
@@ -73,7 +73,7 @@ def test_ssd_device_grid_bounds(monkeypatch, hint):
     """The device path sizes its chunk grid from T, B (and the hint), not from query_start_loc;
     force that path on CPU."""
     import functools
-    import mamba_cache.ops.ssd as ssd_mod
+    import hybrid_engine.mamba_cache.ops.ssd as ssd_mod
     monkeypatch.setattr(ssd_mod, "_grid_size", functools.partial(ssd_mod._grid_size, exact=False))
     gen = torch.Generator().manual_seed(15)
     run_ssd_case([7, 0, 20, 1, 8, 9], H=4, G=2, P=3, N=4, chunk=8, gen=gen, max_seqlen=hint)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from mamba_cache import NULL_SLOT
-from mamba_cache import ops as mops
-from mamba_cache.ops import (gated_rmsnorm, reserve_ssu_norm_counters, selective_state_update,
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache import ops as mops
+from hybrid_engine.mamba_cache.ops import (gated_rmsnorm, reserve_ssu_norm_counters, selective_state_update,
                              selective_state_update_gated)
 from oracles import ssm_params
 
@@ -69,9 +69,9 @@ def _mixer_step(num_prefill):
     """One Mamba2Mixer step (3 decode rows of s=2, plus num_prefill prefill rows of 3 tokens) ->
     (output, the same step by the unfused ops, pools equal)."""
     from hybrid_engine.config import ModelConfig
-    from hybrid_engine.forward_batch import ForwardBatch, MambaMetadata
+    from hybrid_engine.step.forward_batch import ForwardBatch, MambaMetadata
     from hybrid_engine.models.nemotron_h import Caches, Mamba2Mixer
-    from mamba_cache.pool import MambaPool
+    from hybrid_engine.mamba_cache.pool import MambaPool
     torch.manual_seed(0)
     cfg = ModelConfig(layer_types=("M",), vocab_size=16, hidden_size=32, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, intermediate_size=32, mamba_num_heads=4,

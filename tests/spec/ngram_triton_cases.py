@@ -17,8 +17,8 @@ import traceback
 import numpy as np
 import torch
 
-from spec.drafters import DraftContext
-from spec.drafters.ngram import NgramDrafter
+from hybrid_engine.spec.drafters import DraftContext
+from hybrid_engine.spec.drafters.ngram import NgramDrafter
 
 
 def make_ctx(slots, sampled, num_valid, input_pos, width, device) -> DraftContext:
@@ -66,7 +66,7 @@ def compare(device, *, k: int, min_n: int, max_n: int, num_slots: int = 6, max_l
     tri = NgramDrafter(backend="triton", **kw)
     assert tri.backend == "triton" and ref.backend == "torch"
     if block is not None:
-        from spec.drafters.triton_ngram import NgramTritonKernel
+        from hybrid_engine.spec.drafters.triton_ngram import NgramTritonKernel
         tri._kernel = NgramTritonKernel(k, min_n, tri._m, max_len, tri.window, block=block)
     lens = np.zeros(num_slots, dtype=np.int64)          # host mirror of the lengths (for positions)
     proposed = 0

@@ -12,9 +12,9 @@ from torch.overrides import TorchFunctionMode
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.config import SpeculativeConfig
-from hybrid_engine.testing import hf_greedy
-from spec.drafters import DraftContext
-from spec.drafters.ngram import NgramDrafter
+from hf_reference import hf_greedy
+from hybrid_engine.spec.drafters import DraftContext
+from hybrid_engine.spec.drafters.ngram import NgramDrafter
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 
@@ -358,8 +358,8 @@ def test_seeded_sampling_with_ngram_equals_no_spec(hybrid_dir, seeded_base):
 def test_rejection_one_hot_draft_keeps_plain_sample():
     """Minimal form: with temperature > 0 and a one-hot (n-gram) draft, the token emitted at a
     position should be the plain sampler's token there, whether the draft is accepted or not."""
-    from hybrid_engine.sampler import SamplingTensors, sample
-    from spec.rejection import rejection_sample
+    from hybrid_engine.sampling.sampler import SamplingTensors, sample
+    from hybrid_engine.spec.rejection import rejection_sample
     from types import SimpleNamespace
     g = torch.Generator().manual_seed(0)
     rows, vocab = 256, 8

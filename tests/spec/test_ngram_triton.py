@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mamba_cache.ops import triton_common
-from spec.drafters import ngram
-from spec.drafters.ngram import NgramDrafter
+from hybrid_engine.mamba_cache.ops import triton_common
+from hybrid_engine.spec.drafters import ngram
+from hybrid_engine.spec.drafters.ngram import NgramDrafter
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybrid_engine.testing import NoHostSync
+from hf_reference import NoHostSync
 
-from hybrid_engine.sampler import SamplingTensors, gumbel_argmax, probs_from_logits, sample
-from spec.rejection import num_accepted, rejection_sample
+from hybrid_engine.sampling.sampler import SamplingTensors, gumbel_argmax, probs_from_logits, sample
+from hybrid_engine.spec.rejection import num_accepted, rejection_sample
 
 # Chi-square critical values at p = 1e-3 (scipy.stats.chi2.isf(1e-3, dof)), used without scipy.
 _CHI2_CRIT_1E3 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}

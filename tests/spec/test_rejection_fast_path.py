@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from hybrid_engine.sampler import SamplingTensors
-from spec.rejection import rejection_sample
+from hybrid_engine.sampling.sampler import SamplingTensors
+from hybrid_engine.spec.rejection import rejection_sample
 
 
 def greedy_params(r: int) -> SamplingTensors:

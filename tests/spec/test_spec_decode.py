@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.testing import hf_greedy
+from hf_reference import hf_greedy
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_mtp_equals_transformers(target, prompts, reference, k):
 
 def test_mtp_drafts_match_naive_recompute(target, prompts):
     """The MTP pass with its KV cache equals a naive full recompute of the MTP layers."""
-    from spec.drafters import mtp as mtp_mod
+    from hybrid_engine.spec.drafters import mtp as mtp_mod
     recorded = []
     orig = mtp_mod.MTPDrafter.propose
 
@@ -131,7 +131,7 @@ def _naive_mtp_drafts(llm, seq, prompt_len):
 
 
 def _full_hidden(llm, ids):
-    from hybrid_engine.testing import engine_prefill_hidden
+    from hf_reference import engine_prefill_hidden
     return engine_prefill_hidden(llm, ids)
 
 
@@ -163,7 +163,7 @@ def test_spec_reused_slot_never_sees_old_drafts(target, prompts, reference):
 
 
 def test_accepted_counts_on_device_never_zero(target, prompts, monkeypatch):
-    from hybrid_engine import runner as runner_mod
+    from hybrid_engine.step import runner as runner_mod
     seen = []
     orig = runner_mod.ModelRunner.execute
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.testing import load_hf
+from hf_reference import load_hf
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 V = 8

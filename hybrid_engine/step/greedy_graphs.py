@@ -142,7 +142,7 @@ def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: 
     if num_spec:
         logger.info("greedy step graphs: off (speculative decoding verifies drafts outside them)")
         return None
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", executor.device) != "triton":
         logger.warning("greedy step graphs: off (the Triton prepare_decode kernel is unavailable); "
                        "greedy decode steps take the general path")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache import NULL_SLOT
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def prepare_decode(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, 
                    next_start_out: torch.Tensor | None) -> None:
     """Fill ``dest`` (all R rows), ``start_out`` [N], ``drafts_out`` [N, K] (K > 0) and
     ``next_start_out`` [N] (K = 0) from ``staged`` (see the module docstring)."""
-    from mamba_cache.ops.triton_common import kernel_backend
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", staged.device) == "triton":
         from .triton_decode_prep import triton_prepare_decode
         return triton_prepare_decode(staged, n, width, prev, dest, block_size=block_size, num_spec=num_spec,

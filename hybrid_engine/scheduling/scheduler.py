@@ -13,13 +13,13 @@ from typing import Iterable
 
 import numpy as np
 
-from .attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
-from .config import SchedulerConfig
+from ..attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
+from ..config import SchedulerConfig
 from .request import Request, Status
 from .running_table import RunningTable
 from .scheduler_commit import CommitMixin
 from .scheduler_output import DecodeRows, NewRequestData, ScheduledRow, SchedulerOutput
-from mamba_cache.pool import SlotAllocator
+from hybrid_engine.mamba_cache.pool import SlotAllocator
 
 logger = logging.getLogger("hybrid_engine")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import SamplingTensors
+from ..sampling.sampler import SamplingTensors
 
 
 class StepConstants:

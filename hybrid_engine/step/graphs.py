@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache import NULL_SLOT
 
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata

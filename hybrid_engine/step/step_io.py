@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from .forward_batch import ForwardBatch
-from .sampler import SamplingTensors
-from .scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..sampling.sampler import SamplingTensors
+from ..scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .transfer import D2HCopy
 
 

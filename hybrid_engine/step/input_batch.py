@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .scheduler_output import NewRequestData
+from ..scheduling.scheduler_output import NewRequestData
 
 PLACEHOLDER = -1
 

@@ -1,5 +1,5 @@
-"""Helpers for tests, examples and benchmarks: tiny Nemotron-H checkpoints and transformers
-references.
+"""Synthetic Nemotron-H checkpoints: the embedded default model, tests and benchmarks build their
+models here (the transformers references the tests compare against live in tests/hf_reference.py).
 
 ``make_hf_model`` builds a transformers ``NemotronHForCausalLM``, re-initialises it with O(1)-scale
 weights (``scale="sens"``, see ``sens_init_``; std-0.02 weights hide state bugs) and saves it with
@@ -244,7 +244,7 @@ def make_hf_model(out_dir, pattern: str = "M-M*-M*-", *, vocab_size: int = 256, 
         extra = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in extra.items()}
         _add_tensors(out_dir, extra)
     if with_tokenizer:
-        from hybrid_engine.default_model import save_tokenizer
+        from ..default_model import save_tokenizer
         save_tokenizer(out_dir, vocab_size)
     return out_dir
 
@@ -265,122 +265,3 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _fingerprint(model_dir: Path) -> tuple:
-    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
-    return tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.exists())
-
-
-@functools.lru_cache(maxsize=8)
-def _load_hf_cached(path: str, fingerprint: tuple):
-    from transformers import AutoModelForCausalLM
-
-    with _quiet_transformers():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def load_hf(model_dir):
-    """transformers' NemotronHForCausalLM for ``model_dir`` in float32, eval mode, cached (the
-    cache key includes the weight files' mtimes, so a rewritten folder is reloaded)."""
-    p = Path(model_dir).resolve()
-    return _load_hf_cached(str(p), _fingerprint(p))
-
-
-@torch.no_grad()
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuation of each prompt by transformers ``generate`` (float32, one prompt at a
-    time, do_sample=False). Returns exactly ``max_new_tokens`` new token ids per prompt: EOS does
-    not stop generation (``eos_token_id=None`` is passed, which overrides generation_config.json);
-    no logits processor touches the scores, so every token is the plain argmax. Compare with the
-    engine run with ``ignore_eos=True``."""
-    model = load_hf(model_dir)
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        with _quiet_transformers():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-        new = out[0, ids.shape[1]:].tolist()
-        if len(new) != max_new_tokens:
-            raise RuntimeError(f"transformers generated {len(new)} tokens, expected {max_new_tokens}")
-        outs.append(new)
-    return outs
-
-
-@torch.no_grad()
-def hf_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
-    """Float32 logits [T, V] of one full-sequence forward (no cache) over ``token_ids``."""
-    model = load_hf(model_dir)
-    ids = torch.tensor([list(token_ids)], dtype=torch.long)
-    with _quiet_transformers():
-        return model(ids, use_cache=False).logits[0].float()
-
-
-@torch.no_grad()
-def hf_dt_values(model_dir, token_ids: list[int]) -> torch.Tensor:
-    """All dt = softplus(dt_proj + dt_bias) values of every Mamba layer on a full forward over
-    ``token_ids`` (before any clamp), flattened, float32."""
-    model = load_hf(model_dir)
-    seen: list[torch.Tensor] = []
-    hooks = []
-    for mod in model.modules():
-        if hasattr(mod, "dt_bias") and hasattr(mod, "in_proj"):
-            def hook(_m, _inp, out, mixer=mod):
-                raw = out[..., -mixer.num_heads:].float()
-                seen.append(torch.nn.functional.softplus(raw + mixer.dt_bias.float()).flatten())
-            hooks.append(mod.in_proj.register_forward_hook(hook))
-    try:
-        with _quiet_transformers():
-            model(torch.tensor([list(token_ids)], dtype=torch.long), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat(seen) if seen else torch.empty(0)
-
-
-def engine_prefill_hidden(llm, ids: list[int]):
-    """Final-normed hidden states [T, D] of one plain prefill of ``ids`` through an engine's model and
-    caches (a fresh slot and blocks, returned afterwards). For tests that compare per-position values."""
-    from .attention import blocks_needed
-    from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    eng = llm.engine
-    slot = eng.scheduler.slots.allocate()
-    bs = eng.scheduler.block_size
-    blocks = eng.scheduler.blocks.allocate(blocks_needed(len(ids), bs))
-    try:
-        dev = eng.cfg.device
-        t = len(ids)
-        pos = torch.arange(t, device=dev)
-        bt = torch.tensor([blocks], dtype=torch.int32, device=dev)
-        qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
-        fb = ForwardBatch(
-            torch.tensor(ids, device=dev), pos,
-            AttnMetadata(qsl, torch.tensor([t], dtype=torch.int32, device=dev), bt,
-                         bt[0, pos // bs].long() * bs + pos % bs, t, t),
-            MambaMetadata(0, 1, torch.zeros(0, dtype=torch.long, device=dev),
-                          torch.ones(0, dtype=torch.long, device=dev), qsl.long(), (0, t),
-                          torch.tensor([slot], device=dev), torch.tensor([False], device=dev)),
-            pos)
-        with torch.inference_mode():
-            return eng.model(fb, eng.caches)
-    finally:
-        eng.scheduler.slots.free(slot)
-        eng.scheduler.blocks.free(blocks)
-
-
-class NoHostSync(torch.overrides.TorchFunctionMode):
-    """Test guard: fails on any tensor operation that would read device data back to the host
-    (works on CPU tensors too, so CI checks the step path's no-sync rule without a GPU)."""
-
-    BANNED = {"item", "tolist", "cpu", "numpy", "nonzero", "masked_select", "__bool__", "__int__",
-              "__float__", "__index__"}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        assert name not in self.BANNED, f"host sync: {name}"
-        if name == "__getitem__":
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx), \
-                "host sync: boolean-mask indexing"
-        return func(*args, **(kwargs or {}))

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

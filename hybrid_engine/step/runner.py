@@ -9,16 +9,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spec.drafters import DraftContext, Drafter
-from spec.rejection import rejection_sample
+from hybrid_engine.spec.drafters import DraftContext, Drafter
+from hybrid_engine.spec.rejection import rejection_sample
 
 from .decode_prep import DecodeDest, PrevOutputs, prepare_decode
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from .graphs import EagerExecutor
 from .input_batch import InputBatch
-from .models.nemotron_h import Caches
-from .sampler import SamplingTensors, sample
-from .scheduler_output import ScheduledRow, SchedulerOutput
+from ..models.nemotron_h import Caches
+from ..sampling.sampler import SamplingTensors, sample
+from ..scheduling.scheduler_output import ScheduledRow, SchedulerOutput
 from .step_constants import StepConstants, StepScratch
 from .step_io import PrevStep, StepHandle, StepInputs
 from .transfer import D2H, H2D

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from hybrid_engine import rng
+from hybrid_engine.sampling import rng
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_cache import NULL_SLOT
-from mamba_cache.ops.triton_common import FastLaunch, device_ctx, next_pow2
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops.triton_common import FastLaunch, device_ctx, next_pow2
 
 
 @triton.jit(do_not_specialize=["n", "width", "M", "bs", "ss_r", "sd_r", "sbt_r"])
