@@ -21,6 +21,7 @@ import torch
 
 from hybrid_engine import LLM, SpeculativeConfig
 from hf_reference import hf_logits
+from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.spec.drafters import Drafter
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
@@ -76,8 +77,11 @@ class Spy:
         self.rows: dict[int, dict[str, int]] = {}    # step_id -> req_id -> step row (token order)
         self.committed: list[int] = []                # step ids in commit order
         self._cur = None
-        runner, model = engine.runner, engine.model
-        orig_execute, orig_forward, orig_commit = runner.execute, model.forward, engine.commit
+        runner, executor = engine.runner, engine.runner.executor
+        # the executor's forward sees every step's ForwardBatch, eager or replayed from a CUDA graph
+        # (whose static buffers are already filled when it is called); the model's forward is not
+        # called on a replay, so spying there would miss graph steps
+        orig_execute, orig_forward, orig_commit = runner.execute, executor.forward, engine.commit
         k = engine.num_spec
 
         def execute(sched):
@@ -89,13 +93,15 @@ class Spy:
             self.rows[sched.step_id] = {rid: i for i, rid in enumerate(order)}
             return orig_execute(sched)
 
-        def forward(fb, caches):
+        def forward(fb):
             m, s = fb.mamba, 1 + k
             nd = m.num_decode_rows
             slots, acc = m.decode_slots.tolist(), m.num_accepted.tolist()
             ids, pos = fb.input_ids[:nd * s:s].tolist(), fb.positions[:nd * s:s].tolist()
-            self.decode[self._cur] = [(self.slot_owner[slots[i]], acc[i], ids[i], pos[i]) for i in range(nd)]
-            return orig_forward(fb, caches)
+            # rows on the null slot are a graph bucket's padding
+            self.decode[self._cur] = [(self.slot_owner[slots[i]], acc[i], ids[i], pos[i])
+                                      for i in range(nd) if slots[i] != NULL_SLOT]
+            return orig_forward(fb)
 
         def commit(handle, out):
             touched = orig_commit(handle, out)
@@ -105,7 +111,7 @@ class Spy:
                 rid: (out.sampled[i, :int(out.num_valid[i])].tolist(), int(out.num_valid[i]))
                 for i, rid in enumerate(out.req_ids) if rid in got}
             return touched
-        runner.execute, model.forward, engine.commit = execute, forward, commit
+        runner.execute, executor.forward, engine.commit = execute, forward, commit
 
     def check_decode_rows_read_their_own_state(self, prompts: dict[str, list[int]]):
         """For every decode row of step N: accepted count == its previous step's valid count, first

@@ -1,5 +1,85 @@
-"""tests/gpu: make the case tables here (kernel_cases, interpret_cases) importable."""
+"""tests/gpu: make the case tables here (kernel_cases, interpret_cases) importable, and split the
+GPU suite into two tiers.
+
+Default tier, ``python -m pytest -q -m "gpu and not slow"``: every kernel, every launch-option
+family, every graph family and the no-host-sync checks, each on representative cases, in a few
+minutes on one H100 (the number is in README.md). The ``slow`` tier holds the rest of each sweep
+(every dtype x case, every K, every variant x case); ``tests/gpu/run_all.sh`` runs both.
+
+The split lives in one table, ``DEFAULT_TIER`` below, instead of marks spread over the files: a
+sweep's case stays in the default tier when its rule says so, and is marked ``slow`` otherwise.
+Tests not named in the table are default-tier unless they mark themselves slow.
+"""
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_BF16_NAMES = (torch.bfloat16, "bfloat16", "bf16")
+
+
+def _bf16_or_first(item) -> bool:
+    """Every case in bf16 (the serving dtype); f32 and f16 only on the first case of every other
+    parameter (one compile each, which is where dtype bugs show)."""
+    cs = item.callspec
+    if cs.params.get("dtype") in _BF16_NAMES:
+        return True
+    return all(i == 0 for name, i in cs.indices.items() if name != "dtype")
+
+
+def _first_and(**keep):
+    """The first value of each parameter, plus the listed values of the named ones."""
+    def rule(item) -> bool:
+        cs = item.callspec
+        for name, i in cs.indices.items():
+            allowed = keep.get(name)
+            if i != 0 and not (allowed is not None and cs.params[name] in allowed):
+                return False
+        return True
+    return rule
+
+
+# test function name -> rule(item) -> True if the case stays in the default tier
+DEFAULT_TIER = {
+    # test_kernels.py
+    "test_conv_varlen": _bf16_or_first,
+    "test_conv_update": _bf16_or_first,
+    "test_conv_update_all_k": lambda it: it.callspec.params["K"] in (0, 1, 3, 8),
+    # every variant once, on the smallest case; the variant x case grid is slow
+    "test_conv_update_variants": lambda it: it.callspec.params["case"] == 1,
+    "test_conv_update_variant_dtypes_all_k": lambda it: it.callspec.id == "cols-bf16",
+    "test_conv_update_variant_widths": lambda it: it.callspec.params["weight_load"] == "taps",
+    "test_ssd": _bf16_or_first,
+    "test_ssd_variants": _bf16_or_first,
+    "test_ssd_options": _bf16_or_first,
+    "test_ssu_all_k": lambda it: it.callspec.params["K"] in (0, 1, 3, 8) and _bf16_or_first(it)
+                                 or it.callspec.params["K"] == 3,
+    "test_ssu": _bf16_or_first,
+    "test_norm": _bf16_or_first,
+    "test_norm_launch_options": _bf16_or_first,
+    "test_attention": _bf16_or_first,
+    "test_attention_splits": _first_and(num_splits=(1, 3, 64)),
+    "test_skinny_linear": _bf16_or_first,
+    # test_kernels_ssu_norm.py
+    "test_ssu_norm_all_k": lambda it: it.callspec.params["K"] in (0, 3) or
+                                      (it.callspec.params["K"] == 8 and _bf16_or_first(it)),
+    "test_ssu_norm": _bf16_or_first,
+    "test_ssu_norm_launch_options": lambda it: it.callspec.indices["block_p"] in (0, 2),
+    # test_rmsnorm_cuda.py: cheap, but 114 cases
+    "test_rmsnorm_triton_matches_ref": _bf16_or_first,
+    "test_fused_add_rmsnorm_matches_ref": _bf16_or_first,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here not in Path(str(item.path)).resolve().parents:
+            continue            # the hook sees the whole session's items; the table is for tests/gpu
+        rule = DEFAULT_TIER.get(getattr(item, "originalname", item.name))
+        if rule is not None and hasattr(item, "callspec") and not rule(item):
+            item.add_marker(slow)

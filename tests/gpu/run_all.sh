@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU test tier on a CUDA machine, with a summary. Run from anywhere:
+#   bash tests/gpu/run_all.sh            # default, cuda and slow tiers
+#   bash tests/gpu/run_all.sh default    # one tier (default | cuda | slow), or several
+# Tiers:
+#   default  python -m pytest -m "gpu and not slow" tests/gpu      kernels, graphs, no-sync checks
+#   cuda     HYBRID_ENGINE_TEST_DEVICE=cuda python -m pytest -m "not gpu"   the CPU suite on CUDA
+#   slow     python -m pytest -m "gpu and slow" tests/gpu          the exhaustive kernel sweeps
+# Logs go to ${LOG_DIR:-/tmp/hybrid-engine-gpu-tests}/<tier>.log; exit status is non-zero if any
+# tier failed. CI runs the CPU suite only (python -m pytest -m "not gpu").
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG_DIR=${LOG_DIR:-/tmp/hybrid-engine-gpu-tests}
+mkdir -p "$LOG_DIR"
+tiers=("$@")
+[ ${#tiers[@]} -eq 0 ] && tiers=(default cuda slow)
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: the GPU tiers need one')" || exit 2
+summary=()
+status=0
+for tier in "${tiers[@]}"; do
+  case "$tier" in
+    default) cmd=(python -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests/gpu) ;;
+    cuda)    cmd=(env HYBRID_ENGINE_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -m "not gpu") ;;
+    slow)    cmd=(python -m pytest -q -p no:cacheprovider -m "gpu and slow" tests/gpu) ;;
+    *) echo "unknown tier '$tier' (default | cuda | slow)" >&2; exit 2 ;;
+  esac
+  echo "== $tier: ${cmd[*]}"
+  t0=$(date +%s)
+  "${cmd[@]}" 2>&1 | tee "$LOG_DIR/$tier.log"
+  rc=${PIPESTATUS[0]}
+  secs=$(( $(date +%s) - t0 ))
+  [ "$rc" -ne 0 ] && status=1
+  summary+=("$(printf '%-8s rc=%-3s %5ss  %s' "$tier" "$rc" "$secs" "$(grep -E '(passed|failed|error)' "$LOG_DIR/$tier.log" | tail -1)")")
+done
+echo
+echo "== summary (logs in $LOG_DIR)"
+printf '%s\n' "${summary[@]}"
+exit $status
