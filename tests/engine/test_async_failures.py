@@ -17,7 +17,10 @@ def test_failed_step_fails_only_its_requests(hybrid_dir, prompts, reference, mon
     eng = make(hybrid_dir, max_num_seqs=2, async_scheduling=async_scheduling)
     runner = eng.engine.runner
     calls = {"n": 0, "in_failed": None}
-    orig_execute, orig_forward = runner.execute, runner.model.forward
+    # the executor's forward runs on every step, eager or a CUDA graph replay (which never calls the
+    # model's forward), so the fault goes there
+    executor = runner.executor
+    orig_execute, orig_forward = runner.execute, executor.forward
 
     def execute(sched):
         calls["n"] += 1
@@ -25,11 +28,11 @@ def test_failed_step_fails_only_its_requests(hybrid_dir, prompts, reference, mon
             calls["in_failed"] = {r.req_id for r in sched.rows}
             if where == "before":
                 raise RuntimeError("injected failure")
-            runner.model.forward = boom
+            executor.forward = boom
             try:
                 return orig_execute(sched)
             finally:
-                runner.model.forward = orig_forward
+                executor.forward = orig_forward
         return orig_execute(sched)
 
     def boom(*a, **k):
