@@ -107,6 +107,10 @@ class ServerState:
         except RuntimeError as e:                  # generate after shutdown
             raise ApiError(503, f"the server is shutting down: {e}", type="server_error",
                            code="shutting_down") from None
+        except asyncio.CancelledError:           # the client left while the request was queued
+            self.metrics.aborted.inc()
+            await agen.aclose()
+            raise
         except BaseException:
             await agen.aclose()
             raise
