@@ -54,6 +54,12 @@ def create_app(llm, config: ServerConfig) -> FastAPI:
         msg = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
         return await _api_error(request, ApiError(400, msg, param=param))
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        logger.error("unhandled error serving %s", request.url.path, exc_info=e)
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected):
         return Response(status_code=499)        # nobody reads it: the client has gone

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="HF-format folder; default: the embedded small model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--api-key", default=os.environ.get("HYBRID_ENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYBRID_ENGINE_API_KEY, "
+                        "which keeps the key out of the process list)")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the folder "
                    "name, or 'default' for the embedded model)")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or the template "
