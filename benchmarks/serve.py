@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -134,8 +134,8 @@ def summarize(results: list[Result], duration: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["config", "rate", "ok/fail", "req/s", "out tok/s", "accept", "TTFT mean/p50/p90/p99 ms", "TPOT mean/p50/p90/p99 ms",
-            "ITL mean/p50/p90/p99 ms"]
+    cols = ["config", "rate", "ok/fail", "req/s", "out tok/s", "accept", "TTFT mean/p50/p90/p99 ms",
+            "TPOT mean/p50/p90/p99 ms", "ITL mean/p50/p90/p99 ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
     def acc(r):
@@ -145,8 +145,9 @@ def table(rows: list[dict]) -> str:
     def q(r, n):
         return "/".join(f"{r[f'{k}_{n}_ms']:.1f}" for k in ("mean", "p50", "p90", "p99"))
     for r in rows:
-        lines.append(f"| {r['config']} | {r['rate']} | {r['completed']}/{r['failed']} | {r['request_throughput']:.2f} | "
-                     f"{r['output_throughput']:.1f} | {acc(r)} | {q(r, 'ttft')} | {q(r, 'tpot')} | {q(r, 'itl')} |")
+        lines.append(f"| {r['config']} | {r['rate']} | {r['completed']}/{r['failed']} | "
+                     f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {acc(r)} | "
+                     f"{q(r, 'ttft')} | {q(r, 'tpot')} | {q(r, 'itl')} |")
     return "\n".join(lines)
 
 

@@ -57,7 +57,8 @@ class _EngineCollector:
         used_blocks = s["total_blocks"] - s["free_blocks"]
         used_slots = s["total_slots"] - s["free_slots"]
         yield gauge("num_requests_running", "Requests in the running batch.", s["num_requests_running"])
-        yield gauge("num_requests_waiting", "Requests queued in the engine, not yet running.", s["num_requests_waiting"])
+        yield gauge("num_requests_waiting", "Requests queued in the engine, not yet running.",
+                    s["num_requests_waiting"])
         yield gauge("kv_blocks_free", "Free KV-cache blocks.", s["free_blocks"])
         yield gauge("kv_blocks_total", "KV-cache blocks in the pool.", s["total_blocks"])
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.",

@@ -98,8 +98,8 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def unsupported(self) -> dict[str, bool]:
-        return {**super().unsupported(), "best_of": self.best_of not in (None, 1), "logprobs": self.logprobs is not None,
-                "echo": self.echo, "suffix": self.suffix is not None}
+        return {**super().unsupported(), "best_of": self.best_of not in (None, 1),
+                "logprobs": self.logprobs is not None, "echo": self.echo, "suffix": self.suffix is not None}
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a batch of one is unwrapped); a batch of several is a 400."""

@@ -70,4 +70,4 @@ def test_queue_full_is_429_and_disconnects_abort(server):
     import httpx as hx
     text = hx.get(url + "/metrics").text
     assert 'hybrid_engine_requests_rejected_total{model_name="default",status="429"} 2.0' in text
-    assert "hybrid_engine_requests_aborted_total{model_name=\"default\"} 2.0" in text, [l for l in text.splitlines() if "abort" in l]
+    assert 'hybrid_engine_requests_aborted_total{model_name="default"} 2.0' in text
