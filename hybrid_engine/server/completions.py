@@ -23,7 +23,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, http: Re
     state.check_model(req.model)
     req.check_supported()
     prompt = req.single_prompt()
-    params = req.sampling_params(req.max_tokens)
+    params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens)
     created = int(time.time())
 
     def body(run: Run, choices: list[dict], usage: dict | None) -> dict:

@@ -91,7 +91,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16                     # OpenAI's default for completions
+    max_tokens: int | None = 16              # OpenAI's default for completions (also for an explicit null)
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool = False

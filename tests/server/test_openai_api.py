@@ -108,6 +108,17 @@ def test_completion_equals_async_llm(oai, direct):
     assert r.object == "text_completion" and r.model == "default"
 
 
+def test_completion_default_max_tokens(server, direct):
+    """OpenAI's default of 16 tokens, also for an explicit null; the prompt echoed as token ids."""
+    ref = direct.run([PROMPTS[2]])[0][:16]
+    for extra in ({}, {"max_tokens": None}):
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"model": "default", "prompt": PROMPTS[2], "temperature": 0, "ignore_eos": True,
+                             "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref and r.json()["usage"]["completion_tokens"] == 16
+
+
 def test_completion_token_prompt_and_stream(oai, direct):
     ids = direct.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
     ref = direct.run([ids])[0][:MAX_TOKENS]
