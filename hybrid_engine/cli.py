@@ -79,10 +79,16 @@ def main(argv=None) -> int:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     b.add_argument("--prompt-len", type=int, default=32)
     b.add_argument("--max-tokens", type=int, default=64)
+    # serve: the OpenAI-compatible server (hybrid_engine/server; its arguments live there)
+    from hybrid_engine.server.cli import add_serve_parser
+    add_serve_parser(sub)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.cmd == "serve":
+            from hybrid_engine.server.cli import run_serve
+            return run_serve(args)
         if args.cmd == "generate":
             return cmd_generate(args)
         from hybrid_engine.bench import run_cli

@@ -1,0 +1,291 @@
+"""Serving benchmark: Poisson arrivals against ``hybrid-engine serve`` (streaming /v1/completions).
+
+Against a running server:
+
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --rates 1 4 16 inf --num-prompts 200
+
+Or let it start one server per configuration (here: no speculation, n-gram and MTP), each on a free
+loopback port, and stop it afterwards:
+
+    python benchmarks/serve.py --model path/to/hf_dir --configs none ngram:3 mtp:2 --rates 2 8 inf \
+        --input-len 512 --output-len 128 --num-prompts 200 --out $OUT
+    python benchmarks/serve.py --configs none ngram:3 --rates 4 inf --num-prompts 16 \
+        --input-len 16 --output-len 16 --device cpu           # tiny CPU run on the default model
+
+Each request is a random token-id prompt (length uniform in input-len * [1 - range, 1 + range]) with
+``max_tokens`` drawn the same way from output-len, ``ignore_eos`` and greedy decoding, streamed with
+``return_token_ids`` so that chunks carrying several tokens (speculative decoding) are counted
+right. Arrivals follow a Poisson process at each rate (``inf``: all at once). Reported per (config,
+rate): request and output-token throughput, time to first token (TTFT), time per output token after
+the first (TPOT, per request) and inter-token latency (ITL: the gap between chunks, divided over the
+tokens a chunk carries), as mean / p50 / p90 / p99 in milliseconds, and the speculative acceptance
+rate over the run (from the server's /health counters; "-" without speculation). Prints a markdown table; --out
+also writes serve-bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    res = Result(ok=False, prompt_len=len(prompt))
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                if not n:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl += [(now - last) / n] * n
+                last = now
+                res.output_len += n
+    except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    res.ok = True
+    return res
+
+
+def sample_lengths(rng, mean: int, spread: float, n: int) -> list[int]:
+    lo, hi = max(1, int(mean * (1 - spread))), max(1, int(mean * (1 + spread)))
+    return rng.integers(lo, hi + 1, n).tolist()
+
+
+async def run_rate(url: str, model: str, rate: float, prompts, out_lens, timeout: float, seed: int) -> tuple:
+    import httpx
+    rng = np.random.default_rng(seed)
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        for p, m in zip(prompts, out_lens):
+            tasks.append(asyncio.create_task(one_request(client, url, model, p, m, timeout)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(xs, q)) * 1e3 if len(xs) else float("nan")
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    itl = [x for r in ok for x in r.itl]
+    out_tokens = sum(r.output_len for r in ok)
+    s = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        s[f"mean_{name}_ms"] = float(np.mean(xs)) * 1e3 if xs else float("nan")
+        for q in (50, 90, 99):
+            s[f"p{q}_{name}_ms"] = pct(xs, q)
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        s["first_error"] = errors[0]
+    return s
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["config", "rate", "ok/fail", "req/s", "out tok/s", "accept", "TTFT mean/p50/p90/p99 ms",
+            "TPOT mean/p50/p90/p99 ms", "ITL mean/p50/p90/p99 ms"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def acc(r):
+        a = r.get("spec_acceptance_rate")
+        return "-" if a is None else f"{a:.2f}"
+
+    def q(r, n):
+        return "/".join(f"{r[f'{k}_{n}_ms']:.1f}" for k in ("mean", "p50", "p90", "p99"))
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['rate']} | {r['completed']}/{r['failed']} | "
+                     f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {acc(r)} | "
+                     f"{q(r, 'ttft')} | {q(r, 'tpot')} | {q(r, 'itl')} |")
+    return "\n".join(lines)
+
+
+# ---- server management ----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, config: str, log_path: Path):
+    """A ``hybrid-engine serve`` process for one configuration ("none" or "method:k")."""
+    import httpx
+    port = free_port()
+    cmd = [sys.executable, "-m", "hybrid_engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning",
+           "--max-waiting-requests", str(max(1024, args.num_prompts))]
+    if args.model:
+        cmd.insert(4, args.model)
+    if config != "none":
+        method, _, k = config.partition(":")
+        cmd += ["--spec", method, "--num-speculative-tokens", k or "3"]
+        if method == "draft_model":
+            cmd += ["--draft-model", args.draft_model]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); log: {log_path}\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server not ready after {args.startup_timeout}s; log: {log_path}")
+
+
+def stop_server(proc, log) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def bench_server(args, url: str, config: str) -> list[dict]:
+    import httpx
+    model = httpx.get(url + "/v1/models", headers=_auth(args), timeout=10).json()["data"][0]["id"]
+    rng = np.random.default_rng(args.seed)
+    lo, hi = args.token_range
+    rows = []
+    if args.warmup:
+        wp = [rng.integers(lo, hi, 8).tolist() for _ in range(args.warmup)]
+        asyncio.run(run_rate(url, model, math.inf, wp, [4] * args.warmup, args.timeout, args.seed))
+    for rate in args.rates:
+        in_lens = sample_lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
+        out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
+        prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
+        h0 = httpx.get(url + "/health", timeout=10).json()
+        results, dur = asyncio.run(run_rate(url, model, rate, prompts, out_lens, args.timeout, args.seed))
+        h1 = httpx.get(url + "/health", timeout=10).json()
+        s = summarize(results, dur)
+        proposed = h1.get("drafts_proposed", 0) - h0.get("drafts_proposed", 0)
+        s["spec_acceptance_rate"] = (h1["drafts_accepted"] - h0["drafts_accepted"]) / proposed if proposed else None
+        s.update(config=config, rate="inf" if not math.isfinite(rate) else rate)
+        print(f"  {config} rate={s['rate']}: {s['completed']} ok, {s['failed']} failed, "
+              f"{s['output_throughput']:.1f} tok/s" + (f" (first error: {s['first_error']})" if s["failed"] else ""),
+              flush=True)
+        rows.append(s)
+    return rows
+
+
+def _auth(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server; default: start one per --configs entry")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--model", default=None, help="model folder for the servers it starts (default: embedded)")
+    ap.add_argument("--configs", nargs="+", default=["none"],
+                    help="speculative configs of the servers it starts: none | ngram:K | mtp:K | draft_model:K")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, math.inf],
+                    help="request rates (requests/s, Poisson); inf = all at once")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--input-len-range", type=float, default=0.5, help="uniform in len * [1 - r, 1 + r]")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len-range", type=float, default=0.5)
+    ap.add_argument("--token-range", nargs=2, type=int, default=[3, 1000], help="prompt token ids in [lo, hi)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder for serve-bench.json")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    rows = []
+    if args.url:
+        rows += bench_server(args, args.url.rstrip("/"), "server")
+    else:
+        logs = Path(args.out) / "serve-bench-logs" if args.out else Path(tempfile.mkdtemp(prefix="serve-bench-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        for config in args.configs:
+            print(f"starting server: spec={config}", flush=True)
+            proc, url, log = start_server(args, config, logs / f"server-{config.replace(':', '-')}.log")
+            try:
+                rows += bench_server(args, url, config)
+            finally:
+                stop_server(proc, log)
+    print()
+    print(table(rows))
+    if args.out:
+        out = Path(args.out) / "serve-bench.json"
+        out.write_text(json.dumps({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                                            for k, v in vars(args).items() if k != "rates"},
+                                   "rates": [r if math.isfinite(r) else "inf" for r in args.rates],
+                                   "rows": rows}, indent=1))
+        print(f"\nwrote {out}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""``hybrid-engine serve [MODEL_DIR]``: arguments and startup. Importing this module needs only the
+standard library, so ``hybrid-engine --help`` works without the ``serve`` extra; ``run_serve``
+checks the extra and says how to install it."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+
+logger = logging.getLogger("hybrid_engine.server")
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)",
+                       description="Serve MODEL_DIR (default: the embedded default model) with the OpenAI API: "
+                                   "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="HF-format folder; default: the embedded small model")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("HYBRID_ENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYBRID_ENGINE_API_KEY, "
+                        "which keeps the key out of the process list)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: the folder "
+                   "name, or 'default' for the embedded model)")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or the template "
+                   "itself) overriding the tokenizer's")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="engine queue bound; beyond it requests get 429 (default 1024)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are "
+                        "aborted (default 10)")
+    # engine arguments, as LLM(...) takes them
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=None)
+    s.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    s.add_argument("--spec", default=None, choices=["ngram", "draft_model", "mtp"],
+                   help="speculative decoding method")
+    s.add_argument("--num-speculative-tokens", "--num-spec-tokens", dest="num_spec_tokens", type=int, default=3)
+    s.add_argument("--draft-model", default=None, help="draft model folder (--spec draft_model)")
+    s.add_argument("--sync", action="store_true", help="disable async scheduling")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("-v", "--verbose", action="store_true")
+    return s
+
+
+def missing_extra() -> list[str]:
+    return [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+
+
+def _chat_template(arg: str | None, default_model: bool) -> str | None:
+    if arg is None:
+        if default_model:
+            from .chat import DEFAULT_MODEL_TEMPLATE
+            return DEFAULT_MODEL_TEMPLATE
+        return None
+    p = Path(arg).expanduser()
+    return p.read_text(encoding="utf-8") if p.is_file() else arg
+
+
+def build_llm(args):
+    from hybrid_engine import AsyncLLM, SpeculativeConfig
+    spec = None
+    if args.spec:
+        spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens, model=args.draft_model)
+    return AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                    kv_cache_memory_fraction=args.kv_cache_memory_fraction, speculative_config=spec,
+                    async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager)
+
+
+def run_serve(args) -> int:
+    missing = missing_extra()
+    if missing:
+        print(f"error: 'hybrid-engine serve' needs the serve extra (missing: {', '.join(missing)}); install it "
+              "with: pip install 'hybrid-engine[serve]'", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .app import create_app
+    from .serving import ServerConfig
+
+    if args.verbose:
+        logging.getLogger("hybrid_engine").setLevel(logging.INFO)
+    name = args.served_model_name or (Path(args.model).expanduser().resolve().name if args.model else "default")
+    config = ServerConfig(model_name=name, max_waiting_requests=args.max_waiting_requests, api_key=args.api_key,
+                          chat_template=_chat_template(args.chat_template, args.model is None))
+    llm = build_llm(args)
+    app = create_app(llm, config)
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.start_draining(args.shutdown_timeout)     # abort what is still running after the grace
+            await super().shutdown(sockets=sockets)
+
+    # uvicorn's own timeout is only a backstop: draining has ended every stream by then
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on"))
+    # uvicorn re-raises the signal it caught after a graceful shutdown; with these handlers in place that
+    # is a no-op, so a SIGTERM/SIGINT shutdown exits with status 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

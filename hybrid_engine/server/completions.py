@@ -1,0 +1,53 @@
+"""``POST /v1/completions``: one prompt (text or token ids) -> one choice, whole or streamed."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .protocol import CompletionRequest
+from .serving import Run, ServerState, until_disconnect
+from .sse import error_event, sse_event, DONE
+
+
+def _choice(req: CompletionRequest, run: Run, text: str, finish_reason: str | None, token_ids=None) -> dict:
+    c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if req.return_token_ids:
+        c["token_ids"] = token_ids
+        c["prompt_token_ids"] = run.prompt_token_ids
+    return c
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, http: Request):
+    state.check_model(req.model)
+    req.check_supported()
+    prompt = req.single_prompt()
+    params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens)
+    created = int(time.time())
+
+    def body(run: Run, choices: list[dict], usage: dict | None) -> dict:
+        return {"id": run.request_id, "object": "text_completion", "created": created,
+                "model": state.config.model_name, "choices": choices, "usage": usage}
+
+    if not req.stream:
+        async def whole():
+            run = await state.admit_and_start(prompt, params, "prompt", "cmpl")
+            text = await run.collect()
+            return body(run, [_choice(req, run, text, run.finish_reason, list(run.token_ids))], run.usage)
+        return JSONResponse(await until_disconnect(http, whole()))
+
+    run = await until_disconnect(http, state.admit_and_start(prompt, params, "prompt", "cmpl"))
+
+    async def events():
+        async for out in run.outputs(http):
+            c = out.outputs[0]
+            finish = c.finish_reason if out.finished and out.error is None else None
+            if c.token_ids or c.text or finish:
+                yield sse_event(body(run, [_choice(req, run, c.text or "", finish, list(c.token_ids))], None))
+        if run.last.error is not None:
+            yield error_event(run.error())
+        elif req.include_usage:
+            yield sse_event(body(run, [], run.usage))
+        yield DONE
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,27 @@
+"""``hybrid-engine serve`` without the serve extra says what to install; its arguments map onto
+the engine's."""
+import sys
+
+from hybrid_engine.cli import main
+
+
+def test_serve_without_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)      # as if not installed
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "missing: uvicorn" in err and "pip install 'hybrid-engine[serve]'" in err
+
+
+def test_serve_arguments(monkeypatch):
+    import hybrid_engine.server.cli as scli
+    seen = {}
+
+    def fake_run(args):
+        seen.update(vars(args))
+        return 0
+    monkeypatch.setattr(scli, "run_serve", fake_run)
+    assert main(["serve", "some/dir", "--spec", "ngram", "--num-speculative-tokens", "4", "--max-num-seqs", "8",
+                 "--max-waiting-requests", "3", "--api-key", "k"]) == 0
+    assert seen["model"] == "some/dir" and seen["spec"] == "ngram" and seen["num_spec_tokens"] == 4
+    assert seen["max_num_seqs"] == 8 and seen["max_waiting_requests"] == 3 and seen["api_key"] == "k"
+    assert seen["host"] == "127.0.0.1"

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server, end to end: one real ``hybrid-engine serve`` process (embedded
+default model, n-gram speculative decoding, an API key, a chat template from a file) driven by the
+official ``openai`` client and by raw httpx. Greedy tokens through the server must equal
+``AsyncLLM`` run directly (without speculation) on the same prompt."""
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_harness import check_clean_exit, client, start_module_server, wait_for, wait_idle
+from hybrid_engine import AsyncLLM, SamplingParams
+
+KEY = "test-key-123"
+MAX_TOKENS = 12
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}{% if shout %}!{% endif %}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+PROMPTS = ["The river ran through the old town", "Once upon a time, a small robot",
+           "a b c a b c a b c a b", "In the morning the market was full of",
+           "A good engine serves many requests", "to be or not to be, to be or not",
+           "1 2 3 4 1 2 3 4 1 2", "the cat sat on the mat and the cat"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    tpl.write_text(TEMPLATE)
+    srv = start_module_server(tmp_path_factory, "--api-key", KEY, "--spec", "ngram", "--num-speculative-tokens", "2",
+                              "--max-num-seqs", "16", "--chat-template", str(tpl))
+    yield srv
+    check_clean_exit(srv)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return client(server, KEY)
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """``AsyncLLM`` in this process (no speculation): ``run(list of prompts or token lists)`` gives
+    each one's greedy tokens, one request at a time; ``tokenizer`` renders chat references."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # as the server process: the tiny model runs fastest on one thread
+    llm = AsyncLLM(None, device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    async def solo(prompts):
+        res = []
+        for p in prompts:
+            toks = []
+            async for out in llm.generate(p, params):
+                toks += out.outputs[0].token_ids
+            res.append(toks)
+        return res
+
+    class Direct:
+        tokenizer = llm.tokenizer
+        cache: dict = {}
+
+        def run(self, prompts):
+            key = lambda p: tuple(p) if isinstance(p, list) else p  # noqa: E731
+            todo = [p for p in prompts if key(p) not in self.cache]
+            for p, toks in zip(todo, asyncio.run(solo(todo))):
+                self.cache[key(p)] = toks
+            return [self.cache[key(p)] for p in prompts]
+    yield Direct()
+    llm.shutdown()
+    torch.set_num_threads(threads)
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_models_and_health(server, oai):
+    models = oai.models.list()
+    assert [m.id for m in models.data] == ["default"]
+    h = httpx.get(server.url + "/health").json()           # no key needed for probes
+    assert h["status"] == "ok" and h["total_blocks"] > 0 and h["total_slots"] == 16
+
+
+def test_api_key_required(server):
+    bad = client(server, "wrong-key")
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model="default", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+
+
+def test_completion_equals_async_llm(oai, direct):
+    r = oai.completions.create(model="default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, **GREEDY)
+    ref = direct.run([PROMPTS[0]])[0][:MAX_TOKENS]
+    c = r.choices[0]
+    assert c.token_ids == ref and c.finish_reason == "length"
+    assert c.text == direct.tokenizer.decode(ref, skip_special_tokens=True)
+    prompt_ids = direct.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    assert c.prompt_token_ids == prompt_ids
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt_ids), MAX_TOKENS, len(prompt_ids) + MAX_TOKENS)
+    assert r.object == "text_completion" and r.model == "default"
+
+
+def test_completion_default_max_tokens(server, direct):
+    """OpenAI's default of 16 tokens, also for an explicit null; the prompt echoed as token ids."""
+    ref = direct.run([PROMPTS[2]])[0][:16]
+    for extra in ({}, {"max_tokens": None}):
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"model": "default", "prompt": PROMPTS[2], "temperature": 0, "ignore_eos": True,
+                             "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_completion_token_prompt_and_stream(oai, direct):
+    ids = direct.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    ref = direct.run([ids])[0][:MAX_TOKENS]
+    chunks = list(oai.completions.create(model="default", prompt=ids, max_tokens=MAX_TOKENS, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    body, usage = chunks[:-1], chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == MAX_TOKENS
+    assert usage.usage.prompt_tokens == len(ids)
+    assert all(ch.usage is None for ch in body)
+    assert sum((ch.choices[0].token_ids for ch in body), []) == ref
+    assert "".join(ch.choices[0].text for ch in body) == direct.tokenizer.decode(ref, skip_special_tokens=True)
+    assert [ch.choices[0].finish_reason for ch in body] == [None] * (len(body) - 1) + ["length"]
+    # without include_usage no usage chunk comes
+    plain = list(oai.completions.create(model="default", prompt=ids, max_tokens=3, stream=True, **GREEDY))
+    assert all(ch.choices and ch.usage is None for ch in plain)
+
+
+def _chat_ids(direct, messages, shout=False):
+    from jinja2 import Environment
+    env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
+    text = env.from_string(TEMPLATE).render(messages=messages, add_generation_prompt=True, shout=shout)
+    return direct.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_equals_async_llm(oai, direct):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPTS[3]}]
+    ids = _chat_ids(direct, msgs)
+    ref = direct.run([ids])[0][:MAX_TOKENS]
+    r = oai.chat.completions.create(model="default", messages=msgs, max_tokens=MAX_TOKENS, **GREEDY)
+    c = r.choices[0]
+    assert c.prompt_token_ids == ids and c.token_ids == ref
+    assert c.message.role == "assistant" and c.message.content == direct.tokenizer.decode(ref, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == MAX_TOKENS
+    # streamed, with chat_template_kwargs reaching the template and text content parts joined
+    parts = [{"role": "user", "content": [{"type": "text", "text": PROMPTS[3][:10]},
+                                          {"type": "text", "text": PROMPTS[3][10:]}]}]
+    ids2 = _chat_ids(direct, [{"role": "user", "content": PROMPTS[3]}], shout=True)
+    ref2 = direct.run([ids2])[0][:MAX_TOKENS]
+    chunks = list(oai.chat.completions.create(
+        model="default", messages=parts, max_completion_tokens=MAX_TOKENS, stream=True, temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "chat_template_kwargs": {"shout": True}}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [ch for ch in chunks if ch.choices]
+    assert body[0].choices[0].prompt_token_ids == ids2
+    assert sum((ch.choices[0].token_ids for ch in body), []) == ref2
+    text = "".join(ch.choices[0].delta.content or "" for ch in body)
+    assert text == direct.tokenizer.decode(ref2, skip_special_tokens=True)
+    assert body[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == len(ids2) and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize("kind,kwargs,param", [
+    ("cmpl", dict(temperature=-1.0), "temperature"),
+    ("cmpl", dict(top_p=1.5), "top_p"),
+    ("cmpl", dict(max_tokens=0), "max_tokens"),
+    ("cmpl", dict(extra_body={"temperature": "hot"}), "temperature"),
+    ("cmpl", dict(logprobs=2), "logprobs"),
+    ("cmpl", dict(n=2), "n"),
+    ("cmpl", dict(stop=["\n"]), "stop"),
+    ("cmpl", dict(presence_penalty=0.5), "presence_penalty"),
+    ("cmpl", dict(prompt=[5000]), "prompt"),                 # token id outside the vocabulary
+    ("cmpl", dict(prompt=["a", "b"]), "prompt"),             # batches are not supported
+    ("cmpl", dict(prompt="x " * 10000), "prompt"),           # longer than max_model_len
+    ("chat", dict(logprobs=True), "logprobs"),
+    ("chat", dict(n=3), "n"),
+    ("chat", dict(stop="END"), "stop"),
+    ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages.0.content.0.type"),
+    ("chat", dict(extra_body={"chat_template_kwargs": {"tokenize": True}}), "chat_template_kwargs"),
+])
+def test_bad_requests_are_400_naming_the_field(oai, kind, kwargs, param):
+    kw = {"model": "default", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "cmpl":
+            kw.setdefault("prompt", "hello")
+            oai.completions.create(**kw)
+        else:
+            kw.setdefault("messages", [{"role": "user", "content": "hello"}])
+            oai.chat.completions.create(**kw)
+    err = e.value
+    assert err.status_code == 400 and err.param == param and err.type == "invalid_request_error"
+    assert set(err.body) == {"message", "type", "param", "code"} and err.body["message"]
+
+
+def test_bad_streaming_request_is_400_and_unknown_model_404(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="default", prompt="hi", max_tokens=4, temperature=-2, stream=True)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            if "le" not in s.labels:
+                out[key] = s.value
+    return out
+
+
+def test_metrics(server, oai):
+    before = _metrics(server)
+    n = 3
+    for p in PROMPTS[2:2 + n]:
+        oai.completions.create(model="default", prompt=p, max_tokens=MAX_TOKENS, **GREEDY)
+    wait_idle(server)
+    m = _metrics(server)
+    h = server.health()
+    assert m["hybrid_engine_time_to_first_token_seconds_count"] - before.get(
+        "hybrid_engine_time_to_first_token_seconds_count", 0) == n
+    assert m["hybrid_engine_time_per_output_token_seconds_count"] - before.get(
+        "hybrid_engine_time_per_output_token_seconds_count", 0) == n
+    assert m["hybrid_engine_time_to_first_token_seconds_sum"] > 0
+    assert m["hybrid_engine_generation_tokens_total"] - before.get("hybrid_engine_generation_tokens_total", 0) == \
+        n * MAX_TOKENS
+    assert m["hybrid_engine_request_success_total,finish_reason=length"] >= n
+    assert m["hybrid_engine_kv_blocks_total"] == h["total_blocks"] == m["hybrid_engine_kv_blocks_free"]
+    assert m["hybrid_engine_mamba_slots_total"] == 16 == m["hybrid_engine_mamba_slots_free"]
+    assert m["hybrid_engine_num_requests_running"] == 0 and m["hybrid_engine_num_requests_waiting"] == 0
+    # n-gram drafts on the repetitive prompts: proposed and (some) accepted
+    assert m["hybrid_engine_spec_decode_num_draft_tokens_total"] == h["drafts_proposed"] > 0
+    assert m["hybrid_engine_spec_decode_num_accepted_tokens_total"] == h["drafts_accepted"]
+    assert m["hybrid_engine_spec_decode_acceptance_rate"] == pytest.approx(h["drafts_accepted"] / h["drafts_proposed"])
+
+
+def test_disconnect_aborts(server):
+    """A streaming client that closes early and a non-streaming one that times out: both requests
+    are aborted in the engine at once (every slot and block free again, long before max_tokens)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    aborted0 = _metrics(server).get("hybrid_engine_requests_aborted_total", 0)
+    t0 = time.monotonic()
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=auth) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert server.health()["num_requests_running"] == 1
+    wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=1.0)
+    wait_idle(server)
+    assert time.monotonic() - t0 < 20             # 3000 tokens were not generated
+    assert _metrics(server)["hybrid_engine_requests_aborted_total"] - aborted0 == 2
+
+
+def test_load(server, direct):
+    """96 concurrent streaming clients (completions and chat), with disconnects and invalid requests
+    mixed in: every valid request's tokens equal its solo run, the invalid ones get 400 naming the
+    field, and afterwards nothing is leaked."""
+    rng = random.Random(3)
+    n = 96
+    auth = {"Authorization": f"Bearer {KEY}"}
+    jobs = []
+    for i in range(n):
+        p = PROMPTS[i % len(PROMPTS)]
+        mode = "disconnect" if i % 8 == 3 else "invalid" if i % 8 == 5 else "ok"
+        chat = i % 3 == 0
+        jobs.append(dict(prompt=p, mode=mode, chat=chat, max_tokens=rng.randint(1, 16), delay=rng.uniform(0, 1.0)))
+    refs = {}
+    for j in jobs:
+        ids = _chat_ids(direct, [{"role": "user", "content": j["prompt"]}]) if j["chat"] else j["prompt"]
+        refs[id(j)] = direct.run([ids])[0][:j["max_tokens"]]
+
+    async def one(c: httpx.AsyncClient, j):
+        await asyncio.sleep(j["delay"])
+        body = {"model": "default", "max_tokens": j["max_tokens"], "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        if j["chat"]:
+            url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": j["prompt"]}]
+        else:
+            url, body["prompt"] = "/v1/completions", j["prompt"]
+        if j["mode"] == "invalid":
+            body["top_k"] = -7
+        async with c.stream("POST", server.url + url, json=body, headers=auth) as r:
+            if j["mode"] == "invalid":
+                await r.aread()
+                assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+                return "invalid"
+            assert r.status_code == 200
+            toks, finish = [], None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])
+                assert "error" not in ch, ch
+                for choice in ch["choices"]:
+                    toks += choice.get("token_ids", [])
+                    finish = choice["finish_reason"] or finish
+                if j["mode"] == "disconnect" and toks:
+                    return "disconnected"              # leaving the block closes the connection
+            assert toks == refs[id(j)], (j, toks)
+            assert finish == "length"
+            return "ok"
+
+    async def main():
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+            return await asyncio.wait_for(asyncio.gather(*[one(c, j) for j in jobs]), 30)
+    t0 = time.monotonic()
+    res = asyncio.run(main())
+    dt = time.monotonic() - t0
+    assert res.count("ok") == sum(j["mode"] == "ok" for j in jobs)
+    assert res.count("invalid") == n // 8 and res.count("disconnected") == n // 8
+    wait_idle(server)
+    assert dt < 30
