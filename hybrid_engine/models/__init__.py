@@ -12,4 +12,5 @@ def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, 
         model = NemotronHForCausalLM(model_cfg, with_mtp=with_mtp)
     model = model.to_empty(device=device).to(dtype)
     load_checkpoint(model, model_dir, dtype, device)
+    model.reset_runtime_state()      # buffers outside the checkpoint (to_empty left them unset)
     return model.eval()
