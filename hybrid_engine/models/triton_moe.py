@@ -108,19 +108,6 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, coun
 # ------------------------------------------------------------------------------------ experts
 
 @triton.jit
-def _epilogue(acc, w_pair, DTYPE: tl.constexpr, RELU2: tl.constexpr, WEIGHTED: tl.constexpr):
-    # the projection's result is rounded to the model dtype (as F.linear); relu² squares that in
-    # float32 (exact) for one more rounding at the store; the routing weight applies in float32
-    y = acc.to(DTYPE).to(tl.float32)
-    if RELU2:
-        y = tl.where(y < 0.0, 0.0, y)
-        y = y * y
-    if WEIGHTED:
-        y = y * w_pair
-    return y
-
-
-@triton.jit
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
@@ -139,10 +126,15 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         xv = tl.load(a_row + offs_k, mask=mk, other=0.0)
         acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
-    w_pair = 1.0
+    # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
+    # squares that in float32 (exact) for one more rounding at the store; the routing weight
+    # applies in float32 (the pair outputs stay float32 until the combine)
+    y = tl.sum(acc, axis=1).to(a_ptr.dtype.element_ty).to(tl.float32)
+    if RELU2:
+        y = tl.where(y < 0.0, 0.0, y)
+        y = y * y
     if WEIGHTED:
-        w_pair = tl.load(wt_ptr + p)
-    y = _epilogue(tl.sum(acc, axis=1), w_pair, a_ptr.dtype.element_ty, RELU2, WEIGHTED)
+        y = y * tl.load(wt_ptr + p)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -181,10 +173,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-    w_pair = tl.zeros([BLOCK_M, 1], tl.float32) + 1.0
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
+    if RELU2:
+        y = tl.where(y < 0.0, 0.0, y)
+        y = y * y
     if WEIGHTED:
-        w_pair = tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
-    y = _epilogue(acc, w_pair, a_ptr.dtype.element_ty, RELU2, WEIGHTED)
+        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
     if OUT_SORTED:
         o_rows = pos.to(tl.int64)
     else:

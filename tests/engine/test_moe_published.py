@@ -108,3 +108,17 @@ def test_latent_moe_matches_its_definition(super_dir):
         got = moe(x)
     assert want.abs().max() > 1.0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_expert_load_counts_each_real_token_once(hybrid_dir):
+    """stats()["moe_expert_tokens"]: every token the model processes (prompt tokens, and each
+    generated token but the last) is counted top-k times per MoE layer; CUDA-graph padding rows
+    (3 requests run in a bucket of 4 on CUDA) are not."""
+    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=3)
+    prompts = _prompts(3, [5, 9, 17], seed=7)
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    load = llm.stats()["moe_expert_tokens"]
+    k = llm.engine.cfg.model.num_experts_per_tok
+    processed = sum(len(p) + 6 - 1 for p in prompts)
+    backbone = {name: sum(c) for name, c in load.items() if name.startswith("backbone.")}
+    assert backbone and all(v == k * processed for v in backbone.values()), (backbone, k * processed)

@@ -21,7 +21,41 @@ def grouped(*a, **kw):
     return routed_experts_triton(*a, force_grouped=True, **kw)
 
 
+def moe_block(latent: bool):
+    """The MoE block's forward through the Triton kernels (backend forced) vs its CPU path."""
+    from hybrid_engine.config import MOE, ModelConfig
+    from hybrid_engine.models import moe_ops
+    from hybrid_engine.models.moe import MoE
+    from hybrid_engine.models.synthetic import sens_init_
+    cfg = ModelConfig(layer_types=(MOE,), vocab_size=16, hidden_size=16, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=16, n_routed_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                      routed_scaling_factor=2.5, moe_latent_size=8 if latent else None)
+    moe = MoE(cfg)
+    sens_init_(moe, seed=3)
+    moe.reset_runtime_state()
+    errs = []
+    for T in (3, 11):                                # decode path and grouped path
+        x = torch.randn(T, 16, generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            ref = moe(x)
+            ref_counts = moe.read_expert_load()
+            real = moe_ops.kernel_backend
+            moe_ops.kernel_backend = lambda op, device: "triton"
+            try:
+                got = moe(x)
+            finally:
+                moe_ops.kernel_backend = real
+        assert moe.read_expert_load() == ref_counts and sum(ref_counts) == 3 * T
+        err = (got - ref).abs().max().item()
+        assert ref.abs().max() > 1.0 and err < 1e-4, err
+        errs.append(err)
+    return max(errs)
+
+
 CASES = {
+    "moe_block": lambda: moe_block(False),
+    "moe_block_latent": lambda: moe_block(True),
     "moe_route": lambda: mc.check_route(route_triton, "cpu", 6, 16, 3),
     "moe_route_groups": lambda: mc.check_route(route_triton, "cpu", 5, 16, 3, n_group=4, topk_group=2,
                                                seed=1),

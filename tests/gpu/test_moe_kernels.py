@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, run_cases  # noqa: E402
 
-INTERPRET_CASES = ["moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
+INTERPRET_CASES = ["moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape"]
 
 
