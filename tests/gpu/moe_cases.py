@@ -35,10 +35,15 @@ def make_ids(T: int, E: int, k: int, load: str, gen: torch.Generator) -> torch.T
     return ids
 
 
-def check_align(device, T: int, E: int, k: int, block_m: int, load: str = "ragged", seed: int = 0) -> int:
+def check_align(device, T: int, E: int, k: int, block_m: int, load: str = "ragged", seed: int = 0,
+                align_fn=align_pairs) -> int:
     gen = torch.Generator().manual_seed(seed)
     ids = make_ids(T, E, k, load, gen).to(device)
-    al = align_pairs(ids, E, block_m)
+    al = align_fn(ids, E, block_m)
+    ref = align_pairs(ids, E, block_m)        # the torch ops: same stable order, same result
+    assert torch.equal(al.sorted_pairs.cpu(), ref.sorted_pairs.cpu())
+    assert torch.equal(al.block_expert.cpu(), ref.block_expert.cpu())
+    assert torch.equal(al.num_rows.cpu(), ref.num_rows.cpu())
     P = T * k
     rows = int(al.num_rows)
     assert rows % block_m == 0 and rows <= al.sorted_pairs.numel()

@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, run_cases  # noqa: E402
 
-INTERPRET_CASES = ["moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
+INTERPRET_CASES = ["moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape"]
 
 
@@ -110,6 +110,16 @@ def test_route_cuda(T, E, k, n_group, topk_group):
 @pytest.mark.parametrize("T,E,k,bm", [(1, 128, 6, 16), (2048, 128, 6, 64), (128, 512, 22, 16)])
 def test_alignment_cuda(T, E, k, bm):
     mc.check_align("cuda", T, E, k, bm, "ragged")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,bm,load", [(1, 128, 6, 16, "uniform"), (32, 128, 6, 16, "ragged"),
+                                           (128, 128, 6, 16, "one"), (170, 128, 6, 16, "few"),
+                                           (11, 512, 22, 16, "ragged"), (40, 16, 4, 64, "uniform")])
+def test_alignment_kernel_cuda(T, E, k, bm, load):
+    from hybrid_engine.models.triton_moe import align_pairs_triton
+    _poison_cuda()
+    mc.check_align("cuda", T, E, k, bm, load, align_fn=align_pairs_triton)
 
 
 @pytest.mark.gpu
