@@ -23,7 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import MLP
 from .linear import Linear
-from .moe_ops import RouteSpec, route, routed_experts
+from .moe_ops import RouteSpec, route, routed_experts, router_logits, shared_expert
 
 ROUTER_FP32_WEIGHTS = ("gate.weight",)     # loader keep_in_fp32 suffixes owned by this module
 
@@ -39,7 +39,7 @@ class TopkRouter(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, D] -> [T, E] float32 (the weight is float32 after loading; .float() is then free)."""
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return router_logits(x, self.weight)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, fb=None, caches=None) -> torch.Tensor:
         valid = None if fb is None else fb.attn.slot_mapping[:x.shape[0]]
         ids, w = self.gate(x, self.expert_tokens, valid)                    # [T, k] each
-        shared = self.shared_experts(x)                                      # [T, D]
+        shared = shared_expert(x, self.shared_experts)                       # [T, D]
         if self.fc1_latent_proj is None:
             return routed_experts(x, self.experts.up_proj, self.experts.down_proj, ids, w, add=shared)
         routed = routed_experts(self.fc1_latent_proj(x), self.experts.up_proj, self.experts.down_proj, ids, w)

@@ -89,6 +89,35 @@ def route(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, counts: tor
     return ids, w
 
 
+# ------------------------------------------------------------------------- decode-sized linears
+
+DECODE_MAX_TOKENS = 8          # token rows up to which the CUDA decode kernels run
+
+
+def _rowwise_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_TOKENS and x.stride(-1) == 1
+            and all(w.stride(-1) == 1 for w in weights) and kernel_backend("moe_rowwise", x.device) == "triton")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D] (model dtype) @ weight [E, D]^T in float32 -> [T, E] float32. On CUDA decode
+    batches one kernel reads x in its dtype (no cast kernel)."""
+    if _rowwise_ok(x, weight):
+        from .triton_moe import rowwise_linear_triton
+        return rowwise_linear_triton(x, weight, out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
+def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
+    """The shared relu² MLP (``layers.MLP``); on CUDA decode batches without biases two kernels
+    (up with relu² in its epilogue, down) instead of three."""
+    if mlp.up_proj.bias is None and mlp.down_proj.bias is None and _rowwise_ok(x, mlp.up_proj.weight,
+                                                                              mlp.down_proj.weight):
+        from .triton_moe import rowwise_linear_triton
+        return rowwise_linear_triton(rowwise_linear_triton(x, mlp.up_proj.weight, relu2=True), mlp.down_proj.weight)
+    return mlp(x)
+
+
 # ------------------------------------------------------------------------------------- experts
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:

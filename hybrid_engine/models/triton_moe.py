@@ -11,6 +11,8 @@
   ``_grouped_gemm_kernel`` runs one BLOCK_M x BLOCK_N tile of one expert per program with
   ``tl.dot``: up (rows gathered from the tokens, relu², written in sorted order) and down (rows
   in sorted order, routing weight, written per pair).
+- ``rowwise_linear_triton``: the same GEMV kernel on one weight matrix: the router logits (float32
+  from a 16-bit x) and the shared expert (relu² epilogue) on decode batches.
 - ``_combine_kernel``: out[t] = sum_j pair_out[t, j] rounded to the model dtype (+ ``add``).
 Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graphs.
 """
@@ -22,9 +24,8 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
 
-from .moe_ops import RouteSpec, align_block_size, align_pairs
-
-DECODE_MAX_TOKENS = 8         # up to this many tokens: per-pair GEMV (no sort; decode batches)
+# DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
+from .moe_ops import DECODE_MAX_TOKENS, RouteSpec, align_block_size, align_pairs
 
 
 # ------------------------------------------------------------------------------------ routing
@@ -165,11 +166,16 @@ def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row."""
+                      BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True):
+    """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row.
+    ONE_WEIGHT: w is one [N, K] matrix (ids not read): a plain row-wise linear (shared expert,
+    router logits); ROUND False keeps the float32 sum (router logits)."""
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    if ONE_WEIGHT:
+        e = pid_n.to(tl.int64) * 0
+    else:
+        e = tl.load(ids_ptr + p).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     w_rows = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn
@@ -184,13 +190,32 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
     # squares that in float32 (exact) for one more rounding at the store; the routing weight
     # applies in float32 (the pair outputs stay float32 until the combine)
-    y = tl.sum(acc, axis=1).to(a_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if ROUND:
+        y = y.to(a_ptr.dtype.element_ty).to(tl.float32)
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
     if WEIGHTED:
         y = y * tl.load(wt_ptr + p)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
+
+
+def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = False,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T for a few rows in one launch (the decode path's shared expert and
+    router): out_dtype None -> x.dtype, rounded as F.linear (then relu² if asked); float32 with
+    a 16-bit x keeps the float32 sum (router logits from float32 router weights)."""
+    T, K = x.shape
+    N = weight.shape[0]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    bn, bk = (16, 128) if weight.element_size() == 2 else (16, 64)
+    _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
+        x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
+        RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
+        ROUND=out_dtype == x.dtype, num_warps=4)
+    return out
 
 
 @triton.jit

@@ -120,3 +120,24 @@ def check_experts(experts_fn, device, dtype, T: int, E: int, k: int, D: int, F: 
     assert scale > 0.1
     assert err <= TOL[dtype] * max(1.0, scale), f"max error {err} (output scale {scale})"
     return err
+
+
+def check_rowwise(fn, device, dtype, T: int, N: int, K: int, w_dtype=None, relu2: bool = False,
+                  out_dtype=None, seed: int = 0) -> float:
+    """fn = rowwise_linear_triton: x [T, K] @ w [N, K]^T (float32 sum for router logits, or rounded
+    to x's dtype as F.linear, then relu²) vs torch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=gen).to(device, dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device, w_dtype or dtype)
+    got = fn(x, w, relu2=relu2, out_dtype=out_dtype)
+    if out_dtype == torch.float32 and dtype != torch.float32:
+        ref = torch.nn.functional.linear(x.float(), w.float())          # the router's rule
+        tol = 1e-5
+    else:
+        ref = torch.nn.functional.linear(x, w)
+        ref = torch.nn.functional.relu(ref).square() if relu2 else ref
+        tol = TOL[dtype]
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+    return err

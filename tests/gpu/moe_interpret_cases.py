@@ -12,7 +12,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 torch.set_num_threads(1)
 
 import moe_cases as mc  # noqa: E402
-from hybrid_engine.models.triton_moe import align_pairs_triton, route_triton, routed_experts_triton  # noqa: E402
+from hybrid_engine.models.triton_moe import (align_pairs_triton, route_triton, routed_experts_triton,  # noqa: E402
+                                            rowwise_linear_triton)
 
 F32, F16 = torch.float32, torch.float16
 
@@ -56,6 +57,10 @@ def moe_block(latent: bool):
 CASES = {
     "moe_align": lambda: mc.check_align("cpu", 13, 8, 3, 4, "ragged", align_fn=align_pairs_triton),
     "moe_align_one": lambda: mc.check_align("cpu", 9, 16, 2, 8, "one", seed=1, align_fn=align_pairs_triton),
+    "moe_router_logits_f16": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F16, 3, 24, 40,
+                                                       w_dtype=F32, out_dtype=F32),
+    "moe_shared_up_relu2": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F32, 2, 40, 24, relu2=True,
+                                                    seed=1),
     "moe_block": lambda: moe_block(False),
     "moe_block_latent": lambda: moe_block(True),
     "moe_route": lambda: mc.check_route(route_triton, "cpu", 6, 16, 3),

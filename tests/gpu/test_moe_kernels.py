@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, run_cases  # noqa: E402
 
-INTERPRET_CASES = ["moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
+INTERPRET_CASES = ["moe_router_logits_f16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape"]
 
 
@@ -104,6 +104,17 @@ def test_route_cuda(T, E, k, n_group, topk_group):
     from hybrid_engine.models.triton_moe import route_triton
     _poison_cuda()
     mc.check_route(route_triton, "cuda", T, E, k, n_group, topk_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_rowwise_linear_cuda(T, dtype):
+    from hybrid_engine.models.triton_moe import rowwise_linear_triton
+    mc.check_rowwise(rowwise_linear_triton, "cuda", dtype, T, 128, 2688, w_dtype=torch.float32,
+                     out_dtype=torch.float32)                                   # router logits
+    mc.check_rowwise(rowwise_linear_triton, "cuda", dtype, T, 3712, 2688, relu2=True, seed=1)   # shared up
+    mc.check_rowwise(rowwise_linear_triton, "cuda", dtype, T, 2688, 3712, seed=2)               # shared down
 
 
 @pytest.mark.gpu
