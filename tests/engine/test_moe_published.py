@@ -47,6 +47,7 @@ def _prompts(n, lens, seed):
     return [rng.integers(3, 256, lens[i % len(lens)]).tolist() for i in range(n)]
 
 
+@pytest.mark.slow
 def test_reduced_copies_keep_the_published_moe_shape(nano_dir, super_dir):
     for d, want in ((nano_dir, NANO), (super_dir, SUPER)):
         cfg = load_hf(d).config
@@ -87,12 +88,28 @@ def test_super_latent_moe_and_mtp_equal_transformers(super_dir):
     assert llm.stats()["drafts_proposed"] > 0
 
 
-def test_latent_moe_matches_its_definition(super_dir):
+@pytest.fixture(scope="module")
+def latent_dir(model_dirs):
+    """A few layers with Super's router (512 experts, top-22, scale 5.0) and a latent MoE."""
+    return model_dirs("latent", pattern="M*EME", seed=13, n_routed_experts=512, num_experts_per_tok=22,
+                      routed_scaling_factor=5.0, moe_latent_size=8, moe_intermediate_size=16,
+                      moe_shared_expert_intermediate_size=32)
+
+
+def test_latent_moe_greedy_equals_transformers(latent_dir):
+    prompts = _prompts(3, [21, 5, 40], seed=8)
+    ref = hf_greedy(latent_dir, prompts, max_new_tokens=8)
+    llm = LLM(latent_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_latent_moe_matches_its_definition(latent_dir):
     """The latent MoE block alone against the formula written out with the merged weights."""
     from hybrid_engine.models.moe_ops import route_ref
-    llm = LLM(super_dir, dtype="float32", device=DEV, max_num_seqs=1)
-    moe = llm.engine.model.backbone.layers[1].mixer
-    x = torch.randn(9, SMALL["hidden_size"], generator=torch.Generator().manual_seed(0))
+    llm = LLM(latent_dir, dtype="float32", device=DEV, max_num_seqs=1)
+    moe = llm.engine.model.backbone.layers[2].mixer
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ids, w = route_ref(torch.nn.functional.linear(x, moe.gate.weight), moe.gate.e_score_correction_bias,
                            moe.gate.spec)
