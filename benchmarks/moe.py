@@ -5,7 +5,8 @@ each beside its roofline.
     python benchmarks/moe.py --out $OUT                       # H100 80 GB, ~5 min: Nano-30B-A3B shape
     python benchmarks/moe.py --shape tiny --device cpu        # the same rows on a tiny shape, on CPU
 
-Kernel rows (one MoE layer of the shape): per token count, ms of the fused path (Triton on CUDA;
+Kernel rows (one MoE layer of the shape, then one Nemotron-3-Super expert layer: 512 experts,
+top-22, on the 1024-wide latent): per token count, ms of the fused path (Triton on CUDA;
 gather-by-expert on CPU), of the dense torch path (every expert over every token, weighted) and
 of a per-expert loop (each hit expert over its tokens, as transformers); the bytes roofline
 counts the unique experts the routing selected.
@@ -48,6 +49,11 @@ SHAPE_TINY = dict(SHAPE_NANO, pattern="MEM*EME", hidden_size=64, num_attention_h
                   n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                   moe_shared_expert_intermediate_size=64, vocab_size=512)
 SHAPES = {"nano": SHAPE_NANO, "tiny": SHAPE_TINY}
+# one Nemotron-3-Super-120B-A12B expert layer (kernel rows only): experts on the 1024-wide latent
+SUPER_LAYER = dict(n_routed_experts=512, num_experts_per_tok=22, hidden_size=1024, moe_intermediate_size=2688,
+                   routed_scaling_factor=5.0)
+TINY_LATENT_LAYER = dict(SUPER_LAYER, n_routed_experts=64, num_experts_per_tok=8, hidden_size=32,
+                         moe_intermediate_size=48)
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -276,6 +282,7 @@ def main() -> int:
     ap.add_argument("--kv-fraction", type=float, default=0.15)
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-super-layer", action="store_true", help="no kernel rows for the Super latent layer")
     ap.add_argument("--vs-transformers", action="store_true", help="CPU: also time transformers on a reduced Nano")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
@@ -294,6 +301,11 @@ def main() -> int:
     if not args.skip_kernels:
         res["kernels"] = kernel_rows(shape, dev, dtype, args.tokens, bw, peak)
         save_json(path, res)
+        if not args.skip_super_layer:
+            print("Super-120B latent expert layer:", flush=True)
+            layer = SUPER_LAYER if args.shape == "nano" else TINY_LATENT_LAYER
+            res["kernels_super_layer"] = kernel_rows(layer, dev, dtype, args.tokens, bw, peak)
+            save_json(path, res)
         gc.collect()
         if big:
             torch.cuda.empty_cache()
@@ -306,10 +318,13 @@ def main() -> int:
         save_json(path, res)
     print(f"\n### MoE {args.shape} on {res['device']} ({dtype}; copy {bw / 1e12:.2f} TB/s, "
           f"matmul {peak / 1e12:.0f} TFLOP/s)\n")
-    if "kernels" in res:
+    for key, title in (("kernels", f"{args.shape} MoE layer"), ("kernels_super_layer", "Super latent expert layer")):
+        if key not in res:
+            continue
+        print(f"\n{title}:\n")
         print("| tokens | distinct experts | fused ms | dense torch ms | per-expert loop ms | roofline ms | % roofline |")
         print("|---|---|---|---|---|---|---|")
-        for r in res["kernels"]:
+        for r in res[key]:
             print(f"| {r['tokens']} | {r['distinct_experts']} | {r['fused_ms']:.3f} | {r['dense_ms']:.3f} | "
                   f"{r['loop_ms']:.3f} | {r['roofline_ms']:.3f} | {100 * r['frac_roofline']:.0f}% |")
     if "decode" in res:
