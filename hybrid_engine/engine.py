@@ -270,4 +270,7 @@ class EngineCore:
         s["total_slots"] = self.scheduler.slots.num_total
         s["free_blocks"] = self.scheduler.blocks.num_free
         s["total_blocks"] = self.scheduler.blocks.num_total
+        load = self.model.read_expert_load()          # device counters, cleared: a window per call
+        if load:
+            s["moe_expert_tokens"] = load
         return s

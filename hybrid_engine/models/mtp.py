@@ -14,8 +14,9 @@ from torch import nn
 
 from ..config import ATTENTION, MLP as MLP_KIND, MOE, ModelConfig
 from ..step.forward_batch import ForwardBatch
-from .layers import MLP, MoE, RMSNorm
+from .layers import MLP, RMSNorm
 from .linear import Linear
+from .moe import MoE
 
 
 class MTPLayer(nn.Module):
@@ -38,6 +39,7 @@ class MTPLayer(nn.Module):
         if last:
             self.final_layernorm = RMSNorm(d, eps)
         self.first, self.last, self.attn = first, last, kind == ATTENTION
+        self.takes_batch = self.attn or getattr(self.mixer, "takes_batch", False)
 
 
 class MTP(nn.Module):
@@ -61,6 +63,6 @@ class MTP(nn.Module):
         residual = None
         for layer in self.layers:              # residual adds fused into the next norm (as Block)
             x, residual = layer.norm.add_norm(h, residual)
-            h = layer.mixer(x, fb, caches) if layer.attn else layer.mixer(x)
+            h = layer.mixer(x, fb, caches) if layer.takes_batch else layer.mixer(x)
         normed, h = self.layers[-1].final_layernorm.add_norm(h, residual)
         return h, normed

@@ -13,8 +13,9 @@ from hybrid_engine.mamba_cache import ops as mops
 from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
 from ..step.forward_batch import ForwardBatch
-from .layers import MLP, MoE, RMSNorm
+from .layers import MLP, RMSNorm
 from .linear import Linear
+from .moe import ROUTER_FP32_WEIGHTS, MoE
 
 
 class Caches:
@@ -145,6 +146,8 @@ class Block(nn.Module):
         else:
             raise ValueError(f"unsupported layer kind {kind!r}; allowed: M, *, -, E")
         self.stateful = kind in (MAMBA, ATTENTION)
+        # mixers whose forward takes the step metadata: the cache owners, and MoE (for its counters)
+        self.takes_batch = self.stateful or getattr(self.mixer, "takes_batch", False)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
                 caches: Caches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +156,7 @@ class Block(nn.Module):
         ``residual + h`` happens inside this block's norm kernel instead of as a separate kernel
         at the end of the previous block; the stream is bit-identical to ``h + mixer(norm(h))``."""
         x, residual = self.norm.add_norm(h, residual)
-        return (self.mixer(x, fb, caches) if self.stateful else self.mixer(x)), residual
+        return (self.mixer(x, fb, caches) if self.takes_batch else self.mixer(x)), residual
 
 
 class Backbone(nn.Module):
@@ -172,6 +175,9 @@ class Backbone(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
+    # loader: these tensors stay float32 whatever the model dtype (the router runs in float32)
+    keep_in_fp32 = ("e_score_correction_bias",) + ROUTER_FP32_WEIGHTS
+
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
         self.cfg = cfg
@@ -189,6 +195,18 @@ class NemotronHForCausalLM(nn.Module):
         for layer in self.backbone.layers:
             h, residual = layer(h, residual, fb, caches)
         return self.backbone.norm_f.add_norm(h, residual)[0]           # last add fused into norm_f
+
+    def reset_runtime_state(self) -> None:
+        """Zero the buffers the checkpoint does not fill (the MoE expert-load counters)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_runtime_state"):
+                m.reset_runtime_state()
+
+    def read_expert_load(self) -> dict[str, list[int]]:
+        """{MoE module name: tokens routed to each expert since the last read}; clears the
+        counters. Reads the device (a sync): for stats(), never on the step path."""
+        return {name: m.read_expert_load() for name, m in self.named_modules() if hasattr(m, "read_expert_load")
+                and m is not self}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                # [L, V] float32

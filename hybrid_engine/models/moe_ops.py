@@ -1,0 +1,220 @@
+"""MoE ops: routing, expert dispatch and the torch reference twins of the Triton kernels.
+
+Public ops (each picks its backend through ``kernel_backend`` and logs the choice once):
+- ``route(logits, bias, spec, counts, valid)``: sigmoid scores, correction bias for the choice
+  only, group-limited top-k, renormalisation, ``routed_scaling_factor``
+  -> (ids [T, k] int32, weights [T, k] float32). Optionally adds each valid token's k choices to
+  the per-expert counter ``counts`` [E] int32 on the device (the expert-load statistics).
+- ``routed_experts(h, w_up, w_down, ids, weights, add)``: sum_j weights[t, j] *
+  down[ids[t, j]](relu2(up[ids[t, j]](h[t]))) [T, D_out] in h's dtype, plus ``add`` when given.
+
+Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe); CPU ->
+``grouped_experts_ref``, which runs each expert only over the tokens routed to it (the expert
+loop reads the per-expert counts on the host, which costs nothing on CPU); CUDA without Triton ->
+``dense_experts_ref`` (every expert over every token, weighted; sync-free but E/k times the work).
+
+Numerics follow transformers' NemotronH: router in float32, each expert's up/down projection
+rounded to the model dtype, relu² in the model dtype, the routing weight applied in float32 and
+the k contributions summed in float32 before one rounding to the model dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """The router's constants (from ModelConfig)."""
+    num_experts: int
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of n_group "
+                             f"({self.n_group})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if not 1 <= self.top_k <= self.num_experts // self.n_group * self.topk_group:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts // self.n_group * self.topk_group}]"
+                             f" (experts in the kept groups), got {self.top_k}")
+
+
+# ------------------------------------------------------------------------------------- routing
+
+def route_ref(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (ids [T, k] int64, weights [T, k] float32); transformers' rule."""
+    scores = logits.float().sigmoid()                                       # [T, E]
+    choice = scores + bias.float()
+    per_group = spec.num_experts // spec.n_group
+    group_scores = choice.view(-1, spec.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+    group_idx = group_scores.topk(spec.topk_group, dim=-1, sorted=False)[1]   # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, spec.n_group, per_group).reshape(-1, spec.num_experts)
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    idx = choice.topk(spec.top_k, dim=-1, sorted=False)[1]                  # [T, k]
+    w = scores.gather(1, idx)
+    if spec.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * spec.scale
+
+
+def count_experts_ref(counts: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
+    """counts[e] += number of valid tokens that chose e (ids [T, k]; valid [T] nonzero = real)."""
+    k = ids.shape[1]
+    ones = torch.ones(ids.numel(), dtype=counts.dtype, device=counts.device)
+    if valid is not None:
+        ones = (valid != 0).to(counts.dtype).repeat_interleave(k)
+    counts.index_put_((ids.reshape(-1).long(),), ones, accumulate=True)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, counts: torch.Tensor | None = None,
+          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (ids [T, k], weights [T, k] float32); see the module docstring. ``valid`` [T]: tokens
+    whose value is 0 are padding and are not counted (their routing is still computed)."""
+    if kernel_backend("moe_route", logits.device) == "triton" and logits.shape[0]:
+        from .triton_moe import route_triton
+        return route_triton(logits, bias, spec, counts, valid)
+    ids, w = route_ref(logits, bias, spec)
+    if counts is not None:
+        count_experts_ref(counts, ids, valid)
+    return ids, w
+
+
+# ------------------------------------------------------------------------- decode-sized linears
+
+DECODE_MAX_TOKENS = 8          # token rows up to which the CUDA decode kernels run
+
+
+def _rowwise_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_TOKENS and x.stride(-1) == 1
+            and all(w.stride(-1) == 1 for w in weights) and kernel_backend("moe_rowwise", x.device) == "triton")
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D] (model dtype) @ weight [E, D]^T in float32 -> [T, E] float32. On CUDA decode
+    batches one kernel reads x in its dtype (no cast kernel)."""
+    if _rowwise_ok(x, weight):
+        from .triton_moe import rowwise_linear_triton
+        return rowwise_linear_triton(x, weight, out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
+def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
+    """The shared relu² MLP (``layers.MLP``); on CUDA decode batches without biases two kernels
+    (up with relu² in its epilogue, down) instead of three."""
+    if mlp.up_proj.bias is None and mlp.down_proj.bias is None and _rowwise_ok(x, mlp.up_proj.weight,
+                                                                              mlp.down_proj.weight):
+        from .triton_moe import rowwise_linear_triton
+        return rowwise_linear_triton(rowwise_linear_triton(x, mlp.up_proj.weight, relu2=True), mlp.down_proj.weight)
+    return mlp(x)
+
+
+# ------------------------------------------------------------------------------------- experts
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+    """Each expert over the tokens routed to it, in ascending expert order (as transformers):
+    h [T, D_in], w_up [E, F, D_in], w_down [E, D_out, F], ids/weights [T, k] -> [T, D_out] h.dtype.
+    Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)                 # pair indices grouped by expert
+    counts = torch.bincount(flat, minlength=w_up.shape[0]).tolist()
+    out = torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=h.device)
+    w_flat = weights.reshape(-1).float()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        tok = pairs // k
+        y = F.linear(_relu2(F.linear(h[tok], w_up[e])), w_down[e])
+        # dtype * float32 -> float32; a token appears once per expert, so this is out[tok] += ...
+        # (index_put_ rather than index_add_, which is ~100x slower on CPU for few rows)
+        out.index_put_((tok,), y * w_flat[pairs, None], accumulate=True)
+        start += n
+    return out.to(h.dtype)
+
+
+def dense_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token, weighted by the (mostly zero) dense routing weight: no
+    host sync, E/k times the routed work (CUDA without Triton only)."""
+    dense_w = torch.zeros(h.shape[0], w_up.shape[0], dtype=torch.float32, device=h.device)
+    dense_w.scatter_(1, ids.long(), weights.float())                       # [T, E]
+    acc = torch.zeros(h.shape[0], w_down.shape[1], dtype=torch.float32, device=h.device)
+    for e in range(w_up.shape[0]):
+        acc += F.linear(_relu2(F.linear(h, w_up[e])), w_down[e]).float() * dense_w[:, e:e + 1]
+    return acc.to(h.dtype)
+
+
+def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, D_out] in h.dtype: the routed experts' weighted sum (+ ``add`` [T, D_out], rounded as
+    ``routed + add`` in h.dtype)."""
+    backend = kernel_backend("moe_experts", h.device)
+    if backend == "triton" and h.shape[0]:
+        from .triton_moe import routed_experts_triton
+        return routed_experts_triton(h, w_up, w_down, ids, weights, add)
+    fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
+    out = fn(h, w_up, w_down, ids, weights)
+    return out if add is None else out + add
+
+
+# ------------------------------------------------------------------------------------ alignment
+
+def align_block_size(num_pairs: int, num_experts: int) -> int:
+    """Rows per grouped-GEMM tile: small tiles when experts get few tokens (decode batches), large
+    for prefill. A function of static shapes only, so each CUDA-graph bucket fixes its own."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Pairs (token t, choice j; pair id p = t*k + j) grouped by expert, each expert's run padded
+    to a multiple of ``block_m`` rows so every tile of BLOCK_M rows has one expert. Fixed sizes
+    (a function of T, k, E, block_m only): no host sync, CUDA-graph safe."""
+    sorted_pairs: torch.Tensor      # [max_rows] int32 pair ids; padding rows hold num_pairs
+    block_expert: torch.Tensor      # [max_rows // block_m] int32 expert of each tile (E-1 past the end)
+    num_rows: torch.Tensor          # [1] int32 rows in use (a multiple of block_m)
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """ids [T, k] -> Alignment (torch ops on ids' device, fixed shapes)."""
+    dev = ids.device
+    flat = ids.reshape(-1).long()
+    P = flat.numel()
+    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
+        0, flat, torch.ones_like(flat))                                      # bincount without a sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    cnt_start = counts.cumsum(0) - counts
+    order = torch.sort(flat, stable=True)[1]                                 # pair ids by expert
+    sorted_e = flat[order]
+    dest = (pad_end - padded)[sorted_e] + torch.arange(P, device=dev) - cnt_start[sorted_e]
+    sorted_pairs = torch.full((max_rows,), P, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, max_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=num_experts - 1)
+    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert.to(torch.int32),
+                     num_rows=pad_end[-1:].to(torch.int32), block_m=block_m)

@@ -1,0 +1,356 @@
+"""Triton kernels of the MoE block (CUDA; the torch twins are in ``moe_ops``).
+
+- ``_route_kernel``: one program per token: sigmoid of the router logits, correction bias for the
+  choice only, group-limited top-k by repeated argmax, renormalisation and scaling; optionally
+  adds the token's choices to the per-expert counters (atomics, padding tokens skipped).
+- decode path (``T <= DECODE_MAX_TOKENS``): ``_pair_gemv_kernel`` computes one (token, choice)
+  pair per program row-block, reading only the chosen experts' weights: up (relu² epilogue) into
+  [P, F], down (routing-weight epilogue, float32) into [P, D_out]; no sort.
+- grouped path: pairs grouped by expert (``_align_kernel``, one program, for decode-sized batches;
+  ``moe_ops.align_pairs``' torch ops beyond; both fixed-size buffers), then
+  ``_grouped_gemm_kernel`` runs one BLOCK_M x BLOCK_N tile of one expert per program with
+  ``tl.dot``: up (rows gathered from the tokens, relu², written in sorted order) and down (rows
+  in sorted order, routing weight, written per pair).
+- ``rowwise_linear_triton``: the same GEMV kernel on one weight matrix: the router logits (float32
+  from a 16-bit x) and the shared expert (relu² epilogue) on decode batches.
+- ``_combine_kernel``: out[t] = sum_j pair_out[t, j] rounded to the model dtype (+ ``add``).
+Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+
+# DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
+from .moe_ops import DECODE_MAX_TOKENS, RouteSpec, align_block_size, align_pairs
+
+
+# ------------------------------------------------------------------------------------ routing
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, valid_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    me = offs < E
+    lg = tl.load(logits_ptr + t.to(tl.int64) * s_l + offs, mask=me, other=0.0).to(tl.float32)
+    score = 1.0 / (1.0 + tl.exp(-lg))
+    bias = tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
+    choice = tl.where(me, score + bias, float("-inf"))
+    if N_GROUP > 1:                     # keep the TOPK_GROUP groups with the best top-2 sums
+        grp = offs // PER_GROUP
+        g_offs = tl.arange(0, BLOCK_G)
+        g_score = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where(grp == g, choice, float("-inf"))
+            m1 = tl.max(v, axis=0)
+            s = m1
+            if PER_GROUP > 1:
+                i1 = tl.argmax(v, axis=0)
+                s = m1 + tl.max(tl.where(offs == i1, float("-inf"), v), axis=0)
+            g_score = tl.where(g_offs == g, s, g_score)
+        keep = offs < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(g_score, axis=0)
+            keep = keep | (grp == gi)
+            g_score = tl.where(g_offs == gi, float("-inf"), g_score)
+        choice = tl.where(keep, choice, float("-inf"))
+    k_offs = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    wts = tl.zeros([BLOCK_K], tl.float32)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(choice, axis=0)
+        s = tl.sum(tl.where(offs == i, score, 0.0), axis=0)
+        ids = tl.where(k_offs == j, i, ids)
+        wts = tl.where(k_offs == j, s, wts)
+        choice = tl.where(offs == i, float("-inf"), choice)
+    if RENORM:
+        wts = wts / (tl.sum(wts, axis=0) + 1e-20)
+    wts = wts * scale
+    mk = k_offs < TOP_K
+    tl.store(ids_ptr + t * TOP_K + k_offs, ids, mask=mk)
+    tl.store(w_ptr + t * TOP_K + k_offs, wts, mask=mk)
+    if COUNT:
+        one = tl.full([BLOCK_K], 1, tl.int32)
+        if HAS_VALID:         # padding tokens add 0 (a value, not a mask: one atomic per choice)
+            one = one * (tl.load(valid_ptr + t) != 0).to(tl.int32)
+        tl.atomic_add(cnt_ptr + tl.where(mk, ids, 0), tl.where(mk, one, 0))
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, counts: torch.Tensor | None,
+                 valid: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``moe_ops.route`` (ids int32); ``out`` = (ids, weights) to write into."""
+    T, E = logits.shape
+    k = spec.top_k
+    if logits.stride(1) != 1 or E != spec.num_experts:
+        raise ValueError(f"logits must be [T, {spec.num_experts}] with a unit inner stride, got "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    if out is None:
+        out = (torch.empty(T, k, dtype=torch.int32, device=logits.device),
+               torch.empty(T, k, dtype=torch.float32, device=logits.device))
+    ids, w = out
+    if counts is not None and counts.dtype != torch.int32:
+        raise TypeError(f"counts must be int32, got {counts.dtype}")
+    _route_kernel[(T,)](
+        logits, bias, ids, w, counts if counts is not None else ids, valid if valid is not None else ids,
+        E, logits.stride(0), float(spec.scale), TOP_K=k, N_GROUP=spec.n_group,
+        PER_GROUP=E // spec.n_group, TOPK_GROUP=spec.topk_group, RENORM=bool(spec.norm_topk_prob),
+        COUNT=counts is not None, HAS_VALID=valid is not None, BLOCK_E=next_pow2(E),
+        BLOCK_K=max(2, next_pow2(k)), BLOCK_G=max(2, next_pow2(spec.n_group)), num_warps=4)
+    return ids, w
+
+
+# ------------------------------------------------------------------------------------ alignment
+
+ALIGN_MAX_WORK = 1 << 17      # P * next_pow2(E) up to this: the one-program align kernel
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks, max_rows,
+                  BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
+    """moe_ops.align_pairs in one program (decode-sized P): counts, padded offsets, tile experts,
+    then each pair's sorted row (pairs of one expert keep their index order)."""
+    e_offs = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        counts += tl.sum((e[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(nrows_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, max_blocks, CB):
+        b = b0 + tl.arange(0, CB)
+        be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+    for r0 in range(0, max_rows, CB):
+        r = r0 + tl.arange(0, CB)
+        tl.store(sorted_ptr + r, tl.zeros([CB], tl.int32) + P, mask=r < max_rows)
+    tl.debug_barrier()          # the padding fill above lands before the pair rows below
+    next_row = pad_end - padded                         # per expert: its next free sorted row
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        hit = e[:, None] == e_offs[None, :]                                   # [CH, BLOCK_E]
+        before = tl.cumsum(hit.to(tl.int32), axis=0) - 1                      # same-expert rank in chunk
+        dest = tl.sum(tl.where(hit, next_row[None, :] + before, 0), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=offs < P)
+        next_row += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Same result as ``moe_ops.align_pairs`` in one launch; for P * next_pow2(E) <= ALIGN_MAX_WORK."""
+    from .moe_ops import Alignment
+    P = ids.numel()
+    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    dev = ids.device
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    be = next_pow2(num_experts)
+    ch = max(2, min(64, 8192 // be))
+    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_pairs, block_expert, num_rows, P, num_experts,
+                        max_rows // block_m, max_rows, BM=block_m, BLOCK_E=be, CH=ch, CB=256, num_warps=8)
+    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
+
+
+# ------------------------------------------------------------------------------------ experts
+
+@triton.jit
+def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
+                      RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True):
+    """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row.
+    ONE_WEIGHT: w is one [N, K] matrix (ids not read): a plain row-wise linear (shared expert,
+    router logits); ROUND False keeps the float32 sum (router logits)."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    if ONE_WEIGHT:
+        e = pid_n.to(tl.int64) * 0
+    else:
+        e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    w_rows = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn
+    a_row = a_ptr + (p // A_DIV).to(tl.int64) * s_am
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        xv = tl.load(a_row + offs_k, mask=mk, other=0.0)
+        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+    # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
+    # squares that in float32 (exact) for one more rounding at the store; the routing weight
+    # applies in float32 (the pair outputs stay float32 until the combine)
+    y = tl.sum(acc, axis=1)
+    if ROUND:
+        y = y.to(a_ptr.dtype.element_ty).to(tl.float32)
+    if RELU2:
+        y = tl.where(y < 0.0, 0.0, y)
+        y = y * y
+    if WEIGHTED:
+        y = y * tl.load(wt_ptr + p)
+    tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
+
+
+def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = False,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T for a few rows in one launch (the decode path's shared expert and
+    router): out_dtype None -> x.dtype, rounded as F.linear (then relu² if asked); float32 with
+    a 16-bit x keeps the float32 sum (router logits from float32 router weights)."""
+    T, K = x.shape
+    N = weight.shape[0]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    bn, bk = (16, 128) if weight.element_size() == 2 else (16, 64)
+    _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
+        x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
+        RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
+        ROUND=out_dtype == x.dtype, num_warps=4)
+    return out
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
+                         N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
+                         A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
+                         WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows.
+    A rows: the sorted position (A_SORTED) or the pair's token (pair // A_DIV); output rows: the
+    sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(nrows_ptr):
+        return
+    e = tl.load(block_e_ptr + pid_m).to(tl.int64)
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + pos)
+    mrow = pair < num_pairs
+    if A_SORTED:
+        a_rows = pos.to(tl.int64)
+    else:
+        a_rows = (pair // A_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    a_base = a_ptr + a_rows[:, None] * s_am
+    w_base = w_ptr + e * s_we + offs_n[None, :].to(tl.int64) * s_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        a = tl.load(a_base + offs_k[None, :], mask=mrow[:, None] & mk[None, :], other=0.0)   # [BM, BK]
+        w = tl.load(w_base + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)      # [BK, BN]
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
+    if RELU2:
+        y = tl.where(y < 0.0, 0.0, y)
+        y = y * y
+    if WEIGHTED:
+        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
+    if OUT_SORTED:
+        o_rows = pos.to(tl.int64)
+    else:
+        o_rows = pair.to(tl.int64)
+    tl.store(out_ptr + o_rows[:, None] * s_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mrow[:, None] & mn[None, :])
+
+
+@triton.jit
+def _combine_kernel(pair_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = offs < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(pair_ptr + (t * TOP_K + j) * N + offs, mask=m, other=0.0)
+    y = acc
+    if HAS_ADD:       # routed + shared in the model dtype: round each, add, round again
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(add_ptr + t * N + offs, mask=m,
+                                                                        other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * N + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _gemm_config(rows_per_expert_tile: int, dtype: torch.dtype) -> dict:
+    """Tile sizes for the grouped GEMM (by BLOCK_M, which align_block_size picks from the load)."""
+    bm = rows_per_expert_tile
+    if bm <= 16:
+        cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif bm <= 32:
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if dtype == torch.float32:        # double the bytes per element: halve K tiles
+        cfg.update(BLOCK_K=32, num_stages=2)
+    return cfg
+
+
+def _check(h, w_up, w_down, ids, weights):
+    E, F, D_in = w_up.shape
+    if h.dim() != 2 or h.shape[1] != D_in or w_down.shape[0] != E or w_down.shape[2] != F:
+        raise ValueError(f"routed experts: h {tuple(h.shape)}, up {tuple(w_up.shape)}, down "
+                         f"{tuple(w_down.shape)} must be [T, D], [E, F, D], [E, D_out, F]")
+    if ids.shape != weights.shape or ids.shape[0] != h.shape[0]:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]")
+    if w_up.stride(-1) != 1 or w_down.stride(-1) != 1 or h.stride(-1) != 1:
+        raise ValueError("routed experts: weights and h need a unit inner stride")
+
+
+def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor, add: torch.Tensor | None = None,
+                          force_grouped: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``moe_ops.routed_experts``. ``force_grouped`` (tests, benchmarks) takes
+    the grouped path whatever the token count; ``out`` [T, D_out] h.dtype to write into."""
+    _check(h, w_up, w_down, ids, weights)
+    T, k = ids.shape
+    E, F, _ = w_up.shape
+    D_out = w_down.shape[1]
+    P = T * k
+    dev = h.device
+    ids = ids.contiguous()
+    weights = weights.contiguous().float()
+    pair_out = torch.empty(P, D_out, dtype=torch.float32, device=dev)         # weighted, per pair
+    if T <= DECODE_MAX_TOKENS and not force_grouped:
+        inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
+        bn, bk = (16, 128) if h.dtype != torch.float32 else (16, 64)
+        _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
+            h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
+            inter.stride(0), RELU2=True, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
+            inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
+            w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=4)
+    else:
+        bm = align_block_size(P, E)
+        al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
+              else align_pairs(ids, E, bm))
+        cfg = _gemm_config(bm, h.dtype)
+        inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
+        ieee = h.dtype == torch.float32
+        _grouped_gemm_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
+            h, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            F, h.shape[1], P, k, h.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
+            A_SORTED=False, OUT_SORTED=True, RELU2=True, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm, **cfg)
+        _grouped_gemm_kernel[(triton.cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
+            inter, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            D_out, F, P, 1, inter.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
+            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm, **cfg)
+    if out is None:
+        out = torch.empty(T, D_out, dtype=h.dtype, device=dev)
+    if add is not None and (add.shape != out.shape or not add.is_contiguous()):
+        raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
+    bn = 256
+    _combine_kernel[(T, triton.cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
+                                                  HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4)
+    return out

@@ -1,0 +1,143 @@
+"""MoE kernel cases shared by the GPU tests (test_moe_kernels.py) and the Triton interpreter run
+(moe_interpret_cases.py): random inputs, poisoned outputs, comparison with the torch twins of
+hybrid_engine.models.moe_ops. Each check returns the largest error it saw."""
+from __future__ import annotations
+
+import torch
+
+from hybrid_engine.models.moe_ops import RouteSpec, align_pairs, grouped_experts_ref, route_ref
+
+TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def make_ids(T: int, E: int, k: int, load: str, gen: torch.Generator) -> torch.Tensor:
+    """[T, k] distinct experts per token. load: "uniform"; "ragged" (Zipf-like: a few experts take
+    most tokens, many take none); "one" (every token's first choice is expert E // 2, so it gets
+    all T tokens); "few" (only experts 0..k are ever used: most experts get zero tokens)."""
+    if load == "uniform":
+        p = torch.ones(E)
+    elif load == "ragged":
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+        p = p[torch.randperm(E, generator=gen)]
+    elif load == "few":
+        p = torch.zeros(E)
+        p[:k + 1] = 1.0
+    elif load == "one":
+        p = torch.ones(E)
+        p[E // 2] = 0.0
+    else:
+        raise ValueError(load)
+    n = k - 1 if load == "one" else k
+    ids = (torch.multinomial(p.float().expand(T, E), n, replacement=False, generator=gen) if n
+           else torch.zeros(T, 0, dtype=torch.long))
+    if load == "one":
+        ids = torch.cat([torch.full((T, 1), E // 2, dtype=ids.dtype), ids], 1)
+    return ids
+
+
+def check_align(device, T: int, E: int, k: int, block_m: int, load: str = "ragged", seed: int = 0,
+                align_fn=align_pairs) -> int:
+    gen = torch.Generator().manual_seed(seed)
+    ids = make_ids(T, E, k, load, gen).to(device)
+    al = align_fn(ids, E, block_m)
+    ref = align_pairs(ids, E, block_m)        # the torch ops: same stable order, same result
+    assert torch.equal(al.sorted_pairs.cpu(), ref.sorted_pairs.cpu())
+    assert torch.equal(al.block_expert.cpu(), ref.block_expert.cpu())
+    assert torch.equal(al.num_rows.cpu(), ref.num_rows.cpu())
+    P = T * k
+    rows = int(al.num_rows)
+    assert rows % block_m == 0 and rows <= al.sorted_pairs.numel()
+    sp = al.sorted_pairs.cpu().long()
+    used = sp[:rows]
+    real = used[used < P]
+    assert sorted(real.tolist()) == list(range(P)), "every pair exactly once"
+    assert bool((sp[rows:] == P).all())
+    flat = ids.reshape(-1).cpu().long()
+    be = al.block_expert.cpu().long()
+    for b in range(rows // block_m):
+        blk = used[b * block_m:(b + 1) * block_m]
+        blk = blk[blk < P]
+        assert blk.numel() > 0, "no empty tiles inside the used rows"
+        assert bool((flat[blk] == be[b]).all()), f"tile {b} mixes experts"
+    counts = torch.bincount(flat, minlength=E)
+    assert rows == int(((counts + block_m - 1) // block_m * block_m).sum())
+    return 0
+
+
+def check_route(route_fn, device, T: int, E: int, k: int, n_group: int = 1, topk_group: int = 1,
+                renorm: bool = True, scale: float = 2.5, seed: int = 0) -> float:
+    """route_fn(logits, bias, spec, counts, valid, out) -> (ids, w): the Triton router."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = RouteSpec(num_experts=E, top_k=k, n_group=n_group, topk_group=topk_group,
+                     norm_topk_prob=renorm, scale=scale)
+    logits = (2.0 * torch.randn(T, E, generator=gen)).to(device)
+    bias = (0.05 * torch.randn(E, generator=gen)).to(device)
+    valid = (torch.rand(T, generator=gen) < 0.8).long().to(device) * 17     # slot-mapping-like
+    base = torch.randint(0, 1000, (E,), generator=gen, dtype=torch.int32).to(device)
+    counts = base.clone()
+    out = (torch.full((T, k), -7, dtype=torch.int32, device=device),
+           torch.full((T, k), float("nan"), device=device))
+    ids, w = route_fn(logits, bias, spec, counts, valid, out)
+    assert ids is out[0] and w is out[1]
+    ref_ids, ref_w = route_ref(logits, bias, spec)
+    ids_s, order = ids.long().sort(-1)
+    ref_s, ref_order = ref_ids.sort(-1)
+    same = (ids_s == ref_s).all(-1)
+    if not bool(same.all()):      # only where the k-th and (k+1)-th choices are within rounding
+        choice = (logits.float().sigmoid() + bias).sort(-1, descending=True)[0]
+        gap = (choice[:, k - 1] - choice[:, k]).abs()
+        assert bool((gap[~same] < 1e-5).all()), "router picked different experts away from a tie"
+    err = (w.gather(1, order) - ref_w.gather(1, ref_order))[same].abs().max().item() if bool(same.any()) else 0.0
+    assert err <= 1e-5 * max(1.0, scale), f"weights differ by {err}"
+    assert bool((ids >= 0).all()) and bool((ids < E).all())
+    # counters: each valid token's k choices added to what was there
+    want = base.long() + torch.zeros(E, dtype=torch.long, device=device).index_add_(
+        0, ids.reshape(-1).long(), (valid != 0).long().repeat_interleave(k))
+    assert torch.equal(counts.long(), want)
+    return err
+
+
+def check_experts(experts_fn, device, dtype, T: int, E: int, k: int, D: int, F: int, D_out: int | None = None,
+                  load: str = "uniform", add: bool = False, seed: int = 0, **kw) -> float:
+    """experts_fn(h, w_up, w_down, ids, weights, add, out=..., **kw) -> [T, D_out]."""
+    D_out = D if D_out is None else D_out
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=gen).to(device, dtype)
+    w_up = (torch.randn(E, F, D, generator=gen) / D ** 0.5).to(device, dtype)
+    w_down = (torch.randn(E, D_out, F, generator=gen) / F ** 0.5).to(device, dtype)
+    ids = make_ids(T, E, k, load, gen).to(device, torch.int32)
+    weights = (torch.rand(T, k, generator=gen) * 2.0 / k).to(device)
+    extra = torch.randn(T, D_out, generator=gen).to(device, dtype) if add else None
+    out = torch.full((T, D_out), float("nan"), dtype=dtype, device=device)
+    got = experts_fn(h, w_up, w_down, ids, weights, extra, out=out, **kw)
+    assert got is out
+    ref = grouped_experts_ref(h, w_up, w_down, ids.long(), weights)
+    if add:
+        ref = ref + extra
+    assert bool(torch.isfinite(got).all()), "unwritten (poisoned) outputs"
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert scale > 0.1
+    assert err <= TOL[dtype] * max(1.0, scale), f"max error {err} (output scale {scale})"
+    return err
+
+
+def check_rowwise(fn, device, dtype, T: int, N: int, K: int, w_dtype=None, relu2: bool = False,
+                  out_dtype=None, seed: int = 0) -> float:
+    """fn = rowwise_linear_triton: x [T, K] @ w [N, K]^T (float32 sum for router logits, or rounded
+    to x's dtype as F.linear, then relu²) vs torch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=gen).to(device, dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device, w_dtype or dtype)
+    got = fn(x, w, relu2=relu2, out_dtype=out_dtype)
+    if out_dtype == torch.float32 and dtype != torch.float32:
+        ref = torch.nn.functional.linear(x.float(), w.float())          # the router's rule
+        tol = 1e-5
+    else:
+        ref = torch.nn.functional.linear(x, w)
+        ref = torch.nn.functional.relu(ref).square() if relu2 else ref
+        tol = TOL[dtype]
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+    return err

@@ -1,0 +1,99 @@
+"""MoE kernels on CPU under TRITON_INTERPRET=1 (set by the caller before this process starts).
+Tiny float32 cases (bf16 tl.dot is wrong in the interpreter) and one float16 GEMV case.
+Prints ``CASE <name> OK|FAIL ...`` per case (see tests/triton_interpret.py)."""
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
+torch.set_num_threads(1)
+
+import moe_cases as mc  # noqa: E402
+from hybrid_engine.models.triton_moe import (align_pairs_triton, route_triton, routed_experts_triton,  # noqa: E402
+                                            rowwise_linear_triton)
+
+F32, F16 = torch.float32, torch.float16
+
+
+def grouped(*a, **kw):
+    return routed_experts_triton(*a, force_grouped=True, **kw)
+
+
+def moe_block(latent: bool):
+    """The MoE block's forward through the Triton kernels (backend forced) vs its CPU path."""
+    from hybrid_engine.config import MOE, ModelConfig
+    from hybrid_engine.models import moe_ops
+    from hybrid_engine.models.moe import MoE
+    from hybrid_engine.models.synthetic import sens_init_
+    cfg = ModelConfig(layer_types=(MOE,), vocab_size=16, hidden_size=16, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=16, n_routed_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                      routed_scaling_factor=2.5, moe_latent_size=8 if latent else None)
+    moe = MoE(cfg)
+    sens_init_(moe, seed=3)
+    moe.reset_runtime_state()
+    errs = []
+    for T in (3, 11):                                # decode path and grouped path
+        x = torch.randn(T, 16, generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            ref = moe(x)
+            ref_counts = moe.read_expert_load()
+            real = moe_ops.kernel_backend
+            moe_ops.kernel_backend = lambda op, device: "triton"
+            try:
+                got = moe(x)
+            finally:
+                moe_ops.kernel_backend = real
+        assert moe.read_expert_load() == ref_counts and sum(ref_counts) == 3 * T
+        err = (got - ref).abs().max().item()
+        assert ref.abs().max() > 1.0 and err < 1e-4, err
+        errs.append(err)
+    return max(errs)
+
+
+CASES = {
+    "moe_align": lambda: mc.check_align("cpu", 13, 8, 3, 4, "ragged", align_fn=align_pairs_triton),
+    "moe_align_one": lambda: mc.check_align("cpu", 9, 16, 2, 8, "one", seed=1, align_fn=align_pairs_triton),
+    "moe_router_logits_f16": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F16, 3, 24, 40,
+                                                       w_dtype=F32, out_dtype=F32),
+    "moe_shared_up_relu2": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F32, 2, 40, 24, relu2=True,
+                                                    seed=1),
+    "moe_block": lambda: moe_block(False),
+    "moe_block_latent": lambda: moe_block(True),
+    "moe_route": lambda: mc.check_route(route_triton, "cpu", 6, 16, 3),
+    "moe_route_groups": lambda: mc.check_route(route_triton, "cpu", 5, 16, 3, n_group=4, topk_group=2,
+                                               seed=1),
+    "moe_route_no_renorm": lambda: mc.check_route(route_triton, "cpu", 3, 12, 2, renorm=False, scale=1.0,
+                                                  seed=2),
+    "moe_decode": lambda: mc.check_experts(routed_experts_triton, "cpu", F32, 3, 8, 2, 24, 20),
+    "moe_decode_add_f16": lambda: mc.check_experts(routed_experts_triton, "cpu", F16, 2, 8, 3, 16, 24,
+                                                   add=True, seed=1),
+    "moe_grouped_ragged": lambda: mc.check_experts(grouped, "cpu", F32, 11, 8, 2, 24, 20, load="ragged",
+                                                   seed=2),
+    "moe_grouped_one_expert_add": lambda: mc.check_experts(grouped, "cpu", F32, 9, 6, 2, 16, 24, load="one",
+                                                           add=True, seed=3),
+    "moe_grouped_latent_shape": lambda: mc.check_experts(grouped, "cpu", F32, 7, 8, 3, 12, 20, load="few",
+                                                         seed=4),
+}
+
+
+def main(names):
+    failed = 0
+    for name in names or CASES:
+        t0 = time.time()
+        try:
+            errs = CASES[name]()
+            print(f"CASE {name} OK {errs} {time.time() - t0:.2f}s", flush=True)
+        except Exception as exc:  # report and go on
+            failed += 1
+            msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
+            print(f"CASE {name} FAIL {msg}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
