@@ -63,13 +63,13 @@ class EngineCore:
             raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
                              f"num_speculative_tokens = {1 + k}")
         self.drafter = self._make_drafter()
-        self.runner = ModelRunner(self.model, self.caches, self.drafter, max_num_seqs=sc.max_num_seqs,
+        executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
+                                 max_model_len=self.max_model_len, block_size=cc.block_size)
+        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks)
+        self.runner = ModelRunner(self.model, self.caches, self.drafter, executor=executor,
+                                  greedy_graphs=greedy_graphs, max_num_seqs=sc.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=cc.block_size,
                                   max_blocks=max_blocks, num_spec=k, device=cfg.device)
-        self.runner.executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
-                                             max_model_len=self.max_model_len, block_size=cc.block_size)
-        self.runner.greedy_graphs = make_greedy_graphs(self.runner.executor, num_spec=k, block_size=cc.block_size,
-                                                       max_blocks=max_blocks)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0
@@ -209,7 +209,7 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> list[Request]:
         """Fail every unfinished request and drop the step in flight (the loop itself broke)."""
         self._inflight = None
-        self.runner.prev = None
+        self.runner.reset()
         failed = self.scheduler.fail(list(self.scheduler.requests))
         for r in failed:
             r.error = repr(error)
