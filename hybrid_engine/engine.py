@@ -159,6 +159,17 @@ class EngineCore:
         """Forget the step in flight without reading it (the caller shuts down; nothing runs after)."""
         self._inflight = None
 
+    @property
+    def inflight(self) -> StepHandle | None:
+        """The launched step whose output has not been read yet (async scheduling), else None."""
+        return self._inflight
+
+    def take_inflight(self) -> StepHandle | None:
+        """Hand the step in flight to a caller that reads and commits it itself (``launch`` /
+        ``commit`` driven loops); the engine no longer holds it."""
+        handle, self._inflight = self._inflight, None
+        return handle
+
     # ---- the step ---------------------------------------------------------------------------
     def launch(self) -> tuple[StepHandle | None, list[Request]]:
         """Schedule and launch one step; returns its handle and requests failed by it."""

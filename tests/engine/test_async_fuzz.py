@@ -235,7 +235,7 @@ def test_fuzz_schedules_exercise_pressure(pool, hf_refs, engines, monkeypatch):
 
         def abort(rid, eng=eng, orig_abort=orig_abort):
             req = eng.scheduler.requests.get(rid)
-            seen["abort_inflight"] += eng._inflight is not None and req is not None and not req.finished
+            seen["abort_inflight"] += eng.inflight is not None and req is not None and not req.finished
             return orig_abort(rid)
         eng.abort = abort
         try:
