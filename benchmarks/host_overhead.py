@@ -103,15 +103,19 @@ class PhaseTimer:
     """Inclusive wall time per step of selected methods (``--phases``): wraps each with two
     perf_counter calls (~0.2 us), so unlike cProfile it barely perturbs what it measures."""
 
-    PHASES = [("scheduler", "Scheduler.schedule"), ("scheduler", "Scheduler.update_from_output"),
-              ("runner", "ModelRunner._update_batch"), ("runner", "ModelRunner._prepare"),
-              ("runner", "ModelRunner._prepare_decode_only"), ("decode_prep", "prepare_decode"),
-              ("transfer", "H2D.put_raw"), ("transfer", "H2D.put"), ("graphs", "CudaGraphExecutor.forward"),
-              ("runner", "ModelRunner._sample"), ("runner", "ModelRunner._draft_context"),
-              ("transfer", "D2H.copy"), ("runner", "ModelRunner.execute"), ("transfer", "D2HCopy.wait"), ("runner", "StepHandle._output"),
-              ("input_batch", "InputBatch.append_placeholders"), ("engine", "EngineCore.launch"),
-              ("engine", "EngineCore.finish_step"), ("greedy_graphs", "GreedyStepGraphs.step"),
-              ("runner", "ModelRunner._finish")]
+    # the step's phases (docs/design.md, "The step as phases") and the calls inside them
+    PHASES = [("scheduling.scheduler", "Scheduler.schedule"), ("scheduling.scheduler", "Scheduler.update_from_output"),
+              ("step.runner", "ModelRunner._update_batch"), ("step.runner", "ModelRunner._choose_plan"),
+              ("step.plans.mixed", "MixedPlan.prepare"), ("step.plans.decode_only", "DecodeOnlyPlan.prepare"),
+              ("step.decode_prep", "prepare_decode"), ("step.transfer", "H2D.put_raw"), ("step.transfer", "H2D.put"),
+              ("step.graphs", "CudaGraphExecutor.forward"), ("step.sample", "TokenSampler.sample"),
+              ("step.sample", "DraftVerifier.sample"), ("step.runner", "ModelRunner._draft_context"),
+              ("step.transfer", "D2H.copy"), ("step.runner", "ModelRunner.execute"), ("step.transfer", "D2HCopy.wait"),
+              ("step.step_io", "StepHandle._output"), ("step.input_batch", "InputBatch.append_placeholders"),
+              ("engine", "EngineCore.launch"), ("engine", "EngineCore.finish_step"),
+              ("step.greedy_graphs", "GreedyStepGraphs.applies"), ("step.greedy_graphs", "GreedyStepGraphs.replay"),
+              ("step.runner", "ModelRunner._finish")]
+    IMPORTERS = ("step.plans.decode_only",)     # modules that import a patched module function by name
 
     def __init__(self):
         import importlib
@@ -125,7 +129,7 @@ class PhaseTimer:
             self._undo.append((owner, attr, orig))
             setattr(owner, attr, self._wrap(qual, orig))
             if not owner_name:                       # module function: patch its importers too
-                for other in ("runner",):
+                for other in self.IMPORTERS:
                     m2 = importlib.import_module(f"hybrid_engine.{other}")
                     if getattr(m2, attr, None) is orig:
                         self._undo.append((m2, attr, orig))

@@ -57,7 +57,7 @@ class _Stream:
 
 
 class AsyncLLM:
-    """Streaming generation. Arguments as ``LLM`` (DESIGN.md section 1); ``model=None`` uses the
+    """Streaming generation. Arguments as ``LLM`` (docs/design.md, "Public API"); ``model=None`` uses the
     embedded default model."""
 
     def __init__(self, model=None, **engine_args):
@@ -120,7 +120,7 @@ class AsyncLLM:
 
     def _abort_request(self, req: Request) -> bool:
         eng = self.engine
-        if eng.scheduler.requests.get(req.request_id) is not req or req.finished:
+        if not eng.is_current(req) or req.finished:
             return False
         ok = eng.abort(req.request_id)
         self._publish([req])
@@ -135,12 +135,12 @@ class AsyncLLM:
         self._closed = True
         for stream in list(self._streams.values()):
             self._abort_request(stream.req)
-        for req in list(self.engine.scheduler.requests.values()):
+        for req in self.engine.requests():
             self._abort_request(req)
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._task = None
-        self.engine._inflight = None        # its output is never read; nothing runs afterwards
+        self.engine.drop_inflight()         # its output is never read; nothing runs afterwards
 
     async def __aenter__(self) -> "AsyncLLM":
         return self
@@ -207,13 +207,12 @@ class AsyncLLM:
     def _publish(self, reqs) -> None:
         """Wake the streams of requests that got tokens or finished; forget finished ones in the
         scheduler (the stream keeps the Request, so its id can be reused at once)."""
-        sched = self.engine.scheduler
+        eng = self.engine
         for req in reqs:
             stream = self._streams.get(req.request_id)
             if stream is not None and stream.req is req:
                 stream.event.set()
-            if req.finished and sched.requests.get(req.request_id) is req:
-                sched.pop_finished(req.request_id)
+            eng.forget(req)
 
     # ---- outputs ----------------------------------------------------------------------------
     def _take(self, stream: _Stream) -> RequestOutput | None:

@@ -25,6 +25,7 @@ from .scheduling.request import Request
 from .step.runner import ModelRunner, StepHandle
 from .sampling_params import SamplingParams
 from .scheduling.scheduler import Scheduler
+from .spec.drafters import DrafterBuild, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
 
 logger = logging.getLogger("hybrid_engine")
@@ -62,14 +63,17 @@ class EngineCore:
         if sc.max_num_batched_tokens < 1 + k:
             raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
                              f"num_speculative_tokens = {1 + k}")
-        self.drafter = self._make_drafter()
-        self.runner = ModelRunner(self.model, self.caches, self.drafter, max_num_seqs=sc.max_num_seqs,
+        self.drafter = make_drafter(DrafterBuild(
+            cfg=cfg, model=self.model, num_spec=k, max_model_len=self.max_model_len, max_num_seqs=sc.max_num_seqs,
+            block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
+            num_slots=pool.num_slots))
+        executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
+                                 max_model_len=self.max_model_len, block_size=cc.block_size)
+        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks)
+        self.runner = ModelRunner(self.model, self.caches, self.drafter, executor=executor,
+                                  greedy_graphs=greedy_graphs, max_num_seqs=sc.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=cc.block_size,
                                   max_blocks=max_blocks, num_spec=k, device=cfg.device)
-        self.runner.executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
-                                             max_model_len=self.max_model_len, block_size=cc.block_size)
-        self.runner.greedy_graphs = make_greedy_graphs(self.runner.executor, num_spec=k, block_size=cc.block_size,
-                                                       max_blocks=max_blocks)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0
@@ -84,10 +88,6 @@ class EngineCore:
             free, _ = torch.cuda.mem_get_info(self.cfg.device)
             return int(free * cc.kv_cache_memory_fraction)
         return cc.kv_cache_bytes
-
-    def _make_drafter(self):
-        from hybrid_engine.spec.drafters import make_drafter
-        return make_drafter(self)
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Request:
@@ -141,6 +141,34 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def is_current(self, req: Request) -> bool:
+        """``req`` is the request registered under its id (not a finished namesake already forgotten)."""
+        return self.scheduler.requests.get(req.request_id) is req
+
+    def requests(self) -> list[Request]:
+        """Every request the engine still knows (waiting, running, or finished and not yet forgotten)."""
+        return list(self.scheduler.requests.values())
+
+    def forget(self, req: Request) -> None:
+        """Drop a finished request the caller has read, so its id can be used again."""
+        if req.finished and self.scheduler.requests.get(req.request_id) is req:
+            self.scheduler.pop_finished(req.request_id)
+
+    def drop_inflight(self) -> None:
+        """Forget the step in flight without reading it (the caller shuts down; nothing runs after)."""
+        self._inflight = None
+
+    @property
+    def inflight(self) -> StepHandle | None:
+        """The launched step whose output has not been read yet (async scheduling), else None."""
+        return self._inflight
+
+    def take_inflight(self) -> StepHandle | None:
+        """Hand the step in flight to a caller that reads and commits it itself (``launch`` /
+        ``commit`` driven loops); the engine no longer holds it."""
+        handle, self._inflight = self._inflight, None
+        return handle
 
     # ---- the step ---------------------------------------------------------------------------
     def launch(self) -> tuple[StepHandle | None, list[Request]]:
@@ -209,7 +237,7 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> list[Request]:
         """Fail every unfinished request and drop the step in flight (the loop itself broke)."""
         self._inflight = None
-        self.runner.prev = None
+        self.runner.reset()
         failed = self.scheduler.fail(list(self.scheduler.requests))
         for r in failed:
             r.error = repr(error)

@@ -23,7 +23,7 @@ def build_engine(model=None, **engine_args) -> EngineCore:
 
 
 class LLM:
-    """Batch generation (DESIGN.md section 1). Arguments: see ``build_engine``."""
+    """Batch generation (docs/design.md, "Public API"). Arguments: see ``build_engine``."""
 
     def __init__(self, model=None, **engine_args):
         self.engine = build_engine(model, **engine_args)
@@ -59,7 +59,7 @@ class LLM:
         bar.close()
         outs = [eng.make_output(r) for r in reqs]
         for r in reqs:
-            eng.scheduler.pop_finished(r.request_id)
+            eng.forget(r)
         return outs
 
     def stats(self) -> dict:

@@ -28,7 +28,7 @@ def run_cases(script: Path, timeout: int = 300) -> dict[str, tuple[str, str]]:
     import triton
     ver = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])   # noqa: E731
     if ver(triton.__version__) < (3, 7) and ver(numpy.__version__) >= (2, 4):
-        pytest.skip("triton < 3.7's interpreter breaks with numpy >= 2.4 (notes/mamba-deps.md)")
+        pytest.skip("triton < 3.7's interpreter breaks with numpy >= 2.4")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves

@@ -65,21 +65,21 @@ def filtered_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     threshold per row suffice; tokens tied with the threshold logit are all kept.
     top-p is measured on the top-k-renormalised distribution, min-p relative to the top token.
     """
-    nd = logits.dim()
+    ndim = logits.dim()
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
-    x = logits.float() / _rows(temp, nd)
+    x = logits.float() / _rows(temp, ndim)
     if not st.any_filter:
         return x
     vocab = x.shape[-1]
     srt = torch.sort(x, dim=-1, descending=True).values
     rank = torch.arange(vocab, device=x.device)
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
-    in_k = rank < _rows(k, nd)
+    in_k = rank < _rows(k, ndim)
     probs = torch.softmax(srt.masked_fill(~in_k, float("-inf")), dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    top_p = _rows(st.top_p, nd)
+    top_p = _rows(st.top_p, ndim)
     in_p = (mass_before < top_p) | (top_p >= 1.0)
-    in_min_p = srt >= srt[..., :1] + torch.log(_rows(st.min_p, nd))
+    in_min_p = srt >= srt[..., :1] + torch.log(_rows(st.min_p, ndim))
     n_keep = (in_k & in_p & in_min_p).sum(-1, keepdim=True).clamp(min=1)
     threshold = srt.gather(-1, n_keep - 1)
     return x.masked_fill(x < threshold, float("-inf"))

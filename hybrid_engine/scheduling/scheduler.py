@@ -17,14 +17,14 @@ from ..attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
 from ..config import SchedulerConfig
 from .request import Request, Status
 from .running_table import RunningTable
-from .scheduler_commit import CommitMixin
-from .scheduler_output import DecodeRows, NewRequestData, ScheduledRow, SchedulerOutput
+from .scheduler_commit import OutputCommitter
+from .scheduler_output import DecodeRows, ModelRunnerOutput, NewRequestData, ScheduledRow, SchedulerOutput
 from hybrid_engine.mamba_cache.pool import SlotAllocator
 
 logger = logging.getLogger("hybrid_engine")
 
 
-class Scheduler(CommitMixin):
+class Scheduler:
     def __init__(self, cfg: SchedulerConfig, *, max_model_len: int, block_size: int, num_kv_blocks: int,
                  num_slots: int, num_spec: int):
         self.cfg = cfg
@@ -39,10 +39,11 @@ class Scheduler(CommitMixin):
         self.table = RunningTable(cfg.max_num_seqs)  # running requests (admission order) + counters
         self._arange = np.arange(cfg.max_num_seqs)
         self._arange.flags.writeable = False
-        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray] = (None, np.zeros(0, np.int64))
         self._removed: set[str] = set()            # left the batch since the last schedule()
         self._step_id = 0
         self._epochs = 0                           # source of scheduler-unique request epochs
+        self._committer = OutputCommitter(requests=self.requests, table=self.table, num_spec=num_spec,
+                                          max_model_len=max_model_len, finish=self._finish)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -238,7 +239,11 @@ class Scheduler(CommitMixin):
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
 
-    # ---- results: update_from_output and its helpers live in scheduler_commit.CommitMixin ----
+    # ---- results ---------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Commit one step's tokens (scheduler_commit.OutputCommitter); returns the requests that
+        got tokens or finished."""
+        return self._committer.commit(sched, out)
 
     def requeue_removed(self, req_ids: Iterable[str]) -> None:
         """A step that raised may not have reached the runner: report its removals again next step

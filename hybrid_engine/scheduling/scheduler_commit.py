@@ -1,6 +1,8 @@
-"""The scheduler's commit of step outputs (``update_from_output``): tokens appended, counters
-corrected one step late, stop and length limits applied. A mixin of ``Scheduler``; the state it
-touches (requests, the running table) is the scheduler's.
+"""The commit of step outputs (``Scheduler.update_from_output``): tokens appended, counters
+corrected one step late, stop and length limits applied. ``OutputCommitter`` is the scheduler's
+collaborator: it is handed the scheduler's request map and running table (it owns neither) and a
+``finish`` callback (finishing frees the slot and blocks, which is the scheduler's business); the
+stop-id cache is its own.
 
 A steady step (``SchedulerOutput.decode`` set, and no table row moved since it was scheduled)
 commits its decode rows with numpy operations on the table; only rows whose tokens may finish
@@ -12,38 +14,50 @@ import time
 
 import numpy as np
 
+from typing import Callable
+
 from .request import Request, Status
+from .running_table import RunningTable
 from .scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
 
 
-class CommitMixin:
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+class OutputCommitter:
+    def __init__(self, *, requests: dict[str, Request], table: RunningTable, num_spec: int, max_model_len: int,
+                 finish: Callable[[Request, str], None]):
+        self.requests = requests        # the scheduler's: request id -> Request (read only here)
+        self.table = table              # the scheduler's running table (counters updated here)
+        self.num_spec, self.max_model_len = num_spec, max_model_len
+        self._finish = finish           # Scheduler._finish: frees slot + blocks, status FINISHED
+        # (running req-id tuple the union was built for, every stop id of those requests)
+        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray] = (None, np.zeros(0, np.int64))
+
+    def commit(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Commit one step's tokens; returns the requests that got tokens or finished."""
-        d = sched.decode
-        if d is None or d.table_version != self.table.version:
+        steady = sched.decode
+        if steady is None or steady.table_version != self.table.version:
             return self._update_rows(sched.rows, out, 0)
         # no row moved since the step was scheduled: its rows are all live, in their epochs
-        touched = self._update_steady(d, out)
+        touched = self._update_steady(steady, out)
         if sched.other_rows:
-            touched += self._update_rows(sched.other_rows, out, len(d))
+            touched += self._update_rows(sched.other_rows, out, len(steady))
         return touched
 
     def _update_steady(self, d: DecodeRows, out: ModelRunnerOutput) -> list[Request]:
         """``_update_rows`` for a steady step's decode rows: the counters as numpy operations; only
         rows whose tokens may finish them (a stop id among them, or the length limit reached) take
         the per-token path, after the others (finishing moves table rows)."""
-        t, n, k = self.table, len(d), self.num_spec
+        table, n, k = self.table, len(d), self.num_spec
         idx = d.table_rows                                                 # [n]
         num_valid, sampled = out.num_valid[:n], out.sampled[:n]            # [n], [n, 1+K]
-        t.inflight[idx] -= 1
-        t.computed[idx] -= d.num_tokens - num_valid                        # the one-step-late correction
-        n_out = t.n_out[idx] + num_valid
-        t.n_out[idx] = n_out
-        risky = n_out >= t.limit[idx]
+        table.inflight[idx] -= 1
+        table.computed[idx] -= d.num_tokens - num_valid                    # the one-step-late correction
+        n_out = table.n_out[idx] + num_valid
+        table.n_out[idx] = n_out
+        risky = n_out >= table.limit[idx]
         stops = self._stop_union()
         if stops.size:
             risky |= np.isin(sampled, stops).any(1)                        # -1 pads never match
-        reqs = t.reqs
+        reqs = table.reqs
         touched = [reqs[j] for j in idx.tolist()]                          # [n] in step-row order
         now = None
         if not k:
@@ -58,25 +72,25 @@ class CommitMixin:
                 if m.first_token_time is None:
                     m.first_token_time = now = now or time.perf_counter()
         else:
-            nv, nd, rows = num_valid.tolist(), out.num_drafts[:n].tolist(), sampled.tolist()
+            valid_l, drafts_l, sampled_l = num_valid.tolist(), out.num_drafts[:n].tolist(), sampled.tolist()
             for i, (req, bad) in enumerate(zip(touched, risky.tolist())):
                 if bad:
                     continue
-                req.output_token_ids.extend(rows[i][:nv[i]])
-                self._record_spec(req, nd[i], nv[i])
+                req.output_token_ids.extend(sampled_l[i][:valid_l[i]])
+                self._record_spec(req, drafts_l[i], valid_l[i])
                 m = req.metrics
-                m.num_tokens_out += nv[i]
+                m.num_tokens_out += valid_l[i]
                 if m.first_token_time is None:
                     m.first_token_time = now = now or time.perf_counter()
         if risky.any():
-            sl = sampled.tolist()
+            sampled_l = sampled.tolist()
             for i in np.flatnonzero(risky).tolist():
                 req = touched[i]
                 if k:
                     self._record_spec(req, int(out.num_drafts[i]), int(num_valid[i]))
                 else:
                     req.metrics.num_steps += 1
-                self._append_tokens(req, sl[i][:int(num_valid[i])])
+                self._append_tokens(req, sampled_l[i][:int(num_valid[i])])
         return touched
 
     def _stop_union(self) -> np.ndarray:

@@ -32,6 +32,7 @@ import torch
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor
 from .input_batch import InputBatch
+from .step_io import StepRows
 from .transfer import H2D, CurrentStream
 
 logger = logging.getLogger("hybrid_engine")
@@ -42,6 +43,8 @@ class GreedyStepGraphs:
         if executor.s != 1:
             raise ValueError("greedy step graphs serve decode rows of one token (num_spec = 0)")
         self.ex, self.block_size = executor, block_size
+        self.batch: InputBatch | None = None           # the runner's, given by bind()
+        self._rows = self._prev_idx = None             # [N] batch rows / previous-step rows from applies()
         dev = executor.device
         self.max_rows = bmax = executor.buckets[-1]
         e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
@@ -92,22 +95,34 @@ class GreedyStepGraphs:
                     "in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), time.perf_counter() - t0,
                     used / 2**20)
 
-    # ---- the step ----------------------------------------------------------------------------
-    def step(self, req_ids: tuple[str, ...], batch: InputBatch, prev, h2d: H2D):
-        """Run a decode-only step (``req_ids``: its rows, in step order) as one replay when its rows
-        all take the argmax, are at most max_rows and all have a previous output -> (tokens [N, 1],
-        next starts [N], batch rows [N]), else None (the caller runs the general path).
-        ``prev``: the runner's PrevStep."""
+    # ---- the step (the fused plan of docs/design.md "The step as phases") ---------------------
+    fused = True        # replay() prepares, runs the forward and samples: the runner only finishes
+
+    def applies(self, step: StepRows, prev) -> bool:
+        """A decode-only step whose rows all take the argmax, are at most max_rows and all have a
+        previous output (``prev``: the runner's PrevStep). Keeps the rows it looked up for replay."""
+        if not step.decode_only:
+            return False
+        req_ids = step.req_ids
         n = len(req_ids)
         if not 0 < n <= self.max_rows or prev is None:
-            return None
+            return False
+        batch = self.batch
         rows = batch.rows_of(req_ids)
         if batch.temperature[rows].any():
-            return None                                    # a row samples: the sampler's path
+            return False                                   # a row samples: the sampler's path
         prev_idx = batch.prev_positions(req_ids)
         if (prev_idx < 0).any():
-            return None                                    # the general path reports it
-        host, _ = batch.stage_decode(rows, prev_idx, header=True)
+            return False                                   # the general path reports it
+        self._rows, self._prev_idx = rows, prev_idx
+        return True
+
+    def replay(self, step: StepRows, prev, h2d: H2D):
+        """Run the step ``applies`` accepted as one replay -> (tokens [N, 1], next starts [N],
+        batch rows [N])."""
+        n = len(step.req_ids)
+        rows, batch = self._rows, self.batch
+        host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
         q = self.q
         main = self._main()
         if self._read_ev[q] is not None:                   # tok[q] is written below
@@ -127,6 +142,10 @@ class GreedyStepGraphs:
         if views is None:
             views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n])
         return views[0], views[1], rows
+
+    def bind(self, batch: InputBatch) -> None:
+        """The runner's input batch (the graphs read its staged rows); called once by the runner."""
+        self.batch = batch
 
     def read_by(self, event) -> None:
         """The D2H copy of the tokens the last ``step`` wrote finishes at ``event`` (None: no

@@ -2,7 +2,7 @@
 
 A request occupies one *row* from add to remove; condense() moves the last rows into holes so rows
 0..num_reqs-1 are dense. Previous-step device outputs are never indexed by row: they stay in the
-previous step's *step-row* layout and are read through ``prev_positions`` (invariant 6).
+previous step's *step-row* layout and are read through ``prev_positions`` (docs/design.md invariant 6).
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class InputBatch:
         return host, width
 
     def backup_tokens(self, rows: np.ndarray) -> np.ndarray:
-        """Last committed token per row: index num_tokens_no_spec - 1, never a placeholder (invariant 5).
+        """Last committed token per row: index num_tokens_no_spec - 1, never a placeholder (docs/design.md invariant 5).
 
         Only rows that sampled nothing use it (partial prefill chunks), and those rows have had no
         placeholder appended, so index num_tokens_no_spec - 1 is a prefill token.

@@ -1,6 +1,6 @@
-"""Typed hand-offs of the model runner: the previous step's device outputs (``PrevStep``), one
-step's prepared inputs (``StepInputs``) and the handle a launched step is read through
-(``StepHandle``)."""
+"""Typed hand-offs of the model runner: the rows a step runs (``StepRows``), the previous step's
+device outputs (``PrevStep``), one step's prepared inputs (``StepInputs``, with the speculative part
+``SpecInputs``) and the handle a launched step is read through (``StepHandle``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ import torch
 
 from .forward_batch import ForwardBatch
 from ..sampling.sampler import SamplingTensors
-from ..scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..scheduling.scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
 from .transfer import D2HCopy
 
 
@@ -18,32 +18,53 @@ from .transfer import D2HCopy
 class PrevStep:
     """Device outputs of the previous step, in its step-row space (read only via prev_positions)."""
     sampled: torch.Tensor        # [B, 1+K] int64, -1 after the last valid token
-    num_valid: torch.Tensor      # [B] int64
+    num_valid: torch.Tensor      # [B] int64 valid tokens per row (0: the row sampled nothing)
     next_start: torch.Tensor     # [B] int64 exact position of each row's next input token
-    drafts: torch.Tensor         # [B, K] int64, -1 = no draft
-    draft_probs: torch.Tensor | None  # [B, K, V] float32
+    drafts: torch.Tensor         # [B, K] int64 drafts proposed for the next step, -1 = no draft
+    draft_probs: torch.Tensor | None  # [B, K, V] float32 draft distributions (probabilistic drafters)
+
+
+class StepRows:
+    """Which rows one step runs, in step-row order (decode/verify rows first, then prefill chunks).
+    Built by the runner's batch update, read by the plan choice and the plans."""
+    __slots__ = ("req_ids", "order", "decode_only", "steady")
+
+    def __init__(self, *, req_ids: tuple[str, ...], order: list[ScheduledRow] | None, decode_only: bool,
+                 steady: DecodeRows | None):
+        self.req_ids = req_ids          # [B] request ids in step-row order
+        self.order = order              # per-row objects; None on a steady step (columns in ``steady``)
+        self.decode_only = decode_only  # every row decodes/verifies (no prefill chunk)
+        self.steady = steady            # a steady step's decode columns (nobody joined or left), else None
+
+
+@dataclass(frozen=True)
+class SpecInputs:
+    """What a verify step checks: the drafts its decode rows carry. None when K = 0."""
+    drafts: torch.Tensor                  # [N_d, K] int64 drafts verified this step (-1 = none)
+    draft_probs: torch.Tensor | None      # [N_d, K, V] float32 (probabilistic drafters), else None
+    sampling_all: SamplingTensors         # every step row's parameters (drafters sample with them)
 
 
 @dataclass(frozen=True)
 class StepInputs:
+    """One step's prepared inputs (built by a plan, keyword arguments only). B = step rows,
+    N_d = decode/verify rows (first), T = tokens, R_p = prefill rows that sample."""
     fb: ForwardBatch
-    num_decode: int              # N_d: decode/verify rows (first in step-row order)
-    num_prefill: int             # prefill rows
+    num_decode: int              # N_d
+    num_prefill: int             # B - N_d
     start: torch.Tensor          # [B] int64 exact start position per step row
     num_tokens: torch.Tensor     # [B] int64 query length per step row
-    drafts: torch.Tensor         # [N_d, K] drafts verified this step (-1 = none)
-    draft_probs: torch.Tensor | None
     backup: torch.Tensor | None  # [B] int64 backup token per row (None: decode-only, never read)
-    slots: torch.Tensor          # [B] int64
+    slots: torch.Tensor          # [B] int64 Mamba/drafter slot per step row
     sample_rows_p: torch.Tensor  # [R_p] int64 step rows of prefill rows that sample
     sample_pos_p: torch.Tensor   # [R_p] int64 position of the token each of them samples
     next_input_ids: torch.Tensor # [T] int64 token after each input token where the host knows it, else -1
     is_decode: torch.Tensor      # [B] bool step row is a decode/verify row
     query_start_loc: torch.Tensor  # [B+1] int64 token offsets of the step rows
-    st_decode: SamplingTensors | None
-    st_prefill: SamplingTensors | None
-    st_all: SamplingTensors | None   # every step row (drafters sample with it)
+    sampling_decode: SamplingTensors | None   # decode rows' parameters ([N_d]), None without decode rows
+    sampling_prefill: SamplingTensors | None  # [R_p] sampling prefill rows' parameters, None without
     rows_sampling_np: np.ndarray # [R] batch rows of the step rows that sample (host)
+    spec: SpecInputs | None      # the verified drafts; None when K = 0
     next_start: torch.Tensor | None = None  # [B] known before sampling (decode-only, K = 0), else None
 
 
@@ -60,16 +81,16 @@ class StepHandle:
 
     def _output(self, host: np.ndarray) -> ModelRunnerOutput:
         """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
-        the device's own rule (invariant 7: num_valid = tokens != -1), so only one copy travels."""
-        s = 1 + self.num_spec
-        out = host
-        sampled = out[:, :s]
+        the device's own rule (docs/design.md invariant 7: num_valid = tokens != -1), so only one copy travels."""
+        tokens_per_row = 1 + self.num_spec
+        sampled = host[:, :tokens_per_row]                                  # [B, 1+K]
         num_valid = (sampled != -1).sum(1, dtype=np.int64)
         if self.num_spec:
-            num_drafts = (out[:, s:] != -1).sum(1, dtype=np.int64)
+            num_drafts = (host[:, tokens_per_row:] != -1).sum(1, dtype=np.int64)   # [B, K] verified drafts
         else:
-            num_drafts = np.zeros(len(out), dtype=np.int64)
-        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts)
+            num_drafts = np.zeros(len(host), dtype=np.int64)
+        return ModelRunnerOutput(step_id=self.sched.step_id, req_ids=self.req_ids, sampled=sampled,
+                                 num_valid=num_valid, num_drafts=num_drafts)
 
     def result(self) -> ModelRunnerOutput:
         return self._output(self._copy.wait())

@@ -1,7 +1,7 @@
 """mamba-ssm's Triton SSD scan and state update, for cross-checks and benchmarks (optional).
 
 mamba-ssm's package ``__init__`` imports the compiled ``selective_scan_cuda`` extension (Mamba-1
-only; notes/mamba-deps.md), which a GPU machine without internet lacks; the Triton ops we compare
+only), which a GPU machine without internet lacks; the Triton ops we compare
 against do not need it, so an empty stub module stands in for it.
 """
 from __future__ import annotations

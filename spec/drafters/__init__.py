@@ -1,27 +1,28 @@
 """Draft proposers. Each owns its device state and fills ``[B, K]`` drafts (-1 = no draft).
 
-``DRAFTERS`` maps a SpeculativeConfig method to a factory ``f(engine) -> Drafter``; the engine
-calls it once at start-up (tests may register their own drafters here).
+``DRAFTERS`` maps a SpeculativeConfig method to a factory ``f(build: DrafterBuild) -> Drafter``;
+the engine calls it once at start-up with the sizes it chose (tests may register their own
+drafters here).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from .base import DraftContext, Drafter, NoDrafter
+from .base import DraftContext, Drafter, DrafterBuild, NoDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {}
 
 
-def make_drafter(engine) -> Drafter:
+def make_drafter(build: DrafterBuild) -> Drafter:
     """Build the drafter named by the engine's SpeculativeConfig (NoDrafter without one)."""
-    spec = engine.cfg.speculative
+    spec = build.cfg.speculative
     if spec is None:
         return NoDrafter()
     if spec.method not in DRAFTERS:
         _register_builtin()
     if spec.method not in DRAFTERS:
         raise ValueError(f"speculative method {spec.method!r} is not available; have {sorted(DRAFTERS)}")
-    return DRAFTERS[spec.method](engine)
+    return DRAFTERS[spec.method](build)
 
 
 def _register_builtin() -> None:
@@ -38,4 +39,4 @@ def _register_builtin() -> None:
         DRAFTERS[name] = getattr(mod, factory)
 
 
-__all__ = ["DRAFTERS", "DraftContext", "Drafter", "NoDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "DraftContext", "Drafter", "DrafterBuild", "NoDrafter", "make_drafter"]

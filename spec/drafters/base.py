@@ -29,6 +29,29 @@ class DraftContext:
     block_size: int
 
 
+@dataclass(frozen=True)
+class DrafterBuild:
+    """What a drafter factory (``DRAFTERS[method](build)``) may read: the engine's sizes, device
+    and config, and the target model. Built once by the engine before the runner exists."""
+    cfg: object                  # EngineConfig (speculative, dtype, device, enforce_eager, scheduler)
+    model: object                # the target model (MTP shares its layers, embedding and lm_head)
+    num_spec: int                # K drafts per decode row
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int              # KV block size; a drafter's own KV cache uses the target's block ids
+    num_kv_blocks: int           # target KV blocks, null block 0 included
+    max_blocks_per_req: int      # block-table width
+    num_slots: int               # Mamba/drafter slots, null slot 0 included (slot space)
+
+    @property
+    def device(self):
+        return self.cfg.device
+
+    @property
+    def dtype(self):
+        return self.cfg.dtype
+
+
 class Drafter:
     num_spec: int = 0
     has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection

@@ -80,22 +80,20 @@ class DraftModelDrafter(Drafter):
             conv[scratch, :, :self.conv_width] = win
 
 
-def make_draft_model(engine) -> DraftModelDrafter:
-    spec, cfg = engine.cfg.speculative, engine.cfg
+def make_draft_model(build) -> DraftModelDrafter:
+    cfg = build.cfg
+    spec = cfg.speculative
     draft_dir = Path(spec.model).expanduser()
     draft_cfg = ModelConfig.from_json(draft_dir)
     if draft_cfg.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"speculative_config.model has vocab_size={draft_cfg.vocab_size}, but the target has "
                          f"{cfg.model.vocab_size}: a draft model must share the target's vocabulary")
     model = build_model(draft_cfg, draft_dir, cfg.dtype, cfg.device)
-    sched = engine.scheduler
     logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
-    drafter = DraftModelDrafter(model, draft_cfg, num_spec=spec.num_speculative_tokens,
-                                max_num_seqs=cfg.scheduler.max_num_seqs, num_blocks=sched.blocks.num_total + 1,
-                                block_size=sched.block_size, max_model_len=engine.max_model_len,
-                                dtype=cfg.dtype, device=cfg.device)
-    max_blocks = engine.max_blocks_per_req
+    drafter = DraftModelDrafter(model, draft_cfg, num_spec=build.num_spec, max_num_seqs=build.max_num_seqs,
+                                num_blocks=build.num_kv_blocks, block_size=build.block_size,
+                                max_model_len=build.max_model_len, dtype=cfg.dtype, device=cfg.device)
     drafter.use_executors(lambda m, c, k, name: make_executor(
-        m, c, cfg, num_spec=k, max_blocks=max_blocks, max_model_len=engine.max_model_len,
-        block_size=sched.block_size, name=name))
+        m, c, cfg, num_spec=k, max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len,
+        block_size=build.block_size, name=name))
     return drafter

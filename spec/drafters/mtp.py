@@ -82,23 +82,21 @@ class MTPDrafter(Drafter):
         return h, self.target.compute_logits(normed)
 
 
-def make_mtp(engine) -> MTPDrafter:
-    cfg = engine.cfg
-    if not hasattr(engine.model, "mtp"):
+def make_mtp(build) -> MTPDrafter:
+    cfg = build.cfg
+    if not hasattr(build.model, "mtp"):
         raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
-    sched = engine.scheduler
-    drafter = MTPDrafter(engine.model, num_spec=cfg.speculative.num_speculative_tokens,
-                         num_blocks=sched.blocks.num_total + 1, block_size=sched.block_size,
-                         dtype=cfg.dtype, device=cfg.device)
+    drafter = MTPDrafter(build.model, num_spec=build.num_spec, num_blocks=build.num_kv_blocks,
+                         block_size=build.block_size, dtype=cfg.dtype, device=cfg.device)
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return drafter
     from hybrid_engine.step.graphs import default_buckets
     from .mtp_graphs import MTPGraphs
     try:
-        drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(cfg.scheduler.max_num_seqs),
-                                   block_size=sched.block_size, max_blocks=engine.max_blocks_per_req,
-                                   max_model_len=engine.max_model_len, device=cfg.device)
+        drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(build.max_num_seqs),
+                                   block_size=build.block_size, max_blocks=build.max_blocks_per_req,
+                                   max_model_len=build.max_model_len, device=cfg.device)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. an op that cannot be captured
         logger.warning("MTP drafter: eager (graph capture failed: %s: %s)", type(exc).__name__, exc)
         torch.cuda.empty_cache()

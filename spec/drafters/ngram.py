@@ -176,12 +176,11 @@ class NgramDrafter(Drafter):
         return torch.where(valid, drafts, NO_TOKEN)
 
 
-def make_ngram(engine) -> NgramDrafter:
+def make_ngram(build) -> NgramDrafter:
     """The engine's n-gram drafter: one history row per Mamba slot (null slot included)."""
-    spec = engine.cfg.speculative
+    spec = build.cfg.speculative
     k = spec.num_speculative_tokens
-    device = engine.cfg.device
-    # make_drafter runs before engine.runner exists: the drafter stages through its own H2D ring
-    return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                        num_slots=engine.scheduler.slots.num_total + 1,
-                        max_len=engine.max_model_len + 2 * (1 + k) + 1, device=device, h2d=H2D(device))
+    device = build.device
+    # built before the runner: the drafter stages through its own H2D ring
+    return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max, num_slots=build.num_slots,
+                        max_len=build.max_model_len + 2 * (1 + k) + 1, device=device, h2d=H2D(device))

@@ -1,6 +1,6 @@
 """Shared harness of the async + spec regression tests (test_async_slot_state.py,
-test_async_counters.py, test_async_condense.py): the bug classes of notes/vllm-hybrid-spec.md
-sections 1 and 3 and DESIGN.md section 8, on CPU.
+test_async_counters.py, test_async_condense.py): stale per-slot and per-row state under async
+scheduling and speculation (docs/design.md invariants 3-7), on CPU.
 
 Most tests run with an *oracle drafter* registered as ``DRAFTERS["ngram"]``: it proposes the
 correct greedy continuation (looked up by request id and absolute position in a precomputed

@@ -12,8 +12,8 @@ def oracle(monkeypatch):
     """Register the oracle as the "ngram" method; returns the table to fill and the drafters built."""
     table, made = {}, []
 
-    def factory(engine, **kw):
-        d = OracleDrafter(engine.num_spec, table, seed=len(made), **kw)
+    def factory(build, **kw):                 # build: the engine's DrafterBuild
+        d = OracleDrafter(build.num_spec, table, seed=len(made), **kw)
         made.append(d)
         return d
     monkeypatch.setitem(DRAFTERS, "ngram", factory)

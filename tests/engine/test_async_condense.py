@@ -22,7 +22,7 @@ def _condense_scenario(hybrid_dir, prompts, hf12, oracle, aborts, k=3):
     orig_abort = eng.abort
 
     def abort(rid):
-        inflight_at_abort.append(eng._inflight is not None and rid in {r.req_id for r in eng._inflight.sched.rows})
+        inflight_at_abort.append(eng.inflight is not None and rid in {r.req_id for r in eng.inflight.sched.rows})
         return orig_abort(rid)
     eng.abort = abort
     plan = [(0, f"d{i}", p, SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)]

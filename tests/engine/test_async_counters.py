@@ -58,8 +58,8 @@ def test_b_counters_do_not_drift_over_500_steps(hybrid_dir, oracle, async_schedu
                 if not r.is_decode:
                     committed_prefill[r.req_id] = committed_prefill.get(r.req_id, 0) + r.num_tokens
         inflight = {}
-        if eng._inflight is not None:
-            inflight = {r.req_id: r.num_tokens for r in eng._inflight.sched.rows}
+        if eng.inflight is not None:
+            inflight = {r.req_id: r.num_tokens for r in eng.inflight.sched.rows}
         for r in eng.scheduler.running:
             assert r.status is Status.RUNNING
             p, o = len(r.prompt_token_ids), len(r.output_token_ids)

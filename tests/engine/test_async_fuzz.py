@@ -1,4 +1,4 @@
-"""Seeded fuzzing of arrival / abort / preemption / chunked-prefill schedules (invariant 2).
+"""Seeded fuzzing of arrival / abort / preemption / chunked-prefill schedules (docs/design.md invariant 2).
 
 Each schedule (2-6 requests, prompts of 1..40 tokens, max_tokens 1..12, random arrival steps,
 random aborts between steps, greedy and seeded sampling, some stop tokens) drives ``EngineCore``
@@ -9,7 +9,7 @@ directly, step by step, once with ``async_scheduling=True`` and once with ``Fals
    cut at max_tokens / the first stop token;
  - seeded requests equal the same requests decoded without speculation on a roomy engine
    (spec / batch / preemption / chunking invariance; cached).
-After each run every slot and KV block is back on the free lists (invariant 9).
+After each run every slot and KV block is back on the free lists (docs/design.md invariant 9).
 Engines are built once per (mode, spec config, cache config) and reused across schedules, so
 rows, slots and blocks are recycled between schedules too.
 """
@@ -176,8 +176,9 @@ def test_fuzz_async_equals_sync_equals_reference(seed, spec_name, pool, hf_refs,
     res = {mode: drive(engines(mode, spec, cfg), reqs) for mode in (True, False)}
     kept = [r for r in reqs if r["abort"] is None]
     seeded = [r for r in kept if not r["greedy"]]
-    # seeded: vs the same requests decoded without speculation on a roomy engine (DESIGN.md 6: the
-    # same seed gives the same tokens with or without spec, async or sync, whatever the batch)
+    # seeded: vs the same requests decoded without speculation on a roomy engine (docs/design.md
+    # invariant 2: the same seed gives the same tokens with or without spec, async or sync, whatever
+    # the batch)
     seeded_ref = dict(zip([r["rid"] for r in seeded], solo([(r["prompt"], r["params"]) for r in seeded])))
     for r in kept:
         rid = r["rid"]
@@ -234,7 +235,7 @@ def test_fuzz_schedules_exercise_pressure(pool, hf_refs, engines, monkeypatch):
 
         def abort(rid, eng=eng, orig_abort=orig_abort):
             req = eng.scheduler.requests.get(rid)
-            seen["abort_inflight"] += eng._inflight is not None and req is not None and not req.finished
+            seen["abort_inflight"] += eng.inflight is not None and req is not None and not req.finished
             return orig_abort(rid)
         eng.abort = abort
         try:

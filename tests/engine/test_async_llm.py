@@ -170,7 +170,7 @@ def test_reusing_an_id_while_its_old_step_is_in_flight(hybrid_dir, prompts, refe
         async for out in gen:
             n += len(out.outputs[0].token_ids)
             if n >= 2:
-                assert eng.engine._inflight is not None          # a step carrying "x" is in flight
+                assert eng.engine.inflight is not None          # a step carrying "x" is in flight
                 assert await eng.abort("x")
                 break
         await gen.aclose()

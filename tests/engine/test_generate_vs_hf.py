@@ -1,4 +1,4 @@
-"""Invariant 1: greedy output equals transformers' generate, token for token (float32, O(1) weights)."""
+"""docs/design.md invariant 1: greedy output equals transformers' generate, token for token (float32, O(1) weights)."""
 import os
 
 import numpy as np

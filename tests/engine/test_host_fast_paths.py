@@ -55,13 +55,31 @@ def test_greedy_rows_equal_in_all_greedy_and_mixed_batches(hybrid_dir, spec):
 
 
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 2)])
-def test_decode_only_steps_equal_steps_mixed_with_prefill(hybrid_dir, spec):
+def test_decode_only_steps_equal_steps_mixed_with_prefill(hybrid_dir, spec, monkeypatch):
+    from hybrid_engine.step.runner import ModelRunner
+    routes = []                                   # per step: (plan class, decode rows?, prefill rows?)
+    orig_choose = ModelRunner._choose_plan
+
+    def choose(self, step):
+        plan = orig_choose(self, step)
+        order = step.order
+        routes.append((type(plan).__name__, order is None or any(r.is_decode for r in order),
+                       order is not None and not order[-1].is_decode))
+        return plan
+    monkeypatch.setattr(ModelRunner, "_choose_plan", choose)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     # one request at a time: every decode step runs alone (decode-only fast paths)
     alone = run(hybrid_dir, params, spec, max_num_seqs=1, max_model_len=128)
+    alone_routes, routes[:] = list(routes), []
     # a small token budget: long prompts are chunked while others decode (mixed steps)
     mixed = run(hybrid_dir, params, spec, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=128)
     assert alone == mixed
+    # the plan is chosen from the step's rows: decode-only steps take DecodeOnlyPlan, any step with
+    # a prefill chunk MixedPlan; both runs really took the routes they compare
+    for plan, has_decode, has_prefill in alone_routes + routes:
+        assert plan == ("MixedPlan" if has_prefill else "DecodeOnlyPlan")
+    assert sum(p == "DecodeOnlyPlan" for p, _, _ in alone_routes) >= 4 * 5
+    assert any(p == "MixedPlan" and d for p, d, _ in routes)          # decode rows beside a prefill chunk
 
 
 def test_step_scratch_alternates_and_reuses_two_steps_later():

@@ -5,8 +5,7 @@ import torch
 def launch_steps_without_sync(eng, steps: int) -> None:
     """Launch ``steps`` steps, each under torch.cuda sync debug mode "error" (a hidden host sync on
     the step path raises), reading each step's output one step late as the async loop does."""
-    prev = eng._inflight
-    eng._inflight = None
+    prev = eng.take_inflight()
     for _ in range(steps):
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -20,14 +20,14 @@ def target(model_dirs):
 
 @pytest.fixture
 def graph_path_log(monkeypatch):
-    """Per step the runner executes, whether it took the graph path (True) or not (the runner
-    only offers decode-only steps to the graphs, so the spy sits on ``execute``)."""
+    """Per step the runner executes, whether it took the graph path (True: the greedy graph plan
+    replayed it) or not (the spy sits on ``execute`` and on the plan's ``replay``)."""
     log, took = [], [False]
-    orig_step, orig_exec = gg_mod.GreedyStepGraphs.step, runner_mod.ModelRunner.execute
+    orig_replay, orig_exec = gg_mod.GreedyStepGraphs.replay, runner_mod.ModelRunner.execute
 
-    def spy_step(self, *a, **k):
-        out = orig_step(self, *a, **k)
-        took[0] = out is not None
+    def spy_replay(self, *a, **k):
+        out = orig_replay(self, *a, **k)
+        took[0] = True
         return out
 
     def spy_exec(self, sched):
@@ -35,7 +35,7 @@ def graph_path_log(monkeypatch):
         handle = orig_exec(self, sched)
         log.append(took[0])
         return handle
-    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "step", spy_step)
+    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "replay", spy_replay)
     monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
     return log
 
@@ -83,7 +83,7 @@ def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling,
                   async_scheduling=async_scheduling)
         assert (llm.engine.runner.greedy_graphs is None) == (mode == "eager")
         if mode == "graphs":
-            llm.engine.runner.greedy_graphs = None           # the executor's graphs only
+            llm.engine.runner.drop_greedy_graphs()           # the executor's graphs only
         outs[mode] = drive(llm, prompts)
     assert outs["greedy"] == outs["graphs"] == outs["eager"]
     assert all(len(v) > 0 for v in outs["greedy"].values())

@@ -1,8 +1,7 @@
 """Cross-check our SSD scan and selective_state_update against mamba-ssm's Triton kernels (CUDA).
 
 mamba-ssm is an optional reference, never a dependency: install its pure-python wheel (built with
-MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE, --no-build-isolation; see
-shared/notes/mamba-deps.md) with --no-deps.  Its package __init__ imports the compiled
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE, --no-build-isolation) with --no-deps.  Its package __init__ imports the compiled
 ``selective_scan_cuda`` (Mamba-1 only), so ``mamba_ssm_ref.load_mamba_ssm`` puts an empty stub module in
 ``sys.modules`` first; the Triton ops need only torch, triton, einops and packaging.  The tests
 skip when mamba-ssm (or CUDA) is not available.

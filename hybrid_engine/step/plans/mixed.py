@@ -1,0 +1,136 @@
+"""Mixed plan: prefill chunks, alone or after decode/verify rows (any step the others leave)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from ..step_io import PrevStep, SpecInputs, StepInputs, StepRows
+from .base import StepPlan, StepResources, cat_rows, require_prev
+from .staging import sampling_tensors, stage_sampling
+
+
+class MixedPlan(StepPlan):
+    """Host arrays of the step -> one H2D copy -> the ForwardBatch. Decode rows' tokens, positions
+    and accepted counts come from the previous step's device outputs; everything host-exact
+    (prefill tokens and positions, query lengths, Mamba prefill metadata, sampling parameters) is
+    staged, so the device only gathers and does no bookkeeping arithmetic the host can do."""
+
+    def __init__(self, res: StepResources):
+        self.res = res
+        self._token_offsets = torch.arange(1 + res.num_spec, device=res.device)   # [1+K] offsets in a decode row
+
+    def applies(self, step: StepRows, prev: PrevStep | None) -> bool:
+        return True
+
+    def prepare(self, step: StepRows, prev: PrevStep | None) -> StepInputs:
+        res = self.res
+        order = step.order
+        res.h2d.begin_step()
+        b, bs, k = res.batch, res.block_size, res.num_spec
+        tokens_per_row = 1 + k
+        num_decode = sum(1 for r in order if r.is_decode)       # decode rows come first
+        pre = order[num_decode:]
+        num_prefill = len(pre)
+        rows = np.fromiter((b.req_id_to_row[r.req_id] for r in order), dtype=np.int64, count=len(order))
+        rows_p = rows[num_decode:]
+        host: dict[str, np.ndarray] = {}
+        # prefill rows: everything is exact on the host
+        start_p = np.fromiter((r.start_pos for r in pre), dtype=np.int64, count=num_prefill)
+        len_p = np.fromiter((r.num_tokens for r in pre), dtype=np.int64, count=num_prefill)
+        samples_p = np.fromiter((r.samples for r in pre), dtype=bool, count=num_prefill)
+        decode_tokens = num_decode * tokens_per_row
+        qsl = np.concatenate([np.arange(num_decode + 1) * tokens_per_row, decode_tokens + np.cumsum(len_p)]
+                             ).astype(np.int32)
+        pos_p = np.concatenate([np.arange(a, a + n) for a, n in zip(start_p, len_p)]) if num_prefill else start_p
+        row_of_tok = np.repeat(rows_p, len_p)
+        host["ids_p"] = b.token_ids_cpu[row_of_tok, pos_p]
+        host["pos_p"] = pos_p
+        host["slot_p"] = b.block_table[row_of_tok, pos_p // bs].astype(np.int64) * bs + pos_p % bs
+        host["start_p"] = start_p
+        host["qsl_p"] = (qsl[num_decode:] - decode_tokens).astype(np.int64)   # Mamba: from the first prefill token
+        host["init_p"] = start_p > 0                               # chunk continues an earlier chunk
+        # the token after each input token: -1 on decode rows and where not known on the host
+        host["next_ids"] = np.concatenate([np.full(decode_tokens, -1, np.int64),
+                                           b.token_ids_cpu[row_of_tok, pos_p + 1]])
+        sample_rows_p = num_decode + np.flatnonzero(samples_p)
+        host["sample_rows_p"] = sample_rows_p
+        host["sample_pos_p"] = (start_p + len_p)[samples_p]
+        host["num_tokens"] = np.concatenate([np.full(num_decode, tokens_per_row, np.int64), len_p])
+        host["qsl"] = qsl
+        host["qsl64"] = qsl.astype(np.int64)                        # drafters index hidden with it
+        host["is_decode"] = np.arange(num_decode + num_prefill) < num_decode
+        host["logits_idx"] = np.concatenate([np.arange(decode_tokens),
+                                             (qsl[num_decode + 1:] - 1)[samples_p]]).astype(np.int64)
+        max_blocks = int(b.num_blocks[rows].max()) if len(rows) else 1
+        host["bt"] = np.ascontiguousarray(b.block_table[rows, :max(max_blocks, 1)])
+        host["slots"] = b.slot[rows]
+        host["backup"] = b.backup_tokens(rows)
+        if num_decode:
+            prev_idx = b.prev_positions([r.req_id for r in order[:num_decode]])
+            require_prev(prev, prev_idx)
+            host["prev"] = prev_idx
+            host["bt_d"] = host["bt"][:num_decode].astype(np.int64)   # gathered in int64: no device cast
+            if not k:
+                # K = 0: every sampling row produced exactly one token, so each decode row's Mamba
+                # accepted count is 1 and its input is column 0 of its previous sample (host-known)
+                host["a_prev"] = np.ones(num_decode, dtype=np.int64)
+        random_np = stage_sampling(b, host, rows)
+        staged = dict(zip(host, res.h2d.put(*host.values())))                 # the step's one H2D copy
+        dev = res.device
+        if num_decode:
+            ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev)
+        else:
+            ids_d = pos_d = slot_d = start_d = None
+            a_prev = torch.zeros(0, dtype=torch.int64, device=dev)
+            drafts, draft_probs = torch.empty(0, k, dtype=torch.int64, device=dev), None
+        start = cat_rows(start_d, staged["start_p"], num_decode, num_prefill)
+        num_tokens = staged["num_tokens"]
+        seq_lens = (start + num_tokens).to(torch.int32)
+        max_seq = int(max([r.start_pos + r.num_tokens for r in order], default=1))
+        fb = ForwardBatch(
+            input_ids=cat_rows(ids_d, staged["ids_p"], num_decode, num_prefill),
+            positions=cat_rows(pos_d, staged["pos_p"], num_decode, num_prefill),
+            attn=AttnMetadata(query_start_loc=staged["qsl"], seq_lens=seq_lens, block_tables=staged["bt"],
+                              slot_mapping=cat_rows(slot_d, staged["slot_p"], num_decode, num_prefill),
+                              max_query_len=int(max([r.num_tokens for r in order], default=1)),
+                              max_seq_len=max_seq),
+            mamba=MambaMetadata(num_decode_rows=num_decode, decode_len=tokens_per_row,
+                                decode_slots=staged["slots"][:num_decode], num_accepted=a_prev,
+                                prefill_query_start_loc=staged["qsl_p"],
+                                prefill_qsl_cpu=tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)])),
+                                prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"]),
+            logits_indices=staged["logits_idx"])
+        sampling_all, sampling_decode, sampling_prefill = sampling_tensors(
+            b, res.consts, staged, rows, num_decode, sample_rows_p, random_np)
+        rows_sampling = np.concatenate([rows[:num_decode], rows_p[samples_p]])
+        spec = SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all) if k else None
+        return StepInputs(
+            fb=fb, num_decode=num_decode, num_prefill=num_prefill, start=start, num_tokens=num_tokens,
+            backup=staged["backup"], slots=staged["slots"], sample_rows_p=staged["sample_rows_p"],
+            sample_pos_p=staged["sample_pos_p"], next_input_ids=staged["next_ids"], is_decode=staged["is_decode"],
+            query_start_loc=staged["qsl64"], sampling_decode=sampling_decode, sampling_prefill=sampling_prefill,
+            rows_sampling_np=rows_sampling, spec=spec)
+
+    def _decode_inputs(self, staged: dict[str, torch.Tensor], prev: PrevStep):
+        """Decode rows' inputs gathered from the previous step's outputs through staged["prev"]
+        [N_d] -> (ids [N_d*(1+K)], positions [N_d*(1+K)], slot mapping [N_d*(1+K)], start [N_d],
+        accepted [N_d], drafts [N_d, K], draft probs [N_d, K, V] or None)."""
+        k, bs = self.res.num_spec, self.res.block_size
+        prev_idx = staged["prev"]
+        num_decode = prev_idx.shape[0]
+        if k:
+            a_prev = prev.num_valid[prev_idx].clamp(min=1)                   # Mamba accepted count (design invariant 7)
+            last = prev.sampled[prev_idx].gather(1, (a_prev - 1)[:, None])   # [N_d, 1]
+            drafts = prev.drafts[prev_idx]
+            draft_probs = prev.draft_probs[prev_idx] if prev.draft_probs is not None else None
+            ids_d = torch.cat([last, drafts.clamp(min=0)], 1).reshape(-1)   # -1 never indexes the embedding
+        else:
+            a_prev = staged["a_prev"]
+            drafts, draft_probs = None, None
+            ids_d = prev.sampled[prev_idx].reshape(-1)                       # [N_d, 1] -> [N_d]
+        start_d = prev.next_start[prev_idx]
+        pos_d = start_d[:, None] + self._token_offsets                      # [N_d, 1+K]
+        slot_d = (staged["bt_d"].gather(1, pos_d // bs) * bs + pos_d % bs).reshape(-1)
+        return ids_d, pos_d.reshape(-1), slot_d, start_d, a_prev, drafts, draft_probs
+
