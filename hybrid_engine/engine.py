@@ -287,18 +287,26 @@ class EngineCore:
         for j, a in enumerate(m.accepted_per_position):
             per[j] += a
 
-    def stats(self) -> dict:
+    def occupancy(self) -> dict:
+        """Host-side load: running / waiting request counts and free / total KV blocks and Mamba
+        slots (no device read; cheap enough to call per request)."""
+        sched = self.scheduler
+        return {"num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
+                "free_slots": sched.slots.num_free, "total_slots": sched.slots.num_total,
+                "free_blocks": sched.blocks.num_free, "total_blocks": sched.blocks.num_total}
+
+    def stats(self, expert_load: bool = True) -> dict:
+        """Counters since start (steps, tokens, drafts), ``occupancy()``, and with ``expert_load``
+        the MoE routing counts since the previous such call (a device read that clears them)."""
         s = dict(self._stats)
         s.setdefault("drafts_proposed", 0)
         s.setdefault("drafts_accepted", 0)
         s["acceptance_rate"] = s["drafts_accepted"] / s["drafts_proposed"] if s["drafts_proposed"] else 0.0
         steps = s.get("verify_steps", 0)
         s["mean_acceptance_length"] = (1 + s["drafts_accepted"] / steps) if steps else 0.0
-        s["free_slots"] = self.scheduler.slots.num_free
-        s["total_slots"] = self.scheduler.slots.num_total
-        s["free_blocks"] = self.scheduler.blocks.num_free
-        s["total_blocks"] = self.scheduler.blocks.num_total
-        load = self.model.read_expert_load()          # device counters, cleared: a window per call
-        if load:
-            s["moe_expert_tokens"] = load
+        s.update(self.occupancy())
+        if expert_load:
+            load = self.model.read_expert_load()      # device counters, cleared: a window per call
+            if load:
+                s["moe_expert_tokens"] = load
         return s

@@ -23,11 +23,11 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
 
 def engine_snapshot(llm) -> dict:
     """Load and cache occupancy of the engine behind ``llm`` (an AsyncLLM), cheap enough per request:
-    running / waiting request counts from the scheduler, free / total KV blocks and Mamba slots and
-    the speculative-decoding counters from ``stats()``."""
-    sched = llm.engine.scheduler
-    st = llm.stats()
-    return {"num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
+    running / waiting request counts, free / total KV blocks and Mamba slots and the
+    speculative-decoding counters, all host-side (the MoE expert-load window is left to ``stats()``
+    callers: reading it is a device read that clears it)."""
+    st = llm.engine.stats(expert_load=False)
+    return {"num_requests_running": st["num_requests_running"], "num_requests_waiting": st["num_requests_waiting"],
             "free_blocks": st["free_blocks"], "total_blocks": st["total_blocks"],
             "free_slots": st["free_slots"], "total_slots": st["total_slots"],
             "drafts_proposed": st["drafts_proposed"], "drafts_accepted": st["drafts_accepted"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics, engine_snapshot
+from .metrics import ServerMetrics
 from .protocol import ApiError, bad_request
 
 logger = logging.getLogger("hybrid_engine.server")
@@ -88,7 +88,7 @@ class ServerState:
     def _admit(self) -> None:
         if self.closing:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        waiting = engine_snapshot(self.llm)["num_requests_waiting"]
+        waiting = self.llm.engine.occupancy()["num_requests_waiting"]
         if waiting >= self.config.max_waiting_requests:
             raise ApiError(429, f"the waiting queue is full ({waiting} requests, --max-waiting-requests="
                            f"{self.config.max_waiting_requests}); retry later", type="rate_limit_error",
