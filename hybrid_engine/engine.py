@@ -31,11 +31,19 @@ from hybrid_engine.mamba_cache.pool import MambaPool
 logger = logging.getLogger("hybrid_engine")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def _load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    present = [model_dir / f for f in _TOKENIZER_FILES if (model_dir / f).exists()]
+    if not present:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:          # corrupt JSON, bad vocab, missing referenced file
+        raise ValueError(f"the tokenizer in {model_dir} could not be loaded from "
+                         f"{', '.join(str(p) for p in present)}: {type(e).__name__}: {e}") from None
 
 
 class EngineCore:

@@ -107,3 +107,15 @@ def make_published_model(out_dir, name: str, *, seed: int = 0, dt_safe: bool = T
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out_dir
+
+
+def copy_with_prefix(src, dst, prefix: str) -> Path:
+    """A copy of checkpoint folder ``src`` whose ``backbone.*`` tensors are renamed to ``prefix*``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    sd = rename_prefix(load_file(str(src / "model.safetensors")), prefix)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
