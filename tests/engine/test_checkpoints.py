@@ -46,9 +46,9 @@ def _edit_config(d, **kw):
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def _greedy(d, **kw):
+def _greedy(d, max_tokens=6, **kw):
     llm = LLM(d, dtype="float32", device="cpu", max_num_seqs=1, **kw)
-    return llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
 
 
 # ---- names and spellings ----------------------------------------------------------------------
@@ -232,3 +232,30 @@ def test_corrupt_default_model_cache_is_rebuilt(tmp_path, monkeypatch, damage):
     assert default_model_dir() == d
     assert cache_problem(d) is None and (d / "model.safetensors").read_bytes() == good
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+
+
+def test_model_prefix_with_merged_experts_and_mtp(tmp_path):
+    """A model.* checkpoint with merged [E, F, D] experts and mtp.* tensors loads, MTP included,
+    and decodes exactly like the backbone.* per-expert original."""
+    import re
+    src = make_hf_model(tmp_path / "src", pattern="M*E", seed=3, num_nextn_predict_layers=1)
+    want = hf_greedy(src, [PROMPT], 5)[0]
+    d = _copy(src, tmp_path, "merged")
+
+    def merge(sd):
+        out, groups = {}, {}
+        for k, v in sd.items():
+            m = re.match(r"^(backbone\..*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$", k)
+            if m:
+                groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = v
+            else:
+                out[k] = v
+        for k, per in groups.items():
+            out[k] = torch.stack([per[e] for e in sorted(per)])
+        return rename_prefix(out, "model.")
+    _edit_tensors(d, merge)
+    names = load_file(str(d / "model.safetensors")).keys()
+    assert "model.layers.2.mixer.experts.up_proj" in names and any(n.startswith("mtp.") for n in names)
+    from hybrid_engine import SpeculativeConfig
+    for spec in (None, SpeculativeConfig(method="mtp", num_speculative_tokens=2)):
+        assert _greedy(d, max_tokens=5, speculative_config=spec).outputs[0].token_ids == want
