@@ -23,8 +23,8 @@ Stored dtypes: only float16, bfloat16, float32 and float64 tensors are read; a f
 packed (e.g. FP4 in uint8) tensor is a ValueError naming it (quantized checkpoints need their scales
 and kernels, which this engine does not implement: it never casts them silently). A file that is not
 valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
-floating tensor is checked for NaN / inf with one float32 sum per tensor on the device and a single
-host read for all of them; a non-finite tensor is a ValueError naming it.
+floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
+read for all of them; a non-finite tensor is a ValueError naming it.
 
 Precision: with ``dtype`` given, floating tensors end in ``dtype`` except the names listed by the
 model's ``keep_in_fp32`` attribute (suffixes; default ``("e_score_correction_bias",)``), which end
@@ -344,9 +344,9 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
 def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
     """ValueError naming the tensors of ``names`` ({model name: disk name}) holding NaN or inf.
 
-    One float32 sum per tensor on its device (a NaN or inf anywhere makes the sum non-finite) and
-    one host read for all of them; a flagged tensor is confirmed element-wise, so a finite tensor
-    whose sum merely overflows is not reported."""
+    One sum per tensor on its device, in the tensor's own dtype so no converted copy is made (a NaN
+    or inf anywhere makes the sum non-finite), and one host read for all of them; a flagged tensor
+    is confirmed element-wise, so a finite tensor whose sum merely overflows is not reported."""
     sd = model.state_dict(keep_vars=True)
     tensors = [(n, sd[n]) for n in names if n in sd and sd[n].is_floating_point()]
     if not tensors:
@@ -356,7 +356,7 @@ def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
         by_device.setdefault(t.device, []).append((n, t))
     bad = []
     for items in by_device.values():
-        sums = torch.stack([t.detach().sum(dtype=torch.float32) for _, t in items])
+        sums = torch.stack([t.detach().sum().float() for _, t in items])
         flags = torch.isfinite(sums).cpu()                       # the one host read per device
         for (n, t), ok in zip(items, flags.tolist()):
             if not ok and not bool(torch.isfinite(t.detach()).all()):
