@@ -10,7 +10,11 @@ Accepted forms, all for ``model_type == "nemotron_h"``:
   E MoE), ``mtp_hybrid_override_pattern``, ``torch_dtype``, the ``mamba_*`` legacy names
   (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_expand`` (ignored), ``mamba_dt_min``,
   ``mamba_dt_max``, ``mamba_dt_limit``, ``mamba_dt_init_floor``, ``mamba_conv_bias``,
-  ``mamba_chunk_size``) and bare ``Infinity`` / ``NaN`` literals.
+  ``mamba_chunk_size``), ``attention_head_dim`` (Nemotron-H 8B/47B: the attention head size when
+  ``head_dim`` is absent) and bare ``Infinity`` / ``NaN`` literals.
+- ``quantization_config`` (or ``compression_config``): any quantization method is rejected with a
+  ValueError naming it; this engine runs float16 / bfloat16 / float32 weights only.
+- ``eos_token_id`` must lie inside the vocabulary.
 
 Precedence follows transformers' ``NemotronHConfig``: a legacy ``mamba_*`` name overrides its
 canonical twin; ``layers_block_type`` overrides ``hybrid_override_pattern``; a missing field takes
@@ -220,6 +224,12 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))}")
     d = dict(d)
+    _reject_quantization(d)
+    if d.get("head_dim") is None and d.get("attention_head_dim") is not None:
+        d["head_dim"] = d["attention_head_dim"]
+    elif d.get("attention_head_dim") is not None and d["attention_head_dim"] != d["head_dim"]:
+        logger.warning("config.json sets head_dim=%r and attention_head_dim=%r; using head_dim (as "
+                       "transformers does)", d["head_dim"], d["attention_head_dim"])
     for legacy, canon in _LEGACY.items():
         if legacy in d:
             if canon in d and d[canon] != d[legacy]:
@@ -259,4 +269,19 @@ def model_config_kwargs(d: dict) -> dict:
 
     _check_types(kw)
     _check_shapes(kw)
+    outside = [e for e in kw["eos_token_id"] if e >= kw["vocab_size"]]
+    if outside:
+        raise ValueError(f"config.json eos_token_id {outside[0]} is outside the vocabulary "
+                         f"[0, {kw['vocab_size']})")
     return kw
+
+
+def _reject_quantization(d: dict) -> None:
+    for key in ("quantization_config", "compression_config"):
+        q = d.get(key)
+        if q is None:
+            continue
+        method = q.get("quant_method", q.get("quant_algo", q.get("format"))) if isinstance(q, dict) else q
+        raise ValueError(f"config.json {key} (quant_method {method!r}) is not supported: this engine "
+                         "loads float16 / bfloat16 / float32 weights only; use the checkpoint's "
+                         "unquantized (BF16) release")

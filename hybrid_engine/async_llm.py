@@ -110,6 +110,23 @@ class AsyncLLM:
             if not req.finished:            # the consumer stopped early (break, cancel, close)
                 self._abort_request(req)
 
+    async def chat(self, messages, params: SamplingParams | None = None, request_id: str | None = None, *,
+                   chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True):
+        """Stream the reply to one conversation (a list of ``{"role", "content"}`` dicts), rendered
+        with the tokenizer's chat template (see ``LLM.chat``); deltas as ``generate``."""
+        from .chat import conversations_of, render_chat
+        convs = conversations_of(messages)
+        if len(convs) != 1:
+            raise ValueError("AsyncLLM.chat takes one conversation (a list of message dicts); "
+                             "start one chat() per conversation")
+        ids = render_chat(self.tokenizer, convs[0], chat_template_kwargs, add_generation_prompt)
+        async for out in self.generate(ids, params, request_id):
+            yield out
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (see ``LLM.get_default_sampling_params``)."""
+        return self.engine.generation_defaults.sampling_params()
+
     async def abort(self, request_id: str) -> bool:
         """Abort a running or queued request; its stream ends with finish_reason "abort".
         Returns False (no error) for an unknown or already finished request."""

@@ -265,8 +265,10 @@ class EngineConfig:
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
                 enforce_eager: bool = False) -> "EngineConfig":
-        """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them)."""
-        model_dir = Path(model).expanduser()
+        """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
+        is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``)."""
+        from .hub import resolve_model_dir
+        model_dir = resolve_model_dir(model)
         model_cfg = ModelConfig.from_json(model_dir)
         dev = resolve_device(device)
         return cls(

@@ -16,6 +16,7 @@ import torch
 
 from .attention import KVCache, blocks_needed
 from .config import EngineConfig
+from .generation_config import read_generation_config
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
 from .models import build_model
@@ -31,11 +32,19 @@ from hybrid_engine.mamba_cache.pool import MambaPool
 logger = logging.getLogger("hybrid_engine")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def _load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    present = [model_dir / f for f in _TOKENIZER_FILES if (model_dir / f).exists()]
+    if not present:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:          # corrupt JSON, bad vocab, missing referenced file
+        raise ValueError(f"the tokenizer in {model_dir} could not be loaded from "
+                         f"{', '.join(str(p) for p in present)}: {type(e).__name__}: {e}") from None
 
 
 class EngineCore:
@@ -44,8 +53,12 @@ class EngineCore:
         mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
         t0 = time.perf_counter()
         with_mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
-        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp)
+        # the small files first, so a bad one fails before the weights are read
         self.tokenizer = _load_tokenizer(cfg.model_dir)
+        self.generation_defaults = read_generation_config(cfg.model_dir, mc.vocab_size)
+        # generation stops on any EOS id of config.json or generation_config.json
+        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_id + self.generation_defaults.eos_token_ids))
+        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp)
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.num_spec = k
         n_attn = len(mc.attention_layer_ids)
@@ -91,12 +104,13 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field before anything is queued."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
+        """Validate and tokenize; raises ValueError naming the field before anything is queued.
+        ``params=None``: the model's defaults (generation_config.json, see generation_config.py)."""
+        if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
         ids = self._tokenize(prompt)
+        params = self.generation_defaults.sampling_params(len(ids)) if params is None else params
+        params.validate()
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
                              f"most {self.max_model_len - 1} so that one token can be generated")
@@ -111,8 +125,7 @@ class EngineCore:
             request_id = f"req-{self._req_counter}"
         self._req_counter += 1
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
-        mc = self.cfg.model
-        req = Request(str(request_id), ids, params, seed, eos_token_ids=tuple(mc.eos_token_id))
+        req = Request(str(request_id), ids, params, seed, eos_token_ids=self.eos_token_ids)
         req.metrics.arrival_time = time.perf_counter()
         return req
 

@@ -62,5 +62,22 @@ class LLM:
             eng.forget(r)
         return outs
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json over ``SamplingParams()``); what a
+        request with ``params=None`` uses. ``dataclasses.replace`` it to change a field."""
+        return self.engine.generation_defaults.sampling_params()
+
+    def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to a list of
+        them; one RequestOutput per conversation. The prompt is the tokenizer's own chat template
+        applied to the messages (``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``, go
+        to the template). Everything is validated before anything is queued."""
+        from .chat import conversations_of, render_chat
+        convs = conversations_of(messages)
+        prompts = [render_chat(self.tokenizer, c, chat_template_kwargs, add_generation_prompt) for c in convs]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def stats(self) -> dict:
         return self.engine.stats()

@@ -127,3 +127,21 @@ class NoHostSync(torch.overrides.TorchFunctionMode):
             assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx), \
                 "host sync: boolean-mask indexing"
         return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def hf_stepwise_greedy(model_dir, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers fed one token per forward with its cache, prompt included: every Mamba step
+    takes the single-token path, which never clamps dt (the Mamba2 kernels' semantics; the
+    multi-token path clamps dt to ``time_step_min``). Returns (greedy new tokens, float32 logits
+    [len(prompt) + max_new_tokens - 1, V] of every position fed)."""
+    model = load_hf(model_dir)
+    cache, logits, seq = None, [], list(prompt)
+    with _quiet_transformers():
+        for t in range(len(prompt) + max_new_tokens - 1):
+            out = model(torch.tensor([[seq[t]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+            if t >= len(prompt) - 1:
+                seq.append(int(out.logits[0, -1].argmax()))
+    return seq[len(prompt):], torch.stack(logits)

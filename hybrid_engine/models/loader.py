@@ -11,9 +11,20 @@ Name mapping (disk -> model), checked for every tensor before anything is copied
   split into the model's ``<p>.experts.{e}.up_proj.weight`` / ``.down_proj.weight``; and the
   reverse (per-expert on disk, merged 3-D parameter in the model) is stacked;
 - ``mtp.*`` tensors when the model has no ``mtp.*`` tensor: skipped (debug log);
+- backbone prefix: the model's names start with ``backbone.`` (as published checkpoints store
+  them); a checkpoint whose backbone tensors are named ``model.*`` (transformers' in-memory naming)
+  or carry no prefix (``embeddings.weight``, ``layers.N.*``, ``norm_f.weight``) is read as if they
+  were ``backbone.*`` (``lm_head.*`` and ``mtp.*`` are never renamed); mixing spellings is an error;
 - ``lm_head.weight`` absent and tied embeddings: the model's lm_head shares the embedding weight.
   When the checkpoint has its own ``lm_head.weight`` it is used, tie or not (transformers'
   NemotronH never ties: ``_tied_weights_keys = {}``), untying a shared model parameter.
+
+Stored dtypes: only float16, bfloat16, float32 and float64 tensors are read; a float8, integer or
+packed (e.g. FP4 in uint8) tensor is a ValueError naming it (quantized checkpoints need their scales
+and kernels, which this engine does not implement: it never casts them silently). A file that is not
+valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
+floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
+read for all of them; a non-finite tensor is a ValueError naming it.
 
 Precision: with ``dtype`` given, floating tensors end in ``dtype`` except the names listed by the
 model's ``keep_in_fp32`` attribute (suffixes; default ``("e_score_correction_bias",)``), which end
@@ -41,6 +52,10 @@ LM_HEAD, EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
 _MAX_LISTED = 10
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
+BACKBONE = "backbone."
+_ALT_BACKBONE = "model."
+_NEVER_RENAMED = ("lm_head.", "mtp.")
 
 
 def _listing(names) -> str:
@@ -72,12 +87,46 @@ def weight_files(model_dir) -> dict[str, Path]:
         raise ValueError(f"no *.safetensors weight files in {folder}{extra}")
     files: dict[str, Path] = {}
     for p in paths:
-        with safe_open(str(p), framework="pt") as f:
+        with _open(p) as f:
             for name in f.keys():
                 if name in files:
                     raise ValueError(f"tensor {name} is stored twice: in {files[name].name} and {p.name}")
                 files[name] = p
     return files
+
+
+def _open(path: Path):
+    """``safe_open`` with a ValueError naming the file when it is not valid safetensors."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:          # SafetensorError, OSError: truncated, garbage, unreadable
+        raise ValueError(f"{path} is not a valid safetensors file (truncated or corrupt?): {e}") from None
+
+
+def canonical_names(disk_names, model_names) -> dict[str, str]:
+    """Map each on-disk tensor name to the name the model uses (see the module docstring:
+    ``model.X`` or an unprefixed ``X`` -> ``backbone.X`` when the model's names carry ``backbone.``
+    and the checkpoint's do not). Returns {disk name: model name}."""
+    disk_names = list(disk_names)
+    if not any(n.startswith(BACKBONE) for n in model_names):
+        return {n: n for n in disk_names}
+    own = [n for n in disk_names if not n.startswith(_NEVER_RENAMED)]
+    if any(n.startswith(BACKBONE) for n in own):
+        alt = [n for n in own if n.startswith(_ALT_BACKBONE)]
+        if alt:
+            raise ValueError(f"checkpoint mixes backbone.* and model.* tensor names (e.g. {alt[0]}); "
+                             "a checkpoint uses one prefix for its backbone")
+        return {n: n for n in disk_names}
+    if any(n.startswith(_ALT_BACKBONE) for n in own):
+        bare = [n for n in own if not n.startswith(_ALT_BACKBONE)]
+        if bare:
+            raise ValueError(f"checkpoint mixes model.* and unprefixed tensor names (e.g. {bare[0]}); "
+                             "a checkpoint uses one prefix for its backbone")
+        logger.info("checkpoint names its backbone tensors model.*: reading them as backbone.*")
+        return {n: (BACKBONE + n[len(_ALT_BACKBONE):] if n in own else n) for n in disk_names}
+    if own:
+        logger.info("checkpoint's backbone tensors have no prefix: reading them as backbone.*")
+    return {n: (BACKBONE + n if n in own else n) for n in disk_names}
 
 
 @dataclass
@@ -86,10 +135,6 @@ class _Copy:
     target: str        # model state_dict name
     index: int | None  # expert index into a 3-D tensor (None: whole tensor)
     split: bool        # True: disk tensor is 3-D and is split into per-expert targets
-
-
-def _disk_shape(f, name) -> tuple[int, ...]:
-    return tuple(f.get_slice(name).get_shape())
 
 
 def _has_fp32_name(name: str, keep: tuple[str, ...]) -> bool:
@@ -182,11 +227,14 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     shape mismatches (expected vs found), unexpected tensors, no weight files in the folder.
     """
     folder = Path(model_dir).expanduser()
-    files = weight_files(folder)
+    disk_files = weight_files(folder)
     device = torch.device(device) if device is not None else None
     keep32 = tuple(getattr(model, "keep_in_fp32", DEFAULT_KEEP_IN_FP32))
 
     full_sd = model.state_dict(keep_vars=True)
+    renamed = canonical_names(disk_files, full_sd)          # disk name -> model name
+    files = {renamed[n]: p for n, p in disk_files.items()}  # model-side name -> file
+    disk_name = {m: d for d, m in renamed.items()}          # model-side name -> disk name
     targets = dict(full_sd)
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
@@ -208,10 +256,18 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
+    not_float: list[str] = []
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _open(path) as f:
             for name in names:
-                shapes[name] = _disk_shape(f, name)
+                sl = f.get_slice(disk_name[name])
+                shapes[name] = tuple(sl.get_shape())
+                if sl.get_dtype() not in FLOAT_DTYPES:
+                    not_float.append(f"{disk_name[name]} ({sl.get_dtype()}, in {path.name})")
+    if not_float:
+        raise ValueError(f"checkpoint {folder} stores {len(not_float)} tensor(s) in a dtype this engine "
+                         f"does not load (allowed: float16, bfloat16, float32, float64; quantized "
+                         f"float8 / FP4 / int checkpoints are not supported): {_listing(not_float)}")
 
     plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD)}
     copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp)
@@ -256,9 +312,9 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         paths = tqdm(paths, desc="Loading weights", unit="file")
     with torch.no_grad():
         for path in paths:
-            with safe_open(str(path), framework="pt") as f:
-                for disk_name, group in by_disk_file[path].items():
-                    src = f.get_tensor(disk_name)
+            with _open(path) as f:
+                for name, group in by_disk_file[path].items():
+                    src = f.get_tensor(disk_name[name])
                     for c in group:
                         dst = targets[c.target]
                         if c.split:
@@ -275,9 +331,36 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if shared_on_disk:
         emb = model.get_parameter(EMBED)
         lm.weight = emb      # materialisation above may have replaced the embedding parameter
-        with safe_open(str(files[LM_HEAD]), framework="pt") as f:
-            stored = f.get_tensor(LM_HEAD).to(device=emb.device, dtype=emb.dtype)
+        with _open(files[LM_HEAD]) as f:
+            stored = f.get_tensor(disk_name[LM_HEAD]).to(device=emb.device, dtype=emb.dtype)
         if not torch.equal(stored, emb.detach()):
             logger.info("checkpoint's %s differs from %s: untying them", LM_HEAD, EMBED)
             lm.weight = torch.nn.Parameter(stored, requires_grad=False)
+    check_finite(model, {c.target: disk_name[c.disk] for c in copies}, folder)
     return model
+
+
+@torch.no_grad()
+def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
+    """ValueError naming the tensors of ``names`` ({model name: disk name}) holding NaN or inf.
+
+    One sum per tensor on its device, in the tensor's own dtype so no converted copy is made (a NaN
+    or inf anywhere makes the sum non-finite), and one host read for all of them; a flagged tensor
+    is confirmed element-wise, so a finite tensor whose sum merely overflows is not reported."""
+    sd = model.state_dict(keep_vars=True)
+    tensors = [(n, sd[n]) for n in names if n in sd and sd[n].is_floating_point()]
+    if not tensors:
+        return
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for n, t in tensors:
+        by_device.setdefault(t.device, []).append((n, t))
+    bad = []
+    for items in by_device.values():
+        sums = torch.stack([t.detach().sum().float() for _, t in items])
+        flags = torch.isfinite(sums).cpu()                       # the one host read per device
+        for (n, t), ok in zip(items, flags.tolist()):
+            if not ok and not bool(torch.isfinite(t.detach()).all()):
+                bad.append(names[n])
+    if bad:
+        raise ValueError(f"checkpoint {folder} has NaN or inf values in {len(set(bad))} tensor(s): "
+                         f"{_listing(set(bad))}")

@@ -8,7 +8,8 @@ weights (``scale="sens"``, see ``sens_init_``; std-0.02 weights hide state bugs)
 dt clamp: transformers clamps dt to ``config.time_step_min`` on its multi-token (chunked) path
 only, while the engine applies ``time_step_limit`` everywhere. The models written here set
 ``time_step_min=1e-7`` so the transformers clamp never bites (dt = softplus(x + dt_bias) stays far
-above it; ``hf_dt_values`` lets a test check that).
+above it; ``hf_dt_values`` lets a test check that). docs/checkpoints.md explains the two
+semantics and how the published-config tests keep the real ``time_step_min``.
 """
 from __future__ import annotations
 
