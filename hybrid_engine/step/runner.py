@@ -17,10 +17,10 @@ from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from .graphs import EagerExecutor
 from .input_batch import InputBatch
 from ..models.nemotron_h import Caches
-from ..sampling.sampler import SamplingTensors, sample
+from ..sampling.sampler import SamplingTensors, nonfinite_rows, sample
 from ..scheduling.scheduler_output import ScheduledRow, SchedulerOutput
 from .step_constants import StepConstants, StepScratch
-from .step_io import PrevStep, StepHandle, StepInputs
+from .step_io import PrevStep, StepHandle, StepInputs, mark_nonfinite
 from .transfer import D2H, H2D
 
 
@@ -57,9 +57,9 @@ class ModelRunner:
             fast = None if self.greedy_graphs is None or not decode_only else self.greedy_graphs.step(
                 req_ids, self.batch, self.prev, self.h2d)
             if fast is not None:        # a greedy decode-only step, replayed as one graph
-                sampled, next_start, rows = fast
+                sampled, next_start, rows, payload = fast     # payload: sampled with NONFINITE rows
                 n = len(rows)
-                handle = self._finish(sched, req_ids, rows, sampled, sampled,
+                handle = self._finish(sched, req_ids, rows, sampled, payload,
                                       PrevStep(sampled, self.consts.full(n, 1), next_start,
                                                self.consts.no_drafts(n), None))
                 self.greedy_graphs.read_by(handle.copy_event)
@@ -70,6 +70,7 @@ class ModelRunner:
                 inp = self._prepare(order)
             hidden, logits = self.executor.forward(inp.fb)
             sampled = self._sample(logits, inp)
+            nonfinite = self._nonfinite_step_rows(logits, inp)
         except BaseException:
             self.prev = None
             raise
@@ -84,7 +85,8 @@ class ModelRunner:
                                                inp.num_tokens[nd:] if nd else inp.num_tokens, nd, npf)
         ctx = self._draft_context(req_ids, inp, hidden, sampled, num_valid, next_start)
         drafts, draft_probs = self.drafter.propose(ctx)
-        return self._finish(sched, req_ids, inp.rows_sampling_np, sampled, self._d2h_payload(sampled, inp),
+        payload = mark_nonfinite(self._d2h_payload(sampled, inp), nonfinite)
+        return self._finish(sched, req_ids, inp.rows_sampling_np, sampled, payload,
                             PrevStep(sampled, num_valid, next_start, drafts, draft_probs))
 
     def _finish(self, sched: SchedulerOutput, req_ids: tuple[str, ...], rows_sampling: np.ndarray,
@@ -105,6 +107,20 @@ class ModelRunner:
         if npf:
             drafts = torch.cat([drafts, torch.full((npf, self.num_spec), -1, dtype=torch.int64, device=self.device)])
         return torch.cat([sampled, drafts], 1)
+
+    def _nonfinite_step_rows(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """[B] bool: step rows with a non-finite logit row (a decode row: any of its 1+K rows).
+        logits rows: N_d*(1+K) decode rows, then one per sampling prefill row. One reduction over
+        the logits (small beside the lm_head that made them) and a few [B] ops; no sync."""
+        bad = nonfinite_rows(logits)
+        nd, npf, s = inp.num_decode, inp.num_prefill, 1 + self.num_spec
+        dec = bad[:nd * s].view(nd, s).any(1)
+        if not npf:
+            return dec
+        out = torch.zeros(nd + npf, dtype=torch.bool, device=self.device)
+        out[:nd] = dec
+        out[inp.sample_rows_p] = bad[nd * s:]
+        return out
 
     def _draft_context(self, req_ids, inp: StepInputs, hidden, sampled, num_valid, next_start) -> DraftContext:
         """The drafter's view of this step. For drafters with ``full_context = False`` (n-gram, none)

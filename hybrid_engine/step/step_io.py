@@ -13,6 +13,16 @@ from ..sampling.sampler import SamplingTensors
 from ..scheduling.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from .transfer import D2HCopy
 
+# A step row whose logits were not finite carries this value in its D2H payload (never a token, and
+# distinct from the -1 "no token" pad); the device-side sampled tokens stay valid ids.
+NONFINITE = -2
+
+
+def mark_nonfinite(payload: torch.Tensor, bad_rows: torch.Tensor) -> torch.Tensor:
+    """payload[B, C] with the rows flagged in bad_rows[B] (bool) set to NONFINITE: one device op,
+    no sync; a new tensor, so the step's sampled tokens (the next step's inputs) are untouched."""
+    return payload.masked_fill(bad_rows[:, None], NONFINITE)
+
 
 @dataclass(frozen=True)
 class PrevStep:
@@ -64,12 +74,15 @@ class StepHandle:
         s = 1 + self.num_spec
         out = host
         sampled = out[:, :s]
+        bad = sampled[:, 0] == NONFINITE            # [B]: one compare per row; normally all False
+        nonfinite = np.flatnonzero(bad) if bad.any() else None
         num_valid = (sampled != -1).sum(1, dtype=np.int64)
         if self.num_spec:
             num_drafts = (out[:, s:] != -1).sum(1, dtype=np.int64)
         else:
             num_drafts = np.zeros(len(out), dtype=np.int64)
-        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts)
+        return ModelRunnerOutput(self.sched.step_id, self.req_ids, sampled, num_valid, num_drafts,
+                                 nonfinite_rows=nonfinite)
 
     def result(self) -> ModelRunnerOutput:
         return self._output(self._copy.wait())
