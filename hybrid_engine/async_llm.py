@@ -178,8 +178,10 @@ class AsyncLLM:
         if task.cancelled():
             if self._closed:
                 return                              # shutdown() already aborted everything
-            logger.error("the step loop task was cancelled; aborting its requests")
-            self._publish(self.engine.abort_all("the AsyncLLM step loop task was cancelled"))
+            aborted = self.engine.abort_all("the AsyncLLM step loop task was cancelled")
+            if aborted:                             # (an event loop closing cancels an idle loop too)
+                logger.warning("the step loop task was cancelled; %d requests aborted", len(aborted))
+            self._publish(aborted)
             return
         if task.exception() is None:
             return

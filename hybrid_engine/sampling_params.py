@@ -66,7 +66,9 @@ class SamplingParams:
     def validate(self) -> None:
         def bad(name, allowed, exc=ValueError):
             v = getattr(self, name)
-            raise exc(f"SamplingParams.{name}={v!r} ({type(v).__name__}) is invalid: allowed {allowed}")
+            r = repr(v)
+            r = r if len(r) <= 40 else r[:20] + "..." + r[-8:]
+            raise exc(f"SamplingParams.{name}={r} ({type(v).__name__}) is invalid: allowed {allowed}")
 
         def integer(name, lo, hi, allowed):
             v = getattr(self, name)
@@ -79,7 +81,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_real(v):
                 bad(name, allowed, TypeError)
-            if not (math.isfinite(float(v)) and ok(float(v))):
+            try:
+                f = float(v)
+            except OverflowError:           # an int beyond float range, e.g. 10**400
+                f = math.inf
+            if not (math.isfinite(f) and ok(f)):
                 bad(name, allowed)
 
         integer("max_tokens", 1, INT64_MAX, "an integer in [1, 2**63)")
@@ -99,8 +105,9 @@ class SamplingParams:
             integer("seed", 0, INT64_MAX, "None or an integer in [0, 2**63)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "True or False", TypeError)
-        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(x) and x >= 0 for x in self.stop_token_ids):
-            bad("stop_token_ids", "a list or tuple of int token ids >= 0")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                _is_int(x) and 0 <= x <= INT64_MAX for x in self.stop_token_ids):
+            bad("stop_token_ids", "a list or tuple of int token ids in [0, 2**63) (and within the vocabulary)")
 
     @property
     def greedy(self) -> bool:
