@@ -190,7 +190,8 @@ class EngineCore(FaultIsolation):
             wait, self._inflight = self._inflight, cur
         else:
             wait = cur
-        if wait is None and cur is None and not failed and self.scheduler.has_unfinished():
+        faulted, self._step_faulted = self._step_faulted, False   # a fault is no lack of progress
+        if wait is None and cur is None and not failed and not faulted and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress (cache too small for any waiting request?)")
         return wait, failed
 

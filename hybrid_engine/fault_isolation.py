@@ -34,6 +34,7 @@ def describe(error: BaseException, phase: str) -> str:
 
 class FaultIsolation:
     """Mixed into EngineCore (uses self.scheduler, self.runner, self._inflight)."""
+    _step_faulted = False       # the launch just made raised (read and cleared by begin_step)
 
     def _fail_requests(self, reqs, message: str) -> list[Request]:
         failed = self.scheduler.fail([r.request_id for r in reqs])
@@ -49,6 +50,7 @@ class FaultIsolation:
     def fail_schedule(self, error: BaseException) -> list[Request]:
         """``schedule()`` raised: every running request may be half-scheduled; fail them all."""
         logger.error("scheduling a step failed: %r; failing the running requests", error)
+        self._step_faulted = True
         failed = self._fail_requests(list(self.scheduler.running), describe(error, "scheduling the step"))
         self.runner.prev = None             # no running request is left to read it
         return failed
@@ -56,6 +58,7 @@ class FaultIsolation:
     def fail_launch(self, sched, error: BaseException) -> list[Request]:
         """The runner raised while launching ``sched``: its rows fail, its removals are replayed."""
         logger.error("step %d failed at launch: %r", sched.step_id, error)
+        self._step_faulted = True
         self.scheduler.requeue_removed(sched.removed_req_ids)
         self.runner.prev = None             # see the module docstring
         get = self.scheduler.requests.get

@@ -340,3 +340,57 @@ def test_async_chaos_streams(hybrid, monkeypatch):
         assert not core.scheduler.requests
     assert inj.fired
     eng.shutdown()
+
+
+def test_async_output_fault_ends_only_that_stream(hybrid, monkeypatch):
+    """Building one stream's output raises (e.g. a detokeniser failure): that stream alone ends with
+    "error" naming it; its request leaves the engine; the other streams are unchanged."""
+    eng = AsyncLLM(hybrid, dtype="float32", device=DEV, max_num_seqs=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = {"o0": [5, 6, 7], "o1": [8, 9], "o2": [10, 11, 12]}
+
+    async def run_all():
+        async def one(rid):
+            toks, last = [], None
+            async for out in eng.generate(prompts[rid], params, request_id=rid):
+                toks += out.outputs[0].token_ids
+                last = out
+            return rid, toks, last
+        return dict((rid, (t, l)) for rid, t, l in await asyncio.gather(*[one(r) for r in prompts]))
+    clean = asyncio.run(run_all())
+    orig, calls = eng.engine.make_output, {"n": 0}
+
+    def make_output(req, delta_from=0):
+        if req.request_id == "o1":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return orig(req, delta_from)
+    monkeypatch.setattr(eng.engine, "make_output", make_output)
+    res = asyncio.run(run_all())
+    assert res["o1"][1].outputs[0].finish_reason == "error" and "injected" in res["o1"][1].error
+    assert res["o1"][0] == clean["o1"][0][:len(res["o1"][0])]
+    for rid in ("o0", "o2"):
+        assert res[rid][0] == clean[rid][0] and res[rid][1].error is None
+    st = eng.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
+    assert not eng.engine.scheduler.requests
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_fault_before_anything_runs_is_no_wedge(hybrid, monkeypatch, async_scheduling):
+    """A schedule fault at the very first step fails nobody (nothing runs yet: the waiting
+    requests are untouched); that must not read as "no progress" and stop the loop."""
+    llm = make_llm(hybrid, async_scheduling=async_scheduling)
+    eng = llm.engine
+    wl = [(0, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "f0"),
+          (0, [8, 9], SamplingParams(max_tokens=3, ignore_eos=True), "f1")]
+    clean = drive(eng, wl)
+    inj = Injector(eng, monkeypatch)
+    faulty = drive(eng, wl, inj, {0: "schedule"})
+    assert [p for p, _ in inj.fired] == ["schedule"]
+    for rid in clean:
+        assert faulty[rid].error is None
+        assert faulty[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids
+    assert_idle_and_clean(eng)
