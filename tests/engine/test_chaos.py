@@ -21,7 +21,7 @@ from hybrid_engine import LLM, AsyncLLM, SamplingParams, SpeculativeConfig
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 SPECS = ["nospec", "ngram3", "draft_model2", "mtp2"]
-RUNS = 3
+RUNS = 2
 
 
 _ENGINES = {}
