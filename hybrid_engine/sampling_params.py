@@ -62,6 +62,11 @@ class SamplingParams:
                                 f"allowed only int token ids (no bools, no floats)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         self.validate()
+        # numpy scalars become Python numbers (numpy int64 arithmetic would wrap around silently)
+        for name in ("max_tokens", "top_k", "n") + (("seed",) if self.seed is not None else ()):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     def validate(self) -> None:
         def bad(name, allowed, exc=ValueError):

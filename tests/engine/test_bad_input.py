@@ -192,3 +192,14 @@ def test_request_that_can_never_fit_the_cache(hybrid_dir):
         small.generate([GOOD], SamplingParams(max_tokens=40), use_tqdm=False)
     out = small.generate([GOOD], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 20
+
+
+def test_numpy_scalars_become_python_numbers(llm):
+    """numpy int64 arithmetic wraps around silently: accepted values are stored as Python numbers,
+    so a max_tokens at the int64 limit simply runs to max_model_len."""
+    import numpy as np
+    p = SamplingParams(max_tokens=np.int64(2**63 - 1), temperature=np.float32(0.5), seed=np.int64(3))
+    assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.seed) is int
+    out = llm.generate([GOOD], SamplingParams(max_tokens=np.int64(2**63 - 1), ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and out[0].error is None
+    assert len(out[0].outputs[0].token_ids) == 64 - len(GOOD)
