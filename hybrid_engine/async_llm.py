@@ -19,9 +19,12 @@ tokens committed since the previous yield (a slow consumer gets several steps' t
 The last item has ``finished=True`` and ``finish_reason`` set:
   "stop" | "length"   normal end;
   "abort"             ``abort(request_id)``, the consumer stopped iterating, or ``shutdown()``;
-  "error"             a step carrying the request raised: the stream *ends normally* (it does not
-                      raise) with ``RequestOutput.error`` holding the exception's repr; the other
-                      requests keep running.
+  "error"             a step carrying the request raised (in any phase), its logits were not
+                      finite, or its output could not be built: the stream *ends normally* (it
+                      does not raise) with ``RequestOutput.error`` naming the cause; the other
+                      requests keep running (hybrid_engine/fault_isolation.py).
+If the step-loop task itself is cancelled, every stream ends at once with finish_reason "abort"
+and an ``error`` saying so; the next ``generate`` starts a new loop.
 Validation errors (bad prompt or params, a request_id already streaming) raise ``ValueError`` at
 the first ``__anext__``, before anything is queued. After ``shutdown()`` ``generate`` raises
 ``RuntimeError``.
@@ -36,7 +39,7 @@ import asyncio
 import logging
 import uuid
 
-from .llm import build_engine
+from .llm import build_engine, error_output
 from .outputs import RequestOutput
 from .scheduling.request import Request
 from .sampling_params import SamplingParams
@@ -97,7 +100,10 @@ class AsyncLLM:
         try:
             while True:
                 stream.event.clear()
-                out = self._take(stream)
+                try:
+                    out = self._take(stream)
+                except Exception as e:              # building this stream's output failed: it alone ends
+                    out = self._take_failed(stream, e)
                 if out is None:
                     await stream.event.wait()
                     continue
@@ -183,8 +189,18 @@ class AsyncLLM:
         self._task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
-        """The step loop only ends by cancellation; if it ever dies of a bug, no stream may hang."""
-        if task.cancelled() or task.exception() is None:
+        """The step loop only ends by cancellation (shutdown, or someone cancelled the task) or a
+        bug; no stream may hang either way: every request still running or queued ends now. A
+        later ``generate`` starts a new loop."""
+        if task.cancelled():
+            if self._closed:
+                return                              # shutdown() already aborted everything
+            aborted = self.engine.abort_all("the AsyncLLM step loop task was cancelled")
+            if aborted:                             # (an event loop closing cancels an idle loop too)
+                logger.warning("the step loop task was cancelled; %d requests aborted", len(aborted))
+            self._publish(aborted)
+            return
+        if task.exception() is None:
             return
         logger.error("step loop died", exc_info=task.exception())
         self._publish(self.engine.fail_all(task.exception()))
@@ -214,11 +230,7 @@ class AsyncLLM:
             except Exception as e:                          # reading it failed: its requests fail
                 touched = eng.finish_step(handle, error=e)
             else:
-                try:
-                    touched = eng.finish_step(handle, out)
-                except Exception as e:
-                    logger.exception("committing step %d failed; failing all requests", handle.sched.step_id)
-                    touched = eng.fail_all(e)
+                touched = eng.finish_step(handle, out)      # a failing commit fails its step only
             self._publish(touched)
 
     def _publish(self, reqs) -> None:
@@ -242,6 +254,17 @@ class AsyncLLM:
         stream.sent = n
         if self.engine.tokenizer is not None:
             out.outputs[0].text = self._text_delta(stream, n, req.finished)
+        return out
+
+    def _take_failed(self, stream: _Stream, error: Exception) -> RequestOutput:
+        """``_take`` raised (e.g. detokenisation): end this request alone with an error output."""
+        req, msg = stream.req, f"building the output failed: {error!r}"
+        logger.error("request %s: %s", req.request_id, msg)
+        if not req.finished:
+            self._publish(self.engine.fail_requests([req], msg))
+        req.error = req.error or msg
+        out = error_output(req, req.error, stream.sent)
+        stream.sent = len(req.output_token_ids)
         return out
 
     def _text_delta(self, stream: _Stream, n: int, final: bool) -> str:

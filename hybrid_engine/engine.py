@@ -24,7 +24,8 @@ from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
 from .scheduling.request import Request
 from .step.runner import ModelRunner, StepHandle
-from .sampling_params import SamplingParams
+from .fault_isolation import FaultIsolation
+from .sampling_params import SamplingParams, check_stop_ids
 from .scheduling.scheduler import Scheduler
 from .spec.drafters import DrafterBuild, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
@@ -47,7 +48,7 @@ def _load_tokenizer(model_dir: Path):
                          f"{', '.join(str(p) for p in present)}: {type(e).__name__}: {e}") from None
 
 
-class EngineCore:
+class EngineCore(FaultIsolation):
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
@@ -104,13 +105,17 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the field before anything is queued.
-        ``params=None``: the model's defaults (generation_config.json, see generation_config.py)."""
+        """Validate and tokenize; raises ValueError (a bad value) or TypeError (a bad type) naming the
+        field before anything is queued. ``params=None``: the model's defaults (generation_config.json,
+        see generation_config.py)."""
         if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
         ids = self._tokenize(prompt)
         params = self.generation_defaults.sampling_params(len(ids)) if params is None else params
         params.validate()
+        check_stop_ids(params, self.cfg.model.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
                              f"most {self.max_model_len - 1} so that one token can be generated")
@@ -134,10 +139,11 @@ class EngineCore:
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                       for t in prompt):
             ids = [int(t) for t in prompt]
         else:
-            raise ValueError("prompt must be a str or a list of int token ids")
+            raise ValueError("prompt must be a str or a list of int token ids (no bools, no floats)")
         if not ids:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.cfg.model.vocab_size
@@ -163,6 +169,10 @@ class EngineCore:
         """Every request the engine still knows (waiting, running, or finished and not yet forgotten)."""
         return list(self.scheduler.requests.values())
 
+    def has_unfinished(self) -> bool:
+        """Some request is waiting or running (the step in flight aside: see ``has_work``)."""
+        return self.scheduler.has_unfinished()
+
     def forget(self, req: Request) -> None:
         """Drop a finished request the caller has read, so its id can be used again."""
         if req.finished and self.scheduler.requests.get(req.request_id) is req:
@@ -185,23 +195,28 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------
     def launch(self) -> tuple[StepHandle | None, list[Request]]:
-        """Schedule and launch one step; returns its handle and requests failed by it."""
+        """Schedule and launch one step; returns its handle and requests failed by it (a fault in
+        any phase ends only that step's requests: fault_isolation.py)."""
         if not self.scheduler.has_unfinished():
             return None, []
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except BaseException as e:
+            failed = self.fail_schedule(e)
+            if not isinstance(e, Exception):
+                raise
+            return None, failed
         if not sched.rows:                 # nothing runs: its removals must reach the next step
             self.scheduler.requeue_removed(sched.removed_req_ids)
             return None, []
         self._stats["steps"] += 1
         try:
             return self.runner.execute(sched), []
-        except Exception as e:            # fail this step's requests, keep serving the others
+        except BaseException as e:         # fail this step's requests, keep serving the others
+            failed = self.fail_launch(sched, e)
+            if not isinstance(e, Exception):
+                raise                      # KeyboardInterrupt & co: cleaned up, then passed on
             logger.exception("step %d failed", sched.step_id)
-            self.scheduler.requeue_removed(sched.removed_req_ids)
-            failed = self.scheduler.fail([r.req_id for r in sched.rows])
-            for r in failed:
-                r.finish_reason = "error"
-                r.error = repr(e)
             return None, failed
 
     def commit(self, handle: StepHandle, out) -> list[Request]:
@@ -221,40 +236,30 @@ class EngineCore:
             wait, self._inflight = self._inflight, cur
         else:
             wait = cur
-        if wait is None and cur is None and not failed and self.scheduler.has_unfinished():
+        faulted, self._step_faulted = self._step_faulted, False   # a fault is no lack of progress
+        if wait is None and cur is None and not failed and not faulted and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress (cache too small for any waiting request?)")
         return wait, failed
 
     def finish_step(self, handle: StepHandle | None, out=None, failed: list[Request] | None = None,
                     error: BaseException | None = None) -> list[Request]:
         """Commit the output of ``handle`` (from ``begin_step``); returns the requests that got
-        tokens, finished or failed. ``error``: reading the output raised; its requests fail."""
+        tokens, finished or failed. ``error``: reading the output raised; its requests fail, and
+        so do they when the commit itself raises (fault_isolation.py)."""
         touched = list(failed or ())
-        if handle is not None:
-            if error is not None:
-                touched += self.fail_step(handle, error)
-            else:
+        if handle is None:
+            return touched
+        if error is None:
+            try:
+                touched += self.fail_nonfinite(handle, out)
                 touched += self.commit(handle, out)
-        return touched
-
-    def fail_step(self, handle: StepHandle, error: BaseException) -> list[Request]:
-        """Fail the (current-epoch) requests of a step whose output could not be read."""
-        logger.error("step %d output failed: %r", handle.sched.step_id, error)
-        live = {r.req_id for r in handle.sched.rows
-                if (q := self.scheduler.requests.get(r.req_id)) is not None and q.epoch == r.epoch}
-        failed = self.scheduler.fail(live)
-        for r in failed:
-            r.error = repr(error)
-        return failed
-
-    def fail_all(self, error: BaseException) -> list[Request]:
-        """Fail every unfinished request and drop the step in flight (the loop itself broke)."""
-        self._inflight = None
-        self.runner.reset()
-        failed = self.scheduler.fail(list(self.scheduler.requests))
-        for r in failed:
-            r.error = repr(error)
-        return failed
+                return touched
+            except BaseException as e:
+                touched += self.fail_step(handle, e)
+                if not isinstance(e, Exception):
+                    raise
+                return touched
+        return touched + self.fail_step(handle, error)
 
     def step(self) -> list[Request]:
         """One loop iteration (blocking). Returns requests with new tokens or finished."""

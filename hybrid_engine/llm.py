@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import EngineCore
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -51,13 +51,18 @@ class LLM:
             eng.add_request(r)
         bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm)
         done = 0
-        while eng.has_work():
-            eng.step()
-            now = sum(r.finished for r in reqs)
-            bar.update(now - done)
-            done = now
-        bar.close()
-        outs = [eng.make_output(r) for r in reqs]
+        try:
+            while eng.has_work():
+                eng.step()
+                now = sum(r.finished for r in reqs)
+                bar.update(now - done)
+                done = now
+        except BaseException as e:          # KeyboardInterrupt, or the loop itself broke
+            _abandon(eng, reqs, e)
+            raise
+        finally:
+            bar.close()
+        outs = [_output(eng, r) for r in reqs]
         for r in reqs:
             eng.forget(r)
         return outs
@@ -81,3 +86,32 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _abandon(eng: EngineCore, reqs, error: BaseException) -> None:
+    """``generate`` is leaving early: abort its unfinished requests (they must not run silently
+    during the next call) and forget them; with nothing left running, the step in flight is
+    dropped too (nobody will read it)."""
+    for r in reqs:
+        if eng.abort(r.request_id):
+            r.error = f"generate() was interrupted by {error!r}"
+        eng.forget(r)
+    if not eng.has_unfinished():
+        eng.drop_step_state()
+
+
+def _output(eng: EngineCore, req) -> RequestOutput:
+    """The request's output; if building it raises (e.g. the tokenizer fails on its ids), the
+    request alone reports the error, with its tokens and no text."""
+    try:
+        return eng.make_output(req)
+    except Exception as e:
+        return error_output(req, f"building the output failed: {e!r}", 0)
+
+
+def error_output(req, message: str, delta_from: int) -> RequestOutput:
+    """A final RequestOutput (tokens from ``delta_from`` on, no text) for a request whose output
+    could not be built normally."""
+    return RequestOutput(req.request_id, list(req.prompt_token_ids),
+                         [CompletionOutput(0, list(req.output_token_ids[delta_from:]), None, "error")], True, {},
+                         message)

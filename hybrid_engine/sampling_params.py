@@ -1,11 +1,44 @@
-"""User-facing sampling parameters, validated before anything is queued."""
+"""User-facing sampling parameters, validated before anything is queued.
+
+Every field is checked against what the step can serve: values are stored in int64 / float32
+per-row arrays and computed on in float32 by the sampler, so integers must fit int64, and
+temperatures stay in a range where ``logits / temperature`` is exact and finite (see
+``TEMPERATURE_RANGE``). Types are strict: ``True`` is not a token id, ``1.7`` is not silently
+truncated, ``"0.5"`` is not a temperature. A wrong type raises ``TypeError``, a value out of range
+``ValueError``; both name the field and what is allowed. Checks that need the model (token ids
+within the vocabulary) are done by ``EngineCore.make_request``.
+"""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# temperature: 0 (greedy) or within this range. The sampler divides float32 logits by it; with
+# |logits| well below 1e4 (any sane model) the result stays below 1e7, where float32 softmax and
+# Gumbel-max are exact and finite. Below the range the division overflows (1e-45 is a float32
+# denormal, 1e-46 rounds to 0 = greedy), above it every distribution is uniform to float32.
+TEMPERATURE_RANGE = (1e-3, 1e3)
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """max_tokens: int in [1, 2**63); generation also stops at max_model_len.
+    temperature: 0 (greedy) or a finite number in ``TEMPERATURE_RANGE``.
+    top_k: -1 (off) or an int in [1, 2**63); values above the vocabulary size keep every token.
+    top_p: a number in (0, 1]; min_p: a number in [0, 1].
+    seed: None (drawn from the engine's seed) or an int in [0, 2**63).
+    stop_token_ids: a list/tuple of int token ids (checked against the vocabulary at submission).
+    ignore_eos: bool. n: 1."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = -1
@@ -17,27 +50,78 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)):
+            raise TypeError(f"SamplingParams.stop_token_ids={stop!r} is invalid: allowed a list or tuple "
+                            f"of int token ids, got {type(stop).__name__}")
+        for t in stop:
+            if not _is_int(t):
+                raise TypeError(f"SamplingParams.stop_token_ids contains {t!r} ({type(t).__name__}): "
+                                f"allowed only int token ids (no bools, no floats)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         self.validate()
+        # numpy scalars become Python numbers (numpy int64 arithmetic would wrap around silently)
+        for name in ("max_tokens", "top_k", "n") + (("seed",) if self.seed is not None else ()):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     def validate(self) -> None:
-        def bad(name, allowed):
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
-        if not self.temperature >= 0:
-            bad("temperature", ">= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            bad("top_k", "-1 (off) or an integer >= 1")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "a value in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "a value in [0, 1]")
-        if self.n != 1:
+        def bad(name, allowed, exc=ValueError):
+            v = getattr(self, name)
+            r = repr(v)
+            r = r if len(r) <= 40 else r[:20] + "..." + r[-8:]
+            raise exc(f"SamplingParams.{name}={r} ({type(v).__name__}) is invalid: allowed {allowed}")
+
+        def integer(name, lo, hi, allowed):
+            v = getattr(self, name)
+            if not _is_int(v):
+                bad(name, allowed, TypeError)
+            if not lo <= v <= hi:
+                bad(name, allowed)
+
+        def real(name, ok, allowed):
+            v = getattr(self, name)
+            if not _is_real(v):
+                bad(name, allowed, TypeError)
+            try:
+                f = float(v)
+            except OverflowError:           # an int beyond float range, e.g. 10**400
+                f = math.inf
+            if not (math.isfinite(f) and ok(f)):
+                bad(name, allowed)
+
+        integer("max_tokens", 1, INT64_MAX, "an integer in [1, 2**63)")
+        lo, hi = TEMPERATURE_RANGE
+        real("temperature", lambda t: t == 0 or lo <= t <= hi,
+             f"0 (greedy) or a finite number in [{lo:g}, {hi:g}]")
+        t = self.top_k
+        if not _is_int(t):
+            bad("top_k", "-1 (off) or an integer in [1, 2**63)", TypeError)
+        if not (t == -1 or 1 <= t <= INT64_MAX):
+            bad("top_k", "-1 (off) or an integer in [1, 2**63) (values above the vocabulary keep every token)")
+        real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+        real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
+        if self.n != 1 or not _is_int(self.n):
             bad("n", "1 (parallel sampling is not supported)")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            bad("seed", "None or an integer in [0, 2**63)")
+        if self.seed is not None:
+            integer("seed", 0, INT64_MAX, "None or an integer in [0, 2**63)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "True or False", TypeError)
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                _is_int(x) and 0 <= x <= INT64_MAX for x in self.stop_token_ids):
+            bad("stop_token_ids", "a list or tuple of int token ids in [0, 2**63) (and within the vocabulary)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The model-dependent part of validation: every stop id is a token of the vocabulary."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, outside the vocabulary "
+                         f"[0, {vocab_size}): allowed token ids of this model")

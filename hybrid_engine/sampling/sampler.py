@@ -94,6 +94,13 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     return torch.where(_rows(st.temperature, logits.dim()) > 0, probs, greedy)
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[R] bool: rows of logits[R, V] whose maximum is not finite -- a NaN (max propagates it) or a
+    +inf anywhere, or no finite value at all. Such a row defines no distribution: whatever token
+    argmax/Gumbel-max picks from it is meaningless. One reduction, no sync."""
+    return ~torch.isfinite(logits.amax(-1))
+
+
 def gumbel_argmax(
     scores: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor, stream=0
 ) -> torch.Tensor:

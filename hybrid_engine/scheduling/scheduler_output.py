@@ -87,3 +87,4 @@ class ModelRunnerOutput:
     num_valid: np.ndarray            # [B] int64, valid tokens per row (0 for rows that sampled nothing)
     num_drafts: np.ndarray           # [B] int64, real drafts verified per row this step
     error: BaseException | None = None
+    nonfinite_rows: np.ndarray | None = None  # [n] int64 rows whose logits were not finite (None: none)

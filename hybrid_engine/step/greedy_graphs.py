@@ -32,7 +32,7 @@ import torch
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor
 from .input_batch import InputBatch
-from .step_io import StepRows
+from .step_io import NONFINITE, StepRows
 from .transfer import H2D, CurrentStream
 
 logger = logging.getLogger("hybrid_engine")
@@ -50,6 +50,7 @@ class GreedyStepGraphs:
         e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         self.tok = [e64(bmax, 1), e64(bmax, 1)]        # [Bmax, 1] tokens of a parity's steps
         self.nxt = [e64(bmax), e64(bmax)]              # [Bmax] next start positions
+        self.pay = [e64(bmax, 1), e64(bmax, 1)]        # [Bmax, 1] D2H payload: tok, NONFINITE rows marked
         self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (unread)
         self._unused = e64(bmax)                       # num_valid / drafts inputs (read only for K > 0)
         # [N, W, prev (N), slot (N), block-table rows (N x W)]: the graphs hold its address
@@ -73,7 +74,12 @@ class GreedyStepGraphs:
                               start_out=self._start, drafts_out=None, next_start_out=self.nxt[q],
                               header=True)
         _, logits = EagerExecutor.forward(self.ex, g.fb)
-        self.tok[q][:b].copy_(logits.argmax(-1, keepdim=True))
+        tok = logits.argmax(-1, keepdim=True)
+        self.tok[q][:b].copy_(tok)
+        # argmax propagates NaN, so the logit at the argmax is finite iff the row's max is: the
+        # non-finite check of sampler.nonfinite_rows at the cost of a [B] gather (step_io.NONFINITE)
+        finite = torch.isfinite(logits.gather(-1, tok))
+        self.pay[q][:b].copy_(torch.where(finite, tok, torch.full_like(tok, NONFINITE)))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -119,7 +125,8 @@ class GreedyStepGraphs:
 
     def replay(self, step: StepRows, prev, h2d: H2D):
         """Run the step ``applies`` accepted as one replay -> (tokens [N, 1], next starts [N],
-        batch rows [N])."""
+        batch rows [N], D2H payload [N, 1]: the tokens with non-finite rows set to
+        step_io.NONFINITE)."""
         n = len(step.req_ids)
         rows, batch = self._rows, self.batch
         host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
@@ -140,8 +147,8 @@ class GreedyStepGraphs:
         self.q = 1 - q
         views = self._views.get((q, n))
         if views is None:
-            views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n])
-        return views[0], views[1], rows
+            views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n], self.pay[q][:n])
+        return views[0], views[1], rows, views[2]
 
     def bind(self, batch: InputBatch) -> None:
         """The runner's input batch (the graphs read its staged rows); called once by the runner."""

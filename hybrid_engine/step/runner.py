@@ -15,13 +15,14 @@ import torch
 from hybrid_engine.spec.drafters import DraftContext, Drafter
 
 from ..models.nemotron_h import Caches
+from ..sampling.sampler import nonfinite_rows
 from ..scheduling.scheduler_output import SchedulerOutput
 from .input_batch import InputBatch
 from .plans import DecodeOnlyPlan, MixedPlan, StepPlan, StepResources
 from .plans.base import cat_rows
 from .sample import DraftVerifier, TokenSampler
 from .step_constants import StepConstants, StepScratch
-from .step_io import PrevStep, StepHandle, StepInputs, StepRows
+from .step_io import PrevStep, StepHandle, StepInputs, StepRows, mark_nonfinite
 from .transfer import D2H, H2D
 
 
@@ -69,13 +70,15 @@ class ModelRunner:
             inp = plan.prepare(step, self.prev)                # host staging, device gathers
             hidden, logits = self.executor.forward(inp.fb)
             sampled = self.sampler.sample(logits, inp)         # sample, or verify the drafts (K > 0)
+            nonfinite = self._nonfinite_step_rows(logits, inp)   # [B] bool, rides in the D2H payload
         except BaseException:
             self.prev = None                                   # a half-launched step's outputs are void
             raise
         num_valid, next_start = self._advance(sampled, inp)
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start))
-        return self._finish(sched, step.req_ids, inp.rows_sampling_np, self._d2h_payload(sampled, inp),
+        payload = mark_nonfinite(self._d2h_payload(sampled, inp), nonfinite)
+        return self._finish(sched, step.req_ids, inp.rows_sampling_np, payload,
                             PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
                                      drafts=drafts, draft_probs=draft_probs))
 
@@ -86,9 +89,10 @@ class ModelRunner:
         raise AssertionError("MixedPlan takes every step")
 
     def _finish_fused(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
-        sampled, next_start, rows = plan.replay(step, self.prev, self.h2d)
+        # payload: the tokens with rows whose logits were not finite set to NONFINITE
+        sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
         n = len(rows)
-        handle = self._finish(sched, step.req_ids, rows, sampled,
+        handle = self._finish(sched, step.req_ids, rows, payload,
                               PrevStep(sampled=sampled, num_valid=self.consts.full(n, 1), next_start=next_start,
                                        drafts=self.consts.no_drafts(n), draft_probs=None))
         plan.read_by(handle.copy_event)
@@ -125,6 +129,20 @@ class ModelRunner:
             drafts = torch.cat([drafts, torch.full((inp.num_prefill, self.num_spec), -1, dtype=torch.int64,
                                                    device=self.device)])
         return torch.cat([sampled, drafts], 1)
+
+    def _nonfinite_step_rows(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """[B] bool: step rows with a non-finite logit row (a decode row: any of its 1+K rows).
+        logits rows: N_d*(1+K) decode rows, then one per sampling prefill row. One reduction over
+        the logits (small beside the lm_head that made them) and a few [B] ops; no sync."""
+        bad = nonfinite_rows(logits)
+        num_decode, num_prefill, tokens_per_row = inp.num_decode, inp.num_prefill, 1 + self.num_spec
+        decode_bad = bad[:num_decode * tokens_per_row].view(num_decode, tokens_per_row).any(1)
+        if not num_prefill:
+            return decode_bad
+        out = torch.zeros(num_decode + num_prefill, dtype=torch.bool, device=self.device)
+        out[:num_decode] = decode_bad
+        out[inp.sample_rows_p] = bad[num_decode * tokens_per_row:]
+        return out
 
     def _draft_context(self, req_ids, inp: StepInputs, hidden, sampled, num_valid, next_start) -> DraftContext:
         """The drafter's view of this step. For drafters with ``full_context = False`` (n-gram, none)

@@ -13,6 +13,16 @@ from ..sampling.sampler import SamplingTensors
 from ..scheduling.scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
 from .transfer import D2HCopy
 
+# A step row whose logits were not finite carries this value in its D2H payload (never a token, and
+# distinct from the -1 "no token" pad); the device-side sampled tokens stay valid ids.
+NONFINITE = -2
+
+
+def mark_nonfinite(payload: torch.Tensor, bad_rows: torch.Tensor) -> torch.Tensor:
+    """payload[B, C] with the rows flagged in bad_rows[B] (bool) set to NONFINITE: one device op,
+    no sync; a new tensor, so the step's sampled tokens (the next step's inputs) are untouched."""
+    return payload.masked_fill(bad_rows[:, None], NONFINITE)
+
 
 @dataclass(frozen=True)
 class PrevStep:
@@ -81,16 +91,19 @@ class StepHandle:
 
     def _output(self, host: np.ndarray) -> ModelRunnerOutput:
         """Unpack the one D2H tensor ``[B, 1+K (+K drafts)]``; counts are derived on the host with
-        the device's own rule (docs/design.md invariant 7: num_valid = tokens != -1), so only one copy travels."""
+        the device's own rule (docs/design.md invariant 7: num_valid = tokens != -1), so only one copy
+        travels. A row whose logits were not finite carries NONFINITE in column 0."""
         tokens_per_row = 1 + self.num_spec
         sampled = host[:, :tokens_per_row]                                  # [B, 1+K]
+        bad = sampled[:, 0] == NONFINITE            # [B]: one compare per row; normally all False
+        nonfinite = np.flatnonzero(bad) if bad.any() else None
         num_valid = (sampled != -1).sum(1, dtype=np.int64)
         if self.num_spec:
             num_drafts = (host[:, tokens_per_row:] != -1).sum(1, dtype=np.int64)   # [B, K] verified drafts
         else:
             num_drafts = np.zeros(len(host), dtype=np.int64)
         return ModelRunnerOutput(step_id=self.sched.step_id, req_ids=self.req_ids, sampled=sampled,
-                                 num_valid=num_valid, num_drafts=num_drafts)
+                                 num_valid=num_valid, num_drafts=num_drafts, nonfinite_rows=nonfinite)
 
     def result(self) -> ModelRunnerOutput:
         return self._output(self._copy.wait())

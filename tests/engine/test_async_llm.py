@@ -101,7 +101,7 @@ def test_validation_errors_before_anything_is_queued(hybrid_dir):
     async def main():
         for prompt, params, words in [([], None, "empty"), ([5, 999], None, "vocabulary"),
                                       ("text", None, "tokenizer"), ([5], "greedy", "SamplingParams")]:
-            with pytest.raises(ValueError, match=words):
+            with pytest.raises((ValueError, TypeError), match=words):
                 async for _ in eng.generate(prompt, params):
                     pass
             assert not eng.engine.has_work() and not eng._streams
