@@ -23,7 +23,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
                    help="HF-format folder; default: the embedded small model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("HYBRID_ENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $HYBRID_ENGINE_API_KEY, "
                         "which keeps the key out of the process list)")
@@ -37,23 +37,30 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are "
                         "aborted (default 10)")
     # engine arguments, as LLM(...) takes them
-    s.add_argument("--dtype", default="auto")
-    s.add_argument("--device", default="auto")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-kv-blocks", type=int, default=None)
-    s.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    s.add_argument("--dtype", default="auto", help="weights and activations: auto (the checkpoint's; bfloat16 "
+                   "on CUDA), bfloat16, float16 or float32 (default %(default)s)")
+    s.add_argument("--device", default="auto", help="cuda, cpu or auto (CUDA when available; default %(default)s)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default %(default)s)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step, prefill chunks included (default %(default)s)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: what the KV cache holds, at most 8192)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default %(default)s)")
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: sized from --kv-cache-memory-fraction)")
+    s.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
+                   help="fraction of free GPU memory for the KV cache (default %(default)s)")
     s.add_argument("--spec", default=None, choices=["ngram", "draft_model", "mtp"],
                    help="speculative decoding method")
-    s.add_argument("--num-speculative-tokens", "--num-spec-tokens", dest="num_spec_tokens", type=int, default=3)
+    s.add_argument("--num-speculative-tokens", "--num-spec-tokens", dest="num_spec_tokens", type=int, default=3,
+                   help="draft tokens per step with --spec (default %(default)s)")
     s.add_argument("--draft-model", default=None, help="draft model folder (--spec draft_model)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
-    s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default %(default)s)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default %(default)s)")
+    s.add_argument("-v", "--verbose", action="store_true", help="log the engine's INFO messages")
     return s
 
 
