@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -237,6 +238,7 @@ def main() -> int:
         failed |= bool(tally.errors or leak)
         eng.shutdown()
         del eng
+        gc.collect()            # the engine's reference cycles hold its caches until collected
         if cuda:
             torch.cuda.empty_cache()
     total = {k: sum(r[k] for r in report["methods"].values()) for k in ("requests", "served", "aborted", "errors")}

@@ -178,3 +178,11 @@ def run(engine, plan, abort_at=None, max_steps=5000):
     for rid in reqs:
         engine.scheduler.pop_finished(rid)
     return reqs
+
+
+def forward_targets(runner) -> list[tuple[object, str]]:
+    """(object, method name) pairs through which every step's forward runs, whatever its route: the
+    executor's forward (eager or a CUDA graph replay), and each fused plan's ``replay`` (a greedy
+    step graph replays prepare + forward + argmax without calling the executor). A fault injected
+    into all of them fires in the step under test on CPU and on CUDA alike."""
+    return [(runner.executor, "forward")] + [(p, "replay") for p in runner.plans if p.fused]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from async_harness import forward_targets
 from hybrid_engine.llm import _output
 from hybrid_engine.sampling_params import SamplingParams
 from hybrid_engine.step import step_io
@@ -33,7 +34,7 @@ class Injector:
         r, s = eng.runner, eng.scheduler
         targets = {"schedule": [(s, "schedule")], "update_batch": [(r, "_update_batch")],
                    # every non-fused plan's input preparation (greedy graphs fuse prepare+forward+sample)
-                   "prepare": [(p, "prepare") for p in r.plans if not p.fused], "forward": [(r.executor, "forward")],
+                   "prepare": [(p, "prepare") for p in r.plans if not p.fused], "forward": forward_targets(r),
                    "sample": [(r.sampler, "sample")], "draft": [(r.drafter, "propose")], "d2h": [(r.d2h, "copy")],
                    "commit": [(s, "update_from_output")], "output": [(eng, "make_output")]}
         for phase, places in targets.items():

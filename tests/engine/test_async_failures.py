@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from async_harness import forward_targets
 from async_llm_helpers import DEV, GREEDY, collect, make, prompts, reference  # noqa: F401
 from hybrid_engine import LLM, SamplingParams
 
@@ -17,10 +18,9 @@ def test_failed_step_fails_only_its_requests(hybrid_dir, prompts, reference, mon
     eng = make(hybrid_dir, max_num_seqs=2, async_scheduling=async_scheduling)
     runner = eng.engine.runner
     calls = {"n": 0, "in_failed": None}
-    # the executor's forward runs on every step, eager or a CUDA graph replay (which never calls the
-    # model's forward), so the fault goes there
-    executor = runner.executor
-    orig_execute, orig_forward = runner.execute, executor.forward
+    # the fault goes wherever the step's forward runs (executor or fused greedy-graph replay)
+    targets = forward_targets(runner)
+    orig_execute = runner.execute
 
     def execute(sched):
         calls["n"] += 1
@@ -28,11 +28,14 @@ def test_failed_step_fails_only_its_requests(hybrid_dir, prompts, reference, mon
             calls["in_failed"] = {r.req_id for r in sched.rows}
             if where == "before":
                 raise RuntimeError("injected failure")
-            executor.forward = boom
+            saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
+            for obj, name, _ in saved:
+                setattr(obj, name, boom)
             try:
                 return orig_execute(sched)
             finally:
-                executor.forward = orig_forward
+                for obj, name, orig in saved:
+                    setattr(obj, name, orig)
         return orig_execute(sched)
 
     def boom(*a, **k):

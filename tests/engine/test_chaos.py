@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from async_harness import forward_targets
 from chaos_harness import PHASES, Injector, assert_idle_and_clean, drive, make_workload
 from hybrid_engine import LLM, AsyncLLM, SamplingParams, SpeculativeConfig
 
@@ -185,19 +186,22 @@ def test_keyboard_interrupt_in_generate_aborts_its_requests(hybrid, monkeypatch,
     eng = llm.engine
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     clean = llm.generate([[5, 6, 7]], params, use_tqdm=False)
-    for phase_obj, name in [(eng.runner.executor, "forward"), (eng.scheduler, "update_from_output"),
-                            (eng.scheduler, "schedule")]:
-        orig, calls = getattr(phase_obj, name), {"n": 0}
-
-        def interrupting(*a, _orig=orig, _calls=calls, **k):
-            _calls["n"] += 1
-            if _calls["n"] == 3:
-                raise KeyboardInterrupt
-            return _orig(*a, **k)
-        monkeypatch.setattr(phase_obj, name, interrupting)
+    # the forward phase: wherever the step's forward runs (executor, or a fused greedy-graph replay)
+    for phase in [forward_targets(eng.runner), [(eng.scheduler, "update_from_output")],
+                  [(eng.scheduler, "schedule")]]:
+        calls = {"n": 0}
+        saved = [(obj, name, getattr(obj, name)) for obj, name in phase]
+        for obj, name, orig in saved:
+            def interrupting(*a, _orig=orig, _calls=calls, **k):
+                _calls["n"] += 1
+                if _calls["n"] == 3:
+                    raise KeyboardInterrupt
+                return _orig(*a, **k)
+            monkeypatch.setattr(obj, name, interrupting)
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[9, 10, 11], [12, 13]], params, use_tqdm=False)
-        monkeypatch.setattr(phase_obj, name, orig)
+        for obj, name, orig in saved:
+            monkeypatch.setattr(obj, name, orig)
         assert not eng.scheduler.requests and not eng.has_work()
         out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
         assert out[0].outputs[0].token_ids == clean[0].outputs[0].token_ids
