@@ -109,12 +109,12 @@ def test_latent_moe_matches_its_definition(latent_dir):
     from hybrid_engine.models.moe_ops import route_ref
     llm = LLM(latent_dir, dtype="float32", device=DEV, max_num_seqs=1)
     moe = llm.engine.model.backbone.layers[2].mixer
-    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(0)).to(moe.gate.weight.device)
     with torch.no_grad():
         ids, w = route_ref(torch.nn.functional.linear(x, moe.gate.weight), moe.gate.e_score_correction_bias,
                            moe.gate.spec)
         lat = x @ moe.fc1_latent_proj.weight.T
-        want = torch.zeros(9, lat.shape[1])
+        want = torch.zeros(9, lat.shape[1], device=x.device)
         for t in range(9):
             for j in range(ids.shape[1]):
                 e = int(ids[t, j])
