@@ -1,8 +1,9 @@
 """Run a cases script under Triton's interpreter (TRITON_INTERPRET=1, CPU) in one subprocess.
 
 TRITON_INTERPRET must be set before Triton is imported, so kernels are interpreted in a child
-process; the script prints one ``CASE name OK|FAIL detail`` line per case. Shared by the
-interpreter tests (tests/gpu/test_kernels_interpret.py, tests/spec/test_ngram_triton.py,
+process; the script prints one ``CASE name OK|FAIL detail`` line per case (``case_main`` is
+that loop, shared by the scripts). Shared by the interpreter tests
+(tests/gpu/test_kernels_interpret.py, tests/gpu/test_moe_kernels.py, tests/spec/test_ngram_triton.py,
 tests/engine/test_decode_prep.py).
 """
 from __future__ import annotations
@@ -12,7 +13,10 @@ import os
 import re
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -30,7 +34,8 @@ def run_cases(script: Path, timeout: int = 300) -> dict[str, tuple[str, str]]:
     if ver(triton.__version__) < (3, 7) and ver(numpy.__version__) >= (2, 4):
         pytest.skip("triton < 3.7's interpreter breaks with numpy >= 2.4")
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent), str(Path(__file__).resolve().parent),
+                                           os.environ.get("PYTHONPATH", "")]))
     env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves
     proc = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
@@ -50,3 +55,21 @@ def assert_case(results: dict, name: str) -> None:
     assert name in results, f"case {name} did not run"
     status, detail = results[name]
     assert status == "OK", f"{name}: {detail}\n{results['_stderr'][-3000:]}"
+
+
+def case_main(cases: dict, names, run: Callable = lambda case: case()) -> int:
+    """A cases script's main loop: run each named case (all when ``names`` is empty) and print its
+    ``CASE name OK detail`` / ``CASE name FAIL error`` line; a failing case is reported and the
+    rest still run. ``run(case)`` -> the OK line's detail. Returns the exit status."""
+    failed = 0
+    for name in names or cases:
+        t0 = time.time()
+        try:
+            detail = run(cases[name])
+            print(f"CASE {name} OK {detail} {time.time() - t0:.2f}s", flush=True)
+        except Exception as exc:  # report and go on
+            failed += 1
+            msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:800]
+            print(f"CASE {name} FAIL {msg}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+    return 1 if failed else 0

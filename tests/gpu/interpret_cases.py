@@ -5,10 +5,9 @@ float32 (and one float16 case): bf16 tl.dot is wrong in the interpreter."""
 import functools
 import os
 import sys
-import time
-import traceback
 
 import torch
+from triton_interpret import case_main
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
 torch.set_num_threads(1)
@@ -187,18 +186,7 @@ CASES.update({
 
 
 def main(names):
-    failed = 0
-    for name in names or CASES:
-        t0 = time.time()
-        try:
-            errs = CASES[name]()
-            print(f"CASE {name} OK {errs} {time.time() - t0:.2f}s", flush=True)
-        except Exception as exc:  # report and go on
-            failed += 1
-            msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
-            print(f"CASE {name} FAIL {msg}", flush=True)
-            traceback.print_exc(file=sys.stderr)
-    return 1 if failed else 0
+    return case_main(CASES, names)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
+from triton_interpret import case_main
 
 from hybrid_engine.spec.drafters import DraftContext
 from hybrid_engine.spec.drafters.ngram import NgramDrafter
@@ -144,19 +143,7 @@ CASES = {
 def main(names) -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
     torch.set_num_threads(1)
-    failed = 0
-    for name in names or CASES:
-        t0 = time.time()
-        try:
-            n = compare("cpu", **CASES[name])
-            print(f"CASE {name} OK proposed={n} {time.time() - t0:.2f}s", flush=True)
-        except Exception as exc:  # report and go on
-            failed += 1
-            msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:800]
-            print(f"CASE {name} FAIL {msg}", flush=True)
-            traceback.print_exc(file=sys.stderr)
-    return 1 if failed else 0
-
+    return case_main(CASES, names, lambda case: f"proposed={compare('cpu', **case)}")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
