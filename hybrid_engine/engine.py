@@ -27,7 +27,7 @@ from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
 from .scheduling.scheduler import Scheduler
-from .spec.drafters import DrafterBuild, make_drafter
+from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
 
 logger = logging.getLogger("hybrid_engine")
@@ -63,8 +63,7 @@ class EngineCore(FaultIsolation):
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.num_spec = k
         n_attn = len(mc.attention_layer_ids)
-        num_blocks = cc.num_kv_blocks or (KVCache.blocks_for_budget(
-            self._kv_budget(), max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype))
+        num_blocks = cc.num_kv_blocks or self._blocks_for_budget(n_attn)
         self.max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
         max_blocks = blocks_needed(self.max_model_len + 3 * (1 + k), cc.block_size) + 1
         self.max_blocks_per_req = max_blocks
@@ -95,6 +94,20 @@ class EngineCore(FaultIsolation):
         logger.info("engine ready in %.2fs: %s on %s, KV %d blocks x %d (%.1f MiB), max_model_len %d, K=%d",
                     time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size,
                     kv.bytes / 2**20, self.max_model_len, k)
+
+    def _blocks_for_budget(self, n_attn: int) -> int:
+        """KV blocks that fit the budget once the drafter's own memory is set aside: its fixed bytes
+        (a draft model's weights and Mamba pool) and its KV per block id (a draft model indexes its
+        own KV cache with the target's block ids, so each block costs target + draft bytes)."""
+        cfg, mc, cc = self.cfg, self.cfg.model, self.cfg.cache
+        footprint = drafter_footprint(cfg)
+        per_block = (KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim,
+                                             cfg.dtype) + footprint.kv_bytes_per_block)
+        budget = self._kv_budget() - footprint.fixed_bytes
+        if footprint.fixed_bytes:
+            logger.info("KV budget: %.1f MiB set aside for the %s drafter, its KV %.1f KiB per block",
+                        footprint.fixed_bytes / 2**20, cfg.speculative.method, footprint.kv_bytes_per_block / 1024)
+        return max(0, budget // per_block)
 
     def _kv_budget(self) -> int:
         cc = self.cfg.cache

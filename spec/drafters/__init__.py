@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import DraftContext, Drafter, DrafterBuild, NoDrafter
+from .base import CacheFootprint, DraftContext, Drafter, DrafterBuild, NoDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+# method -> f(engine_cfg) -> CacheFootprint, for drafters that take memory of their own beside the
+# target (a draft model's weights, KV and Mamba pool); methods absent here take none worth budgeting
+FOOTPRINTS: dict[str, Callable[..., CacheFootprint]] = {}
 
 
 def make_drafter(build: DrafterBuild) -> Drafter:
@@ -25,6 +28,17 @@ def make_drafter(build: DrafterBuild) -> Drafter:
     return DRAFTERS[spec.method](build)
 
 
+def drafter_footprint(cfg) -> CacheFootprint:
+    """What the drafter named by ``cfg.speculative`` will take beside the target (zero for none)."""
+    spec = cfg.speculative
+    if spec is None:
+        return CacheFootprint()
+    if spec.method not in DRAFTERS:
+        _register_builtin()
+    f = FOOTPRINTS.get(spec.method)
+    return f(cfg) if f is not None else CacheFootprint()
+
+
 def _register_builtin() -> None:
     for name, module, factory in (("ngram", "ngram", "make_ngram"), ("draft_model", "draft_model", "make_draft_model"),
                                   ("mtp", "mtp", "make_mtp")):
@@ -37,6 +51,9 @@ def _register_builtin() -> None:
                 raise
             continue
         DRAFTERS[name] = getattr(mod, factory)
+        if hasattr(mod, "cache_footprint"):
+            FOOTPRINTS[name] = mod.cache_footprint
 
 
-__all__ = ["DRAFTERS", "DraftContext", "Drafter", "DrafterBuild", "NoDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "FOOTPRINTS", "CacheFootprint", "DraftContext", "Drafter", "DrafterBuild", "NoDrafter",
+           "drafter_footprint", "make_drafter"]

@@ -52,6 +52,14 @@ class DrafterBuild:
         return self.cfg.dtype
 
 
+@dataclass(frozen=True)
+class CacheFootprint:
+    """Device memory a drafter will take beside the target, known before the engine sizes its KV
+    cache (so that the target's share of ``kv_cache_memory_fraction`` leaves room for it)."""
+    fixed_bytes: int = 0          # weights and per-slot state, independent of the number of KV blocks
+    kv_bytes_per_block: int = 0   # the drafter's own KV for each target block id (draft models share ids)
+
+
 class Drafter:
     num_spec: int = 0
     has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection

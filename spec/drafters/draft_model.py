@@ -20,7 +20,7 @@ from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
 from hybrid_engine.mamba_cache.pool import MambaPool
 
-from .base import DraftContext, Drafter
+from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
 
 logger = logging.getLogger("hybrid_engine")
@@ -78,6 +78,33 @@ class DraftModelDrafter(Drafter):
             ssm[scratch, 0] = ssm[slots, a - 1]
             win = conv[slots].gather(2, cols[:, None, :].expand(-1, conv.shape[1], -1))
             conv[scratch, :, :self.conv_width] = win
+
+
+def cache_footprint(cfg) -> CacheFootprint:
+    """The draft model's weights and Mamba pool (fixed) and its KV per target block id, read from
+    its config.json and safetensors headers before anything is loaded: the engine subtracts them from
+    the KV budget, so target + draft fit in ``kv_cache_memory_fraction`` together."""
+    from safetensors import safe_open
+
+    draft_dir = Path(cfg.speculative.model).expanduser()
+    mc = ModelConfig.from_json(draft_dir)
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    numel = 0
+    for f in sorted(draft_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                numel += n
+    k = cfg.speculative.num_speculative_tokens
+    slots = 2 * cfg.scheduler.max_num_seqs + 1       # mirrors + scratch + null, as DraftModelDrafter
+    conv = slots * (mc.conv_kernel - 1 + k) * mc.conv_dim * itemsize
+    ssm = slots * (1 + k) * mc.mamba_num_heads * mc.mamba_head_dim * mc.ssm_state_size * 4
+    pool = len(mc.mamba_layer_ids) * (conv + ssm)
+    kv = KVCache.bytes_per_block(len(mc.attention_layer_ids), cfg.cache.block_size, mc.num_key_value_heads,
+                                 mc.head_dim, cfg.dtype)
+    return CacheFootprint(fixed_bytes=numel * itemsize + pool, kv_bytes_per_block=kv)
 
 
 def make_draft_model(build) -> DraftModelDrafter:

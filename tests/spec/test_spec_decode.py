@@ -213,3 +213,22 @@ def test_draft_with_other_vocab_and_mtp_without_weights(target, model_dirs):
     plain = model_dirs("spec_plain", pattern="M*", seed=4)
     with pytest.raises(ValueError, match="mtp|MTP"):
         LLM(plain, speculative_config=SpeculativeConfig("mtp", 2))
+
+
+def test_kv_budget_leaves_room_for_the_draft_model(target, random_draft):
+    """The KV budget covers target + draft together (the draft model's weights, Mamba pool and its
+    own KV per block id), so a draft model never runs out of memory after the target sized its cache."""
+    budget = 3 * 2**20
+    common = dict(dtype="float32", device=DEV, max_num_seqs=4, block_size=4, kv_cache_bytes=budget)
+    alone = LLM(target, **common).engine
+    spec = LLM(target, speculative_config=SpeculativeConfig("draft_model", 3, model=str(random_draft)), **common).engine
+    drafter = spec.drafter
+    draft_weights = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
+    draft_weights += sum(b.numel() * b.element_size() for b in drafter.model.buffers())
+    taken = spec.caches.kv.bytes + drafter.kv.bytes + drafter.pool.bytes + draft_weights
+    assert taken <= budget, (taken, budget)
+    # and it is not over-cautious: one more block would not have fitted
+    per_block = spec.caches.kv.bytes // spec.caches.kv.num_blocks + drafter.kv.bytes // drafter.kv.num_blocks
+    assert taken + per_block > 0.95 * budget
+    assert spec.caches.kv.num_blocks < alone.caches.kv.num_blocks
+    assert drafter.kv.num_blocks == spec.caches.kv.num_blocks
