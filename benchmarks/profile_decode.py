@@ -5,7 +5,7 @@ decoding, then profiles --steps engine steps with torch.profiler (CUDA activitie
 CUDA-graph replays are reported too) and prints, per step: the kernels grouped by name (calls,
 microseconds), the total kernel time, the wall time per step, and the share taken by GEMMs.
 
-    python benchmarks/profile_decode.py --shape 8b --batch 1 [--eager] [--top 30] [--out f.txt]
+    python benchmarks/profile_decode.py --shape 8b|nano --batch 1 [--eager] [--top 30] [--out f.txt]
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import SHAPE_8B, SHAPE_MEDIUM, SHAPE_SMALL, random_weights, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
-SHAPES = {"8b": SHAPE_8B, "small": SHAPE_SMALL, "medium": SHAPE_MEDIUM}
+from benchmarks.moe import SHAPE_NANO  # noqa: E402
+
+SHAPES = {"8b": SHAPE_8B, "small": SHAPE_SMALL, "medium": SHAPE_MEDIUM, "nano": SHAPE_NANO}
 GEMM_KEYS = ("gemm", "gemv", "cutlass", "sm90", "xmma", "splitk", "cublas", "nvjet", "_linear_")
 
 
