@@ -201,6 +201,25 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
+def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of ``_pair_gemv_kernel`` for ``role`` ("rowwise": one weight
+    matrix, the router and the shared expert; "up" / "down": the routed experts) at ``tokens`` rows.
+    From the H100 tile sweep on the Nano-30B-A3B widths (benchmarks/moe_gemv_sweep.py, results in
+    benchmarks/results/2026-11-24-moe-gemv-sweep-h100.md): at one token, wide K tiles and few output
+    rows per program, so that the float32 router ([128, D]: 8 programs with 16 rows each) and the
+    shared expert spread over enough SMs; at several tokens the old 16 x 128 tiles are as good."""
+    wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
+    if role == "rowwise":
+        if wide:
+            return 4, 256, 8
+        return (8, 512, 4) if tokens == 1 else (16, 128, 2)
+    if wide:
+        return 8, 128, 4
+    if tokens == 1:
+        return (16, 256, 4) if role == "up" else (4, 256, 2)
+    return 8, 512, 4
+
+
 def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = False,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T for a few rows in one launch (the decode path's shared expert and
@@ -210,11 +229,11 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     N = weight.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     out = torch.empty(T, N, dtype=out_dtype, device=x.device)
-    bn, bk = (16, 128) if weight.element_size() == 2 else (16, 64)
+    bn, bk, warps = gemv_tiles("rowwise", T, weight)
     _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
         x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
         RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
-        ROUND=out_dtype == x.dtype, num_warps=4)
+        ROUND=out_dtype == x.dtype, num_warps=warps)
     return out
 
 
@@ -323,14 +342,15 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     pair_out = torch.empty(P, D_out, dtype=torch.float32, device=dev)         # weighted, per pair
     if T <= DECODE_MAX_TOKENS and not force_grouped:
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
-        bn, bk = (16, 128) if h.dtype != torch.float32 else (16, 64)
+        bn, bk, warps = gemv_tiles("up", T, w_up)
         _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
             h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
-            inter.stride(0), RELU2=True, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+            inter.stride(0), RELU2=True, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        bn, bk, warps = gemv_tiles("down", T, w_down)
         _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
             inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
             w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=4)
+            num_warps=warps)
     else:
         bm = align_block_size(P, E)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
