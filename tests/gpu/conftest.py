@@ -11,6 +11,7 @@ sweep's case stays in the default tier when its rule says so, and is marked ``sl
 Tests not named in the table are default-tier unless they mark themselves slow.
 """
 import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,19 @@ def pytest_collection_modifyitems(config, items):
         rule = DEFAULT_TIER.get(getattr(item, "originalname", item.name))
         if rule is not None and hasattr(item, "callspec") and not rule(item):
             item.add_marker(slow)
+    shard = os.environ.get("HYBRID_ENGINE_GPU_SHARD")
+    if shard:                   # "i/n": keep every n-th item from the i-th (the slow tier takes ~35 min)
+        i, n = _parse_shard(shard)
+        keep = [it for k, it in enumerate(items) if k % n == i]
+        config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
+        items[:] = keep
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"HYBRID_ENGINE_GPU_SHARD must be 'i/n' with 0 <= i < n, got {text!r}") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"HYBRID_ENGINE_GPU_SHARD must be 'i/n' with 0 <= i < n, got {text!r}")
+    return i, n
