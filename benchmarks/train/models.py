@@ -55,16 +55,18 @@ class Preset:
 _MOE = dict(n_group=1, topk_group=1)
 
 PRESETS = {
-    # tests: a few steps on CPU in seconds
+    # tests: a few steps on CPU in seconds (init std 0.1, not 0.02: logits spread enough for the
+    # transformers-vs-engine comparisons to mean something after 4 steps)
     "tiny": Preset(
         "tiny", vocab_size=384,
         target=dict(pattern="M-*E", hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                     intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
                     conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                    moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, **_MOE),
+                    moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, initializer_range=0.1,
+                    **_MOE),
         draft=dict(pattern="M*", hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                    intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
-                   conv_kernel=4, chunk_size=16),
+                   conv_kernel=4, chunk_size=16, initializer_range=0.1),
         seq_len=32, batch_size=4, lr=3e-3, draft_lr=3e-3, max_steps=4, time_budget_s=60.0,
         corpus_bytes=150_000, heldout_bytes=20_000, eval_windows=2, warmup_steps=1),
     # the shipped embedded default (hybrid_engine/data/): ~6.5M target incl. MTP, ~1.2M draft, bf16 files
@@ -262,3 +264,38 @@ def count_params(module: nn.Module) -> int:
 
 def write_json(path: Path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def load_target_with_mtp(folder, device="cpu") -> TargetWithMTP:
+    """A saved target folder back as the training-time ``TargetWithMTP`` (float32): transformers'
+    backbone and lm_head plus the ``mtp.*`` tensors in ``MTPHead`` (per-expert tensors re-stacked
+    into transformers' merged [E, out, in] parameters). Tests use it to compare the training-time
+    MTP math with the engine's."""
+    import re
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    cfg = AutoConfig.from_pretrained(str(folder))
+    model = TargetWithMTP(cfg).float()
+    sd = load_file(str(folder / "model.safetensors"))
+    lm_sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.lm.load_state_dict(lm_sd, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("e_score_correction_bias")]:
+        raise ValueError(f"{folder}: backbone tensors do not match: missing {missing}, unexpected {unexpected}")
+    per_expert = re.compile(r"^(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+    merged: dict[str, dict[int, torch.Tensor]] = {}
+    mtp_sd = {}
+    for k, v in sd.items():
+        if not k.startswith("mtp."):
+            continue
+        k = k[len("mtp."):]
+        m = per_expert.match(k)
+        if m:
+            merged.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = v
+        else:
+            mtp_sd[k] = v
+    for k, parts in merged.items():
+        mtp_sd[k] = torch.stack([parts[e] for e in range(len(parts))])
+    model.mtp.load_state_dict({k: v.float() for k, v in mtp_sd.items()}, strict=True)
+    return model.to(device).eval()

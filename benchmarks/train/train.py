@@ -46,10 +46,10 @@ def _optimizer(module, lr: float, device: torch.device):
 
 
 def _lr_factor(step: int, warmup: int, progress: float) -> float:
-    """Linear warm-up, then cosine from 1 to 0.1 over ``progress`` in [0, 1]."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    """Linear warm-up (over ``warmup`` steps or the first 5% of ``progress``, whichever ends first),
+    then cosine from 1 to 0.1 over ``progress`` in [0, 1]."""
+    warm = min(1.0, max((step + 1) / warmup, progress / 0.05))
+    return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 def plot_losses(history: list[dict], path: Path) -> bool:
@@ -127,7 +127,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     sums = torch.zeros(3, device=dev)          # running loss sums between reads (one host read per log)
     n_in_sum = 0
     t_train = time.perf_counter()
-    bar = tqdm(total=p.max_steps, desc=f"train[{p.name}]", unit="step", disable=not progress,
+    # the bar counts steps; its total is shown only when the step limit (not the time budget) ends the run
+    bar = tqdm(total=p.max_steps if p.max_steps < 100_000 else None, desc=f"train[{p.name}]", unit="step", disable=not progress,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     n_max = train_stream.numel() - (p.seq_len + 1)
     arange = torch.arange(p.seq_len + 1)
