@@ -50,8 +50,9 @@ class _Progress:
             n_in += len(r.prompt_token_ids) if (k or r.finished) else 0
         dt = max(now - self.t0, 1e-9)
         self.bar.set_postfix_str(f"input: {n_in / dt:.1f} toks/s, output: {n_out / dt:.1f} toks/s", refresh=False)
-        self.bar.update(done - self.done)         # redraws (tqdm rate-limits its own refreshes)
-        if done == self.done:
+        if done > self.done:
+            self.bar.update(done - self.done)     # redraws with the new postfix
+        else:
             self.bar.refresh()
         self.done = done
 

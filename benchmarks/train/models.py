@@ -149,14 +149,15 @@ class MTPHead(nn.Module):
                 block.final_layernorm = _norm(d, eps)
             layers.append(block)
         self.layers = nn.ModuleList(layers)
+        self.kinds = kinds
 
     def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """embeds = embed(t_{i+1}), prev_hidden = h_i, both [B, T, D] -> final-normed [B, T, D]."""
         first = self.layers[0]
         h = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(prev_hidden)], -1))
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, self.kinds):
             x = layer.norm(h)
-            if layer.block_type == "full_attention":
+            if kind == "full_attention":
                 h = h + _causal_attention(layer.mixer, x)
             else:
                 h = h + layer.mixer(x)
