@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 EXTENSIONS = (".py", ".rst", ".txt", ".md")
+HELDOUT_FRAC = 0.02     # what the training runs use: a file key held out here is held out everywhere
 ROOT_NAMES = ("stdlib", "purelib", "platlib")
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages", ".git"}
 
@@ -97,7 +98,7 @@ def scan(roots: dict[str, str], max_file_bytes: int) -> list[tuple[str, str]]:
     return out
 
 
-def build_corpus(*, max_bytes: int, max_heldout_bytes: int, heldout_frac: float = 0.02,
+def build_corpus(*, max_bytes: int, max_heldout_bytes: int, heldout_frac: float = HELDOUT_FRAC,
                  docs_frac: float = 0.2, max_file_bytes: int = 200_000, roots: dict[str, str] | None = None) -> Corpus:
     """Collect, deduplicate, split and cap the corpus (module docstring)."""
     if not 0.0 < heldout_frac < 1.0:

@@ -45,6 +45,7 @@ class Preset:
     corpus_bytes: int
     heldout_bytes: int
     eval_windows: int             # held-out windows of seq_len + 1 tokens scored after training
+    tokenizer_bytes: int = 8_000_000   # BPE trained on the first this many bytes of train text
     mtp_weight: float = 0.5       # loss = next-token + mtp_weight * next-next-token
     warmup_steps: int = 50
     save_dtype: str = "float32"   # stored tensor dtype
@@ -79,8 +80,8 @@ PRESETS = {
         draft=dict(pattern="M*-", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                    intermediate_size=384, mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=32,
                    conv_kernel=4, chunk_size=64),
-        seq_len=256, batch_size=32, lr=2e-3, draft_lr=3e-3, max_steps=100_000, time_budget_s=120.0,
-        corpus_bytes=24_000_000, heldout_bytes=1_000_000, eval_windows=32, warmup_steps=100,
+        seq_len=256, batch_size=32, lr=2e-3, draft_lr=3e-3, max_steps=100_000, time_budget_s=100.0,
+        corpus_bytes=16_000_000, heldout_bytes=1_000_000, eval_windows=32, warmup_steps=100,
         save_dtype="bfloat16", config_dtype="float32"),
     # the GPU benchmark's target (~90M params incl. MTP), trained in the benchmark's device call
     "bench": Preset(
@@ -92,8 +93,8 @@ PRESETS = {
         draft=dict(pattern="M*-", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32,
                    conv_kernel=4, chunk_size=128),
-        seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=240.0,
-        corpus_bytes=64_000_000, heldout_bytes=2_000_000, eval_windows=32, warmup_steps=100,
+        seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=210.0,
+        corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=32, warmup_steps=100,
         save_dtype="bfloat16", config_dtype="bfloat16"),
 }
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .corpus import build_corpus
+from .corpus import HELDOUT_FRAC, build_corpus
 from .evaluate import engine_losses, heldout_windows, hf_loss, training_losses
 from .models import (Preset, TargetWithMTP, count_params, draft_loss, draft_model, hf_config_for,
                      mtp_tensors, save_hf, write_json)
@@ -92,13 +92,19 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
 
     # ---- corpus and tokenizer
     t0 = time.perf_counter()
-    corpus = build_corpus(max_bytes=p.corpus_bytes, max_heldout_bytes=p.heldout_bytes)
+    corpus = build_corpus(max_bytes=p.corpus_bytes, max_heldout_bytes=p.heldout_bytes, heldout_frac=HELDOUT_FRAC)
     if not corpus.train or not corpus.heldout:
         raise RuntimeError(f"corpus too small: {corpus.summary()}")
     write_json(out / "heldout_files.json", [f.path for f in corpus.heldout])
     timings["corpus_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tok = train_bpe([f.text for f in corpus.train], p.vocab_size)
+    tok_texts, n = [], 0
+    for f in corpus.train:                       # key order: deterministic
+        if n >= p.tokenizer_bytes:
+            break
+        tok_texts.append(f.text)
+        n += len(f.text)
+    tok = train_bpe(tok_texts, p.vocab_size)
     vocab = len(tok)
     train_tok = encode_files(tok, [f.text for f in corpus.train])
     held_tok = encode_files(tok, [f.text for f in corpus.heldout])
@@ -212,7 +218,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         "corpus": corpus.summary(), "vocab_size": vocab, "params": params,
         "config": {"target": p.target, "draft": p.draft, "mtp_pattern": "*E", "seq_len": p.seq_len,
                    "batch_size": p.batch_size, "lr": p.lr, "draft_lr": p.draft_lr, "mtp_weight": p.mtp_weight,
-                   "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype},
+                   "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype,
+                   "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC},
         "steps": step, "tokens_seen": tokens, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "final_train_loss": last, "heldout_loss": heldout, "loss_png": plotted, "history": history,
         "folders": {"target": str(target_dir), "draft": str(draft_dir)},

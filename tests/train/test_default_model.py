@@ -10,7 +10,7 @@ import sysconfig
 import pytest
 import torch
 
-from benchmarks.train.corpus import is_heldout
+from benchmarks.train.corpus import HELDOUT_FRAC, is_heldout
 from benchmarks.train.evaluate import engine_losses
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.config import ModelConfig
@@ -68,7 +68,7 @@ def _heldout_stdlib_windows(tok, n_windows, seq_len):
         dirnames[:] = sorted(x for x in dirnames if x not in ("site-packages", "dist-packages", "__pycache__"))
         for fn in sorted(filenames):
             key = "stdlib/" + os.path.relpath(os.path.join(dirpath, fn), root)
-            if fn.endswith(".py") and is_heldout(key, 0.02) and 2_000 < os.path.getsize(os.path.join(dirpath, fn)):
+            if fn.endswith(".py") and is_heldout(key, HELDOUT_FRAC) and 2_000 < os.path.getsize(os.path.join(dirpath, fn)):
                 with open(os.path.join(dirpath, fn), encoding="utf-8") as f:
                     ids += tok(f.read(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 if len(ids) >= n_windows * (seq_len + 1):
