@@ -18,6 +18,7 @@ recorded in train_report.json.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -76,7 +77,14 @@ def default_roots() -> dict[str, str]:
 
 
 def scan(roots: dict[str, str], max_file_bytes: int) -> list[tuple[str, str]]:
-    """[(key, absolute path)] of every candidate file, sorted by key, each real path once."""
+    """[(key, absolute path)] of every candidate file, sorted by key, each real path once (walked
+    once per process for the same arguments: a package tree does not change under a run)."""
+    return list(_scan(tuple(roots.items()), max_file_bytes))
+
+
+@functools.lru_cache(maxsize=4)
+def _scan(roots: tuple, max_file_bytes: int) -> tuple:
+    roots = dict(roots)
     seen_real: set[str] = set()
     out = []
     for name, root in roots.items():
@@ -95,7 +103,7 @@ def scan(roots: dict[str, str], max_file_bytes: int) -> list[tuple[str, str]]:
                 seen_real.add(real)
                 out.append((f"{name}/{os.path.relpath(path, root)}", path))
     out.sort()
-    return out
+    return tuple(out)
 
 
 def build_corpus(*, max_bytes: int, max_heldout_bytes: int, heldout_frac: float = HELDOUT_FRAC,

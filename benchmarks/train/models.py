@@ -69,7 +69,7 @@ PRESETS = {
                    intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
                    conv_kernel=4, chunk_size=16, initializer_range=0.1),
         seq_len=32, batch_size=4, lr=3e-3, draft_lr=3e-3, max_steps=4, time_budget_s=60.0,
-        corpus_bytes=150_000, heldout_bytes=20_000, eval_windows=2, warmup_steps=1),
+        corpus_bytes=80_000, heldout_bytes=10_000, eval_windows=2, warmup_steps=1),
     # the shipped embedded default (hybrid_engine/data/): ~6.5M target incl. MTP, ~1.2M draft, bf16 files
     "default": Preset(
         "default", vocab_size=4096,

@@ -83,7 +83,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     t_start = time.perf_counter()
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
-    if dev.type == "cuda":
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if dev.type == "cuda":                       # training only: evaluation compares in true float32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     out = Path(out)
@@ -139,6 +140,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     n_max = train_stream.numel() - (p.seq_len + 1)
     arange = torch.arange(p.seq_len + 1)
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}
+    next_log = 0.0
     while step < p.max_steps:
         elapsed = time.perf_counter() - t_train
         if elapsed >= p.time_budget_s:
@@ -172,8 +174,12 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
             last = {"target": vals[0], "mtp": vals[1], "draft": vals[2]}
             history.append({"step": step, "tokens": tokens, "time_s": round(time.perf_counter() - t_train, 2),
                             "lr": p.lr * f, **last})
-            bar.set_postfix(loss=f"{vals[0]:.3f}", mtp=f"{vals[1]:.3f}", draft=f"{vals[2]:.3f}",
-                            tok_s=f"{tokens / (time.perf_counter() - t_train):.0f}")
+            tok_s = tokens / (time.perf_counter() - t_train)
+            bar.set_postfix(loss=f"{vals[0]:.3f}", mtp=f"{vals[1]:.3f}", draft=f"{vals[2]:.3f}", tok_s=f"{tok_s:.0f}")
+            if not progress and time.perf_counter() >= next_log:       # plain log lines for captured runs
+                next_log = time.perf_counter() + 15.0
+                logger.info("step %d, %d tokens, %.0f tok/s, loss %.3f, mtp %.3f, draft %.3f",
+                            step, tokens, tok_s, *vals)
         bar.update(1)
     if n_in_sum:
         vals = (sums / n_in_sum).tolist()
@@ -183,6 +189,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     bar.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     timings["train_s"] = time.perf_counter() - t_train
 
     # ---- save
