@@ -48,7 +48,8 @@ WORKLOADS = {
         "    for key, value in sorted(",
     ],
     "copy-heavy edit": [
-        _BLOCK + "\n\n# The same function, renamed to parse_field:\n\n" + _BLOCK[:60].replace("parse_header", "parse_field"),
+        (_BLOCK + "\n\n# The same function, renamed to parse_field:\n\n"
+         + _BLOCK[:60].replace("parse_header", "parse_field")),
         "ITEMS = {\n" + "".join(f"    'item_{i}': {i},\n" for i in range(12)) + "}\n\nITEMS_COPY = {\n"
         + "".join(f"    'item_{i}': {i},\n" for i in range(3)),
     ],

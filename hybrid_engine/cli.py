@@ -39,7 +39,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding method (default: none)")
     p.add_argument("--num-spec-tokens", type=int, default=3,
                    help="tokens proposed per step with --spec, 1..8 (default: %(default)s)")
-    p.add_argument("--draft-model", default=None, help="draft model folder for --spec draft_model (default with the embedded model: its "
+    p.add_argument("--draft-model", default=None,
+                   help="draft model folder for --spec draft_model (default with the embedded model: its "
                         "embedded trained draft)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")

@@ -135,8 +135,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     n_in_sum = 0
     t_train = time.perf_counter()
     # the bar counts steps; its total is shown only when the step limit (not the time budget) ends the run
-    bar = tqdm(total=p.max_steps if p.max_steps < 100_000 else None, desc=f"train[{p.name}]", unit="step", disable=not progress,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+    bar = tqdm(total=p.max_steps if p.max_steps < 100_000 else None, desc=f"train[{p.name}]", unit="step",
+               disable=not progress, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     n_max = train_stream.numel() - (p.seq_len + 1)
     arange = torch.arange(p.seq_len + 1)
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}

@@ -1,7 +1,5 @@
 """``LLM.generate``'s progress bar moves as requests finish (not only at the end) and shows live
 input/output tokens/s, reading only host-side request fields."""
-import pytest
-
 import hybrid_engine.llm as llm_mod
 from hybrid_engine import LLM, SamplingParams
 

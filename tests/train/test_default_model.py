@@ -2,7 +2,6 @@
 weights that load in our engine and in transformers, a shared tokenizer, sizes that fit the
 package, the draft reachable from the CLI, and (the one test about the weights' quality) a held-out
 loss well below that of a uniform guess."""
-import json
 import math
 import os
 import sysconfig
@@ -68,7 +67,8 @@ def _heldout_stdlib_windows(tok, n_windows, seq_len):
         dirnames[:] = sorted(x for x in dirnames if x not in ("site-packages", "dist-packages", "__pycache__"))
         for fn in sorted(filenames):
             key = "stdlib/" + os.path.relpath(os.path.join(dirpath, fn), root)
-            if fn.endswith(".py") and is_heldout(key, HELDOUT_FRAC) and 2_000 < os.path.getsize(os.path.join(dirpath, fn)):
+            path = os.path.join(dirpath, fn)
+            if fn.endswith(".py") and is_heldout(key, HELDOUT_FRAC) and os.path.getsize(path) > 2_000:
                 with open(os.path.join(dirpath, fn), encoding="utf-8") as f:
                     ids += tok(f.read(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 if len(ids) >= n_windows * (seq_len + 1):
