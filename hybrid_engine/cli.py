@@ -13,18 +13,18 @@ import logging
 import sys
 import time
 
-DEFAULT_PROMPTS = [
-    "The river ran through the old town",
-    "Once upon a time, a small robot",
-    "In the morning the market was full of",
-    "A good engine serves many requests",
+DEFAULT_PROMPTS = [   # the embedded default model was trained on Python source: code prompts
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def read_lines(path):\n    with open(path",
+    "    for key, value in sorted(",
 ]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder (config.json + *.safetensors) or Hugging Face Hub repo id "
-                        "(e.g. nvidia/NVIDIA-Nemotron-Nano-9B-v2); default: the embedded small random model")
+                        "(e.g. nvidia/NVIDIA-Nemotron-Nano-9B-v2); default: the embedded small trained model")
     p.add_argument("--dtype", default="auto",
                    help="weight/activation dtype: auto (config's dtype, else bfloat16 on CUDA, float32 on "
                         "CPU), float32, bfloat16, float16 (default: %(default)s)")
@@ -39,7 +39,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding method (default: none)")
     p.add_argument("--num-spec-tokens", type=int, default=3,
                    help="tokens proposed per step with --spec, 1..8 (default: %(default)s)")
-    p.add_argument("--draft-model", default=None, help="draft model folder for --spec draft_model")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model folder for --spec draft_model (default with the embedded model: its "
+                        "embedded trained draft)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")
     p.add_argument("--seed", type=int, default=0,
@@ -62,8 +64,12 @@ def _llm(args):
     from hybrid_engine import LLM, SpeculativeConfig
     spec = None
     if args.spec:
+        draft = args.draft_model
+        if args.spec == "draft_model" and draft is None and args.model is None:
+            from hybrid_engine.default_model import default_draft_model_dir
+            draft = str(default_draft_model_dir())     # the embedded default's own trained draft
         spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens,
-                                 model=args.draft_model)
+                                 model=draft)
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                speculative_config=spec, async_scheduling=not args.sync, seed=args.seed)

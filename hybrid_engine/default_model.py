@@ -1,16 +1,26 @@
-"""The embedded default model: a small seeded Nemotron-H plus a byte-level BPE tokenizer, built
-offline from files shipped in ``hybrid_engine/data`` and materialised once into a cache folder.
+"""The embedded default models: a small TRAINED Nemotron-H target (Mamba2, attention, MLP, MoE, plus
+one MTP step) and a small hybrid draft model sharing its byte-level BPE tokenizer, shipped as
+Hugging Face folders in ``hybrid_engine/data/default_target`` and ``data/default_draft`` and
+materialised once into a cache folder; and the seeded synthetic model the tests build on.
 
-``default_model_dir()`` returns ``$HYBRID_ENGINE_CACHE/default-<hash>`` (or
-``~/.cache/hybrid-engine/default-<hash>``), where the hash covers the config, the seed, the
-tokenizer corpus and a format version. The folder holds config.json, generation_config.json,
-model.safetensors (O(1)-scale weights from ``models.synthetic.sens_init_``, plus ``mtp.*`` tensors when the
-config has MTP layers), tokenizer.json / tokenizer_config.json (pad 0, bos 1, eos 2, and a small
-chat template with an ``enable_thinking`` switch, ``CHAT_TEMPLATE``) and ``manifest.json`` (size and
-sha256 of every other file). It is written to a temporary folder and renamed into place, so
-concurrent callers are safe. Every call checks the folder against its manifest (a few MB hashed);
-a folder with a missing, truncated or altered file is moved aside and rebuilt. The weights are
-random: the text it generates is gibberish, but it exercises every code path.
+The trained models come from ``python -m benchmarks.train --preset default`` (benchmarks/train/):
+they were trained on Python source and docs of a standard library and installed packages, so they
+complete code. ``default_model_dir()`` / ``default_draft_model_dir()`` return
+``$HYBRID_ENGINE_CACHE/default-<hash>`` / ``default-draft-<hash>`` (or under
+``~/.cache/hybrid-engine``), the hash covering the shipped files and a format version.
+
+``synthetic_model_dir()`` returns ``synthetic-<hash>``: the earlier seeded random model
+(``data/synthetic_model.json``: O(1)-scale weights from ``models.synthetic.sens_init_``, ``mtp.*``
+tensors, and a byte-level BPE trained on ``data/tokenizer_corpus.txt``), for tests that need its
+fixed shapes or random weights.
+
+Every folder holds config.json, generation_config.json, model.safetensors, tokenizer.json /
+tokenizer_config.json (pad 0, bos 1, eos 2, and a small chat template with an ``enable_thinking``
+switch, ``CHAT_TEMPLATE``) and ``manifest.json`` (size and sha256 of every other file). It is
+written to a temporary folder and renamed into place, so concurrent callers are safe. Every call
+checks the folder against its manifest (the shipped files and the copy are hashed: about 30 MB, tens
+of milliseconds); a folder with a missing, truncated or
+altered file is moved aside and rebuilt.
 """
 from __future__ import annotations
 
@@ -25,9 +35,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-CONFIG_FILE = DATA_DIR / "default_model.json"
-CORPUS_FILE = DATA_DIR / "tokenizer_corpus.txt"
-FORMAT_VERSION = 2
+DEFAULT_TARGET_DIR = DATA_DIR / "default_target"      # shipped trained target (with its MTP step)
+DEFAULT_DRAFT_DIR = DATA_DIR / "default_draft"        # shipped trained draft model
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+CONFIG_FILE = DATA_DIR / "synthetic_model.json"       # the seeded synthetic model's description
+CORPUS_FILE = DATA_DIR / "tokenizer_corpus.txt"       # the synthetic model's tokenizer corpus
+FORMAT_VERSION = 3
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")   # ids 0, 1, 2 (NemotronH defaults)
 MANIFEST = "manifest.json"
 # role-tagged turns; the assistant turn opens a <think> block unless enable_thinking=False, in
@@ -74,9 +87,14 @@ def save_tokenizer(out_dir, vocab_size: int):
     return tok
 
 
-def default_config() -> dict:
-    """The shipped default model description (``data/default_model.json``)."""
+def synthetic_config() -> dict:
+    """The seeded synthetic model's description (``data/synthetic_model.json``)."""
     return json.loads(CONFIG_FILE.read_text(encoding="utf-8"))
+
+
+def default_config() -> dict:
+    """config.json of the shipped trained default target."""
+    return json.loads((DEFAULT_TARGET_DIR / "config.json").read_text(encoding="utf-8"))
 
 
 def _cache_root() -> Path:
@@ -84,7 +102,7 @@ def _cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hybrid-engine"
 
 
-def _digest(cfg: dict) -> str:
+def _synthetic_digest(cfg: dict) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(cfg, sort_keys=True).encode())
     h.update(CORPUS_FILE.read_bytes())
@@ -93,7 +111,23 @@ def _digest(cfg: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def _build(out_dir: Path, cfg: dict) -> None:
+def _shipped_files(src: Path) -> list[Path]:
+    """Every file of a shipped model folder (sorted), after checking the required ones exist."""
+    for name in REQUIRED_FILES:
+        if not (src / name).is_file():
+            raise RuntimeError(f"the package is incomplete: {src / name} is missing (reinstall hybrid-engine)")
+    return sorted(p for p in src.iterdir() if p.is_file() and p.name != MANIFEST)
+
+
+def _shipped_digest(src: Path) -> str:
+    h = hashlib.sha256(f"format={FORMAT_VERSION}".encode())
+    for p in _shipped_files(src):
+        h.update(p.name.encode())
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def _build_synthetic(out_dir: Path, cfg: dict) -> None:
     from .models.synthetic import make_hf_model
 
     cfg = dict(cfg)
@@ -103,8 +137,15 @@ def _build(out_dir: Path, cfg: dict) -> None:
     make_hf_model(out_dir, pattern, seed=seed, with_tokenizer=False, **cfg)
     tok = save_tokenizer(out_dir, cfg["vocab_size"])
     if len(tok) != cfg["vocab_size"]:
-        raise RuntimeError(f"default tokenizer has {len(tok)} tokens, config says vocab_size="
-                           f"{cfg['vocab_size']}; update data/default_model.json")
+        raise RuntimeError(f"synthetic tokenizer has {len(tok)} tokens, config says vocab_size="
+                           f"{cfg['vocab_size']}; update data/synthetic_model.json")
+
+
+def _copy_shipped(src: Path):
+    def build(out_dir: Path) -> None:
+        for p in _shipped_files(src):
+            shutil.copyfile(p, out_dir / p.name)
+    return build
 
 
 def _file_digest(path: Path) -> dict:
@@ -136,12 +177,11 @@ def cache_problem(folder: Path) -> str | None:
     return None
 
 
-def default_model_dir() -> Path:
-    """Folder of the embedded default model, built on first use (offline, about a second) and
-    rebuilt when the cached copy is damaged (see ``cache_problem``)."""
-    cfg = default_config()
+def _materialise(name: str, build) -> Path:
+    """``<cache root>/<name>``, built by ``build(tmp_folder)`` when missing or damaged (see
+    ``cache_problem``); atomic against concurrent callers."""
     root = _cache_root()
-    final = root / f"default-{_digest(cfg)}"
+    final = root / name
     if final.is_dir():
         problem = cache_problem(final)
         if problem is None:
@@ -156,7 +196,7 @@ def default_model_dir() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".default-tmp-", dir=root))
     try:
-        _build(tmp, cfg)
+        build(tmp)
         _write_manifest(tmp)
         os.chmod(tmp, 0o755)
         try:
@@ -168,3 +208,22 @@ def default_model_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def default_model_dir() -> Path:
+    """Folder of the embedded trained default target (with its MTP step), copied from the package
+    on first use and again when the cached copy is damaged (see ``cache_problem``)."""
+    return _materialise(f"default-{_shipped_digest(DEFAULT_TARGET_DIR)}", _copy_shipped(DEFAULT_TARGET_DIR))
+
+
+def default_draft_model_dir() -> Path:
+    """Folder of the embedded trained draft model (same tokenizer as the default target): what
+    ``--spec draft_model`` uses with the default model when no draft folder is given."""
+    return _materialise(f"default-draft-{_shipped_digest(DEFAULT_DRAFT_DIR)}", _copy_shipped(DEFAULT_DRAFT_DIR))
+
+
+def synthetic_model_dir() -> Path:
+    """Folder of the seeded synthetic model (random O(1)-scale weights; ``data/synthetic_model.json``),
+    built on first use (offline, about a second). For tests that need its shapes or weights."""
+    cfg = synthetic_config()
+    return _materialise(f"synthetic-{_synthetic_digest(cfg)}", lambda out: _build_synthetic(out, cfg))

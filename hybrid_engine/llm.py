@@ -1,6 +1,7 @@
 """Offline API: ``LLM(model=...).generate(prompts, params)``."""
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -20,6 +21,43 @@ def build_engine(model=None, **engine_args) -> EngineCore:
         from .default_model import default_model_dir
         model = default_model_dir()
     return EngineCore(EngineConfig.resolve(model, **engine_args))
+
+
+class _Progress:
+    """The ``generate`` progress bar: requests finished / total, and live input and output tokens/s
+    (input: prompt tokens of requests that produced a token; output: tokens generated so far), as
+    vLLM's. It reads only host-side request fields (committed token lists, status), at most every
+    ``REFRESH_S`` seconds, so the step loop pays one clock read per step."""
+
+    REFRESH_S = 0.1
+
+    def __init__(self, reqs):
+        self.reqs = reqs
+        self.bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req")
+        self.t0 = self._next = time.perf_counter()
+        self.done = 0
+
+    def poll(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now < self._next:
+            return
+        self._next = now + self.REFRESH_S
+        done = n_in = n_out = 0
+        for r in self.reqs:
+            k = len(r.output_token_ids)
+            done += r.finished
+            n_out += k
+            n_in += len(r.prompt_token_ids) if (k or r.finished) else 0
+        dt = max(now - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"input: {n_in / dt:.1f} toks/s, output: {n_out / dt:.1f} toks/s", refresh=False)
+        if done > self.done:
+            self.bar.update(done - self.done)     # redraws with the new postfix
+        else:
+            self.bar.refresh()
+        self.done = done
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class LLM:
@@ -49,19 +87,20 @@ class LLM:
         reqs = [eng.make_request(p, sp) for p, sp in zip(prompt_list, param_list)]
         for r in reqs:
             eng.add_request(r)
-        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm)
-        done = 0
+        progress = _Progress(reqs) if use_tqdm else None
         try:
             while eng.has_work():
                 eng.step()
-                now = sum(r.finished for r in reqs)
-                bar.update(now - done)
-                done = now
+                if progress is not None:
+                    progress.poll()
+            if progress is not None:
+                progress.poll(final=True)
         except BaseException as e:          # KeyboardInterrupt, or the loop itself broke
             _abandon(eng, reqs, e)
             raise
         finally:
-            bar.close()
+            if progress is not None:
+                progress.close()
         outs = [_output(eng, r) for r in reqs]
         for r in reqs:
             eng.forget(r)

@@ -54,7 +54,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="speculative decoding method")
     s.add_argument("--num-speculative-tokens", "--num-spec-tokens", dest="num_spec_tokens", type=int, default=3,
                    help="draft tokens per step with --spec (default %(default)s)")
-    s.add_argument("--draft-model", default=None, help="draft model folder (--spec draft_model)")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model folder (--spec draft_model; default with the embedded model: its embedded draft)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     s.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default %(default)s)")
@@ -82,7 +83,11 @@ def build_llm(args):
     from hybrid_engine import AsyncLLM, SpeculativeConfig
     spec = None
     if args.spec:
-        spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens, model=args.draft_model)
+        draft = args.draft_model
+        if args.spec == "draft_model" and draft is None and args.model is None:
+            from hybrid_engine.default_model import default_draft_model_dir
+            draft = str(default_draft_model_dir())     # the embedded default's own trained draft
+        spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens, model=draft)
     return AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

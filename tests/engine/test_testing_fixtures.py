@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_engine.config import ModelConfig
-from hybrid_engine.models.synthetic import TINY_TIME_STEP_MIN, make_hf_model
+from hybrid_engine.models.synthetic import KIND_NAMES, TINY_TIME_STEP_MIN, make_hf_model
 from hf_reference import hf_dt_values, hf_greedy, hf_logits, load_hf
 
 
@@ -113,7 +113,10 @@ def test_default_model_dir(tmp_path, monkeypatch):
 
     mc = ModelConfig.from_json(d)
     cfg = default_config()
-    assert mc.vocab_size == cfg["vocab_size"] and "".join(mc.layer_types) == cfg["pattern"]
+    names = {v: k for k, v in KIND_NAMES.items()}
+    assert mc.vocab_size == cfg["vocab_size"]
+    assert "".join(mc.layer_types) == "".join(names[k] for k in cfg["layers_block_type"])
+    assert set(mc.layer_types) == set("M*-E") and mc.num_nextn_predict_layers == 1    # every kind, and MTP
     tok = AutoTokenizer.from_pretrained(d)
     assert len(tok) == mc.vocab_size
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
@@ -121,3 +124,19 @@ def test_default_model_dir(tmp_path, monkeypatch):
     ids = tok.encode(text)
     assert tok.decode(ids) == text and max(ids) < mc.vocab_size
     assert len(hf_greedy(d, [ids], 3)[0]) == 3
+
+
+def test_synthetic_model_dir(tmp_path, monkeypatch):
+    """The seeded synthetic model (random O(1)-scale weights) keeps its shapes for the tests."""
+    from hybrid_engine.default_model import default_model_dir, synthetic_config, synthetic_model_dir
+
+    monkeypatch.setenv("HYBRID_ENGINE_CACHE", str(tmp_path / "cache"))
+    d = synthetic_model_dir()
+    assert d.name.startswith("synthetic-") and synthetic_model_dir() == d and d != default_model_dir()
+    mc = ModelConfig.from_json(d)
+    cfg = synthetic_config()
+    assert mc.vocab_size == cfg["vocab_size"] and "".join(mc.layer_types) == cfg["pattern"]
+    assert mc.hidden_size == cfg["hidden_size"] and len(mc.mtp_layer_types) == len(cfg["mtp_pattern"])
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("mtp.") for k in f.keys())
+    assert load_hf(d).lm_head.weight.std().item() > 0.1          # sens init, not a trained model

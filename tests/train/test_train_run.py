@@ -1,0 +1,142 @@
+"""A ``--preset tiny`` training run on CPU (a few steps): the output layout, folders that load in
+transformers and in our engine with equal held-out losses (float32), the MTP step saved in the
+published layout computing what the training-time head computes (our MTP drafter's proposals are
+the head's argmax), and a bitwise-reproducible run for a given seed."""
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks.train.__main__ import main
+from benchmarks.train.evaluate import engine_llm, engine_prefill_hidden, heldout_windows
+from benchmarks.train.models import load_target_with_mtp
+
+ARGS = ["--preset", "tiny", "--device", "cpu", "--seed", "3", "--no-progress", "--log-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_run")
+    assert main([*ARGS, "--out", str(d)]) == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def report(out):
+    return json.loads((out / "train_report.json").read_text())
+
+
+def _window_ids(out, n_tokens):
+    """The first n_tokens token ids of the held-out files, concatenated."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(out / "target"))
+    ids = []
+    for path in json.loads((out / "heldout_files.json").read_text()):
+        ids += tok(open(path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            break
+    assert len(ids) >= n_tokens
+    return ids[:n_tokens]
+
+
+def test_layout_and_report(out, report):
+    for sub in ("target", "draft"):
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (out / sub / name).is_file(), f"{sub}/{name}"
+    held = json.loads((out / "heldout_files.json").read_text())
+    assert held and all(p.startswith("/") for p in held) and len(held) == report["corpus"]["heldout_files"]
+    assert report["steps"] == 4 and report["tokens_seen"] == 4 * 4 * 32
+    assert report["params"]["target"] > 0 and report["params"]["target_mtp"] > 0 and report["params"]["draft"] > 0
+    assert [h["step"] for h in report["history"]] == [2, 4]
+    assert report["corpus"]["train_files"] > 0 and report["corpus"]["train_bytes"] > 0
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["mtp_layers_block_type"] == ["full_attention", "moe"]
+    assert cfg["time_step_limit"][0] == cfg["time_step_min"]
+    assert set(cfg["layers_block_type"]) == {"linear_attention", "mlp", "full_attention", "moe"}
+    from safetensors import safe_open
+    with safe_open(str(out / "target" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.mixer.q_proj.weight", "mtp.layers.1.mixer.gate.weight",
+            "mtp.layers.1.mixer.experts.0.up_proj.weight", "mtp.layers.1.final_layernorm.weight"} <= names
+
+
+def test_heldout_loss_transformers_equals_engine(out, report):
+    h = report["heldout_loss"]
+    assert h["uniform"] == pytest.approx(math.log(report["vocab_size"]))
+    for m in ("target", "draft"):
+        assert h["engine"][m] == pytest.approx(h["transformers"][m], abs=1e-4), m
+        assert h["engine"][m] == pytest.approx(h["training_modules"][m], abs=1e-4), m
+    assert h["engine"]["mtp"] == pytest.approx(h["training_modules"]["mtp"], abs=1e-4)
+    # (after 4 steps the losses are near uniform; the per-position test below compares spread logits)
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_per_position_logits_transformers_equals_engine(out, which):
+    from transformers import AutoModelForCausalLM
+    ids = _window_ids(out, 40)
+    hf = AutoModelForCausalLM.from_pretrained(str(out / which), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    llm = engine_llm(out / which, "cpu", len(ids))
+    with torch.inference_mode():
+        got = llm.engine.model.compute_logits(engine_prefill_hidden(llm, ids))
+    assert ref.std() > 0.1                                  # logits far from flat
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_mtp_drafter_proposes_the_training_head_argmax(out):
+    """Our engine's MTP drafter (K=1, its KV-cached MTP pass) proposes, right after each prefill,
+    exactly the argmax of the training-time MTP head on the same sequence."""
+    from hybrid_engine import SamplingParams
+    from hybrid_engine.spec.drafters import mtp as mtp_mod
+
+    head = load_target_with_mtp(out / "target")
+    text = _window_ids(out, 30)
+    recorded = []
+    orig = mtp_mod.MTPDrafter.propose
+
+    def record(self, ctx):
+        drafts, probs = orig(self, ctx)
+        recorded.append(drafts.clone())
+        return drafts, probs
+    mtp_mod.MTPDrafter.propose = record
+    checked = 0
+    try:
+        llm = engine_llm(out / "target", "cpu", 40, mtp=True)
+        for p in (3, 9, 17, 26):
+            recorded.clear()
+            o = llm.generate([text[:p]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+            seq = text[:p] + o.outputs[0].token_ids[:1]          # prompt + the token sampled at prefill
+            with torch.no_grad():
+                ids = torch.tensor([seq])
+                hidden = head.lm.model(input_ids=ids[:, :-1]).last_hidden_state     # h_0..h_{p-1}
+                logits = head.mtp_logits(hidden, ids[:, 1:])                         # pairs 0..p-1
+            assert recorded, "the MTP drafter proposed nothing"
+            assert recorded[0][0, 0].item() == logits[0, -1].argmax().item(), p
+            checked += 1
+    finally:
+        mtp_mod.MTPDrafter.propose = orig
+    assert checked == 4
+
+
+def test_training_is_reproducible_for_a_seed(out, report, tmp_path):
+    assert main([*ARGS, "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "train_report.json").read_text())
+    assert again["history"] == [{**h, "time_s": g["time_s"]} for h, g in zip(report["history"], again["history"])]
+    for sub in ("target", "draft"):
+        assert (tmp_path / sub / "model.safetensors").read_bytes() == (out / sub / "model.safetensors").read_bytes()
+    assert (tmp_path / "heldout_files.json").read_text() == (out / "heldout_files.json").read_text()
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        main(["--preset", "huge", "--out", "/tmp/x"])
+    with pytest.raises(SystemExit, match="max-steps"):
+        main(["--preset", "tiny", "--out", "/tmp/x", "--max-steps", "0"])
+
+
+def test_heldout_windows_need_a_window():
+    with pytest.raises(ValueError, match="heldout"):
+        heldout_windows(torch.arange(5), 8, 2)
