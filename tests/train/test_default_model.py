@@ -84,6 +84,7 @@ def test_shipped_model_heldout_loss_is_well_below_uniform():
     windows = _heldout_stdlib_windows(tok, 2, 256)
     losses = engine_losses(t, windows, "cpu", mtp=True)
     uniform = math.log(len(tok))
-    # (the CPU-trained placeholder reaches about uniform - 1.7; the GPU-trained model far lower)
-    assert losses["next_token"] < uniform - 1.5, (losses, uniform)
-    assert losses["mtp"] < uniform - 1.5, (losses, uniform)
+    # the shipped H100-trained model (2026-11-24): 4.30 / 4.37 here (uniform 8.32; 2.79 on the
+    # training machine's own held-out files); a CPU-trained placeholder reached about uniform - 1.7
+    assert losses["next_token"] < uniform - 3.0, (losses, uniform)
+    assert losses["mtp"] < uniform - 3.0, (losses, uniform)
