@@ -27,6 +27,7 @@ from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
 from .scheduling.scheduler import Scheduler
+from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
 
@@ -81,13 +82,22 @@ class EngineCore(FaultIsolation):
             cfg=cfg, model=self.model, num_spec=k, max_model_len=self.max_model_len, max_num_seqs=sc.max_num_seqs,
             block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
             num_slots=pool.num_slots))
+        counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
         executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
-                                 max_model_len=self.max_model_len, block_size=cc.block_size)
+                                 max_model_len=self.max_model_len, block_size=cc.block_size,
+                                 widths=tuple(1 + c for c in counts))
         greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks)
+        forced = cfg.speculative.forced_acceptance_rate if cfg.speculative else None
+        if forced is not None:
+            logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
+                           "without verification; outputs are NOT the model's and differ from greedy", forced)
         self.runner = ModelRunner(self.model, self.caches, self.drafter, executor=executor,
                                   greedy_graphs=greedy_graphs, max_num_seqs=sc.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=cc.block_size,
-                                  max_blocks=max_blocks, num_spec=k, device=cfg.device)
+                                  max_blocks=max_blocks, num_spec=k, device=cfg.device,
+                                  draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
+                                                           counts if executor.widths is not None else None),
+                                  forced_acceptance_rate=forced)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0

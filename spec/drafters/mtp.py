@@ -35,7 +35,6 @@ class MTPDrafter(Drafter):
         return h, normed
 
     def propose(self, ctx: DraftContext):
-        k = self.num_spec
         fb = ctx.forward_batch
         valid = ctx.num_valid > 0
         nd_tok = fb.mamba.num_decode_tokens
@@ -46,13 +45,16 @@ class MTPDrafter(Drafter):
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
         hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
+        k = ctx.drafts_wanted(self.num_spec)                                  # the MTP KV above follows every step
+        if not k:
+            return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
         st = ctx.sampling
         want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample
         tok, q = draw(logits, st, pos + 1, want_probs)
         drafts, probs = [tok], [q]
         bt = fb.attn.block_tables
-        max_seq = fb.attn.max_seq_len + 2 * k + 1
+        max_seq = fb.attn.max_seq_len + 2 * self.num_spec + 1
         for j in range(1, k):
             # pair index pos + j - 1: the previous MTP hidden stands in for the target's
             hidden, logits = self._single(tok, hidden, pos + j - 1, bt, valid, ctx.block_size, max_seq)
