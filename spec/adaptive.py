@@ -41,10 +41,10 @@ class FixedDrafts:
     def width(self, slots: np.ndarray) -> int:
         return self.num_spec
 
-    def snapshot(self, slots: np.ndarray):
+    def snapshot(self, slots: np.ndarray, num_decode: int, width: int):
         return None
 
-    def observe(self, token, num_valid: np.ndarray, num_drafts: np.ndarray) -> None:
+    def observe(self, token, num_valid: np.ndarray) -> None:
         pass
 
 
@@ -69,12 +69,13 @@ class AdaptiveDrafts:
         self.backoff = np.zeros(num_slots, np.int64)       # probe interval exponent while k = 0
         self.gen = np.zeros(num_slots, np.int64)           # bumped by reset: late outputs of an old owner
         self.steps = 0                                     # width() calls (the probes' clock)
-        self._probe = False                                # the last width() was a probe
+        self._probe = False                                # the last width() chose a probe
+        self._verifying_probe = False                      # the step being launched verifies a probe
 
     def reset(self, slot: int) -> None:
-        """A request got ``slot``: start optimistic (prior alpha = 1, weight 1: one failed step
-        brings it down), all drafts."""
-        self.accepted[slot] = self.tried[slot] = 1.0
+        """A request got ``slot``: start optimistic (prior alpha = 1 with the weight of half an
+        observed position, so two rejected steps bring it to 0), all drafts."""
+        self.accepted[slot] = self.tried[slot] = 0.5
         self.k[slot] = self.num_spec
         self.backoff[slot] = 0
         self.gen[slot] += 1
@@ -82,7 +83,7 @@ class AdaptiveDrafts:
     def width(self, slots: np.ndarray) -> int:
         """Drafts the next step verifies for these rows (slots [B], host)."""
         self.steps += 1
-        self._probe = False
+        self._verifying_probe, self._probe = self._probe, False
         if not len(slots):
             return 0
         k = self.k[slots]
@@ -93,27 +94,32 @@ class AdaptiveDrafts:
             want = self._probe = bool(due.any())
         return int(self._round_up[int(want)])
 
-    def snapshot(self, slots: np.ndarray):
-        """What ``observe`` needs, taken right after ``width``: (slots, their generations, whether
-        the step is a probe). Generations drop outputs of a slot that changed owner; only a failed
-        probe backs off (steps launched before a row came to rest are no probes)."""
-        return slots, self.gen[slots], self._probe
+    def snapshot(self, slots: np.ndarray, num_decode: int, width: int):
+        """What ``observe`` needs of the step being launched, taken right after its ``width`` call
+        (which chose the drafts of the *next* step): its rows' slots [B] and their generations, its
+        decode rows (the first ``num_decode``) and the drafts each verified (``width``), and whether
+        it verifies a probe (the previous ``width`` call chose one). Generations drop outputs of a
+        slot that changed owner; only a failed probe backs off (steps launched before a row came to
+        rest are no probes)."""
+        return slots[:num_decode], self.gen[slots[:num_decode]], width, self._verifying_probe
 
-    def observe(self, token, num_valid: np.ndarray, num_drafts: np.ndarray) -> None:
-        """One step's host counts per step row: valid tokens and drafts verified (-1 = none excluded).
-        ``token`` is the step's ``snapshot``."""
-        slots, gens, probe = token
+    def observe(self, token, num_valid: np.ndarray) -> None:
+        """One step's valid tokens per step row (host, from the commit's copy); ``token`` is the
+        step's ``snapshot``. A verified column counts as tried whether or not the drafter filled it
+        (an n-gram miss wastes the column as much as a rejected draft)."""
+        slots, gens, width, probe = token
         n = len(slots)
-        nv, nd = num_valid[:n], num_drafts[:n]
-        live = (self.gen[slots] == gens) & (nd > 0)
-        if not live.any():
+        if not width or not n:
             return
-        s, nv, nd = slots[live], nv[live], nd[live]
-        acc = np.clip(nv - 1, 0, nd)                       # accepted drafts (a prefix)
-        tried = np.minimum(acc + 1, nd)                    # positions verified up to the first rejection
-        was_resting = self.k[s] == 0
-        a = self.accepted[s] = self.decay * self.accepted[s] + acc
-        t = self.tried[s] = self.decay * self.tried[s] + tried
+        nv = num_valid[:n]
+        live = (self.gen[slots] == gens) & (nv > 0)
+        if not live.all():
+            slots, nv = slots[live], nv[live]
+        acc = np.clip(nv - 1, 0, width)                    # accepted drafts (a prefix)
+        tried = np.minimum(acc + 1, width)                 # columns verified up to the first rejection
+        was_resting = self.k[slots] == 0
+        a = self.accepted[slots] = self.decay * self.accepted[slots] + acc
+        t = self.tried[slots] = self.decay * self.tried[slots] + tried
         alpha = a / np.maximum(t, 1e-9)
         with np.errstate(divide="ignore"):
             ln_alpha = np.log(alpha)
@@ -121,9 +127,10 @@ class AdaptiveDrafts:
         k = np.where(alpha >= 1.0 - 1e-9, self.num_spec,
                      np.where(alpha <= 0.0, 0, np.floor(self._log_threshold / np.minimum(ln_alpha, -1e-12))))
         k = np.clip(k, 0, self.num_spec).astype(np.int64)
-        self.k[s] = k
+        self.k[slots] = k
         # a resting row whose probe failed backs off; one that wants drafts again probes from scratch
-        self.backoff[s] = np.where(k > 0, 0, np.minimum(self.backoff[s] + (was_resting & probe), self.max_backoff))
+        self.backoff[slots] = np.where(k > 0, 0, np.minimum(self.backoff[slots] + (was_resting & probe),
+                                                            self.max_backoff))
 
 
 def draft_counts(spec_cfg, num_spec: int) -> tuple[int, ...]:

@@ -86,7 +86,7 @@ class ModelRunner:
         if self.num_spec and not isinstance(self.policy, FixedDrafts):
             slots_np = self.batch.slot[self.batch.rows_of(step.req_ids)]     # [B] host, step-row order
             num_drafts = self.policy.width(slots_np)                         # the next step's width
-            observe = (self.policy, self.policy.snapshot(slots_np))
+            observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp)))
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
         payload = mark_nonfinite(self._d2h_payload(sampled, inp), nonfinite)

@@ -44,11 +44,16 @@ class DraftVerifier:
     def __init__(self, num_spec: int, forced_acceptance_rate: float | None = None):
         self.num_spec = num_spec
         self.forced = forced_acceptance_rate
+        self._plain = TokenSampler()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """logits [L, V] float32 -> sampled [B, 1+K]."""
         num_decode, num_prefill = inp.num_decode, inp.num_prefill
         tokens_per_row = 1 + inp.spec.drafts.shape[1]
+        if tokens_per_row == 1:
+            # no drafts this step: verifying none is plain sampling (a -1 draft's column is filled
+            # exactly as the sampler would, spec/rejection.py), so take the sampler's short path
+            return self._plain.sample(logits, inp)
         verified = None
         if num_decode:
             start = inp.start[:num_decode] if num_prefill else inp.start

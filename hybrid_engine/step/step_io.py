@@ -109,7 +109,7 @@ class StepHandle:
         if self._observe is not None:
             policy, snapshot = self._observe
             self._observe = None                     # a handle read twice counts once
-            policy.observe(snapshot, num_valid, num_drafts)
+            policy.observe(snapshot, num_valid)
         return ModelRunnerOutput(step_id=self.sched.step_id, req_ids=self.req_ids, sampled=sampled,
                                  num_valid=num_valid, num_drafts=num_drafts, nonfinite_rows=nonfinite)
 

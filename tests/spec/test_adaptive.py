@@ -16,11 +16,10 @@ DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 
 # ---- the policy alone -------------------------------------------------------------------------
 def _observe(pol, slots, accepted, verified):
-    """One step's counts for rows in ``slots``: ``accepted`` drafts of ``verified`` each."""
+    """One step's counts for decode rows in ``slots``: ``accepted`` drafts of ``verified`` each."""
     slots = np.asarray(slots, np.int64)
-    tok = pol.snapshot(slots)
-    nv = np.asarray(accepted, np.int64) + 1
-    pol.observe(tok, nv, np.full(len(slots), verified, np.int64))
+    tok = pol.snapshot(slots, len(slots), verified)
+    pol.observe(tok, np.asarray(accepted, np.int64) + 1)
 
 
 def test_policy_shrinks_to_zero_and_grows_back():
@@ -58,6 +57,7 @@ def test_policy_failed_probes_back_off_and_step_width_is_the_max_row():
     for _ in range(3):                                          # rejected probes double the interval
         while pol.width(np.array([1])) == 0:
             pass
+        pol.width(np.array([1]))                                # the step that verifies the probe
         _observe(pol, [1], [0], 1)
     assert pol.backoff[1] == 2
     probes = sum(pol.width(np.array([1])) for _ in range(64))
@@ -69,10 +69,10 @@ def test_policy_rounds_up_to_captured_widths_and_drops_outputs_of_a_reused_slot(
     pol.reset(1)
     pol.k[1] = 2
     assert pol.width(np.array([1])) == 3
-    tok = pol.snapshot(np.array([1]))
+    tok = pol.snapshot(np.array([1]), 1, 3)
     pol.reset(1)                                                # slot 1 now belongs to another request
-    pol.observe(tok, np.array([1]), np.array([5]))              # the old owner's late, bad output
-    assert pol.k[1] == 5 and pol.tried[1] == 1.0
+    pol.observe(tok, np.array([1]))                             # the old owner's late, bad output
+    assert pol.k[1] == 5 and pol.tried[1] == 0.5
 
 
 def test_fixed_policy_and_counts():
