@@ -86,7 +86,10 @@ class EngineCore(FaultIsolation):
         executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
                                  max_model_len=self.max_model_len, block_size=cc.block_size,
                                  widths=tuple(1 + c for c in counts))
-        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks)
+        # with speculation, steps that verify no drafts replay the fused greedy graphs when the
+        # drafter follows a step from its tokens alone (n-gram: full_context False)
+        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
+                                           drafter_follows_fused=not self.drafter.full_context)
         forced = cfg.speculative.forced_acceptance_rate if cfg.speculative else None
         if forced is not None:
             logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "

@@ -105,9 +105,20 @@ class ModelRunner:
         # payload: the tokens with rows whose logits were not finite set to NONFINITE
         sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
         n = len(rows)
+        num_valid, drafts = self.consts.full(n, 1), self.consts.no_drafts(n)
+        if self.num_spec:
+            # a spec engine's step that verified no drafts (adaptive): the drafter (one that reads
+            # only tokens, slots and positions: n-gram) follows it and drafts for the next step
+            num_drafts = self.policy.width(self.batch.slot[rows])
+            drafts, _ = self.drafter.propose(DraftContext(
+                req_ids=step.req_ids, slots=plan.slots(n), sampled=sampled, num_valid=num_valid,
+                input_token=None, input_pos=next_start, hidden=None, token_index=None,
+                is_decode=self.consts.full(n, 1, torch.bool), query_start_loc=None, input_ids=None,
+                positions=None, next_input_ids=None, forward_batch=None, sampling=None,
+                block_size=self.block_size, num_drafts=num_drafts))
         handle = self._finish(sched, step.req_ids, rows, payload,
-                              PrevStep(sampled=sampled, num_valid=self.consts.full(n, 1), next_start=next_start,
-                                       drafts=self.consts.no_drafts(n), draft_probs=None))
+                              PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
+                                       drafts=drafts, draft_probs=None))
         plan.read_by(handle.copy_event)
         return handle
 

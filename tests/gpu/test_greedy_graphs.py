@@ -105,3 +105,21 @@ def test_greedy_graph_steps_never_sync_the_host(target, graph_path_log):
     graph_path_log.clear()                   # count the measured steps only
     launch_steps_without_sync(eng, 30)
     assert all(graph_path_log) and len(graph_path_log) == 30
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, graph_path_log):
+    """Adaptive n-gram speculation on random weights accepts ~nothing: its steps verify no drafts
+    and replay the fused greedy graphs (the n-gram drafter follows them), and every transition
+    (probes, a sampling row, arrivals) keeps the tokens of no speculation, eager."""
+    from hybrid_engine import SpeculativeConfig
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    eager = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling), prompts)
+    graph_path_log.clear()
+    llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=SpeculativeConfig("ngram", 3))
+    assert llm.engine.runner.greedy_graphs is not None
+    assert drive(llm, prompts) == eager
+    assert sum(graph_path_log) >= 20, sum(graph_path_log)
