@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .generation_config import read_generation_config
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
+from .step.ngram_graphs import make_ngram_graphs
 from .models import build_model
 from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
@@ -35,6 +36,11 @@ logger = logging.getLogger("hybrid_engine")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def forced_acceptance(cfg: EngineConfig) -> float | None:
+    """The benchmark-only forced acceptance rate of the config, or None."""
+    return cfg.speculative.forced_acceptance_rate if cfg.speculative else None
 
 
 def _load_tokenizer(model_dir: Path):
@@ -90,7 +96,10 @@ class EngineCore(FaultIsolation):
         # drafter follows a step from its tokens alone (n-gram: full_context False)
         greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
                                            drafter_follows_fused=not self.drafter.full_context)
-        forced = cfg.speculative.forced_acceptance_rate if cfg.speculative else None
+        # greedy n-gram verify steps replayed whole (prepare + forward + verify + propose)
+        spec_graphs = None if forced_acceptance(cfg) is not None else make_ngram_graphs(
+            executor, self.drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks)
+        forced = forced_acceptance(cfg)
         if forced is not None:
             logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
                            "without verification; outputs are NOT the model's and differ from greedy", forced)
@@ -100,7 +109,7 @@ class EngineCore(FaultIsolation):
                                   max_blocks=max_blocks, num_spec=k, device=cfg.device,
                                   draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
                                                            counts if executor.widths is not None else None),
-                                  forced_acceptance_rate=forced)
+                                  forced_acceptance_rate=forced, spec_graphs=spec_graphs)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0

@@ -30,11 +30,13 @@ from hybrid_engine.spec.adaptive import FixedDrafts
 class ModelRunner:
     def __init__(self, model, caches: Caches, drafter: Drafter, *, executor, greedy_graphs=None,
                  max_num_seqs: int, max_model_len: int, block_size: int, max_blocks: int, num_spec: int,
-                 device: torch.device, draft_policy=None, forced_acceptance_rate: float | None = None):
+                 device: torch.device, draft_policy=None, forced_acceptance_rate: float | None = None,
+                 spec_graphs=None):
         """``executor``: the forward (EagerExecutor / CudaGraphExecutor); ``greedy_graphs``: a
         GreedyStepGraphs (CUDA graphs on, K = 0) or None; ``draft_policy``: how many drafts the
         next step verifies (``spec/adaptive.py``; default: always ``num_spec``);
-        ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``)."""
+        ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``);
+        ``spec_graphs``: a fused plan of whole greedy verify steps (``NgramStepGraphs``) or None."""
         self.model, self.caches, self.drafter = model, caches, drafter
         self.executor = executor
         self.device, self.block_size, self.num_spec = device, block_size, num_spec
@@ -46,11 +48,12 @@ class ModelRunner:
         res = StepResources(batch=self.batch, h2d=self.h2d, consts=self.consts, scratch=StepScratch(device),
                             executor=executor, block_size=block_size, num_spec=num_spec, device=device)
         self.greedy_graphs = greedy_graphs
-        if greedy_graphs is not None:
-            greedy_graphs.bind(self.batch)
+        for fused in (greedy_graphs, spec_graphs):
+            if fused is not None:
+                fused.bind(self.batch)
         # asked in order; the first that applies takes the step (MixedPlan takes any step)
-        self.plans: tuple[StepPlan, ...] = tuple(p for p in (greedy_graphs, DecodeOnlyPlan(res), MixedPlan(res))
-                                                 if p is not None)
+        self.plans: tuple[StepPlan, ...] = tuple(
+            p for p in (greedy_graphs, spec_graphs, DecodeOnlyPlan(res), MixedPlan(res)) if p is not None)
         self.sampler = DraftVerifier(num_spec, forced_acceptance_rate) if num_spec else TokenSampler()
         # one owner of the per-request draft counts (slot space): asked once per step, told each
         # step's counts when they reach the host (StepHandle)
@@ -84,8 +87,14 @@ class ModelRunner:
         observe = None
         num_drafts = self.num_spec
         if self.num_spec and not isinstance(self.policy, FixedDrafts):
-            slots_np = self.batch.slot[self.batch.rows_of(step.req_ids)]     # [B] host, step-row order
+            rows = self.batch.rows_of(step.req_ids)
+            slots_np = self.batch.slot[rows]                                 # [B] host, step-row order
             num_drafts = self.policy.width(slots_np)                         # the next step's width
+            if self.drafter.has_probs and num_drafts < self.num_spec and self.batch.temperature[rows].any():
+                # probabilistic drafts (q != p) of a random row: its tokens depend on how many
+                # drafts it verifies, so that count must not depend on timing (async) or on other
+                # rows (batch): such steps verify all K (docs/design.md invariant 2)
+                num_drafts = self.num_spec
             observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp)))
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
@@ -102,6 +111,8 @@ class ModelRunner:
         raise AssertionError("MixedPlan takes every step")
 
     def _finish_fused(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
+        if getattr(plan, "proposes", False):               # a whole verify step, drafts included
+            return self._finish_fused_spec(sched, step, plan)
         # payload: the tokens with rows whose logits were not finite set to NONFINITE
         sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
         n = len(rows)
@@ -119,6 +130,22 @@ class ModelRunner:
         handle = self._finish(sched, step.req_ids, rows, payload,
                               PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
                                        drafts=drafts, draft_probs=None))
+        plan.read_by(handle.copy_event)
+        return handle
+
+    def _finish_fused_spec(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
+        """A verify step replayed whole (``NgramStepGraphs``): the policy picks the next width (the
+        graph drafted K) and is told this step's counts later, as on the general path."""
+        out = plan.replay(step, self.prev, self.h2d)
+        num_drafts, observe = self.num_spec, None
+        if not isinstance(self.policy, FixedDrafts):
+            slots_np = self.batch.slot[out.rows]
+            num_drafts = self.policy.width(slots_np)
+            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width))
+        drafts = out.drafts if num_drafts == self.num_spec else out.drafts[:, :num_drafts]
+        handle = self._finish(sched, step.req_ids, out.rows, out.payload,
+                              PrevStep(sampled=out.sampled, num_valid=out.num_valid, next_start=out.next_start,
+                                       drafts=drafts, draft_probs=None), width=out.width, observe=observe)
         plan.read_by(handle.copy_event)
         return handle
 

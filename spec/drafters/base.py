@@ -59,7 +59,9 @@ class DrafterBuild:
 
 class Drafter:
     num_spec: int = 0
-    has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection
+    # fills draft_probs [B, K, V] (float32) for probabilistic rejection of random rows: their tokens
+    # then depend on how many drafts a step verifies (adaptive speculation keeps K fixed for them)
+    has_probs: bool = False
     # False: propose never reads input_token or token_index; the runner passes None for them and
     # spares the device ops that derive them every step.
     full_context: bool = True

@@ -28,6 +28,8 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class DraftModelDrafter(Drafter):
+    has_probs = True             # random rows get draft probabilities (q differs from p)
+
     def __init__(self, model, model_cfg: ModelConfig, *, num_spec: int, max_num_seqs: int, num_blocks: int,
                  block_size: int, max_model_len: int, dtype, device):
         self.model, self.num_spec, self.device = model, num_spec, device

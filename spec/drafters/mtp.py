@@ -22,6 +22,8 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class MTPDrafter(Drafter):
+    has_probs = True             # random rows get draft probabilities (q differs from p)
+
     def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, dtype, device):
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
