@@ -114,7 +114,8 @@ class PhaseTimer:
               ("step.step_io", "StepHandle._output"), ("step.input_batch", "InputBatch.append_placeholders"),
               ("engine", "EngineCore.launch"), ("engine", "EngineCore.finish_step"),
               ("step.greedy_graphs", "GreedyStepGraphs.applies"), ("step.greedy_graphs", "GreedyStepGraphs.replay"),
-              ("step.runner", "ModelRunner._finish")]
+              ("step.ngram_graphs", "NgramStepGraphs.applies"), ("step.ngram_graphs", "NgramStepGraphs.replay"),
+              ("step.runner", "ModelRunner._finish_fused_spec"), ("step.runner", "ModelRunner._finish")]
     IMPORTERS = ("step.plans.decode_only",)     # modules that import a patched module function by name
 
     def __init__(self):

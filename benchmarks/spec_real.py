@@ -186,8 +186,11 @@ def forced_rates(rows: list[dict], k: int) -> dict[str, float]:
     accepted the first draft, at batch 1 and this K, best workload (geometric model: each further
     draft accepted with the same p)."""
     out = {}
+    if not rows:
+        return out
+    b1 = min(x["batch"] for x in rows)
     for r in rows:
-        if r["method"] != "none" and r["k"] == k and r["batch"] == min(x["batch"] for x in rows) and r["per_position"]:
+        if r["method"] != "none" and r["k"] == k and r["batch"] == b1 and r["per_position"]:
             out[r["method"]] = max(out.get(r["method"], 0.0), r["per_position"][0])
     return out
 
@@ -317,6 +320,9 @@ def parse_args(argv=None):
     ap.add_argument("--forced-batches", type=ints, default=[1, 32])
     ap.add_argument("--forced-prompt-tokens", type=int, default=128)
     ap.add_argument("--forced-max-tokens", type=int, default=64)
+    ap.add_argument("--forced-rates", default="",
+                    help="method=p,... forced rates instead of the measured ones (e.g. ngram=0.6,mtp=0.7)")
+    ap.add_argument("--skip-real", action="store_true", help="only the forced phase (needs --forced-rates)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS] + [w for w in args.workloads if w not in WORKLOADS]
@@ -336,8 +342,13 @@ def main(argv=None) -> int:
         target = str(default_model_dir())
     draft = args.draft_model or (str(Path(args.run) / "draft") if args.run else target)
     t0 = time.perf_counter()
-    real = run_real(args, target, draft)
+    if args.skip_real and not args.forced_rates:
+        raise SystemExit("--skip-real needs --forced-rates")
+    real = [] if args.skip_real else run_real(args, target, draft)
     rates = forced_rates(real, args.forced_k)
+    for item in filter(None, args.forced_rates.split(",")):
+        method, _, p = item.partition("=")
+        rates[method] = float(p)
     forced = run_forced(args, rates) if args.forced_shapes and rates else []
     meta = dict(device=args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
                 target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
