@@ -30,7 +30,8 @@ class MTPDrafter(Drafter):
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, dtype, device)
         self.caches = Caches(self.kv, None)
-        self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp)
+        self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp): verify 1+K, steps
+        self.verify_graphs = {}       # verify-pass graphs by tokens per row (1+K and adaptive widths)
 
     def _step(self, tokens, prev_hidden, fb):
         h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
@@ -69,9 +70,9 @@ class MTPDrafter(Drafter):
     def _verify(self, tokens, hidden, fb, idx):
         """The MTP over the step's tokens -> (MTP hidden [B, D], logits [B, V]) at idx [B]; a
         decode-only step within the graphs' buckets replays a graph."""
-        g, md = self.graphs, fb.mamba
-        if (g is not None and not md.num_prefill_rows and md.decode_len == g.s
-                and 0 < md.num_decode_rows <= g.max_rows):
+        md = fb.mamba
+        g = self.verify_graphs.get(md.decode_len)
+        if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
         h, normed = self._step(tokens, hidden, fb)
         return h[idx], self.target.compute_logits(normed[idx])
@@ -96,12 +97,18 @@ def make_mtp(build) -> MTPDrafter:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return drafter
     from hybrid_engine.step.graphs import default_buckets
+    from ..adaptive import draft_counts
     from .mtp_graphs import MTPGraphs
+    kw = dict(buckets=default_buckets(build.max_num_seqs), block_size=build.block_size,
+              max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len, device=cfg.device)
     try:
-        drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(build.max_num_seqs),
-                                   block_size=build.block_size, max_blocks=build.max_blocks_per_req,
-                                   max_model_len=build.max_model_len, device=cfg.device)
+        drafter.graphs = MTPGraphs(drafter, **kw)
+        drafter.verify_graphs = {drafter.graphs.s: drafter.graphs}
+        for c in draft_counts(cfg.speculative, build.num_spec):   # narrower steps (adaptive speculation)
+            if 1 + c not in drafter.verify_graphs:
+                drafter.verify_graphs[1 + c] = MTPGraphs(drafter, width=1 + c, with_step=False, **kw)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. an op that cannot be captured
         logger.warning("MTP drafter: eager (graph capture failed: %s: %s)", type(exc).__name__, exc)
+        drafter.graphs, drafter.verify_graphs = None, {}
         torch.cuda.empty_cache()
     return drafter
