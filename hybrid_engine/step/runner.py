@@ -87,8 +87,10 @@ class ModelRunner:
         observe = None
         num_drafts = self.num_spec
         if self.num_spec and not isinstance(self.policy, FixedDrafts):
-            rows = self.batch.rows_of(step.req_ids)
-            slots_np = self.batch.slot[rows]                                 # [B] host, step-row order
+            # the rows that sampled (decode rows first, in step-row order, then last prefill chunks):
+            # the next step verifies their drafts; a partial chunk's row drafts nothing
+            rows = inp.rows_sampling_np
+            slots_np = self.batch.slot[rows]
             num_drafts = self.policy.width(slots_np)                         # the next step's width
             if self.drafter.has_probs and num_drafts < self.num_spec and self.batch.temperature[rows].any():
                 # probabilistic drafts (q != p) of a random row: its tokens depend on how many
