@@ -112,7 +112,11 @@ def stat_delta(after: dict, before: dict) -> dict:
     prop = after.get("drafts_proposed", 0) - before.get("drafts_proposed", 0)
     per_a, per_b = after.get("accepted_per_position", []), before.get("accepted_per_position", [])
     per = [(a - (per_b[j] if j < len(per_b) else 0)) / steps if steps else 0.0 for j, a in enumerate(per_a)]
-    return dict(verify_steps=steps, acceptance_length=(1 + acc / steps) if steps else 1.0,
+    # tokens per decode step (a request's first token comes from its prefill): the acceptance
+    # length, also where forced acceptance accepts columns the drafter left empty
+    decoded = (after.get("generated_tokens", 0) - before.get("generated_tokens", 0)
+               - (after.get("requests_finished", 0) - before.get("requests_finished", 0)))
+    return dict(verify_steps=steps, acceptance_length=decoded / steps if steps else 1.0,
                 draft_acceptance_rate=acc / prop if prop else 0.0, per_position=per)
 
 
@@ -322,7 +326,10 @@ def parse_args(argv=None):
     ap.add_argument("--forced-max-tokens", type=int, default=64)
     ap.add_argument("--forced-rates", default="",
                     help="method=p,... forced rates instead of the measured ones (e.g. ngram=0.6,mtp=0.7)")
-    ap.add_argument("--skip-real", action="store_true", help="only the forced phase (needs --forced-rates)")
+    ap.add_argument("--forced-rates-from", default="",
+                    help="a spec_real.json of an earlier run: its measured forced rates (before --forced-rates)")
+    ap.add_argument("--skip-real", action="store_true",
+                    help="only the forced phase (needs --forced-rates or --forced-rates-from)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     bad = [m for m in args.methods if m not in METHODS] + [w for w in args.workloads if w not in WORKLOADS]
@@ -342,10 +349,13 @@ def main(argv=None) -> int:
         target = str(default_model_dir())
     draft = args.draft_model or (str(Path(args.run) / "draft") if args.run else target)
     t0 = time.perf_counter()
-    if args.skip_real and not args.forced_rates:
-        raise SystemExit("--skip-real needs --forced-rates")
+    if args.skip_real and not (args.forced_rates or args.forced_rates_from):
+        raise SystemExit("--skip-real needs --forced-rates or --forced-rates-from")
     real = [] if args.skip_real else run_real(args, target, draft)
     rates = forced_rates(real, args.forced_k)
+    if args.forced_rates_from:
+        earlier = json.loads(Path(args.forced_rates_from).read_text())["meta"]["forced_rates"]
+        rates = {**earlier, **rates}
     for item in filter(None, args.forced_rates.split(",")):
         method, _, p = item.partition("=")
         rates[method] = float(p)
