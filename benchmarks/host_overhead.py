@@ -114,7 +114,8 @@ class PhaseTimer:
               ("step.step_io", "StepHandle._output"), ("step.input_batch", "InputBatch.append_placeholders"),
               ("engine", "EngineCore.launch"), ("engine", "EngineCore.finish_step"),
               ("step.greedy_graphs", "GreedyStepGraphs.applies"), ("step.greedy_graphs", "GreedyStepGraphs.replay"),
-              ("step.runner", "ModelRunner._finish")]
+              ("step.ngram_graphs", "NgramStepGraphs.applies"), ("step.ngram_graphs", "NgramStepGraphs.replay"),
+              ("step.runner", "ModelRunner._finish_fused_spec"), ("step.runner", "ModelRunner._finish")]
     IMPORTERS = ("step.plans.decode_only",)     # modules that import a patched module function by name
 
     def __init__(self):
@@ -153,7 +154,9 @@ class PhaseTimer:
 
 VARIANTS = {
     "greedy": (None, lambda i: dict(temperature=0.0)),
+    # adaptive (the default): on random weights it soon verifies no drafts; fixed: every step K = 3
     "ngram3": (lambda: SpeculativeConfig("ngram", 3), lambda i: dict(temperature=0.0)),
+    "ngram3fixed": (lambda: SpeculativeConfig("ngram", 3, adaptive=False), lambda i: dict(temperature=0.0)),
     "sampled": (None, lambda i: dict(temperature=0.8, top_p=0.95, seed=1000 + i)),
 }
 
@@ -238,7 +241,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--count-steps", type=int, default=3, help="steps run under the op counter")
-    ap.add_argument("--variants", default="greedy,ngram3,sampled")
+    ap.add_argument("--variants", default="greedy,ngram3,ngram3fixed,sampled")
     ap.add_argument("--sync", action="store_true", help="async_scheduling=False")
     ap.add_argument("--top-ops", type=int, default=0, help="print the N most frequent ops per variant")
     ap.add_argument("--profile", default="", help="cProfile top 25 for this variant (or 'all')")

@@ -35,11 +35,12 @@ def main() -> int:
     prompts = [rng.integers(3, 256, 24).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=args.batch,
-              speculative_config=SpeculativeConfig("mtp", args.k))
-    graphs = llm.engine.drafter.graphs
+              speculative_config=SpeculativeConfig("mtp", args.k, adaptive=False))
+    graphs, verify_graphs = llm.engine.drafter.graphs, llm.engine.drafter.verify_graphs
     rows = []
     for mode in ("graphs", "eager MTP"):
         llm.engine.drafter.graphs = graphs if mode == "graphs" else None
+        llm.engine.drafter.verify_graphs = verify_graphs if mode == "graphs" else {}
         llm.generate(prompts, params, use_tqdm=False)                        # warm-up
         times, outs = [], None
         for _ in range(3):

@@ -153,6 +153,15 @@ class SpeculativeConfig:
     model: str | None = None              # draft model folder (method="draft_model" only)
     prompt_lookup_min: int = 1            # n-gram sizes tried by method="ngram"
     prompt_lookup_max: int = 4
+    # Adaptive speculation (spec/adaptive.py): per request, the number of drafts shrinks while its
+    # recent acceptance is low (down to none) and grows back when it rises; a step verifies as many
+    # drafts as its most confident row wants (0: the step costs a plain decode step). False: every
+    # decode row verifies num_speculative_tokens drafts every step.
+    adaptive: bool = True
+    # BENCHMARK ONLY: accept each draft with this probability instead of verifying it (outputs are
+    # not the model's; the engine logs a warning). Measures speed vs acceptance on shapes that have
+    # no trained weights. None: normal, lossless verification.
+    forced_acceptance_rate: float | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -171,6 +180,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
                              f"got {self.prompt_lookup_max}")
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"adaptive must be a bool, got {type(self.adaptive).__name__}")
+        p = self.forced_acceptance_rate
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0):
+            raise ValueError(f"forced_acceptance_rate must be None or a number in [0, 1], got {p!r}")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .generation_config import read_generation_config
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
+from .step.ngram_graphs import make_ngram_graphs
 from .models import build_model
 from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
@@ -27,6 +28,7 @@ from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
 from .scheduling.scheduler import Scheduler
+from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
 
@@ -34,6 +36,11 @@ logger = logging.getLogger("hybrid_engine")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def forced_acceptance(cfg: EngineConfig) -> float | None:
+    """The benchmark-only forced acceptance rate of the config, or None."""
+    return cfg.speculative.forced_acceptance_rate if cfg.speculative else None
 
 
 def _load_tokenizer(model_dir: Path):
@@ -80,13 +87,28 @@ class EngineCore(FaultIsolation):
             cfg=cfg, model=self.model, num_spec=k, max_model_len=self.max_model_len, max_num_seqs=sc.max_num_seqs,
             block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
             num_slots=pool.num_slots))
+        counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
         executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
-                                 max_model_len=self.max_model_len, block_size=cc.block_size)
-        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks)
+                                 max_model_len=self.max_model_len, block_size=cc.block_size,
+                                 widths=tuple(1 + c for c in counts))
+        # with speculation, steps that verify no drafts replay the fused greedy graphs when the
+        # drafter follows a step from its tokens alone (n-gram: full_context False)
+        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
+                                           drafter_follows_fused=not self.drafter.full_context)
+        # greedy n-gram verify steps replayed whole (prepare + forward + verify + propose)
+        spec_graphs = None if forced_acceptance(cfg) is not None else make_ngram_graphs(
+            executor, self.drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks)
+        forced = forced_acceptance(cfg)
+        if forced is not None:
+            logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
+                           "without verification; outputs are NOT the model's and differ from greedy", forced)
         self.runner = ModelRunner(self.model, self.caches, self.drafter, executor=executor,
                                   greedy_graphs=greedy_graphs, max_num_seqs=sc.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=cc.block_size,
-                                  max_blocks=max_blocks, num_spec=k, device=cfg.device)
+                                  max_blocks=max_blocks, num_spec=k, device=cfg.device,
+                                  draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
+                                                           counts if executor.widths is not None else None),
+                                  forced_acceptance_rate=forced, spec_graphs=spec_graphs)
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0

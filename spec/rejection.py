@@ -26,7 +26,7 @@ import torch
 from hybrid_engine.sampling.sampler import SamplingTensors, filtered_logits, gumbel_argmax
 from hybrid_engine.sampling import rng
 
-_ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM = 1, 2, 0
+_ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM, _FORCED_STREAM = 1, 2, 0, 3
 
 
 def _gather_col(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,33 @@ def _sample_and_compare(target_logits, drafts, valid, greedy_accept, target_argm
     accept = torch.where(random_rows, valid & (drafts == plain[:, :k]), greedy_accept)
     num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     return _assemble(drafts, num_acc, plain.gather(1, num_acc[:, None]).squeeze(1))
+
+
+def forced_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, rate: float,
+                  row_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """BENCHMARK ONLY (``SpeculativeConfig.forced_acceptance_rate``): output[R, 1+K] as if each
+    draft were accepted with probability ``rate``, independently, whatever the target says.
+
+    Draft j of row r is accepted iff u(row_keys[r], positions[r] + j, stream 3) < rate and every
+    draft before it was; an accepted column emits the draft (the target's argmax where the row had
+    no draft, so the emitted ids stay real tokens) and the column after the accepted prefix emits
+    the target's argmax. The cost of the step (forward, verification, the drafter following the
+    accepted tokens) is that of a real step with this acceptance; the tokens are not the model's.
+    row_keys[R] int64 (the rows' slots: rows at the same position draw differently), positions[R]
+    the position of the token produced at column 0. No host synchronisation."""
+    num_rows, k1, _ = target_logits.shape
+    k = k1 - 1
+    target_argmax = target_logits.argmax(-1)                                   # [R, 1+K]
+    cols = torch.arange(k1, device=target_logits.device)
+    if k == 0:
+        return target_argmax
+    u = rng.uniform(row_keys.to(torch.int64).repeat_interleave(k),
+                    (positions.to(torch.int64)[:, None] + cols[:k]).reshape(-1), 0, _FORCED_STREAM, 1)
+    num_acc = (u.view(num_rows, k) < rate).to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [R, 1]
+    emitted = torch.where(draft_tokens >= 0, draft_tokens, target_argmax[:, :k])     # [R, K]
+    emitted = torch.cat([emitted, target_argmax[:, k:]], dim=1)                      # [R, 1+K]
+    out = torch.where(cols < num_acc, emitted, target_argmax)
+    return out.masked_fill(cols > num_acc, -1)
 
 
 def num_accepted(output: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,14 @@ padding rows included, in one Triton launch on CUDA. ``prepare_decode_ref`` is i
 Host staging, one int64 array ``staged``: ``[prev (N), slot (N), block table rows (N x W)]``.
 
 Per real row r < N, with p = prev[r], s = 1 + K tokens, start = prev_next_start[p]:
-- accepted a = max(prev_num_valid[p], 1) if K > 0 else 1  (the Mamba state offset + 1);
+- accepted a = max(prev_num_valid[p], 1) if the previous step may have kept several tokens per row
+  (``gather_accepted``: its ``sampled`` has more than one column) else 1 (the Mamba state offset + 1);
 - input_ids[r*s + j] = prev_sampled[p, a-1] for j = 0, max(prev_drafts[p, j-1], 0) for j >= 1;
 - positions[r*s + j] = start + j; slot_mapping = block_table[r, pos // bs] * bs + pos % bs;
 - seq_lens[r] = start + s; block_tables[r] = the staged row, zeros past W; decode_slots[r] = slot;
 - start_out[r] = start; drafts_out[r] = prev_drafts[p] (K > 0); next_start_out[r] = start + 1 (K = 0:
   every decode row of a K = 0 step yields exactly one token, so its next start is known now).
+K is this step's width (adaptive speculation: 0..num_speculative_tokens, ``prev_drafts`` is [Bp, K]).
 Padding rows N <= r < R (graph buckets): token 0, position 0, slot mapping 0 (the null block),
 seq_len s, an all-zero block-table row, the null Mamba slot, accepted count 1.
 
@@ -72,6 +74,12 @@ def prepare_decode(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, 
                               start_out=start_out, drafts_out=drafts_out, next_start_out=next_start_out)
 
 
+def gathers_accepted(prev: PrevOutputs) -> bool:
+    """Whether a row of the previous step may have kept more than one token (host-known shape):
+    then its accepted count and last token are read from ``num_valid``, else they are 1 and column 0."""
+    return prev.sampled.shape[1] > 1
+
+
 def prepare_decode_ref(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, dest: DecodeDest, *,
                        block_size: int, num_spec: int, start_out: torch.Tensor, drafts_out: torch.Tensor | None,
                        next_start_out: torch.Tensor | None) -> None:
@@ -82,15 +90,18 @@ def prepare_decode_ref(staged: torch.Tensor, n: int, width: int, prev: PrevOutpu
     slots = staged[n:2 * n]
     bt = staged[2 * n:2 * n + n * width].view(n, width)
     start = prev.next_start[p]                                           # [N]
-    if k:
+    if gathers_accepted(prev):
         a = prev.num_valid[p].clamp(min=1)
         last = prev.sampled[p].gather(1, (a - 1)[:, None])               # [N, 1]
+    else:
+        a = torch.ones(n, dtype=torch.int64, device=dev)
+        last = prev.sampled[p][:, :1]
+    if k:
         drafts = prev.drafts[p]
         ids = torch.cat([last, drafts.clamp(min=0)], 1)                  # [N, s]
         drafts_out.copy_(drafts)
     else:
-        a = torch.ones(n, dtype=torch.int64, device=dev)
-        ids = prev.sampled[p][:, :1]
+        ids = last
         next_start_out.copy_(start + 1)
     pos = start[:, None] + torch.arange(s, device=dev)                   # [N, s]
     slot_map = bt.gather(1, pos // bs) * bs + pos % bs

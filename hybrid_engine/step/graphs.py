@@ -1,7 +1,9 @@
 """Forward executors: eager, or CUDA graphs for uniform decode/verify batches.
 
 ``CudaGraphExecutor`` captures ``hidden = model(fb); logits = lm_head(hidden)`` for decode-only
-batches of ``B`` rows x ``1+K`` tokens, for each B in a bucket list (largest first, one memory pool).
+batches of ``B`` rows x ``s`` tokens, for each B in a bucket list (largest first, one memory pool)
+and each row width s in ``widths`` (``1 + K``; with adaptive speculation also the narrower widths
+a step may verify, ``1`` included: a step that verifies no drafts replays the plain decode graph).
 Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
 pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
 only covers the null block. Mixed batches (any prefill row) run eagerly.
@@ -23,6 +25,8 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class EagerExecutor:
+    widths = None                 # any decode row width (no graphs)
+
     def __init__(self, model, caches):
         self.model, self.caches = model, caches
 
@@ -31,9 +35,10 @@ class EagerExecutor:
         hidden = self.model(fb, self.caches)
         return hidden, self.model.compute_logits(hidden[fb.logits_indices])
 
-    def decode_dest(self, num_rows: int) -> tuple[DecodeDest, ForwardBatch] | None:
-        """Persistent buffers a decode-only batch of ``num_rows`` rows may be prepared in, and the
-        ForwardBatch viewing its real rows; None: the caller allocates its own (eager)."""
+    def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
+        """Persistent buffers a decode-only batch of ``num_rows`` rows of ``tokens_per_row`` tokens
+        may be prepared in, and the ForwardBatch viewing its real rows; None: the caller allocates
+        its own (eager)."""
         return None
 
 
@@ -47,20 +52,27 @@ class _Graph:
 
 class CudaGraphExecutor(EagerExecutor):
     def __init__(self, model, caches, *, num_spec: int, max_blocks: int, max_model_len: int,
-                 block_size: int, buckets: tuple[int, ...], device: torch.device):
+                 block_size: int, buckets: tuple[int, ...], device: torch.device,
+                 widths: tuple[int, ...] | None = None):
+        """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``."""
         super().__init__(model, caches)
-        self.s = 1 + num_spec
+        self.s = 1 + num_spec                                      # the widest row
+        self.widths = tuple(sorted(set(widths or (self.s,))))
+        if self.widths[-1] > self.s or self.widths[0] < 1:
+            raise ValueError(f"widths must lie in 1..{self.s}, got {widths}")
         self.block_size, self.max_blocks, self.max_model_len = block_size, max_blocks, max_model_len
         self.device = device
         self.buckets = tuple(sorted(set(buckets)))
-        self.graphs: dict[int, _Graph] = {}
-        self._views: dict[int, tuple[DecodeDest, ForwardBatch]] = {}
-        self._outs: dict[int, tuple[_Graph, torch.Tensor, torch.Tensor]] = {}   # rows -> graph, outputs
+        self.graphs_by_width: dict[int, dict[int, _Graph]] = {s: {} for s in self.widths}
+        self.graphs = self.graphs_by_width.get(self.s, {})       # [bucket] of the widest rows
+        self._views: dict[tuple[int, int], tuple[DecodeDest, ForwardBatch]] = {}
+        # (rows, width) -> graph, outputs
+        self._outs: dict[tuple[int, int], tuple[_Graph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None                  # the graphs' memory pool (greedy_graphs captures into it too)
         self._capture_all()
 
-    def _static_batch(self, b: int) -> ForwardBatch:
-        s, dev = self.s, self.device
+    def _static_batch(self, b: int, s: int) -> ForwardBatch:
+        dev = self.device
         t = b * s
         z64 = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         attn = AttnMetadata(
@@ -79,8 +91,9 @@ class CudaGraphExecutor(EagerExecutor):
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        for b in sorted(self.buckets, reverse=True):               # largest first: one pool fits all
-            fb = self._static_batch(b)
+        # largest first (tokens per graph): one pool fits all
+        for s, b in sorted(((s, b) for s in self.widths for b in self.buckets), key=lambda x: -x[0] * x[1]):
+            fb = self._static_batch(b, s)
             for _ in range(2):                                      # warm-up (Triton compiles here)
                 EagerExecutor.forward(self, fb)
             torch.cuda.synchronize(self.device)
@@ -88,61 +101,63 @@ class CudaGraphExecutor(EagerExecutor):
             with torch.cuda.graph(g, pool=pool):
                 hidden, logits = EagerExecutor.forward(self, fb)
             pool = g.pool()
-            self.graphs[b] = _Graph(g, fb, hidden, logits)
+            self.graphs_by_width[s][b] = _Graph(g, fb, hidden, logits)
         self.pool = pool
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d CUDA graphs (B in %s, 1+K=%d) in %.1fs, %.1f MiB", len(self.graphs),
-                    list(self.buckets), self.s, time.perf_counter() - t0, used / 2**20)
+        logger.info("captured %d CUDA graphs (B in %s, tokens per row in %s) in %.1fs, %.1f MiB",
+                    len(self.buckets) * len(self.widths), list(self.buckets), list(self.widths),
+                    time.perf_counter() - t0, used / 2**20)
 
     def forward(self, fb: ForwardBatch):
         md = fb.mamba
-        b = md.num_decode_rows
-        if md.num_prefill_rows or b == 0 or md.decode_len != self.s or b > self.buckets[-1]:
+        b, s = md.num_decode_rows, md.decode_len
+        if md.num_prefill_rows or b == 0 or s not in self.graphs_by_width or b > self.buckets[-1]:
             return super().forward(fb)
-        got = self._outs.get(b)
+        got = self._outs.get((b, s))
         if got is None:                     # the bucket and its output views, once per row count
-            g = self.graphs[next(x for x in self.buckets if x >= b)]
-            got = self._outs[b] = (g, g.hidden[:b * self.s], g.logits[:b * self.s])
+            g = self.graphs_by_width[s][next(x for x in self.buckets if x >= b)]
+            got = self._outs[(b, s)] = (g, g.hidden[:b * s], g.logits[:b * s])
         g, hidden, logits = got
         if fb.input_ids.data_ptr() != g.fb.input_ids.data_ptr():     # else prepared in place
-            self._load(g.fb, fb, b)
+            self._load(g.fb, fb, b, s)
         g.graph.replay()
         return hidden, logits
 
-    def decode_dest(self, num_rows: int) -> tuple[DecodeDest, ForwardBatch] | None:
+    def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad
         rows too), and a ForwardBatch of views on the first num_rows rows, which ``forward`` replays
         without copies. Views are built once per row count."""
-        if not 0 < num_rows <= self.buckets[-1]:
+        s = tokens_per_row
+        if not 0 < num_rows <= self.buckets[-1] or s not in self.graphs_by_width:
             return None
-        got = self._views.get(num_rows)
+        got = self._views.get((num_rows, s))
         if got is None:
             bucket = next(x for x in self.buckets if x >= num_rows)
-            f = self.graphs[bucket].fb
+            f = self.graphs_by_width[s][bucket].fb
             a, m = f.attn, f.mamba
             dest = DecodeDest(f.input_ids, f.positions, a.slot_mapping, a.seq_lens, a.block_tables,
                               m.decode_slots, m.num_accepted)
-            t = num_rows * self.s
+            t = num_rows * s
             view = ForwardBatch(
                 f.input_ids[:t], f.positions[:t],
                 AttnMetadata(a.query_start_loc[:num_rows + 1], a.seq_lens[:num_rows], a.block_tables[:num_rows],
                              a.slot_mapping[:t], a.max_query_len, a.max_seq_len),
-                MambaMetadata(num_rows, self.s, m.decode_slots[:num_rows], m.num_accepted[:num_rows],
+                MambaMetadata(num_rows, s, m.decode_slots[:num_rows], m.num_accepted[:num_rows],
                               m.prefill_query_start_loc, m.prefill_qsl_cpu, m.prefill_slots, m.has_initial_state),
                 f.logits_indices[:t])
-            got = self._views[num_rows] = (dest, view)
+            got = self._views[(num_rows, s)] = (dest, view)
         return got
 
-    def _load(self, dst: ForwardBatch, src: ForwardBatch, b: int) -> None:
+    def _load(self, dst: ForwardBatch, src: ForwardBatch, b: int, s: int) -> None:
         """Copy a real decode batch into the static buffers; rows >= b become padding."""
-        t = b * self.s
+        t = b * s
         dst.input_ids[:t].copy_(src.input_ids)
         dst.input_ids[t:].zero_()
         dst.positions[:t].copy_(src.positions)
         da, sa = dst.attn, src.attn
         da.seq_lens[:b].copy_(sa.seq_lens)
-        da.seq_lens[b:].fill_(self.s)
+        da.seq_lens[b:].fill_(s)
         nb = sa.block_tables.shape[1]
         da.block_tables[:b, :nb].copy_(sa.block_tables)
         da.block_tables[:b, nb:].zero_()
@@ -162,11 +177,12 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
-                  name: str = "target"):
-    """CUDA graphs for ``[B, 1+num_spec]`` decode batches on CUDA, eager otherwise."""
+                  name: str = "target", widths: tuple[int, ...] | None = None):
+    """CUDA graphs for ``[B, s]`` decode batches on CUDA (s in ``widths``, default ``1+num_spec``),
+    eager otherwise."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)
     return CudaGraphExecutor(model, caches, num_spec=num_spec, max_blocks=max_blocks, max_model_len=max_model_len,
                              block_size=block_size, buckets=default_buckets(cfg.scheduler.max_num_seqs),
-                             device=cfg.device)
+                             device=cfg.device, widths=widths)

@@ -40,9 +40,10 @@ logger = logging.getLogger("hybrid_engine")
 
 class GreedyStepGraphs:
     def __init__(self, executor: CudaGraphExecutor, *, block_size: int, max_blocks: int):
-        if executor.s != 1:
-            raise ValueError("greedy step graphs serve decode rows of one token (num_spec = 0)")
+        if 1 not in executor.graphs_by_width:
+            raise ValueError("greedy step graphs serve decode rows of one token: the executor has no width-1 graphs")
         self.ex, self.block_size = executor, block_size
+        self.fwd = executor.graphs_by_width[1]         # [bucket] the one-token forward graphs
         self.batch: InputBatch | None = None           # the runner's, given by bind()
         self._rows = self._prev_idx = None             # [N] batch rows / previous-step rows from applies()
         dev = executor.device
@@ -65,7 +66,7 @@ class GreedyStepGraphs:
     # ---- start-up ----------------------------------------------------------------------------
     def _body(self, b: int, q: int) -> None:
         from .triton_decode_prep import triton_prepare_decode
-        g = self.ex.graphs[b]
+        g = self.fwd[b]
         a, m = g.fb.attn, g.fb.mamba
         dest = DecodeDest(g.fb.input_ids, g.fb.positions, a.slot_mapping, a.seq_lens, a.block_tables,
                           m.decode_slots, m.num_accepted)
@@ -113,6 +114,10 @@ class GreedyStepGraphs:
         n = len(req_ids)
         if not 0 < n <= self.max_rows or prev is None:
             return False
+        if prev.sampled.shape[1] != 1 or prev.drafts.shape[1]:
+            # a spec engine (adaptive): only a step that verifies no drafts, after a step that kept
+            # one token per row (the graphs read column 0 with accepted count 1)
+            return False
         batch = self.batch
         rows = batch.rows_of(req_ids)
         if batch.temperature[rows].any():
@@ -150,6 +155,11 @@ class GreedyStepGraphs:
             views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n], self.pay[q][:n])
         return views[0], views[1], rows, views[2]
 
+    def slots(self, n: int) -> torch.Tensor:
+        """[n] the Mamba slots the last replay of n rows read (its bucket's buffer; valid until the
+        next replay, so a drafter that follows the step reads them right after it)."""
+        return self.fwd[next(x for x in self.ex.buckets if x >= n)].fb.mamba.decode_slots[:n]
+
     def bind(self, batch: InputBatch) -> None:
         """The runner's input batch (the graphs read its staged rows); called once by the runner."""
         self.batch = batch
@@ -160,13 +170,17 @@ class GreedyStepGraphs:
         self._read_ev[1 - self.q] = event
 
 
-def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int) -> GreedyStepGraphs | None:
-    """Greedy step graphs where they apply (CUDA graphs on, no speculation, the Triton input
-    preparation available); the choice is logged once either way."""
+def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int,
+                       drafter_follows_fused: bool = False) -> GreedyStepGraphs | None:
+    """Greedy step graphs where they apply (CUDA graphs on, the Triton input preparation
+    available; with speculation, only where steps may verify no drafts (adaptive, width-1 graphs)
+    and the drafter can follow such a step from its tokens alone (``drafter_follows_fused``: the
+    n-gram drafter)); the choice is logged once either way."""
     if not isinstance(executor, CudaGraphExecutor):
         return None
-    if num_spec:
-        logger.info("greedy step graphs: off (speculative decoding verifies drafts outside them)")
+    if num_spec and not (drafter_follows_fused and 1 in executor.graphs_by_width):
+        logger.info("greedy step graphs: off (speculation: steps without drafts are %s)",
+                    "not adaptive" if 1 not in executor.graphs_by_width else "followed by a model drafter")
         return None
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", executor.device) != "triton":

@@ -24,14 +24,19 @@ from .sample import DraftVerifier, TokenSampler
 from .step_constants import StepConstants, StepScratch
 from .step_io import PrevStep, StepHandle, StepInputs, StepRows, mark_nonfinite
 from .transfer import D2H, H2D
+from hybrid_engine.spec.adaptive import FixedDrafts
 
 
 class ModelRunner:
     def __init__(self, model, caches: Caches, drafter: Drafter, *, executor, greedy_graphs=None,
                  max_num_seqs: int, max_model_len: int, block_size: int, max_blocks: int, num_spec: int,
-                 device: torch.device):
+                 device: torch.device, draft_policy=None, forced_acceptance_rate: float | None = None,
+                 spec_graphs=None):
         """``executor``: the forward (EagerExecutor / CudaGraphExecutor); ``greedy_graphs``: a
-        GreedyStepGraphs (CUDA graphs on, K = 0) or None."""
+        GreedyStepGraphs (CUDA graphs on, K = 0) or None; ``draft_policy``: how many drafts the
+        next step verifies (``spec/adaptive.py``; default: always ``num_spec``);
+        ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``);
+        ``spec_graphs``: a fused plan of whole greedy verify steps (``NgramStepGraphs``) or None."""
         self.model, self.caches, self.drafter = model, caches, drafter
         self.executor = executor
         self.device, self.block_size, self.num_spec = device, block_size, num_spec
@@ -43,12 +48,16 @@ class ModelRunner:
         res = StepResources(batch=self.batch, h2d=self.h2d, consts=self.consts, scratch=StepScratch(device),
                             executor=executor, block_size=block_size, num_spec=num_spec, device=device)
         self.greedy_graphs = greedy_graphs
-        if greedy_graphs is not None:
-            greedy_graphs.bind(self.batch)
+        for fused in (greedy_graphs, spec_graphs):
+            if fused is not None:
+                fused.bind(self.batch)
         # asked in order; the first that applies takes the step (MixedPlan takes any step)
-        self.plans: tuple[StepPlan, ...] = tuple(p for p in (greedy_graphs, DecodeOnlyPlan(res), MixedPlan(res))
-                                                 if p is not None)
-        self.sampler = DraftVerifier(num_spec) if num_spec else TokenSampler()
+        self.plans: tuple[StepPlan, ...] = tuple(
+            p for p in (greedy_graphs, spec_graphs, DecodeOnlyPlan(res), MixedPlan(res)) if p is not None)
+        self.sampler = DraftVerifier(num_spec, forced_acceptance_rate) if num_spec else TokenSampler()
+        # one owner of the per-request draft counts (slot space): asked once per step, told each
+        # step's counts when they reach the host (StepHandle)
+        self.policy = draft_policy if draft_policy is not None else FixedDrafts(num_spec)
 
     def reset(self) -> None:
         """Forget the previous step's outputs (its step was dropped: nothing may read them)."""
@@ -75,12 +84,27 @@ class ModelRunner:
             self.prev = None                                   # a half-launched step's outputs are void
             raise
         num_valid, next_start = self._advance(sampled, inp)
+        observe = None
+        num_drafts = self.num_spec
+        if self.num_spec and not isinstance(self.policy, FixedDrafts):
+            # the rows that sampled (decode rows first, in step-row order, then last prefill chunks):
+            # the next step verifies their drafts; a partial chunk's row drafts nothing
+            rows = inp.rows_sampling_np
+            slots_np = self.batch.slot[rows]
+            num_drafts = self.policy.width(slots_np)                         # the next step's width
+            if self.drafter.has_probs and num_drafts < self.num_spec and self.batch.temperature[rows].any():
+                # probabilistic drafts (q != p) of a random row: its tokens depend on how many
+                # drafts it verifies, so that count must not depend on timing (async) or on other
+                # rows (batch): such steps verify all K (docs/design.md invariant 2)
+                num_drafts = self.num_spec
+            observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp)))
         drafts, draft_probs = self.drafter.propose(
-            self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start))
+            self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
         payload = mark_nonfinite(self._d2h_payload(sampled, inp), nonfinite)
         return self._finish(sched, step.req_ids, inp.rows_sampling_np, payload,
                             PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
-                                     drafts=drafts, draft_probs=draft_probs))
+                                     drafts=drafts, draft_probs=draft_probs),
+                            width=self._width(inp), observe=observe)
 
     def _choose_plan(self, step: StepRows) -> StepPlan:
         for plan in self.plans:
@@ -89,12 +113,41 @@ class ModelRunner:
         raise AssertionError("MixedPlan takes every step")
 
     def _finish_fused(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
+        if getattr(plan, "proposes", False):               # a whole verify step, drafts included
+            return self._finish_fused_spec(sched, step, plan)
         # payload: the tokens with rows whose logits were not finite set to NONFINITE
         sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
         n = len(rows)
+        num_valid, drafts = self.consts.full(n, 1), self.consts.no_drafts(n)
+        if self.num_spec:
+            # a spec engine's step that verified no drafts (adaptive): the drafter (one that reads
+            # only tokens, slots and positions: n-gram) follows it and drafts for the next step
+            num_drafts = self.policy.width(self.batch.slot[rows])
+            drafts, _ = self.drafter.propose(DraftContext(
+                req_ids=step.req_ids, slots=plan.slots(n), sampled=sampled, num_valid=num_valid,
+                input_token=None, input_pos=next_start, hidden=None, token_index=None,
+                is_decode=self.consts.full(n, 1, torch.bool), query_start_loc=None, input_ids=None,
+                positions=None, next_input_ids=None, forward_batch=None, sampling=None,
+                block_size=self.block_size, num_drafts=num_drafts))
         handle = self._finish(sched, step.req_ids, rows, payload,
-                              PrevStep(sampled=sampled, num_valid=self.consts.full(n, 1), next_start=next_start,
-                                       drafts=self.consts.no_drafts(n), draft_probs=None))
+                              PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
+                                       drafts=drafts, draft_probs=None))
+        plan.read_by(handle.copy_event)
+        return handle
+
+    def _finish_fused_spec(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
+        """A verify step replayed whole (``NgramStepGraphs``): the policy picks the next width (the
+        graph drafted K) and is told this step's counts later, as on the general path."""
+        out = plan.replay(step, self.prev, self.h2d)
+        num_drafts, observe = self.num_spec, None
+        if not isinstance(self.policy, FixedDrafts):
+            slots_np = self.batch.slot[out.rows]
+            num_drafts = self.policy.width(slots_np)
+            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width))
+        drafts = out.drafts if num_drafts == self.num_spec else out.drafts[:, :num_drafts]
+        handle = self._finish(sched, step.req_ids, out.rows, out.payload,
+                              PrevStep(sampled=out.sampled, num_valid=out.num_valid, next_start=out.next_start,
+                                       drafts=drafts, draft_probs=None), width=out.width, observe=observe)
         plan.read_by(handle.copy_event)
         return handle
 
@@ -112,21 +165,30 @@ class ModelRunner:
         return num_valid, next_start
 
     def _finish(self, sched: SchedulerOutput, req_ids: tuple[str, ...], rows_sampling: np.ndarray,
-                payload: torch.Tensor, prev: PrevStep) -> StepHandle:
-        """The step's outputs become the next step's inputs; its payload goes to the host."""
+                payload: torch.Tensor, prev: PrevStep, width: int = 0, observe=None) -> StepHandle:
+        """The step's outputs become the next step's inputs; its payload goes to the host.
+        ``width``: the drafts each decode row verified; ``observe``: (policy, snapshot) told the
+        step's counts when the host reads them."""
         self.prev = prev
         self.batch.set_prev(req_ids)
         self.batch.append_placeholders(rows_sampling)
-        return StepHandle(sched, req_ids, self.d2h.copy(payload), num_spec=self.num_spec)
+        return StepHandle(sched, req_ids, self.d2h.copy(payload), num_spec=width, observe=observe)
+
+    @staticmethod
+    def _width(inp: StepInputs) -> int:
+        """Drafts each decode row of this step verified (0..K; 0 without speculation)."""
+        return 0 if inp.spec is None else inp.spec.drafts.shape[1]
 
     def _d2h_payload(self, sampled: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """[B, 1+K] sampled tokens, then (K > 0) the [B, K] drafts verified (-1 = none; prefill rows
-        verified none): one tensor, one copy; the host derives num_valid and num_drafts from it."""
-        if inp.spec is None:
+        verified none): one tensor, one copy; the host derives num_valid and num_drafts from it.
+        K is the step's width."""
+        k = self._width(inp)
+        if not k:
             return sampled
         drafts = inp.spec.drafts
         if inp.num_prefill:
-            drafts = torch.cat([drafts, torch.full((inp.num_prefill, self.num_spec), -1, dtype=torch.int64,
+            drafts = torch.cat([drafts, torch.full((inp.num_prefill, k), -1, dtype=torch.int64,
                                                    device=self.device)])
         return torch.cat([sampled, drafts], 1)
 
@@ -135,7 +197,7 @@ class ModelRunner:
         logits rows: N_d*(1+K) decode rows, then one per sampling prefill row. One reduction over
         the logits (small beside the lm_head that made them) and a few [B] ops; no sync."""
         bad = nonfinite_rows(logits)
-        num_decode, num_prefill, tokens_per_row = inp.num_decode, inp.num_prefill, 1 + self.num_spec
+        num_decode, num_prefill, tokens_per_row = inp.num_decode, inp.num_prefill, 1 + self._width(inp)
         decode_bad = bad[:num_decode * tokens_per_row].view(num_decode, tokens_per_row).any(1)
         if not num_prefill:
             return decode_bad
@@ -144,10 +206,11 @@ class ModelRunner:
         out[inp.sample_rows_p] = bad[num_decode * tokens_per_row:]
         return out
 
-    def _draft_context(self, req_ids, inp: StepInputs, hidden, sampled, num_valid, next_start) -> DraftContext:
+    def _draft_context(self, req_ids, inp: StepInputs, hidden, sampled, num_valid, next_start,
+                       num_drafts: int) -> DraftContext:
         """The drafter's view of this step. For drafters with ``full_context = False`` (n-gram, none)
         input_token and token_index stay None, which saves the device ops that derive them."""
-        common = dict(req_ids=req_ids, slots=inp.slots, sampled=sampled, num_valid=num_valid, input_pos=next_start,
+        common = dict(req_ids=req_ids, num_drafts=num_drafts, slots=inp.slots, sampled=sampled, num_valid=num_valid, input_pos=next_start,
                       is_decode=inp.is_decode, query_start_loc=inp.query_start_loc,
                       hidden=hidden, input_ids=inp.fb.input_ids, positions=inp.fb.positions,
                       next_input_ids=inp.next_input_ids, forward_batch=inp.fb,
@@ -184,6 +247,7 @@ class ModelRunner:
             b.remove_request(new.req_id)           # resumed after preemption: start from a clean row
             b.add_request(new)
             self.drafter.add_request(new.slot, new.token_ids)
+            self.policy.reset(new.slot)
         b.condense()
         order = [r for r in sched.rows if r.is_decode] + [r for r in sched.rows if not r.is_decode]
         for r in order:

@@ -1,14 +1,15 @@
 """The sample/verify phase of a step: logits -> sampled [B, 1+K] int64, -1 where nothing was kept.
 
-Chosen once per engine (K is fixed): ``TokenSampler`` for K = 0, ``DraftVerifier`` (rejection
-sampling of the decode rows' drafts) for K > 0. Decode rows fill rows [:N_d]; prefill rows that
+Chosen once per engine: ``TokenSampler`` without speculation, ``DraftVerifier`` (rejection
+sampling of the decode rows' drafts; the step's K, 0..num_speculative_tokens, is the drafts' width)
+with it. Decode rows fill rows [:N_d]; prefill rows that
 sample write column 0 of their row; every other entry is -1 (docs/design.md invariant 7: the
 valid tokens of a row are a prefix, so num_valid = (sampled != -1).sum(1))."""
 from __future__ import annotations
 
 import torch
 
-from hybrid_engine.spec.rejection import rejection_sample
+from hybrid_engine.spec.rejection import forced_accept, rejection_sample
 
 from ..sampling.sampler import sample
 from .step_io import StepInputs
@@ -33,19 +34,37 @@ class TokenSampler:
 
 
 class DraftVerifier:
-    """K > 0: decode rows verify their drafts (greedy or probabilistic rejection, lossless)."""
+    """A spec engine: decode rows verify their drafts (greedy or probabilistic rejection,
+    lossless). K is the step's width, ``inp.spec.drafts.shape[1]`` (adaptive speculation: 0..K;
+    K = 0 is a plain decode step through the same path).
 
-    def __init__(self, num_spec: int):
-        self.tokens_per_row = 1 + num_spec
+    ``forced_acceptance_rate`` (benchmark only): each draft is accepted with that probability
+    whatever the target says (``spec.rejection.forced_accept``); outputs are not the model's."""
+
+    def __init__(self, num_spec: int, forced_acceptance_rate: float | None = None):
+        self.num_spec = num_spec
+        self.forced = forced_acceptance_rate
+        self._plain = TokenSampler()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         """logits [L, V] float32 -> sampled [B, 1+K]."""
-        num_decode, num_prefill, tokens_per_row = inp.num_decode, inp.num_prefill, self.tokens_per_row
+        num_decode, num_prefill = inp.num_decode, inp.num_prefill
+        tokens_per_row = 1 + inp.spec.drafts.shape[1]
+        if tokens_per_row == 1:
+            # no drafts this step: verifying none is plain sampling (a -1 draft's column is filled
+            # exactly as the sampler would, spec/rejection.py), so take the sampler's short path
+            return self._plain.sample(logits, inp)
         verified = None
         if num_decode:
-            pos = None if inp.sampling_decode.all_greedy else (inp.start[:num_decode] if num_prefill else inp.start) + 1
+            start = inp.start[:num_decode] if num_prefill else inp.start
             decode_logits = logits[:num_decode * tokens_per_row].view(num_decode, tokens_per_row, -1)
-            verified = rejection_sample(decode_logits, inp.spec.drafts, inp.spec.draft_probs, inp.sampling_decode, pos)
+            if self.forced is not None:
+                verified = forced_accept(decode_logits, inp.spec.drafts, self.forced,
+                                         inp.slots[:num_decode], start + 1)
+            else:
+                pos = None if inp.sampling_decode.all_greedy else start + 1
+                verified = rejection_sample(decode_logits, inp.spec.drafts, inp.spec.draft_probs,
+                                            inp.sampling_decode, pos)
             if not num_prefill:
                 return verified
         return _with_prefill_rows(logits, inp, verified, tokens_per_row)

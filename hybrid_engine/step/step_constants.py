@@ -34,13 +34,15 @@ class StepConstants:
         """[n] int64 0..n-1."""
         return self._get(("arange", n), lambda: torch.arange(n, device=self.device))
 
-    def qsl64(self, n: int) -> torch.Tensor:
-        """[n+1] int64 token offsets of n rows of 1+K tokens."""
-        return self._get(("qsl64", n), lambda: torch.arange(n + 1, device=self.device) * self.s)
+    def qsl64(self, n: int, s: int | None = None) -> torch.Tensor:
+        """[n+1] int64 token offsets of n rows of s tokens (default 1+K; adaptive steps verify fewer)."""
+        s = self.s if s is None else s
+        return self._get(("qsl64", n, s), lambda: torch.arange(n + 1, device=self.device) * s)
 
-    def qsl32(self, n: int) -> torch.Tensor:
+    def qsl32(self, n: int, s: int | None = None) -> torch.Tensor:
         """[n+1] int32, the same offsets (attention metadata)."""
-        return self._get(("qsl32", n), lambda: self.qsl64(n).to(torch.int32))
+        s = self.s if s is None else s
+        return self._get(("qsl32", n, s), lambda: self.qsl64(n, s).to(torch.int32))
 
     def no_drafts(self, n: int) -> torch.Tensor:
         """[n, 0] int64."""

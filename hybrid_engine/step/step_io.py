@@ -80,9 +80,13 @@ class StepInputs:
 
 class StepHandle:
     def __init__(self, sched: SchedulerOutput, req_ids: tuple[str, ...], copy: D2HCopy | None,
-                 error: BaseException | None = None, num_spec: int = 0):
+                 error: BaseException | None = None, num_spec: int = 0, observe=None):
+        """``num_spec``: the drafts each decode row of this step verified (its width);
+        ``observe``: (draft policy, its snapshot of the step's rows), told the step's counts once
+        they are on the host (adaptive speculation), or None."""
         self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
         self.num_spec = num_spec
+        self._observe = observe
 
     @property
     def copy_event(self) -> torch.cuda.Event | None:
@@ -102,6 +106,10 @@ class StepHandle:
             num_drafts = (host[:, tokens_per_row:] != -1).sum(1, dtype=np.int64)   # [B, K] verified drafts
         else:
             num_drafts = np.zeros(len(host), dtype=np.int64)
+        if self._observe is not None:
+            policy, snapshot = self._observe
+            self._observe = None                     # a handle read twice counts once
+            policy.observe(snapshot, num_valid)
         return ModelRunnerOutput(step_id=self.sched.step_id, req_ids=self.req_ids, sampled=sampled,
                                  num_valid=num_valid, num_drafts=num_drafts, nonfinite_rows=nonfinite)
 

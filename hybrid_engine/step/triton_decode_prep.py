@@ -14,7 +14,7 @@ def _prepare_decode_kernel(
     ids_ptr, pos_ptr, smap_ptr, seqlen_ptr, bt_ptr, dslot_ptr, acc_ptr,
     start_ptr, drafts_ptr, next_ptr,
     n, width, M, bs, ss_r, sd_r, sbt_r,
-    S: tl.constexpr, K: tl.constexpr, NULL: tl.constexpr,
+    S: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr, NULL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, HDR: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -34,16 +34,18 @@ def _prepare_decode_kernel(
     p = tl.load(staged_ptr + r + o1, mask=real_1, other=0)
     slot = tl.load(staged_ptr + n + r + o1, mask=real_1, other=NULL)
     start = tl.load(nstart_ptr + p, mask=real_1, other=0)
-    if K > 0:
+    if ACC:     # the previous step may have kept several tokens per row (it verified drafts)
         a = tl.maximum(tl.load(nvalid_ptr + p, mask=real_1, other=1), 1)
+    else:
+        a = tl.zeros([1], dtype=tl.int64) + 1
+    if K > 0:
         last = tl.load(sampled_ptr + p * ss_r + a - 1, mask=real_1, other=0)
         dj = tl.maximum(j - 1, 0)
         dr = tl.load(pdrafts_ptr + p * sd_r + dj, mask=real_j & mj & (j >= 1), other=0)   # [BLOCK_S]
         ids = tl.where(j == 0, last, tl.maximum(dr, 0))
         tl.store(drafts_ptr + r * K + dj, dr, mask=real_j & mj & (j >= 1))
     else:
-        a = tl.zeros([1], dtype=tl.int64) + 1
-        ids = tl.load(sampled_ptr + p * ss_r + j * 0, mask=real_j & mj, other=0)
+        ids = tl.load(sampled_ptr + p * ss_r + (a - 1) + j * 0, mask=real_j & mj, other=0)
         tl.store(next_ptr + r + o1, start + 1, mask=real_1)
     pos = start + j                                                                # [BLOCK_S]
     bcol = pos // bs
@@ -71,19 +73,20 @@ _launch = FastLaunch(_prepare_decode_kernel)
 def triton_prepare_decode(staged, n, width, prev, dest, *, block_size, num_spec, start_out, drafts_out,
                           next_start_out, header=False) -> None:
     s, k = 1 + num_spec, num_spec
+    acc = prev.sampled.shape[1] > 1          # decode_prep.gathers_accepted
     R = dest.rows
     M = dest.block_tables.shape[1]
     assert dest.block_tables.stride(1) == 1 and prev.sampled.stride(1) == 1
     dummy = start_out
     with device_ctx(staged):
         _launch((R,),
-            staged, prev.sampled, prev.num_valid if k else dummy, prev.next_start,
+            staged, prev.sampled, prev.num_valid if acc else dummy, prev.next_start,
             prev.drafts if k else dummy,
             dest.input_ids, dest.positions, dest.slot_mapping, dest.seq_lens, dest.block_tables,
             dest.decode_slots, dest.num_accepted, start_out, drafts_out if k else dummy,
             next_start_out if not k else dummy,
             n, width, M, block_size, prev.sampled.stride(0), prev.drafts.stride(0) if k else 0,
             dest.block_tables.stride(0),
-            S=s, K=k, NULL=NULL_SLOT, BLOCK_S=next_pow2(s), BLOCK_W=min(512, max(16, next_pow2(M))),
+            S=s, K=k, ACC=acc, NULL=NULL_SLOT, BLOCK_S=next_pow2(s), BLOCK_W=min(512, max(16, next_pow2(M))),
             HDR=header, num_warps=1,
         )

@@ -27,6 +27,11 @@ class DraftContext:
     forward_batch: object        # the target's ForwardBatch of this step (a draft model replays it)
     sampling: object             # SamplingTensors for all B rows (drafts of random rows are sampled)
     block_size: int
+    num_drafts: int | None = None  # drafts to propose per row, 0..K (the next step's width, host-chosen
+                                   # by the runner's draft policy; None: K): propose returns [B, num_drafts]
+
+    def drafts_wanted(self, num_spec: int) -> int:
+        return num_spec if self.num_drafts is None else self.num_drafts
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,9 @@ class CacheFootprint:
 
 class Drafter:
     num_spec: int = 0
-    has_probs: bool = False      # fills draft_probs [B, K, V] (float32) for probabilistic rejection
+    # fills draft_probs [B, K, V] (float32) for probabilistic rejection of random rows: their tokens
+    # then depend on how many drafts a step verifies (adaptive speculation keeps K fixed for them)
+    has_probs: bool = False
     # False: propose never reads input_token or token_index; the runner passes None for them and
     # spares the device ops that derive them every step.
     full_context: bool = True
@@ -71,6 +78,8 @@ class Drafter:
         """A request (new or resumed) got ``slot``; reset every slot-indexed field it owns."""
 
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (drafts [B, ctx.num_drafts] int64, -1 = no draft; draft probs [B, num_drafts, V] or None).
+        With num_drafts = 0 a drafter still follows the step (its history, caches, states)."""
         raise NotImplementedError
 
 

@@ -20,6 +20,7 @@ from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
 from hybrid_engine.mamba_cache.pool import MambaPool
 
+from ..adaptive import draft_counts
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
 
@@ -27,6 +28,8 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class DraftModelDrafter(Drafter):
+    has_probs = True             # random rows get draft probabilities (q differs from p)
+
     def __init__(self, model, model_cfg: ModelConfig, *, num_spec: int, max_num_seqs: int, num_blocks: int,
                  block_size: int, max_model_len: int, dtype, device):
         self.model, self.num_spec, self.device = model, num_spec, device
@@ -49,8 +52,10 @@ class DraftModelDrafter(Drafter):
         self.step_exec = make(self.model, self.caches, 0, "draft step")
 
     def propose(self, ctx: DraftContext):
-        k, m = self.num_spec, self.max_num_seqs
+        k, m = ctx.drafts_wanted(self.num_spec), self.max_num_seqs
         self.verify_exec.forward(ctx.forward_batch)                # follow the target's step
+        if not k:                                                  # the next step verifies none
+            return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
         valid = ctx.num_valid > 0
         a = ctx.num_valid.clamp(min=1)
         scratch = ctx.slots + m
@@ -59,7 +64,7 @@ class DraftModelDrafter(Drafter):
         want_probs = not st.all_greedy
         tok, pos = ctx.input_token, ctx.input_pos
         bt = ctx.forward_batch.attn.block_tables
-        max_seq = ctx.forward_batch.attn.max_seq_len + 2 * k + 1
+        max_seq = ctx.forward_batch.attn.max_seq_len + 2 * self.num_spec + 1
         drafts, probs = [], []
         for _ in range(k):
             fb = single_token_batch(tok, pos, bt, ctx.block_size, scratch, valid, max_seq)
@@ -120,7 +125,9 @@ def make_draft_model(build) -> DraftModelDrafter:
     drafter = DraftModelDrafter(model, draft_cfg, num_spec=build.num_spec, max_num_seqs=build.max_num_seqs,
                                 num_blocks=build.num_kv_blocks, block_size=build.block_size,
                                 max_model_len=build.max_model_len, dtype=cfg.dtype, device=cfg.device)
+    # the replay of the target's step takes every width the target's steps may have (adaptive)
+    verify_widths = tuple(1 + c for c in draft_counts(spec, build.num_spec))
     drafter.use_executors(lambda m, c, k, name: make_executor(
         m, c, cfg, num_spec=k, max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len,
-        block_size=build.block_size, name=name))
+        block_size=build.block_size, name=name, widths=verify_widths if k else None))
     return drafter

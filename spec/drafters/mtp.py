@@ -22,20 +22,22 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class MTPDrafter(Drafter):
+    has_probs = True             # random rows get draft probabilities (q differs from p)
+
     def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, dtype, device):
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, dtype, device)
         self.caches = Caches(self.kv, None)
-        self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp)
+        self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp): verify 1+K, steps
+        self.verify_graphs = {}       # verify-pass graphs by tokens per row (1+K and adaptive widths)
 
     def _step(self, tokens, prev_hidden, fb):
         h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
         return h, normed
 
     def propose(self, ctx: DraftContext):
-        k = self.num_spec
         fb = ctx.forward_batch
         valid = ctx.num_valid > 0
         nd_tok = fb.mamba.num_decode_tokens
@@ -46,13 +48,16 @@ class MTPDrafter(Drafter):
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
         hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
+        k = ctx.drafts_wanted(self.num_spec)                                  # the MTP KV above follows every step
+        if not k:
+            return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
         st = ctx.sampling
         want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample
         tok, q = draw(logits, st, pos + 1, want_probs)
         drafts, probs = [tok], [q]
         bt = fb.attn.block_tables
-        max_seq = fb.attn.max_seq_len + 2 * k + 1
+        max_seq = fb.attn.max_seq_len + 2 * self.num_spec + 1
         for j in range(1, k):
             # pair index pos + j - 1: the previous MTP hidden stands in for the target's
             hidden, logits = self._single(tok, hidden, pos + j - 1, bt, valid, ctx.block_size, max_seq)
@@ -65,9 +70,9 @@ class MTPDrafter(Drafter):
     def _verify(self, tokens, hidden, fb, idx):
         """The MTP over the step's tokens -> (MTP hidden [B, D], logits [B, V]) at idx [B]; a
         decode-only step within the graphs' buckets replays a graph."""
-        g, md = self.graphs, fb.mamba
-        if (g is not None and not md.num_prefill_rows and md.decode_len == g.s
-                and 0 < md.num_decode_rows <= g.max_rows):
+        md = fb.mamba
+        g = self.verify_graphs.get(md.decode_len)
+        if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
         h, normed = self._step(tokens, hidden, fb)
         return h[idx], self.target.compute_logits(normed[idx])
@@ -92,12 +97,18 @@ def make_mtp(build) -> MTPDrafter:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return drafter
     from hybrid_engine.step.graphs import default_buckets
+    from ..adaptive import draft_counts
     from .mtp_graphs import MTPGraphs
+    kw = dict(buckets=default_buckets(build.max_num_seqs), block_size=build.block_size,
+              max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len, device=cfg.device)
     try:
-        drafter.graphs = MTPGraphs(drafter, buckets=default_buckets(build.max_num_seqs),
-                                   block_size=build.block_size, max_blocks=build.max_blocks_per_req,
-                                   max_model_len=build.max_model_len, device=cfg.device)
+        drafter.graphs = MTPGraphs(drafter, **kw)
+        drafter.verify_graphs = {drafter.graphs.s: drafter.graphs}
+        for c in draft_counts(cfg.speculative, build.num_spec):   # narrower steps (adaptive speculation)
+            if 1 + c not in drafter.verify_graphs:
+                drafter.verify_graphs[1 + c] = MTPGraphs(drafter, width=1 + c, with_step=False, **kw)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. an op that cannot be captured
         logger.warning("MTP drafter: eager (graph capture failed: %s: %s)", type(exc).__name__, exc)
+        drafter.graphs, drafter.verify_graphs = None, {}
         torch.cuda.empty_cache()
     return drafter

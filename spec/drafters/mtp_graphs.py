@@ -50,11 +50,15 @@ class _Bucket:
 
 class MTPGraphs:
     def __init__(self, drafter, *, buckets: tuple[int, ...], block_size: int, max_blocks: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, width: int | None = None, with_step: bool = True):
+        """``width``: tokens per row of the verify pass (default 1 + K; adaptive speculation builds
+        one instance per narrower width, ``with_step=False``: the single-token step graphs are
+        width-free and live in the 1 + K instance only)."""
         self.d, self.block_size = drafter, block_size
-        self.s = 1 + drafter.num_spec
+        self.s = 1 + drafter.num_spec if width is None else width
+        self.with_step = with_step
         self.max_rows = max(buckets)
-        self.max_seq = max_model_len + 2 * self.s + 1          # host bound of every row's length
+        self.max_seq = max_model_len + 2 * (1 + drafter.num_spec) + 1   # host bound of every row's length
         emb = drafter.target.backbone.embeddings.weight
         self.buckets = {b: _Bucket(b, self.s, emb.shape[1], max_blocks, emb.dtype, device)
                         for b in sorted(set(buckets))}
@@ -81,7 +85,8 @@ class MTPGraphs:
         pool = None
         for b in sorted(self.buckets, reverse=True):            # largest first: one pool fits all
             k = self.buckets[b]
-            for name, body in (("v", self._verify_body), ("s", self._step_body)):
+            bodies = (("v", self._verify_body), ("s", self._step_body)) if self.with_step else (("v", self._verify_body),)
+            for name, body in bodies:
                 for _ in range(2):                              # warm-up (Triton compiles here)
                     body(k)
                 torch.cuda.synchronize(device)
@@ -92,8 +97,9 @@ class MTPGraphs:
                 setattr(k, f"{name}_graph", g)
                 setattr(k, f"{name}_out", out)
         torch.cuda.synchronize(device)
-        logger.info("captured %d MTP graphs (verify + step; B in %s) in %.1fs, %.1f MiB", 2 * len(self.buckets),
-                    sorted(self.buckets), time.perf_counter() - t0,
+        logger.info("captured %d MTP graphs (verify%s; B in %s, %d tokens per verify row) in %.1fs, %.1f MiB",
+                    (1 + self.with_step) * len(self.buckets), " + step" if self.with_step else "",
+                    sorted(self.buckets), self.s, time.perf_counter() - t0,
                     (free0 - torch.cuda.mem_get_info(device)[0]) / 2**20)
 
     def _bucket(self, n: int) -> _Bucket:

@@ -131,13 +131,17 @@ class NgramDrafter(Drafter):
     # ---------------------------------------------------------------------------------------- propose
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, None]:
         self.flush()
+        k = ctx.drafts_wanted(self.num_spec)                              # the search finds K; the step verifies the first k
         if self._kernel is not None:                     # append + search in one launch
-            return self._kernel(self._store, self.length, ctx.slots, ctx.sampled, ctx.num_valid,
-                                ctx.input_pos), None
+            drafts = self._kernel(self._store, self.length, ctx.slots, ctx.sampled, ctx.num_valid, ctx.input_pos)
+            return (drafts if k == self.num_spec else drafts[:, :k]), None
         slots = ctx.slots.long()                         # [B] step row -> slot
         a = ctx.num_valid.long()                         # [B] valid sampled tokens (0..1+K)
         self._append(slots, ctx.sampled.long(), a, ctx.input_pos.long())
-        return self._search(slots, a > 0), None
+        if not k:
+            return ctx.sampled.new_empty(ctx.sampled.shape[0], 0), None
+        drafts = self._search(slots, a > 0)
+        return (drafts if k == self.num_spec else drafts[:, :k]), None
 
     def _append(self, slots: torch.Tensor, sampled: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor) -> None:
         """Sampled token j < a of a row sits at position nxt - a + 1 + j (nxt: the last valid one)."""

@@ -20,8 +20,10 @@ POISON = -7
 
 
 def oracle(staged, n, width, prev, R, M, bs, k):
-    """Per-row loops over Python ints: {field: list} for every destination field."""
+    """Per-row loops over Python ints: {field: list} for every destination field. K is this step's
+    width; the previous step's ``sampled`` may be wider or narrower (adaptive speculation)."""
     s = 1 + k
+    several = prev.sampled.shape[1] > 1           # the previous step may have kept several tokens
     st = staged.tolist()
     sampled, nv, ns, dr = (prev.sampled.tolist(), prev.num_valid.tolist(), prev.next_start.tolist(),
                            prev.drafts.tolist())
@@ -39,7 +41,7 @@ def oracle(staged, n, width, prev, R, M, bs, k):
         p, slot = st[r], st[n + r]
         bt = st[2 * n + r * width: 2 * n + (r + 1) * width]
         start = ns[p]
-        a = max(nv[p], 1) if k else 1
+        a = max(nv[p], 1) if several else 1
         ids = [sampled[p][a - 1]] + [max(d, 0) for d in (dr[p] if k else [])]
         for j in range(s):
             pos = start + j
@@ -58,14 +60,15 @@ def oracle(staged, n, width, prev, R, M, bs, k):
     return out
 
 
-def make_case(seed, k, n, bp, R, width, M, bs, device):
+def make_case(seed, k, n, bp, R, width, M, bs, device, sp=None):
+    """``sp``: columns of the previous step's sampled tokens (default 1 + k)."""
     g = np.random.default_rng(seed)
-    s = 1 + k
+    s = 1 + k if sp is None else sp
     sampled = g.integers(0, 1000, (bp, s))
     nv = g.integers(0, s + 1, bp)                       # 0 happens for rows that sampled nothing
     for i in range(bp):
         sampled[i, nv[i]:] = -1
-    next_start = g.integers(0, bs * width - s, bp)      # every position stays inside the table row
+    next_start = g.integers(0, bs * width - (1 + k), bp)   # every position stays inside the table row
     drafts = np.where(g.random((bp, k)) < 0.3, -1, g.integers(0, 1000, (bp, k)))
     prev_idx = g.permutation(bp)[:n]
     slots = g.permutation(np.arange(1, 4 * n + 2))[:n]
@@ -83,11 +86,11 @@ def poisoned_dest(R, M, s, device, extra=0):
                       torch.full((R, M), POISON, dtype=torch.int32, device=device), p64(R), p64(R))
 
 
-def check(impl, *, seed=0, k=0, n=5, bp=8, R=None, width=3, M=None, bs=4, device="cpu"):
+def check(impl, *, seed=0, k=0, n=5, bp=8, R=None, width=3, M=None, bs=4, device="cpu", sp=None):
     R = n if R is None else R
     M = width if M is None else M
     s = 1 + k
-    staged, prev = make_case(seed, k, n, bp, R, width, M, bs, device)
+    staged, prev = make_case(seed, k, n, bp, R, width, M, bs, device, sp)
     dest = poisoned_dest(R, M, s, device, extra=3)
     start = torch.full((n,), POISON, dtype=torch.int64, device=device)
     drafts = torch.full((n, k), POISON, dtype=torch.int64, device=device) if k else None
@@ -114,6 +117,10 @@ CASES = {
     "k8": dict(k=8, n=2, bp=3, R=4, width=6, M=6, bs=2),
     "n1": dict(k=2, n=1, bp=1, R=1),
     "wide": dict(k=0, n=3, bp=3, R=4, width=40, M=600, bs=2),
+    # adaptive speculation: this step's width differs from the previous step's
+    "k0_after_k3": dict(k=0, n=4, bp=6, R=8, sp=4),
+    "k2_after_k0": dict(k=2, n=4, bp=5, R=4, sp=1),
+    "k3_after_k1": dict(k=3, n=3, bp=4, R=8, width=4, M=6, sp=2),
 }
 
 

@@ -131,7 +131,7 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
     outs = {}
     for eager in (True, False):
         llm = LLM(target, dtype=dtype, device="cuda", max_num_seqs=8, enforce_eager=eager,
-                  speculative_config=SpeculativeConfig("mtp", 3), async_scheduling=True)
+                  speculative_config=SpeculativeConfig("mtp", 3, adaptive=False), async_scheduling=True)
         assert (llm.engine.drafter.graphs is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[True] == outs[False]
@@ -140,3 +140,17 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
         assert len(sums) > 5
         for s in sums:
             torch.testing.assert_close(s, torch.ones_like(s), atol=1e-4, rtol=0)
+
+
+def test_adaptive_mtp_graphs_equal_eager(target, prompts):
+    """Adaptive speculation narrows MTP steps (random weights: to no drafts); the verify-pass
+    graphs of every width give the eager engine's greedy tokens."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=eager,
+                  speculative_config=SpeculativeConfig("mtp", 3))
+        if not eager:
+            assert set(llm.engine.drafter.verify_graphs) == {1, 2, 3, 4}
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]

@@ -105,3 +105,88 @@ def test_greedy_graph_steps_never_sync_the_host(target, graph_path_log):
     graph_path_log.clear()                   # count the measured steps only
     launch_steps_without_sync(eng, 30)
     assert all(graph_path_log) and len(graph_path_log) == 30
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, graph_path_log):
+    """Adaptive n-gram speculation on random weights accepts ~nothing: its steps verify no drafts
+    and replay the fused greedy graphs (the n-gram drafter follows them), and every transition
+    (probes, a sampling row, arrivals) keeps the tokens of no speculation, eager."""
+    from hybrid_engine import SpeculativeConfig
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    eager = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling), prompts)
+    graph_path_log.clear()
+    llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=SpeculativeConfig("ngram", 3))
+    assert llm.engine.runner.greedy_graphs is not None
+    assert drive(llm, prompts) == eager
+    assert sum(graph_path_log) >= 20, sum(graph_path_log)
+
+
+@pytest.fixture
+def spec_graph_log(monkeypatch):
+    """Per executed step, whether the n-gram step graphs replayed it."""
+    from hybrid_engine.step import ngram_graphs as ng_mod
+    log, took = [], [False]
+    orig_replay, orig_exec = ng_mod.NgramStepGraphs.replay, runner_mod.ModelRunner.execute
+
+    def spy_replay(self, *a, **k):
+        took[0] = True
+        return orig_replay(self, *a, **k)
+
+    def spy_exec(self, sched):
+        took[0] = False
+        handle = orig_exec(self, sched)
+        log.append(took[0])
+        return handle
+    monkeypatch.setattr(ng_mod.NgramStepGraphs, "replay", spy_replay)
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
+    return log
+
+
+def _self_repeating_prompts(rng):
+    """Prompts that repeat a phrase: the n-gram drafter proposes on them (mixed acceptance)."""
+    out = []
+    for n in (7, 19, 3, 25, 11, 6, 14, 2):
+        phrase = rng.integers(3, 256, max(2, n // 2)).tolist()
+        out.append((phrase * 4)[:n + 8])
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_graph_log):
+    """Greedy n-gram verify steps replayed whole (NgramStepGraphs) give the eager tokens through
+    arrivals, a sampling row and finishing rows, and take most decode steps."""
+    from hybrid_engine import SpeculativeConfig
+    prompts = _self_repeating_prompts(np.random.default_rng(3))
+    spec = SpeculativeConfig("ngram", 3, adaptive=adaptive)
+    eager = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
+    plain = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling), prompts)
+    spec_graph_log.clear()
+    llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=spec)
+    assert any(getattr(p, "proposes", False) for p in llm.engine.runner.plans)
+    assert drive(llm, prompts) == eager == plain
+    if not adaptive:
+        assert sum(spec_graph_log) >= 10, sum(spec_graph_log)
+
+
+def test_ngram_step_graphs_never_sync_the_host(target, spec_graph_log):
+    from hybrid_engine import SpeculativeConfig
+    llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4,
+              speculative_config=SpeculativeConfig("ngram", 3, adaptive=False))
+    eng = llm.engine
+    rng = np.random.default_rng(2)
+    for n in (5, 9, 13):
+        eng.add_request(eng.make_request(rng.integers(3, 256, n).tolist(),
+                                         SamplingParams(max_tokens=400, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    spec_graph_log.clear()
+    launch_steps_without_sync(eng, 30)
+    assert all(spec_graph_log) and len(spec_graph_log) == 30

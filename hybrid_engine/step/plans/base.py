@@ -36,6 +36,15 @@ class StepPlan:
         raise NotImplementedError
 
 
+def draft_width(prev: PrevStep | None, num_spec: int) -> int:
+    """Drafts each decode row of this step verifies: the width the previous step proposed
+    (``PrevStep.drafts`` [B, width], chosen by the runner's draft policy), 0 without speculation or
+    without a previous step (then the step has no decode rows). A host-known shape: no sync."""
+    if not num_spec or prev is None:
+        return 0
+    return prev.drafts.shape[1]
+
+
 def require_prev(prev: PrevStep | None, prev_idx) -> None:
     """Decode rows read the previous step's outputs: a row without one is a bookkeeping bug."""
     if prev is None or (prev_idx < 0).any():

@@ -7,7 +7,7 @@ import torch
 from ..decode_prep import DecodeDest, PrevOutputs, prepare_decode
 from ..forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from ..step_io import PrevStep, SpecInputs, StepInputs, StepRows
-from .base import StepPlan, StepResources, require_prev
+from .base import StepPlan, StepResources, draft_width, require_prev
 from .staging import SAMPLING_FIELDS, sampling_tensors
 
 
@@ -24,7 +24,8 @@ class DecodeOnlyPlan(StepPlan):
 
     def prepare(self, step: StepRows, prev: PrevStep | None) -> StepInputs:
         res = self.res
-        b, consts, k, dev = res.batch, res.consts, res.num_spec, res.device
+        b, consts, dev = res.batch, res.consts, res.device
+        k = draft_width(prev, res.num_spec)                      # this step's drafts per row
         req_ids = step.req_ids
         tokens_per_row, n = 1 + k, len(req_ids)
         rows = b.rows_of(req_ids)
@@ -39,14 +40,14 @@ class DecodeOnlyPlan(StepPlan):
                 b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows], b.seed[rows])))
             staged_sampling["sample_rows_p"] = consts.empty_i64
         staged = res.h2d.put_raw(host)
-        got = res.executor.decode_dest(n)
+        got = res.executor.decode_dest(n, tokens_per_row)
         if got is None:
-            fb, dest = self._fresh_decode_batch(n, width, self._max_seq_len(step))
+            fb, dest = self._fresh_decode_batch(n, width, self._max_seq_len(step), tokens_per_row)
         else:
             dest, fb = got
         res.scratch.next_step()
         start = res.scratch.i64("start", n)
-        drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else None
+        drafts = torch.empty(n, k, dtype=torch.int64, device=dev) if k else consts.no_drafts(n)
         # K = 0: every row yields exactly one token, so its next start is known before sampling
         next_start = None if k else res.scratch.i64("next_start", n)
         prev_outputs = PrevOutputs(sampled=prev.sampled, num_valid=prev.num_valid, next_start=prev.next_start,
@@ -59,14 +60,14 @@ class DecodeOnlyPlan(StepPlan):
             sampling_all, sampling_decode, _ = sampling_tensors(b, consts, staged_sampling, rows, n,
                                                                 np.zeros(0, np.int64), random_np)
         spec = None
-        if k:
+        if res.num_spec:                                         # a spec engine verifies, even 0 drafts
             draft_probs = prev.draft_probs[staged[:n]] if prev.draft_probs is not None else None
             spec = SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all)
         return StepInputs(
             fb=fb, num_decode=n, num_prefill=0, start=start, num_tokens=consts.full(n, tokens_per_row),
             backup=None, slots=fb.mamba.decode_slots, sample_rows_p=consts.empty_i64,
             sample_pos_p=consts.empty_i64, next_input_ids=consts.full(n * tokens_per_row, -1),
-            is_decode=consts.full(n, 1, torch.bool), query_start_loc=consts.qsl64(n),
+            is_decode=consts.full(n, 1, torch.bool), query_start_loc=consts.qsl64(n, tokens_per_row),
             sampling_decode=sampling_decode, sampling_prefill=None, rows_sampling_np=rows, spec=spec,
             next_start=next_start)
 
@@ -77,10 +78,11 @@ class DecodeOnlyPlan(StepPlan):
             return int(step.steady.start_pos.max()) + step.steady.num_tokens
         return max(r.start_pos + tokens_per_row for r in step.order)
 
-    def _fresh_decode_batch(self, n: int, width: int, max_seq: int) -> tuple[ForwardBatch, DecodeDest]:
+    def _fresh_decode_batch(self, n: int, width: int, max_seq: int,
+                            tokens_per_row: int) -> tuple[ForwardBatch, DecodeDest]:
         """Eager executor: new buffers for a decode-only batch (R = N rows, width W)."""
         res = self.res
-        tokens_per_row, dev, consts = 1 + res.num_spec, res.device, res.consts
+        dev, consts = res.device, res.consts
         e64 = lambda m: torch.empty(m, dtype=torch.int64, device=dev)  # noqa: E731
         nt = n * tokens_per_row
         dest = DecodeDest(input_ids=e64(nt), positions=e64(nt), slot_mapping=e64(nt),
@@ -89,7 +91,7 @@ class DecodeOnlyPlan(StepPlan):
                           decode_slots=e64(n), num_accepted=e64(n))
         fb = ForwardBatch(
             input_ids=dest.input_ids, positions=dest.positions,
-            attn=AttnMetadata(query_start_loc=consts.qsl32(n), seq_lens=dest.seq_lens,
+            attn=AttnMetadata(query_start_loc=consts.qsl32(n, tokens_per_row), seq_lens=dest.seq_lens,
                               block_tables=dest.block_tables, slot_mapping=dest.slot_mapping,
                               max_query_len=tokens_per_row, max_seq_len=max_seq),
             mamba=MambaMetadata(num_decode_rows=n, decode_len=tokens_per_row, decode_slots=dest.decode_slots,

@@ -6,7 +6,7 @@ import torch
 
 from ..forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from ..step_io import PrevStep, SpecInputs, StepInputs, StepRows
-from .base import StepPlan, StepResources, cat_rows, require_prev
+from .base import StepPlan, StepResources, cat_rows, draft_width, require_prev
 from .staging import sampling_tensors, stage_sampling
 
 
@@ -27,7 +27,8 @@ class MixedPlan(StepPlan):
         res = self.res
         order = step.order
         res.h2d.begin_step()
-        b, bs, k = res.batch, res.block_size, res.num_spec
+        b, bs = res.batch, res.block_size
+        k = draft_width(prev, res.num_spec)                      # this step's drafts per decode row
         tokens_per_row = 1 + k
         num_decode = sum(1 for r in order if r.is_decode)       # decode rows come first
         pre = order[num_decode:]
@@ -71,19 +72,20 @@ class MixedPlan(StepPlan):
             require_prev(prev, prev_idx)
             host["prev"] = prev_idx
             host["bt_d"] = host["bt"][:num_decode].astype(np.int64)   # gathered in int64: no device cast
-            if not k:
-                # K = 0: every sampling row produced exactly one token, so each decode row's Mamba
-                # accepted count is 1 and its input is column 0 of its previous sample (host-known)
+            if prev.sampled.shape[1] == 1:
+                # the previous step verified no drafts: every sampling row produced exactly one
+                # token, so each decode row's Mamba accepted count is 1 and its input is column 0
+                # of its previous sample (host-known)
                 host["a_prev"] = np.ones(num_decode, dtype=np.int64)
         random_np = stage_sampling(b, host, rows)
         staged = dict(zip(host, res.h2d.put(*host.values())))                 # the step's one H2D copy
         dev = res.device
         if num_decode:
-            ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev)
+            ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev, k)
         else:
             ids_d = pos_d = slot_d = start_d = None
             a_prev = torch.zeros(0, dtype=torch.int64, device=dev)
-            drafts, draft_probs = torch.empty(0, k, dtype=torch.int64, device=dev), None
+            drafts, draft_probs = torch.empty(0, k, dtype=torch.int64, device=dev), None   # [0, K]
         start = cat_rows(start_d, staged["start_p"], num_decode, num_prefill)
         num_tokens = staged["num_tokens"]
         seq_lens = (start + num_tokens).to(torch.int32)
@@ -104,7 +106,8 @@ class MixedPlan(StepPlan):
         sampling_all, sampling_decode, sampling_prefill = sampling_tensors(
             b, res.consts, staged, rows, num_decode, sample_rows_p, random_np)
         rows_sampling = np.concatenate([rows[:num_decode], rows_p[samples_p]])
-        spec = SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all) if k else None
+        spec = (SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all)
+                if res.num_spec else None)                                   # a spec engine verifies, even 0 drafts
         return StepInputs(
             fb=fb, num_decode=num_decode, num_prefill=num_prefill, start=start, num_tokens=num_tokens,
             backup=staged["backup"], slots=staged["slots"], sample_rows_p=staged["sample_rows_p"],
@@ -112,25 +115,28 @@ class MixedPlan(StepPlan):
             query_start_loc=staged["qsl64"], sampling_decode=sampling_decode, sampling_prefill=sampling_prefill,
             rows_sampling_np=rows_sampling, spec=spec)
 
-    def _decode_inputs(self, staged: dict[str, torch.Tensor], prev: PrevStep):
+    def _decode_inputs(self, staged: dict[str, torch.Tensor], prev: PrevStep, k: int):
         """Decode rows' inputs gathered from the previous step's outputs through staged["prev"]
         [N_d] -> (ids [N_d*(1+K)], positions [N_d*(1+K)], slot mapping [N_d*(1+K)], start [N_d],
         accepted [N_d], drafts [N_d, K], draft probs [N_d, K, V] or None)."""
-        k, bs = self.res.num_spec, self.res.block_size
+        bs = self.res.block_size
         prev_idx = staged["prev"]
-        num_decode = prev_idx.shape[0]
-        if k:
+        if "a_prev" in staged:                                              # the previous step kept one token a row
+            a_prev = staged["a_prev"]
+            last = prev.sampled[prev_idx][:, :1]                             # [N_d, 1]
+        else:
             a_prev = prev.num_valid[prev_idx].clamp(min=1)                   # Mamba accepted count (design invariant 7)
             last = prev.sampled[prev_idx].gather(1, (a_prev - 1)[:, None])   # [N_d, 1]
+        if k:
             drafts = prev.drafts[prev_idx]
             draft_probs = prev.draft_probs[prev_idx] if prev.draft_probs is not None else None
             ids_d = torch.cat([last, drafts.clamp(min=0)], 1).reshape(-1)   # -1 never indexes the embedding
         else:
-            a_prev = staged["a_prev"]
-            drafts, draft_probs = None, None
-            ids_d = prev.sampled[prev_idx].reshape(-1)                       # [N_d, 1] -> [N_d]
+            drafts = prev.drafts[prev_idx] if self.res.num_spec else None   # [N_d, 0]
+            draft_probs = None
+            ids_d = last.reshape(-1)                                         # [N_d, 1] -> [N_d]
         start_d = prev.next_start[prev_idx]
-        pos_d = start_d[:, None] + self._token_offsets                      # [N_d, 1+K]
+        pos_d = start_d[:, None] + self._token_offsets[:1 + k]              # [N_d, 1+K]
         slot_d = (staged["bt_d"].gather(1, pos_d // bs) * bs + pos_d % bs).reshape(-1)
         return ids_d, pos_d.reshape(-1), slot_d, start_d, a_prev, drafts, draft_probs
 

@@ -1,0 +1,379 @@
+"""Speculative decoding on real text: speed-up of each method over no speculation, in the same run.
+
+Workloads, built from held-out text files (never trained on):
+  (a) completion: the first ``--prompt-tokens`` tokens of a file, greedy continuation;
+  (b) edit: a copy-heavy prompt (a piece of a file, a separator, then the start of the same piece
+      again), so the continuation largely repeats code present in the prompt; greedy;
+  (c) sample: the prompts of (a) sampled at temperature 0.7 (seeded).
+Methods none / ngram / draft_model / mtp, K in ``--ks``, batches in ``--batches``. Per cell:
+acceptance length (tokens per verify step), per-position acceptance (fraction of verify steps that
+accepted draft j), tokens/s (median of ``--repeats`` timed runs after a warm-up) and the speed-up
+over ``none`` at the same workload and batch. Greedy outputs must equal ``none``'s (asserted).
+
+Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, the Nano-30B-A3B
+MoE) at the acceptance each method reached, via forced acceptance
+(``SpeculativeConfig.forced_acceptance_rate``: outputs there are NOT the model's).
+
+    # trained run from benchmarks.train (target/, draft/, heldout_files.json)
+    python -m benchmarks.spec_real --run /tmp/run --out $OUT
+    # anything else: the embedded default model and a folder of text files
+    python -m benchmarks.spec_real --device cpu --files /usr/lib/python3.11/json --methods none,ngram \
+        --ks 2 --batches 1 --max-tokens 16 --out /tmp/sr
+
+Writes ``spec_real.json``, ``spec_real.md`` and (with matplotlib) ``spec_real.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+
+logger = logging.getLogger("spec_real")
+METHODS = ("none", "ngram", "draft_model", "mtp")
+WORKLOADS = ("completion", "edit", "sample")
+EDIT_SEPARATOR = "\n\n# ---- the same code, edited ----\n\n"
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def heldout_files(args) -> list[Path]:
+    if args.run:
+        return [Path(p) for p in json.loads((Path(args.run) / "heldout_files.json").read_text())]
+    root = Path(args.files) if args.files else Path(json.__file__).resolve().parents[1]
+    return sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".rst", ".md") and p.is_file())
+
+
+def build_prompts(tok, files: list[Path], n: int, prompt_tokens: int, min_continuation: int):
+    """-> {workload: [prompt token lists]} with n prompts each (files cycled when there are fewer)."""
+    comp, edit = [], []
+    for f in files:
+        if len(comp) >= n:
+            break
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) < prompt_tokens + min_continuation:
+            continue
+        comp.append(ids[:prompt_tokens])
+        # edit: a piece of the file, the separator, then its first quarter again: continuing means copying
+        piece = ids[:prompt_tokens]
+        piece_text = tok.decode(piece)
+        sep = tok.encode(EDIT_SEPARATOR, add_special_tokens=False)
+        restart = piece[:max(1, len(piece) // 4)]
+        edit.append(tok.encode(piece_text, add_special_tokens=False) + sep + restart)
+    if not comp:
+        raise SystemExit(f"no held-out file has >= {prompt_tokens + min_continuation} tokens")
+    while len(comp) < n:                         # too few files: cycle (documented in the output)
+        comp.append(comp[len(comp) % max(1, len(comp))])
+        edit.append(edit[len(edit) % max(1, len(edit))])
+    return {"completion": comp[:n], "edit": edit[:n], "sample": comp[:n]}
+
+
+def params_for(workload: str, n: int, max_tokens: int) -> list[SamplingParams]:
+    if workload == "sample":
+        return [SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=1000 + i, ignore_eos=True)
+                for i in range(n)]
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in range(n)]
+
+
+def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float | None = None):
+    if method == "none":
+        return None
+    kw = dict(adaptive=args.adaptive == "on", forced_acceptance_rate=forced)
+    if method == "ngram":
+        return SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=4, **kw)
+    if method == "draft_model":
+        return SpeculativeConfig("draft_model", k, model=draft_dir, **kw)
+    return SpeculativeConfig("mtp", k, **kw)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.synchronize()
+
+
+def stat_delta(after: dict, before: dict) -> dict:
+    steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
+    acc = after.get("drafts_accepted", 0) - before.get("drafts_accepted", 0)
+    prop = after.get("drafts_proposed", 0) - before.get("drafts_proposed", 0)
+    per_a, per_b = after.get("accepted_per_position", []), before.get("accepted_per_position", [])
+    per = [(a - (per_b[j] if j < len(per_b) else 0)) / steps if steps else 0.0 for j, a in enumerate(per_a)]
+    # tokens per decode step (a request's first token comes from its prefill): the acceptance
+    # length, also where forced acceptance accepts columns the drafter left empty
+    decoded = (after.get("generated_tokens", 0) - before.get("generated_tokens", 0)
+               - (after.get("requests_finished", 0) - before.get("requests_finished", 0)))
+    return dict(verify_steps=steps, acceptance_length=decoded / steps if steps else 1.0,
+                draft_acceptance_rate=acc / prop if prop else 0.0, per_position=per)
+
+
+def time_cell(llm, prompts, params, args) -> tuple[float, list, dict]:
+    """-> (median seconds, outputs of the last run, acceptance stats over the timed runs)."""
+    llm.generate(prompts, params, use_tqdm=False)                      # warm-up (graphs, caches)
+    before = copy.deepcopy(llm.stats())                                # stats() shares its lists
+    times, outs = [], None
+    for _ in range(args.repeats):
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), [o.outputs[0].token_ids for o in outs], stat_delta(llm.stats(), before)
+
+
+def free(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- phase 1: the trained (or default) model on real text ------------------------------------------
+def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
+    batches, ks = sorted(args.batches), args.ks
+    methods = [m for m in args.methods if m in METHODS]
+    engine_kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(batches), seed=0)
+    if args.max_model_len:
+        engine_kw["max_model_len"] = args.max_model_len
+    tok = None
+    rows, reference = [], {}
+    # none first: its outputs are the reference of every greedy cell
+    for method in ["none"] + [m for m in methods if m != "none"]:
+        for k in ([0] if method == "none" else ks):
+            llm = LLM(target, speculative_config=spec_config(method, k, args, draft_dir), **engine_kw)
+            if tok is None:
+                tok = llm.tokenizer
+                prompts = build_prompts(tok, heldout_files(args), max(batches), args.prompt_tokens, args.max_tokens)
+            for wl in args.workloads:
+                for b in batches:
+                    ps, params = prompts[wl][:b], params_for(wl, b, args.max_tokens)
+                    secs, outs, st = time_cell(llm, ps, params, args)
+                    n_tok = sum(len(o) for o in outs)
+                    row = dict(workload=wl, method=method, k=k, batch=b, seconds=secs, tokens=n_tok,
+                               tok_s=n_tok / secs, **st)
+                    key = (wl, b)
+                    if method == "none":
+                        reference[key] = (outs, row["tok_s"])
+                        row["speedup"] = 1.0
+                    else:
+                        ref_outs, ref_tps = reference[key]
+                        row["speedup"] = row["tok_s"] / ref_tps
+                        if wl != "sample":
+                            same = outs == ref_outs
+                            row["greedy_equal"] = same
+                            assert same, f"{method} K={k} {wl} batch {b}: greedy output differs from none"
+                        else:                  # n-gram sample-and-compare keeps the no-spec tokens too
+                            row["sampled_equal"] = outs == ref_outs
+                    rows.append(row)
+                    logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  AL %.2f", wl, method, k, b,
+                                row["tok_s"], row["speedup"], row["acceptance_length"])
+            free(llm)
+    return rows
+
+
+# ---- phase 2: large random-weight shapes at the measured acceptance -----------------------------------
+def forced_rates(rows: list[dict], k: int) -> dict[str, float]:
+    """Per method, the rate p of forced acceptance: the measured fraction of verify steps that
+    accepted the first draft, at batch 1 and this K, best workload (geometric model: each further
+    draft accepted with the same p)."""
+    out = {}
+    if not rows:
+        return out
+    b1 = min(x["batch"] for x in rows)
+    for r in rows:
+        if r["method"] != "none" and r["k"] == k and r["batch"] == b1 and r["per_position"]:
+            out[r["method"]] = max(out.get(r["method"], 0.0), r["per_position"][0])
+    return out
+
+
+def shape_dirs(shape: str, tmp: Path) -> tuple[Path, Path | None]:
+    """(target folder, draft folder) of a random-weight shape: config.json only (weights are random)."""
+    from benchmarks.common import SHAPE_8B, SHAPE_SMALL, write_config
+    if shape == "8b":
+        target = dict(SHAPE_8B, num_nextn_predict_layers=1)
+        vocab = 131072
+    elif shape == "nano":
+        from benchmarks.moe import SHAPE_NANO
+        target = dict(SHAPE_NANO, num_nextn_predict_layers=1)
+        vocab = SHAPE_NANO.get("vocab_size", 131072)
+    elif shape == "tiny":                       # CPU tests
+        target = dict(pattern="M*-", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
+                      vocab_size=512, num_nextn_predict_layers=1)
+        vocab = 512
+    else:
+        raise SystemExit(f"unknown shape {shape!r}: 8b, nano or tiny")
+    draft = dict(SHAPE_SMALL, vocab_size=vocab) if shape != "tiny" else dict(target, pattern="M-", num_nextn_predict_layers=0)
+    return write_config(tmp / f"{shape}-target", target), write_config(tmp / f"{shape}-draft", draft)
+
+
+def run_forced(args, rates: dict[str, float]) -> list[dict]:
+    from benchmarks.common import random_weights
+    rows = []
+    k = args.forced_k
+    with tempfile.TemporaryDirectory() as tmp, random_weights():
+        for shape in args.forced_shapes:
+            target, draft = shape_dirs(shape, Path(tmp))
+            engine_kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.forced_batches), seed=0,
+                             max_model_len=args.forced_prompt_tokens + args.forced_max_tokens + 64)
+            ref = {}
+            for method in ["none"] + [m for m in args.forced_methods if m in rates]:
+                p = rates.get(method)
+                spec = spec_config(method, k, args, str(draft), forced=p) if method != "none" else None
+                llm = LLM(str(target), speculative_config=spec, **engine_kw)
+                vocab = llm.engine.cfg.model.vocab_size
+                g = torch.Generator().manual_seed(0)
+                for b in sorted(args.forced_batches):
+                    prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
+                    params = [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b
+                    secs, outs, st = time_cell(llm, prompts, params, args)
+                    n_tok = sum(len(o) for o in outs)
+                    row = dict(shape=shape, method=method, k=0 if method == "none" else k, batch=b,
+                               forced_rate=p, tok_s=n_tok / secs, seconds=secs, **st)
+                    if method == "none":
+                        ref[b] = row["tok_s"]
+                    row["speedup"] = row["tok_s"] / ref[b]
+                    rows.append(row)
+                    logger.info("%-5s %-11s p=%s B=%-3d %8.1f tok/s  x%.2f  AL %.2f", shape, method,
+                                "-" if p is None else f"{p:.2f}", b, row["tok_s"], row["speedup"],
+                                row["acceptance_length"])
+                free(llm)
+    return rows
+
+
+# ---- output ---------------------------------------------------------------------------------------
+def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
+    lines = [f"# spec_real ({meta['device']}, {meta['target']})", "",
+             f"adaptive={meta['adaptive']}, prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens, "
+             f"median of {meta['repeats']} after a warm-up", "",
+             "| workload | method | K | batch | tok/s | speed-up | AL | per-position acceptance | greedy == none |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in real:
+        per = " ".join(f"{x:.2f}" for x in r["per_position"]) or "-"
+        eq = {True: "yes", False: "NO"}.get(r.get("greedy_equal"), "-")
+        lines.append(f"| {r['workload']} | {r['method']} | {r['k']} | {r['batch']} | {r['tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} | {per} | {eq} |")
+    if forced:
+        lines += ["", "## Forced acceptance on random-weight shapes (outputs are not the model's)", "",
+                  "| shape | method | K | batch | forced p | tok/s | speed-up | AL |", "|---|---|---|---|---|---|---|---|"]
+        for r in forced:
+            p = "-" if r["forced_rate"] is None else f"{r['forced_rate']:.2f}"
+            lines.append(f"| {r['shape']} | {r['method']} | {r['k']} | {r['batch']} | {p} | {r['tok_s']:.1f} | "
+                         f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(real: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = sorted({r["workload"] for r in real}, key=WORKLOADS.index)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        for (m, b) in sorted({(r["method"], r["batch"]) for r in real if r["method"] != "none"}):
+            pts = sorted((r["k"], r["speedup"]) for r in real if r["workload"] == wl and r["method"] == m
+                         and r["batch"] == b)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} B={b}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(title=wl, xlabel="K", ylabel="speed-up over none")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x]          # noqa: E731
+    words = lambda s: [x for x in s.split(",") if x]              # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", help="a benchmarks.train run folder (target/, draft/, heldout_files.json)")
+    ap.add_argument("--model", help="target folder (default: <run>/target, else the embedded default model)")
+    ap.add_argument("--draft-model", help="draft folder (default: <run>/draft, else the target itself)")
+    ap.add_argument("--files", help="folder of held-out text files when there is no --run (default: the stdlib)")
+    ap.add_argument("--methods", type=words, default=list(METHODS), help="comma list of none,ngram,draft_model,mtp")
+    ap.add_argument("--ks", type=ints, default=[1, 2, 3, 4, 5], help="comma list of K")
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32], help="comma list of batch sizes")
+    ap.add_argument("--workloads", type=words, default=list(WORKLOADS), help="comma list of completion,edit,sample")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
+    ap.add_argument("--adaptive", choices=("on", "off"), default="on", help="adaptive speculation")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano (empty: skip)")
+    ap.add_argument("--forced-methods", type=words, default=["ngram", "mtp"])
+    ap.add_argument("--forced-k", type=int, default=3)
+    ap.add_argument("--forced-batches", type=ints, default=[1, 32])
+    ap.add_argument("--forced-prompt-tokens", type=int, default=128)
+    ap.add_argument("--forced-max-tokens", type=int, default=64)
+    ap.add_argument("--forced-rates", default="",
+                    help="method=p,... forced rates instead of the measured ones (e.g. ngram=0.6,mtp=0.7)")
+    ap.add_argument("--forced-rates-from", default="",
+                    help="a spec_real.json of an earlier run: its measured forced rates (before --forced-rates)")
+    ap.add_argument("--skip-real", action="store_true",
+                    help="only the forced phase (needs --forced-rates or --forced-rates-from)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    bad = [m for m in args.methods if m not in METHODS] + [w for w in args.workloads if w not in WORKLOADS]
+    if bad:
+        ap.error(f"unknown method/workload {bad}: methods {METHODS}, workloads {WORKLOADS}")
+    return args
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = args.model or (str(Path(args.run) / "target") if args.run else None)
+    if target is None:
+        from hybrid_engine.default_model import default_model_dir
+        target = str(default_model_dir())
+    draft = args.draft_model or (str(Path(args.run) / "draft") if args.run else target)
+    t0 = time.perf_counter()
+    if args.skip_real and not (args.forced_rates or args.forced_rates_from):
+        raise SystemExit("--skip-real needs --forced-rates or --forced-rates-from")
+    real = [] if args.skip_real else run_real(args, target, draft)
+    rates = forced_rates(real, args.forced_k)
+    if args.forced_rates_from:
+        earlier = json.loads(Path(args.forced_rates_from).read_text())["meta"]["forced_rates"]
+        rates = {**earlier, **rates}
+    for item in filter(None, args.forced_rates.split(",")):
+        method, _, p = item.partition("=")
+        rates[method] = float(p)
+    forced = run_forced(args, rates) if args.forced_shapes and rates else []
+    meta = dict(device=args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
+                target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens, repeats=args.repeats, forced_rates=rates,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                seconds=time.perf_counter() - t0)
+    (out / "spec_real.json").write_text(json.dumps(dict(meta=meta, real=real, forced=forced), indent=2))
+    md = markdown(real, forced, meta)
+    (out / "spec_real.md").write_text(md)
+    plotted = plot(real, out / "spec_real.png")
+    print(md)
+    print(f"wrote {out / 'spec_real.json'}, spec_real.md{', spec_real.png' if plotted else ''} "
+          f"in {meta['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Adaptive speculation (spec/adaptive.py): per request the number of drafts shrinks while its drafts
+are rejected (down to none) and grows back when they are accepted again; outputs never change."""
+import os
+
+import numpy as np
+import pytest
+
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hybrid_engine.spec import drafters as drafters_mod
+from hybrid_engine.spec.adaptive import AdaptiveDrafts, FixedDrafts, draft_counts
+from hybrid_engine.spec.drafters.draft_model import make_draft_model
+from hf_reference import hf_greedy
+
+DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
+
+
+# ---- the policy alone -------------------------------------------------------------------------
+def _observe(pol, slots, accepted, verified):
+    """One step's counts for decode rows in ``slots``: ``accepted`` drafts of ``verified`` each."""
+    slots = np.asarray(slots, np.int64)
+    tok = pol.snapshot(slots, len(slots), verified)
+    pol.observe(tok, np.asarray(accepted, np.int64) + 1)
+
+
+def test_policy_shrinks_to_zero_and_grows_back():
+    pol = AdaptiveDrafts(4, 8)
+    pol.reset(3)
+    assert pol.width(np.array([3])) == 4                       # a new request starts with every draft
+    widths = []
+    while not widths or widths[-1]:                            # every draft rejected
+        _observe(pol, [3], [0], 4)
+        widths.append(pol.width(np.array([3])))
+    assert 2 <= len(widths) <= 4 and widths == sorted(widths, reverse=True)
+    # resting: probes of one draft come on a schedule, not every step
+    seen = [pol.width(np.array([3])) for _ in range(16)]
+    assert set(seen) == {0, 1} and 1 <= seen.count(1) <= 2
+    # acceptance comes back: every verified draft accepted -> grows to all 4 within a few steps
+    grown = []
+    for _ in range(12):
+        w = max(1, pol.width(np.array([3])))                   # verify at least the probe's draft
+        _observe(pol, [3], [w], w)
+        grown.append(pol.k[3])
+    assert grown[-1] == 4 and grown == sorted(grown)
+
+
+def test_policy_failed_probes_back_off_and_step_width_is_the_max_row():
+    pol = AdaptiveDrafts(3, 8, probe_every=4, max_backoff=2)
+    for s in (1, 2):
+        pol.reset(s)
+    for _ in range(8):
+        _observe(pol, [1, 2], [0, 3], 3)                      # row 1 always rejects, row 2 always accepts
+    assert pol.k[1] == 0 and pol.k[2] == 3
+    assert pol.width(np.array([1, 2])) == 3                    # the step verifies what its best row wants
+    assert pol.width(np.array([1])) in (0, 1)
+    _observe(pol, [1], [0], 1)                                  # not a probe: no back-off
+    assert pol.backoff[1] == 0
+    for _ in range(3):                                          # rejected probes double the interval
+        while pol.width(np.array([1])) == 0:
+            pass
+        pol.width(np.array([1]))                                # the step that verifies the probe
+        _observe(pol, [1], [0], 1)
+    assert pol.backoff[1] == 2
+    probes = sum(pol.width(np.array([1])) for _ in range(64))
+    assert probes == 64 // (4 << 2)
+
+
+def test_policy_rounds_up_to_captured_widths_and_drops_outputs_of_a_reused_slot():
+    pol = AdaptiveDrafts(5, 4, widths=(0, 1, 3, 5))
+    pol.reset(1)
+    pol.k[1] = 2
+    assert pol.width(np.array([1])) == 3
+    tok = pol.snapshot(np.array([1]), 1, 3)
+    pol.reset(1)                                                # slot 1 now belongs to another request
+    pol.observe(tok, np.array([1]))                             # the old owner's late, bad output
+    assert pol.k[1] == 5 and pol.tried[1] == 0.5
+
+
+def test_fixed_policy_and_counts():
+    assert FixedDrafts(3).width(np.array([1, 2])) == 3
+    assert draft_counts(SpeculativeConfig("ngram", 5), 5) == (0, 1, 3, 5)
+    assert draft_counts(SpeculativeConfig("ngram", 5, adaptive=False), 5) == (5,)
+    assert draft_counts(SpeculativeConfig("ngram", 5, forced_acceptance_rate=0.5), 5) == (5,)
+    with pytest.raises(TypeError, match="adaptive"):
+        SpeculativeConfig("ngram", 2, adaptive=1)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    return model_dirs("spec_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(11)
+    return [rng.integers(3, 256, n).tolist() for n in (5, 19, 2, 31)]
+
+
+class Phases:
+    """A drafter wrapper: the target itself as draft (every draft accepted), except during the
+    steps where ``bad(step)`` is true, when each draft is replaced by a wrong token. Records the
+    width of every proposal (the drafts the next step verifies)."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad, self.step, self.widths = inner, bad, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add_request(self, slot, token_ids):
+        self.inner.add_request(slot, token_ids)
+
+    def propose(self, ctx):
+        drafts, probs = self.inner.propose(ctx)
+        self.widths.append(drafts.shape[1])
+        if self.bad(self.step):
+            drafts = (drafts + 1) % 256
+        self.step += 1
+        return drafts, probs
+
+
+def _run(target, prompts, spec, bad=None, params=None, monkeypatch=None, **kw):
+    holder = {}
+    if bad is not None:
+        def factory(build):
+            holder["d"] = Phases(make_draft_model(build), bad)
+            return holder["d"]
+        monkeypatch.setitem(drafters_mod.DRAFTERS, "draft_model", factory)
+    args = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                num_kv_blocks=96)
+    args.update(kw)
+    llm = LLM(target, speculative_config=spec, **args)
+    outs = llm.generate(prompts, params or SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    st = llm.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
+    return [o.outputs[0].token_ids for o in outs], holder.get("d")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_width_follows_acceptance_and_greedy_output_is_unchanged(target, prompts, monkeypatch, async_scheduling):
+    """Good drafts, then 25 steps of wrong drafts, then good again: the step width drops to 0
+    (a plain decode step) and comes back to K; the tokens equal transformers' greedy throughout."""
+    ref = hf_greedy(target, prompts[:1], max_new_tokens=80)
+    spec = SpeculativeConfig("draft_model", 3, model=str(target))
+    outs, d = _run(target, prompts[:1], spec, bad=lambda i: 4 <= i < 29, monkeypatch=monkeypatch,
+                   params=SamplingParams(max_tokens=80, ignore_eos=True), async_scheduling=async_scheduling)
+    assert outs == ref
+    w = d.widths
+    assert w[:3] == [3, 3, 3]                                   # starts with every draft
+    assert 0 in w[8:29]                                         # rejected drafts: no drafting at all
+    zero_at = w.index(0)
+    assert w[-1] == 3 and 3 in w[zero_at:]                      # grows back once drafts are good again
+
+
+def test_fixed_and_adaptive_and_no_spec_agree_with_a_mixed_batch(target, prompts, monkeypatch):
+    """Rows join and leave mid-run while widths change (mixed steps, every width 0..K): greedy
+    output of adaptive == fixed K == no speculation; seeded sampling with a one-hot drafter too."""
+    plain, _ = _run(target, prompts, None)
+    fixed, _ = _run(target, prompts, SpeculativeConfig("draft_model", 3, model=str(target), adaptive=False),
+                    bad=lambda i: 5 <= i < 35, monkeypatch=monkeypatch)
+    adaptive, d = _run(target, prompts, SpeculativeConfig("draft_model", 3, model=str(target)),
+                       bad=lambda i: 5 <= i < 35, monkeypatch=monkeypatch)
+    assert fixed == plain and adaptive == plain
+    assert set(d.widths) >= {0, 3}
+    sp = [SamplingParams(max_tokens=24, temperature=0.9, seed=40 + i, ignore_eos=True) for i in range(len(prompts))]
+    plain_s, _ = _run(target, prompts, None, params=sp)
+    ngram_s, _ = _run(target, prompts, SpeculativeConfig("ngram", 3), params=sp)
+    assert ngram_s == plain_s
+
+
+def test_random_weights_rest_at_zero_drafts(target, prompts, monkeypatch):
+    """n-gram on random weights accepts almost nothing: after a few steps nearly every step
+    verifies no drafts (it costs a plain decode step)."""
+    holder = {}
+    real = drafters_mod.DRAFTERS.get("ngram")
+    if real is None:
+        drafters_mod._register_builtin()
+        real = drafters_mod.DRAFTERS["ngram"]
+
+    def factory(build):
+        holder["d"] = Phases(real(build), lambda i: False)
+        return holder["d"]
+    monkeypatch.setitem(drafters_mod.DRAFTERS, "ngram", factory)
+    llm = LLM(target, speculative_config=SpeculativeConfig("ngram", 4), dtype="float32", device=DEV,
+              max_num_seqs=4, block_size=4, num_kv_blocks=96)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=80, ignore_eos=True), use_tqdm=False)
+    w = holder["d"].widths
+    assert w[0] == 4
+    tail = w[20:]
+    assert sum(x > 0 for x in tail) <= len(tail) // 6

@@ -1,0 +1,76 @@
+"""benchmarks/spec_real.py end to end on CPU with tiny sizes: every cell runs, greedy outputs are
+checked against no speculation, and the forced-acceptance phase runs at the measured rates."""
+import json
+
+import pytest
+
+from benchmarks import spec_real
+
+CODE = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+
+class Box:
+    def __init__(self, width, height):
+        self.width, self.height = width, height
+
+    def area(self):
+        return area(self.width, self.height)
+'''
+
+
+@pytest.fixture
+def files(tmp_path):
+    d = tmp_path / "heldout"
+    d.mkdir()
+    for i in range(2):
+        (d / f"mod{i}.py").write_text(CODE.replace("Box", f"Box{i}") * 3)
+    (d / "tiny.py").write_text("x = 1\n")                    # too short: skipped
+    return d
+
+
+def test_spec_real_smoke(files, tmp_path):
+    out = tmp_path / "out"
+    rc = spec_real.main(["--device", "cpu", "--dtype", "float32", "--files", str(files),
+                         "--methods", "none,ngram,mtp", "--ks", "2", "--batches", "1,2",
+                         "--workloads", "completion,edit,sample", "--prompt-tokens", "40", "--max-tokens", "12",
+                         "--repeats", "1", "--forced-shapes", "tiny", "--forced-k", "2", "--forced-batches", "1",
+                         "--forced-prompt-tokens", "6", "--forced-max-tokens", "6", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "spec_real.json").read_text())
+    real = data["real"]
+    cells = {(r["workload"], r["method"], r["batch"]) for r in real}
+    assert cells == {(w, m, b) for w in ("completion", "edit", "sample") for m in ("none", "ngram", "mtp")
+                     for b in (1, 2)}
+    for r in real:
+        assert r["tokens"] == 12 * r["batch"] and r["tok_s"] > 0 and r["speedup"] > 0
+        if r["method"] != "none":
+            assert len(r["per_position"]) == 2 and r["acceptance_length"] >= 1.0
+            if r["workload"] != "sample":
+                assert r["greedy_equal"] is True
+    forced = data["forced"]
+    assert {(r["shape"], r["method"]) for r in forced} == {("tiny", "none"), ("tiny", "ngram"), ("tiny", "mtp")}
+    assert all(r["forced_rate"] == data["meta"]["forced_rates"][r["method"]] for r in forced if r["method"] != "none")
+    md = (out / "spec_real.md").read_text()
+    assert "| edit | ngram | 2 | 1 |" in md and "Forced acceptance" in md
+
+
+def test_edit_prompts_restart_the_piece_they_copy(files):
+    """Workload (b): prompt = a piece of a file, the separator, then the piece's first quarter
+    again, so the continuation the file implies is a copy of text in the prompt."""
+    from hybrid_engine.default_model import default_model_dir
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    prompts = spec_real.build_prompts(tok, spec_real.heldout_files(spec_real.parse_args(
+        ["--files", str(files), "--out", "x"])), 3, 40, 12)
+    assert len(prompts["completion"]) == 3 and prompts["sample"] == prompts["completion"]
+    for comp, edit in zip(prompts["completion"], prompts["edit"]):
+        assert len(comp) == 40
+        text = tok.decode(edit)
+        head, tail = text.split(spec_real.EDIT_SEPARATOR.strip(), 1)
+        assert tail.strip() and tail.strip() in head            # the restart copies the piece
