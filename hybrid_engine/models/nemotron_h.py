@@ -13,9 +13,11 @@ from hybrid_engine.mamba_cache import ops as mops
 from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
 from ..step.forward_batch import ForwardBatch
+from .causal_lm import HybridCausalLM
 from .layers import MLP, RMSNorm
 from .linear import Linear
 from .moe import ROUTER_FP32_WEIGHTS, MoE
+from .rope import RotaryEmbedding
 
 
 class Caches:
@@ -101,22 +103,32 @@ class RMSNormWeight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ordinal: int):
+    """Paged attention over the KV cache of attention ordinal ``ordinal``. Shared by the families:
+    ``cfg.attention_bias`` (q/k/v/o biases), ``cfg.attention_scale`` (softmax scale, default
+    head_dim ** -0.5), ``cfg.rope_theta`` / ``cfg.rotary_dim`` (RoPE on the first rotary_dim dims of
+    each head, ``rope.py``; none for Nemotron-H) and ``key_scale`` (k multiplied before RoPE:
+    Falcon-H1's key_multiplier)."""
+
+    def __init__(self, cfg: ModelConfig, ordinal: int, key_scale: float = 1.0):
         super().__init__()
         self.ordinal = ordinal
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.hd ** -0.5
-        d = cfg.hidden_size
-        self.q_proj = Linear(d, self.nh * self.hd, bias=False)
-        self.k_proj = Linear(d, self.nkv * self.hd, bias=False)
-        self.v_proj = Linear(d, self.nkv * self.hd, bias=False)
-        self.o_proj = Linear(self.nh * self.hd, d, bias=False)
+        self.scale = self.hd ** -0.5 if cfg.attention_scale is None else float(cfg.attention_scale)
+        self.key_scale = float(key_scale)
+        d, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = Linear(d, self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(d, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(d, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, d, bias=bias)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if cfg.rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.nh, self.hd)
         k = self.k_proj(x).view(t, self.nkv, self.hd)
         v = self.v_proj(x).view(t, self.nkv, self.hd)
+        if self.key_scale != 1.0:
+            k = k * self.key_scale
         q, k = self.rotary(q, k, fb.positions)
         kc, vc = caches.kv.k[self.ordinal], caches.kv.v[self.ordinal]
         a = fb.attn
@@ -126,8 +138,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """Positional-encoding hook: Nemotron-H uses none; RoPE hybrids override this."""
-        return q, k
+        """Positional encoding: none (Nemotron-H) or RoPE (``cfg.rope_theta`` set)."""
+        return (q, k) if self.rope is None else self.rope(q, k, positions)
 
 
 class Block(nn.Module):
@@ -174,9 +186,11 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridCausalLM):
     # loader: these tensors stay float32 whatever the model dtype (the router runs in float32)
     keep_in_fp32 = ("e_score_correction_bias",) + ROUTER_FP32_WEIGHTS
+    embedding_name = "backbone.embeddings.weight"
+    supports_mtp = True
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
@@ -196,17 +210,3 @@ class NemotronHForCausalLM(nn.Module):
             h, residual = layer(h, residual, fb, caches)
         return self.backbone.norm_f.add_norm(h, residual)[0]           # last add fused into norm_f
 
-    def reset_runtime_state(self) -> None:
-        """Zero the buffers the checkpoint does not fill (the MoE expert-load counters)."""
-        for m in self.modules():
-            if m is not self and hasattr(m, "reset_runtime_state"):
-                m.reset_runtime_state()
-
-    def read_expert_load(self) -> dict[str, list[int]]:
-        """{MoE module name: tokens routed to each expert since the last read}; clears the
-        counters. Reads the device (a sync): for stats(), never on the step path."""
-        return {name: m.read_expert_load() for name, m in self.named_modules() if hasattr(m, "read_expert_load")
-                and m is not self}
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()                # [L, V] float32
