@@ -44,6 +44,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            "hybrid_engine._config_parse:model_config_kwargs"),
     Family("bamba", ("BambaForCausalLM",), "hybrid_engine.models.bamba:BambaForCausalLM",
            "hybrid_engine.models.bamba:config_kwargs"),
+    Family("granitemoehybrid", ("GraniteMoeHybridForCausalLM",),
+           "hybrid_engine.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+           "hybrid_engine.models.granitemoehybrid:config_kwargs"),
 )}
 
 
