@@ -33,7 +33,7 @@ import logging
 import math
 from pathlib import Path
 
-from hybrid_engine.config import ATTENTION, MAMBA, MLP, MOE
+from hybrid_engine.config import ATTENTION, HYBRID, MAMBA, MLP, MOE
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +201,10 @@ def _check_shapes(kw: dict) -> None:
     kinds = set(kw["layer_types"])
     if kw["num_nextn_predict_layers"] > 0:
         kinds |= set(kw["mtp_layer_types"])
-    if ATTENTION in kinds and kw["num_attention_heads"] % kw["num_key_value_heads"]:
+    if kinds & {ATTENTION, HYBRID} and kw["num_attention_heads"] % kw["num_key_value_heads"]:
         raise ValueError(f"num_attention_heads ({kw['num_attention_heads']}) must be a multiple of "
                          f"num_key_value_heads ({kw['num_key_value_heads']})")
-    if MAMBA in kinds and kw["mamba_num_heads"] % kw["n_groups"]:
+    if kinds & {MAMBA, HYBRID} and kw["mamba_num_heads"] % kw["n_groups"]:
         raise ValueError(f"mamba_num_heads ({kw['mamba_num_heads']}) must be a multiple of "
                          f"n_groups ({kw['n_groups']})")
     if MOE in kinds:

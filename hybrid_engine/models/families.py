@@ -47,6 +47,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granitemoehybrid", ("GraniteMoeHybridForCausalLM",),
            "hybrid_engine.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
            "hybrid_engine.models.granitemoehybrid:config_kwargs"),
+    Family("falcon_h1", ("FalconH1ForCausalLM",), "hybrid_engine.models.falcon_h1:FalconH1ForCausalLM",
+           "hybrid_engine.models.falcon_h1:config_kwargs"),
 )}
 
 

@@ -29,22 +29,56 @@ class Caches:
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ordinal: int):
+    """The Mamba2 mixer every family shares (state in the Mamba pool, by Mamba ordinal).
+
+    Family parameters (defaults: Nemotron-H, Bamba, Granite-4.0-H): ``gate_mode`` how the gate z
+    meets the output (``mops.GATE_MODES``: norm(y * silu(z)), norm(y) * silu(z), or y * silu(z)
+    with no norm weight); ``in_scale`` multiplies the input and ``proj_scales`` (5 numbers) the
+    in_proj output's z / x / B / C / dt sections (Falcon-H1's ssm_in_multiplier and muP
+    ssm_multipliers); ``out_bias`` the out_proj bias (default: ``cfg.use_bias``)."""
+
+    def __init__(self, cfg: ModelConfig, ordinal: int, *, gate_mode: str = "gate_then_norm", in_scale: float = 1.0,
+                 proj_scales: tuple[float, ...] | None = None, out_bias: bool | None = None):
         super().__init__()
         self.ordinal = ordinal
         self.H, self.P, self.G, self.N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         self.I, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
         self.chunk_size, self.eps = cfg.chunk_size, cfg.layer_norm_epsilon
         self.dt_limit = tuple(cfg.time_step_limit)
+        if gate_mode not in mops.GATE_MODES:
+            raise ValueError(f"gate_mode must be one of {mops.GATE_MODES}, got {gate_mode!r}")
+        self.gate_mode, self.in_scale = gate_mode, float(in_scale)
+        if proj_scales is not None and all(float(m) == 1.0 for m in proj_scales):
+            proj_scales = None
+        self.proj_scales = None if proj_scales is None else tuple(float(m) for m in proj_scales)
+        if self.proj_scales is not None:       # [I + C + H] float32, rebuilt by reset_runtime_state
+            self.register_buffer("proj_scale", self._proj_scale_vector(), persistent=False)
         self.in_proj = Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
                                 bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(self.H))
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.D = nn.Parameter(torch.ones(self.H))
-        self.norm = RMSNormWeight(self.I)
-        self.out_proj = Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
+        self.norm = RMSNormWeight(self.I) if gate_mode != "gate_only" else None
+        self.out_proj = Linear(self.I, cfg.hidden_size, bias=cfg.use_bias if out_bias is None else out_bias)
 
+    def _proj_scale_vector(self) -> torch.Tensor:
+        gn = self.G * self.N
+        sizes = (self.I, self.I, gn, gn, self.H)
+        if len(self.proj_scales) != 5:
+            raise ValueError(f"proj_scales needs 5 multipliers (z, x, B, C, dt), got {self.proj_scales}")
+        return torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, self.proj_scales)])
+
+    def reset_runtime_state(self) -> None:
+        if self.proj_scales is not None:
+            self.proj_scale = self._proj_scale_vector().to(device=self.proj_scale.device,
+                                                           dtype=self.in_proj.weight.dtype)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_scale != 1.0:
+            x = x * self.in_scale
+        p = self.in_proj(x)
+        return p if self.proj_scales is None else p * self.proj_scale
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, recomputed only when A_log changes (weights are constant
         while serving, so decode steps and CUDA graphs read a cached tensor)."""
@@ -57,7 +91,7 @@ class Mamba2Mixer(nn.Module):
         conv_state = caches.mamba.conv_state[self.ordinal]   # [S, C, W-1+K]
         ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32
         md = fb.mamba
-        z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, self.H], dim=-1)
+        z, xbc, dt = self._project(x).split([self.I, self.conv_dim, self.H], dim=-1)
         weight = self.conv1d.weight.squeeze(1)               # [C, W]
         A = self._A()                                        # [H] float32
         nd = md.num_decode_tokens
@@ -70,7 +104,8 @@ class Mamba2Mixer(nn.Module):
             ssu_args = (ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias,
                         A, bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
                         md.decode_slots, md.num_accepted)
-            if not md.num_prefill_rows:       # decode-only step: the gated norm runs inside the SSU kernel
+            if not md.num_prefill_rows and self.gate_mode == "gate_then_norm":
+                # decode-only step: the gated norm runs inside the SSU kernel
                 y = mops.selective_state_update_gated(*ssu_args, z[:nd], self.norm.weight, self.I // self.G,
                                                       self.eps, dt_limit=self.dt_limit)    # [n, s, I]
                 return self.out_proj(y.view(nd, self.I))
@@ -90,7 +125,8 @@ class Mamba2Mixer(nn.Module):
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        y = mops.gated_rmsnorm(y, z, self.norm.weight, self.I // self.G, self.eps)
+        y = mops.gated_rmsnorm(y, z, None if self.norm is None else self.norm.weight, self.I // self.G, self.eps,
+                               self.gate_mode)
         return self.out_proj(y)
 
 
