@@ -9,7 +9,8 @@ Against Nemotron-H (transformers' GraniteMoeHybridForCausalLM is the reference):
 - multipliers: embeddings x ``embedding_multiplier``; each step's output x ``residual_multiplier``
   before its residual add; attention softmax scale ``attention_multiplier`` (not head_dim^-0.5);
   logits / ``logits_scaling``;
-- positional encoding: none, or RoPE on the whole head (``position_embedding_type: "rope"``);
+- positional encoding: none (``position_embedding_type`` null or "nope", as published), or RoPE
+  on the whole head (``"rope"``);
 - router: top-k of the logits, weights = softmax of those k logits (the shared MoE ops with
   ``scoring="softmax"``); experts SwiGLU with merged gate/up weights ``input_linear`` [E, 2F, D]
   (gate rows first), ``output_linear`` [E, D, F] (the shared ops with ``activation="swiglu"``);
@@ -60,7 +61,9 @@ def config_kwargs(d: dict) -> dict:
     """granitemoehybrid config.json -> ModelConfig kwargs (defaults: transformers' config)."""
     kw = base_kwargs()
     reject_unless(d, "hidden_act", ("silu",), "silu", " (Granite-4.0-H's MLPs use SiLU)")
-    reject_unless(d, "position_embedding_type", (None, "rope"), None)
+    # transformers: "rope" adds RoPE, anything else none; the published Granite-4.0-H configs say "nope"
+    reject_unless(d, "position_embedding_type", (None, "nope", "rope"), None)
+    reject_unless(d, "normalization_function", ("rmsnorm",), "rmsnorm")
     common_fields(d, kw, vocab=32000, hidden=4096, inter=11008, heads=32, kv_heads=None, eps=1e-6, pad=None)
     n = layer_count(d, 32)
     names = d.get("layer_types", d.get("layers_block_type"))

@@ -49,7 +49,8 @@ def test_config_maps_to_the_engine(make):
 
 @pytest.mark.parametrize("name, changes", [
     ("main", {}),
-    ("nope_dense_tied", dict(position_embedding_type=None, num_local_experts=0, tie_word_embeddings=True)),
+    ("nope_dense_tied", dict(position_embedding_type="nope", num_local_experts=0, tie_word_embeddings=True)),
+    ("null_position_embedding", dict(position_embedding_type=None, num_experts_per_tok=1)),
 ])
 def test_prefill_logits_match_transformers(make, name, changes):
     fc.check_prefill_logits(make(name, **changes))
@@ -82,6 +83,7 @@ def test_expert_load_is_counted(make):
     (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "rope_type"),
     (dict(num_local_experts=-1), "num_local_experts"),
     (dict(logits_scaling=0), "logits_scaling"),
+    (dict(normalization_function="layernorm"), "normalization_function"),
 ])
 def test_unsupported_options_are_clear_errors(make, changes, key):
     d = json.loads((make("main") / "config.json").read_text())
