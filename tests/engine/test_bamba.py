@@ -83,3 +83,15 @@ def test_mtp_is_refused(bamba_dir):
     with pytest.raises(ValueError, match="mtp"):
         LLM(bamba_dir, dtype="float32", device="cpu",
             speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=1))
+
+
+def test_legacy_style_config_parses():
+    """Older Bamba configs: a top-level rope_theta and no rope_parameters (the half-head rotary is
+    transformers' fixed Bamba value), attn_rotary_emb (ignored by transformers), torch_dtype."""
+    d = {"architectures": ["BambaForCausalLM"], "model_type": "bamba", "attn_layer_indices": [2],
+         "attn_rotary_emb": 16, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "mamba_n_heads": 8, "mamba_d_head": 16,
+         "mamba_d_state": 32, "mamba_n_groups": 1, "rope_theta": 5000.0, "torch_dtype": "bfloat16", "vocab_size": 300}
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta == 5000.0 and cfg.rotary_dim == 16 and cfg.head_dim == 32
+    assert cfg.layer_types == (MAMBA, MAMBA, ATTENTION, MAMBA)

@@ -87,3 +87,23 @@ def test_unsupported_options_are_clear_errors(make, changes, key):
     d.update(changes)
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_dict(d)
+
+
+def test_published_style_config_parses():
+    """Keys of the published Falcon-H1 configs (hand-written at reduced width, not a copy): an
+    explicit head_dim, mamba_d_ssm, top-level rope_theta, keys transformers ignores
+    (mamba_use_mlp, mlp_expansion_factor), torch_dtype."""
+    d = {"architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1", "attention_in_multiplier": 1.0,
+         "attention_out_multiplier": 0.9375, "embedding_multiplier": 5.66, "head_dim": 16, "hidden_act": "silu",
+         "hidden_size": 64, "intermediate_size": 128, "key_multiplier": 0.39, "lm_head_multiplier": 0.039,
+         "mamba_chunk_size": 128, "mamba_conv_bias": True, "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_ssm": 96,
+         "mamba_d_state": 32, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 6,
+         "mamba_norm_before_gate": False, "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_use_mlp": True,
+         "mlp_bias": False, "mlp_expansion_factor": 8, "mlp_multipliers": [0.88, 0.59], "num_attention_heads": 8,
+         "num_hidden_layers": 4, "num_key_value_heads": 2, "projectors_bias": False, "rms_norm_eps": 1e-05,
+         "rope_scaling": None, "rope_theta": 1e11, "ssm_in_multiplier": 1.25,
+         "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35], "ssm_out_multiplier": 0.236, "tie_word_embeddings": False,
+         "torch_dtype": "bfloat16", "vocab_size": 300}
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta == 1e11 and cfg.rotary_dim == 16 and cfg.mamba_intermediate == 96
+    assert cfg.family.mamba_gate_mode == "gate_only" and cfg.family.key_multiplier == 0.39

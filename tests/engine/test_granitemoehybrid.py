@@ -90,3 +90,23 @@ def test_unsupported_options_are_clear_errors(make, changes, key):
     d.update(changes)
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_dict(d)
+
+
+def test_published_style_dense_config_parses():
+    """The keys of the published Granite-4.0-H configs (hand-written here at reduced width, not a
+    copy): "nope" positional encoding, a dense model with num_local_experts = num_experts_per_tok = 0,
+    normalization_function, rope_scaling null, torch_dtype, no mamba_expand."""
+    d = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+         "attention_bias": False, "attention_multiplier": 0.015625, "embedding_multiplier": 12, "eos_token_id": 100,
+         "hidden_act": "silu", "hidden_size": 96, "intermediate_size": 128, "logits_scaling": 3,
+         "layer_types": ["mamba", "mamba", "attention", "mamba"], "mamba_conv_bias": True, "mamba_d_conv": 4,
+         "mamba_d_head": 16, "mamba_d_state": 32, "mamba_n_groups": 1, "mamba_n_heads": 12, "mamba_proj_bias": False,
+         "max_position_embeddings": 32768, "normalization_function": "rmsnorm", "num_attention_heads": 6,
+         "num_experts_per_tok": 0, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 0,
+         "position_embedding_type": "nope", "residual_multiplier": 0.246, "rms_norm_eps": 1e-05, "rope_scaling": None,
+         "rope_theta": 10000, "shared_intermediate_size": 128, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+         "vocab_size": 128}
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta is None and not cfg.family.has_experts and cfg.tie_word_embeddings
+    assert cfg.mamba_intermediate == 2 * 96 and cfg.attention_layer_ids == (2,) and cfg.torch_dtype == "bfloat16"
+    assert ModelConfig.from_dict({k: v for k, v in d.items() if k != "model_type"}).model_type == "granitemoehybrid"
