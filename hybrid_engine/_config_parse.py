@@ -1,6 +1,12 @@
 """config.json -> ModelConfig keyword arguments (private helper of ``hybrid_engine.config``).
 
-Accepted forms, all for ``model_type == "nemotron_h"``:
+``model_type`` (or, when absent, ``architectures``) picks the family in
+``hybrid_engine.models.families.FAMILIES``; every family but ``nemotron_h`` has its config adapter
+in its own model module (``config_kwargs(d)``), which uses the helpers below (``base_kwargs``,
+``parse_eos``, ``parse_time_step_limit``, ``parse_dtype``, ``reject_unless``) and ends in
+``finish_kwargs`` (the common type and shape checks).
+
+Accepted forms for ``model_type == "nemotron_h"``:
 
 - transformers 5 (``save_pretrained``): ``layers_block_type`` (alias ``layer_types``), a list of
   ``linear_attention | full_attention | mlp | moe`` (legacy ``mamba`` / ``attention`` too);
@@ -27,11 +33,13 @@ import logging
 import math
 from pathlib import Path
 
-from hybrid_engine.config import ATTENTION, MAMBA, MLP, MOE
+from hybrid_engine.config import ATTENTION, HYBRID, MAMBA, MLP, MOE
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("nemotron_h",)
+from hybrid_engine.models.families import FAMILIES, family_of
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 _KIND_BY_NAME = {"linear_attention": MAMBA, "full_attention": ATTENTION, "mlp": MLP, "moe": MOE,
                  "mamba": MAMBA, "attention": ATTENTION}
@@ -155,7 +163,7 @@ def _mtp_kinds(d: dict) -> tuple[str, ...]:
     return kinds if kinds is not None else default
 
 
-def _eos(value) -> tuple[int, ...]:
+def parse_eos(value) -> tuple[int, ...]:
     if value is None:
         return ()
     items = value if isinstance(value, (list, tuple)) else [value]
@@ -193,10 +201,10 @@ def _check_shapes(kw: dict) -> None:
     kinds = set(kw["layer_types"])
     if kw["num_nextn_predict_layers"] > 0:
         kinds |= set(kw["mtp_layer_types"])
-    if ATTENTION in kinds and kw["num_attention_heads"] % kw["num_key_value_heads"]:
+    if kinds & {ATTENTION, HYBRID} and kw["num_attention_heads"] % kw["num_key_value_heads"]:
         raise ValueError(f"num_attention_heads ({kw['num_attention_heads']}) must be a multiple of "
                          f"num_key_value_heads ({kw['num_key_value_heads']})")
-    if MAMBA in kinds and kw["mamba_num_heads"] % kw["n_groups"]:
+    if kinds & {MAMBA, HYBRID} and kw["mamba_num_heads"] % kw["n_groups"]:
         raise ValueError(f"mamba_num_heads ({kw['mamba_num_heads']}) must be a multiple of "
                          f"n_groups ({kw['n_groups']})")
     if MOE in kinds:
@@ -218,13 +226,15 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"config must be a dict, got {type(d).__name__}")
     d = decode_special_floats(d)
     mt = d.get("model_type")
-    if mt is None and "NemotronHForCausalLM" in (d.get("architectures") or []):
-        mt = "nemotron_h"
+    if mt is None:
+        mt = family_of(d.get("architectures"))
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))}")
     d = dict(d)
     _reject_quantization(d)
+    if mt != "nemotron_h":
+        return FAMILIES[mt].config_adapter()(d)
     if d.get("head_dim") is None and d.get("attention_head_dim") is not None:
         d["head_dim"] = d["attention_head_dim"]
     elif d.get("attention_head_dim") is not None and d["attention_head_dim"] != d["head_dim"]:
@@ -252,21 +262,49 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"mamba_hidden_act {kw['mamba_hidden_act']!r} is not supported; allowed: 'silu'")
     kw["layer_types"] = _layer_kinds(d)
     kw["mtp_layer_types"] = _mtp_kinds(d)
-    kw["eos_token_id"] = _eos(d.get("eos_token_id", 2))
+    kw["eos_token_id"] = parse_eos(d.get("eos_token_id", 2))
+    kw["time_step_limit"] = parse_time_step_limit(d)
+    kw["torch_dtype"] = parse_dtype(d)
+    return finish_kwargs(kw)
 
+
+def parse_time_step_limit(d: dict) -> tuple[float, float]:
     lim = d.get("time_step_limit", (0.0, math.inf))
+    if lim is None:
+        lim = (0.0, math.inf)
     if (not isinstance(lim, (list, tuple)) or len(lim) != 2
             or any(isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x) for x in lim)
             or lim[0] > lim[1]):
         raise ValueError(f"time_step_limit must be a pair [low, high] of numbers with low <= high "
                          f"(high may be Infinity), got {lim!r}")
-    kw["time_step_limit"] = (float(lim[0]), float(lim[1]))
+    return (float(lim[0]), float(lim[1]))
 
+
+def parse_dtype(d: dict) -> str | None:
     dt = d.get("dtype", d.get("torch_dtype"))
     if dt is not None and not isinstance(dt, str):
         raise ValueError(f"config.json field dtype must be a string such as 'bfloat16', got {dt!r}")
-    kw["torch_dtype"] = dt.removeprefix("torch.") if dt else None
+    return dt.removeprefix("torch.") if dt else None
 
+
+def base_kwargs() -> dict:
+    """ModelConfig keyword arguments at transformers' NemotronHConfig defaults: the starting point
+    of a family adapter, which overwrites the fields its config.json sets."""
+    return dict(_HF_DEFAULTS, mtp_layer_types=(ATTENTION, MOE), eos_token_id=(2,),
+                time_step_limit=(0.0, math.inf), torch_dtype=None)
+
+
+def reject_unless(d: dict, key: str, allowed: tuple, default=None, what: str = "") -> None:
+    """ValueError naming ``key`` when config.json sets it to a value outside ``allowed`` (a
+    feature this engine does not implement for the family)."""
+    v = d.get(key, default)
+    if v not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"config.json {key}={v!r} is not supported{what}; allowed: {shown}")
+
+
+def finish_kwargs(kw: dict) -> dict:
+    """The checks every family shares: field types, divisibility, EOS ids inside the vocabulary."""
     _check_types(kw)
     _check_shapes(kw)
     outside = [e for e in kw["eos_token_id"] if e >= kw["vocab_size"]]
@@ -285,3 +323,93 @@ def _reject_quantization(d: dict) -> None:
         raise ValueError(f"config.json {key} (quant_method {method!r}) is not supported: this engine "
                          "loads float16 / bfloat16 / float32 weights only; use the checkpoint's "
                          "unquantized (BF16) release")
+
+
+# ------------------------------------------------------------- helpers of the other families' adapters
+
+def field(d: dict, key: str, default):
+    """config.json value of ``key``; a missing or null key takes ``default`` (as transformers)."""
+    v = d.get(key)
+    return default if v is None else v
+
+
+def rope_fields(d: dict, head_dim: int, default_partial: float = 1.0) -> tuple[float, int]:
+    """(rope_theta, rotary_dim) from ``rope_parameters`` (transformers 5) or the legacy top-level
+    ``rope_theta`` / ``partial_rotary_factor``; only the "default" rope type is implemented."""
+    rp = d.get("rope_parameters")
+    if rp is None:
+        rp = {}
+    if not isinstance(rp, dict):
+        raise ValueError(f"config.json rope_parameters must be an object, got {rp!r}")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope_parameters.rope_type={rope_type!r} is not supported; allowed: "
+                         "'default' (RoPE scaling variants are not implemented)")
+    if d.get("rope_scaling") not in (None, {}):
+        raise ValueError(f"config.json rope_scaling={d['rope_scaling']!r} is not supported (RoPE scaling "
+                         "variants are not implemented); remove it or set it to null")
+    theta = rp.get("rope_theta", field(d, "rope_theta", 10000.0))
+    partial = rp.get("partial_rotary_factor", field(d, "partial_rotary_factor", default_partial))
+    for name, v in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"config.json {name} must be a number > 0, got {v!r}")
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2 or partial > 1:
+        raise ValueError(f"config.json partial_rotary_factor={partial!r} gives {rotary_dim} rotary dims of a "
+                         f"{head_dim}-dim head; it must give an even number >= 2 and be <= 1")
+    return float(theta), rotary_dim
+
+
+def ibm_mamba_fields(d: dict, kw: dict, mamba_intermediate: int, *, n_heads: int = 128, n_groups: int = 1,
+                     d_state: int = 256, d_conv: int = 4, chunk: int = 256) -> None:
+    """The ``mamba_*`` fields of Bamba / Granite-4.0-H / Falcon-H1 into ``kw`` (defaults: theirs)."""
+    kw["mamba_num_heads"] = field(d, "mamba_n_heads", n_heads)
+    kw["n_groups"] = field(d, "mamba_n_groups", n_groups)
+    kw["ssm_state_size"] = field(d, "mamba_d_state", d_state)
+    kw["conv_kernel"] = field(d, "mamba_d_conv", d_conv)
+    kw["chunk_size"] = field(d, "mamba_chunk_size", chunk)
+    kw["use_conv_bias"] = field(d, "mamba_conv_bias", True)
+    kw["use_bias"] = field(d, "mamba_proj_bias", False)
+    kw["time_step_limit"] = parse_time_step_limit(d)
+    h = kw["mamba_num_heads"]
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        raise ValueError(f"config.json field mamba_n_heads must be an integer >= 1, got {h!r}")
+    head = field(d, "mamba_d_head", "auto")
+    if head == "auto":
+        head = mamba_intermediate // h
+    if not isinstance(head, int) or isinstance(head, bool) or head * h != mamba_intermediate:
+        raise ValueError(f"config.json mamba_d_head={head!r} x mamba_n_heads={h} must equal the Mamba "
+                         f"intermediate size {mamba_intermediate}")
+    kw["mamba_head_dim"] = head
+
+
+def common_fields(d: dict, kw: dict, *, vocab: int, hidden: int, inter: int, heads: int, kv_heads,
+                  eps: float, pad, tie: bool = False) -> None:
+    """Widths, attention heads, norms, special tokens and dtype shared by the IBM-style configs."""
+    kw["vocab_size"] = field(d, "vocab_size", vocab)
+    kw["hidden_size"] = field(d, "hidden_size", hidden)
+    kw["intermediate_size"] = field(d, "intermediate_size", inter)
+    kw["num_attention_heads"] = field(d, "num_attention_heads", heads)
+    kw["num_key_value_heads"] = field(d, "num_key_value_heads", kv_heads) or kw["num_attention_heads"]
+    for name in ("hidden_size", "num_attention_heads"):
+        if not isinstance(kw[name], int) or isinstance(kw[name], bool) or kw[name] < 1:
+            raise ValueError(f"config.json field {name} must be an integer >= 1, got {kw[name]!r}")
+    kw["head_dim"] = field(d, "head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    kw["layer_norm_epsilon"] = field(d, "rms_norm_eps", eps)
+    kw["tie_word_embeddings"] = field(d, "tie_word_embeddings", tie)
+    kw["pad_token_id"] = d.get("pad_token_id", pad)
+    kw["bos_token_id"] = d.get("bos_token_id", 1)
+    kw["eos_token_id"] = parse_eos(d.get("eos_token_id", 2))
+    kw["torch_dtype"] = parse_dtype(d)
+    kw["attention_bias"] = field(d, "attention_bias", False)
+    kw["mlp_bias"] = field(d, "mlp_bias", False)
+    for name in ("attention_bias", "mlp_bias"):
+        if not isinstance(kw[name], bool):
+            raise ValueError(f"config.json field {name} must be true or false, got {kw[name]!r}")
+
+
+def layer_count(d: dict, default: int) -> int:
+    n = field(d, "num_hidden_layers", default)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"config.json field num_hidden_layers must be an integer >= 1, got {n!r}")
+    return n

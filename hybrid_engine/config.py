@@ -1,7 +1,8 @@
 """Frozen configuration dataclasses.
 
-ModelConfig is read from a transformers-style ``config.json`` of ``model_type == "nemotron_h"``
-(see ``hybrid_engine/_config_parse.py`` for the accepted spellings). CacheConfig, SchedulerConfig,
+ModelConfig is read from a transformers-style ``config.json``: ``nemotron_h`` (see
+``hybrid_engine/_config_parse.py`` for the accepted spellings) or another Mamba2 hybrid whose
+config adapter is registered in ``hybrid_engine/models/families.py``. CacheConfig, SchedulerConfig,
 SpeculativeConfig and EngineConfig validate themselves in ``__post_init__``; every error is a
 ``ValueError`` naming the field, the bad value and what is allowed.
 """
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-# Layer kinds, one character each, as in ``hybrid_override_pattern``.
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+# Layer kinds, one character each, as in ``hybrid_override_pattern``; HYBRID is a layer holding a
+# Mamba2 mixer and an attention in parallel (Falcon-H1): it owns one Mamba state and one KV cache.
+MAMBA, ATTENTION, MLP, MOE, HYBRID = "M", "*", "-", "E", "H"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,15 @@ class ModelConfig:
     # added by the config parser (defaults = transformers' NemotronHConfig defaults)
     mlp_bias: bool = False                # bias on MLP / expert up_proj and down_proj
     mamba_hidden_act: str = "silu"        # activation after the Mamba conv
+    # other families (set by their config adapters, models/families.py; defaults = Nemotron-H)
+    model_type: str = "nemotron_h"
+    attention_bias: bool = False          # bias on q/k/v/o_proj
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    rope_theta: float | None = None       # RoPE base; None: no positional encoding (Nemotron-H)
+    rotary_dim: int = 0                   # leading dims of each head RoPE rotates (partial rotary)
+    moe_router: str = "sigmoid"           # "sigmoid" (Nemotron-H) | "softmax" (softmax of the top-k logits)
+    moe_activation: str = "relu2"         # routed experts: "relu2" | "swiglu" (up [E, 2F, D]: gate rows first)
+    family: object = None                 # the family's own frozen settings (multipliers, ...), or None
 
     @property
     def num_layers(self) -> int:
@@ -79,11 +90,11 @@ class ModelConfig:
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (MAMBA, HYBRID))
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (ATTENTION, HYBRID))
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -1,10 +1,12 @@
-"""Nemotron-H building blocks that hold no cache: norms, MLP (the MoE block is in moe.py).
+"""Building blocks that hold no cache: norms, the relu² MLP (Nemotron-H), the SiLU-gated MLP
+(Bamba, Falcon-H1; the MoE block is in moe.py).
 
 Parameter names mirror the on-disk checkpoint names so the loader maps them 1:1.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .activation import relu2
@@ -38,3 +40,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(relu2(self.up_proj(x)))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x) * gate_scale) * up(x)) * down_scale (transformers' LlamaMLP;
+    the scales are Falcon-H1's mlp_multipliers, 1.0 elsewhere, where they are skipped)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, gate_scale: float = 1.0,
+                 down_scale: float = 1.0):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_scale, self.down_scale = float(gate_scale), float(down_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        if self.gate_scale != 1.0:
+            g = g * self.gate_scale
+        y = self.down_proj(F.silu(g) * self.up_proj(x))
+        return y if self.down_scale == 1.0 else y * self.down_scale

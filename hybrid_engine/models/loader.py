@@ -15,7 +15,8 @@ Name mapping (disk -> model), checked for every tensor before anything is copied
   them); a checkpoint whose backbone tensors are named ``model.*`` (transformers' in-memory naming)
   or carry no prefix (``embeddings.weight``, ``layers.N.*``, ``norm_f.weight``) is read as if they
   were ``backbone.*`` (``lm_head.*`` and ``mtp.*`` are never renamed); mixing spellings is an error;
-- ``lm_head.weight`` absent and tied embeddings: the model's lm_head shares the embedding weight.
+- ``lm_head.weight`` absent and tied embeddings: the model's lm_head shares the embedding weight
+  (``model.embedding_name``, default ``backbone.embeddings.weight``).
   When the checkpoint has its own ``lm_head.weight`` it is used, tie or not (transformers'
   NemotronH never ties: ``_tied_weights_keys = {}``), untying a shared model parameter.
 
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
-LM_HEAD, EMBED = "lm_head.weight", "backbone.embeddings.weight"
+LM_HEAD, DEFAULT_EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
 _MAX_LISTED = 10
@@ -230,6 +231,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     disk_files = weight_files(folder)
     device = torch.device(device) if device is not None else None
     keep32 = tuple(getattr(model, "keep_in_fp32", DEFAULT_KEEP_IN_FP32))
+    EMBED = getattr(model, "embedding_name", DEFAULT_EMBED)     # the tensor a tied lm_head shares
 
     full_sd = model.state_dict(keep_vars=True)
     renamed = canonical_names(disk_files, full_sd)          # disk name -> model name

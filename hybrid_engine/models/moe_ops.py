@@ -1,12 +1,15 @@
 """MoE ops: routing, expert dispatch and the torch reference twins of the Triton kernels.
 
 Public ops (each picks its backend through ``kernel_backend`` and logs the choice once):
-- ``route(logits, bias, spec, counts, valid)``: sigmoid scores, correction bias for the choice
-  only, group-limited top-k, renormalisation, ``routed_scaling_factor``
-  -> (ids [T, k] int32, weights [T, k] float32). Optionally adds each valid token's k choices to
+- ``route(logits, bias, spec, counts, valid)``: ``spec.scoring == "sigmoid"`` (Nemotron-H):
+  sigmoid scores, correction bias for the choice only, group-limited top-k, renormalisation,
+  ``routed_scaling_factor``; ``"softmax"`` (Granite-4.0-H): top-k of the logits, weights the
+  softmax of those k logits -> (ids [T, k] int32, weights [T, k] float32). Optionally adds each valid token's k choices to
   the per-expert counter ``counts`` [E] int32 on the device (the expert-load statistics).
-- ``routed_experts(h, w_up, w_down, ids, weights, add)``: sum_j weights[t, j] *
-  down[ids[t, j]](relu2(up[ids[t, j]](h[t]))) [T, D_out] in h's dtype, plus ``add`` when given.
+- ``routed_experts(h, w_up, w_down, ids, weights, add, activation)``: sum_j weights[t, j] *
+  down[ids[t, j]](act(up[ids[t, j]](h[t]))) [T, D_out] in h's dtype, plus ``add`` when given;
+  ``activation`` "relu2" (w_up [E, F, D]) or "swiglu" (w_up [E, 2F, D], gate rows then up rows:
+  act = silu(gate) * up, Granite-4.0-H's merged ``input_linear``).
 
 Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe); CPU ->
 ``grouped_experts_ref``, which runs each expert only over the tokens routed to it (the expert
@@ -27,6 +30,10 @@ import torch.nn.functional as F
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
 
+ROUTER_SCORINGS = ("sigmoid", "softmax")
+EXPERT_ACTIVATIONS = ("relu2", "swiglu")
+
+
 @dataclass(frozen=True)
 class RouteSpec:
     """The router's constants (from ModelConfig)."""
@@ -36,8 +43,13 @@ class RouteSpec:
     topk_group: int = 1
     norm_topk_prob: bool = True
     scale: float = 1.0
+    scoring: str = "sigmoid"          # "sigmoid" | "softmax" (softmax of the k chosen logits)
 
     def __post_init__(self):
+        if self.scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router scoring must be one of {ROUTER_SCORINGS}, got {self.scoring!r}")
+        if self.scoring == "softmax" and self.n_group != 1:
+            raise ValueError("the softmax router has no expert groups (n_group must be 1)")
         if self.num_experts % self.n_group:
             raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of n_group "
                              f"({self.n_group})")
@@ -52,6 +64,9 @@ class RouteSpec:
 
 def route_ref(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] float32 -> (ids [T, k] int64, weights [T, k] float32); transformers' rule."""
+    if spec.scoring == "softmax":             # transformers' GraniteMoeHybridTopKRouter
+        top, idx = logits.float().topk(spec.top_k, dim=-1)
+        return idx, torch.softmax(top, dim=-1) * spec.scale
     scores = logits.float().sigmoid()                                       # [T, E]
     choice = scores + bias.float()
     per_group = spec.num_experts // spec.n_group
@@ -124,8 +139,24 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def _act(u: torch.Tensor, activation: str) -> torch.Tensor:
+    """The expert activation on the up projection's output (model dtype, as transformers)."""
+    if activation == "relu2":
+        return _relu2(u)
+    gate, up = u.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _check_activation(activation: str, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+    f = w_down.shape[-1]
+    if w_up.shape[1] != (2 * f if activation == "swiglu" else f):
+        raise ValueError(f"{activation} experts: up {tuple(w_up.shape)} does not fit down {tuple(w_down.shape)}")
+
+
 def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                        weights: torch.Tensor) -> torch.Tensor:
+                        weights: torch.Tensor, activation: str = "relu2") -> torch.Tensor:
     """Each expert over the tokens routed to it, in ascending expert order (as transformers):
     h [T, D_in], w_up [E, F, D_in], w_down [E, D_out, F], ids/weights [T, k] -> [T, D_out] h.dtype.
     Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
@@ -141,7 +172,7 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
             continue
         pairs = order[start:start + n]
         tok = pairs // k
-        y = F.linear(_relu2(F.linear(h[tok], w_up[e])), w_down[e])
+        y = F.linear(_act(F.linear(h[tok], w_up[e]), activation), w_down[e])
         # dtype * float32 -> float32; a token appears once per expert, so this is out[tok] += ...
         # (index_put_ rather than index_add_, which is ~100x slower on CPU for few rows)
         out.index_put_((tok,), y * w_flat[pairs, None], accumulate=True)
@@ -150,27 +181,29 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
 
 
 def dense_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
+                      weights: torch.Tensor, activation: str = "relu2") -> torch.Tensor:
     """Every expert over every token, weighted by the (mostly zero) dense routing weight: no
     host sync, E/k times the routed work (CUDA without Triton only)."""
     dense_w = torch.zeros(h.shape[0], w_up.shape[0], dtype=torch.float32, device=h.device)
     dense_w.scatter_(1, ids.long(), weights.float())                       # [T, E]
     acc = torch.zeros(h.shape[0], w_down.shape[1], dtype=torch.float32, device=h.device)
     for e in range(w_up.shape[0]):
-        acc += F.linear(_relu2(F.linear(h, w_up[e])), w_down[e]).float() * dense_w[:, e:e + 1]
+        acc += F.linear(_act(F.linear(h, w_up[e]), activation), w_down[e]).float() * dense_w[:, e:e + 1]
     return acc.to(h.dtype)
 
 
 def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+                   weights: torch.Tensor, add: torch.Tensor | None = None, activation: str = "relu2"
+                   ) -> torch.Tensor:
     """[T, D_out] in h.dtype: the routed experts' weighted sum (+ ``add`` [T, D_out], rounded as
     ``routed + add`` in h.dtype)."""
+    _check_activation(activation, w_up, w_down)
     backend = kernel_backend("moe_experts", h.device)
     if backend == "triton" and h.shape[0]:
         from .triton_moe import routed_experts_triton
-        return routed_experts_triton(h, w_up, w_down, ids, weights, add)
+        return routed_experts_triton(h, w_up, w_down, ids, weights, add, activation=activation)
     fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
-    out = fn(h, w_up, w_down, ids, weights)
+    out = fn(h, w_up, w_down, ids, weights, activation)
     return out if add is None else out + add
 
 

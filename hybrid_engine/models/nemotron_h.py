@@ -13,9 +13,11 @@ from hybrid_engine.mamba_cache import ops as mops
 from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
 from ..step.forward_batch import ForwardBatch
+from .causal_lm import HybridCausalLM
 from .layers import MLP, RMSNorm
 from .linear import Linear
 from .moe import ROUTER_FP32_WEIGHTS, MoE
+from .rope import RotaryEmbedding
 
 
 class Caches:
@@ -27,22 +29,56 @@ class Caches:
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ordinal: int):
+    """The Mamba2 mixer every family shares (state in the Mamba pool, by Mamba ordinal).
+
+    Family parameters (defaults: Nemotron-H, Bamba, Granite-4.0-H): ``gate_mode`` how the gate z
+    meets the output (``mops.GATE_MODES``: norm(y * silu(z)), norm(y) * silu(z), or y * silu(z)
+    with no norm weight); ``in_scale`` multiplies the input and ``proj_scales`` (5 numbers) the
+    in_proj output's z / x / B / C / dt sections (Falcon-H1's ssm_in_multiplier and muP
+    ssm_multipliers); ``out_bias`` the out_proj bias (default: ``cfg.use_bias``)."""
+
+    def __init__(self, cfg: ModelConfig, ordinal: int, *, gate_mode: str = "gate_then_norm", in_scale: float = 1.0,
+                 proj_scales: tuple[float, ...] | None = None, out_bias: bool | None = None):
         super().__init__()
         self.ordinal = ordinal
         self.H, self.P, self.G, self.N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         self.I, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
         self.chunk_size, self.eps = cfg.chunk_size, cfg.layer_norm_epsilon
         self.dt_limit = tuple(cfg.time_step_limit)
+        if gate_mode not in mops.GATE_MODES:
+            raise ValueError(f"gate_mode must be one of {mops.GATE_MODES}, got {gate_mode!r}")
+        self.gate_mode, self.in_scale = gate_mode, float(in_scale)
+        if proj_scales is not None and all(float(m) == 1.0 for m in proj_scales):
+            proj_scales = None
+        self.proj_scales = None if proj_scales is None else tuple(float(m) for m in proj_scales)
+        if self.proj_scales is not None:       # [I + C + H] float32, rebuilt by reset_runtime_state
+            self.register_buffer("proj_scale", self._proj_scale_vector(), persistent=False)
         self.in_proj = Linear(cfg.hidden_size, self.I + self.conv_dim + self.H, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
                                 bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(self.H))
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.D = nn.Parameter(torch.ones(self.H))
-        self.norm = RMSNormWeight(self.I)
-        self.out_proj = Linear(self.I, cfg.hidden_size, bias=cfg.use_bias)
+        self.norm = RMSNormWeight(self.I) if gate_mode != "gate_only" else None
+        self.out_proj = Linear(self.I, cfg.hidden_size, bias=cfg.use_bias if out_bias is None else out_bias)
 
+    def _proj_scale_vector(self) -> torch.Tensor:
+        gn = self.G * self.N
+        sizes = (self.I, self.I, gn, gn, self.H)
+        if len(self.proj_scales) != 5:
+            raise ValueError(f"proj_scales needs 5 multipliers (z, x, B, C, dt), got {self.proj_scales}")
+        return torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, self.proj_scales)])
+
+    def reset_runtime_state(self) -> None:
+        if self.proj_scales is not None:
+            self.proj_scale = self._proj_scale_vector().to(device=self.proj_scale.device,
+                                                           dtype=self.in_proj.weight.dtype)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_scale != 1.0:
+            x = x * self.in_scale
+        p = self.in_proj(x)
+        return p if self.proj_scales is None else p * self.proj_scale
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log) in float32, recomputed only when A_log changes (weights are constant
         while serving, so decode steps and CUDA graphs read a cached tensor)."""
@@ -55,7 +91,7 @@ class Mamba2Mixer(nn.Module):
         conv_state = caches.mamba.conv_state[self.ordinal]   # [S, C, W-1+K]
         ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32
         md = fb.mamba
-        z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, self.H], dim=-1)
+        z, xbc, dt = self._project(x).split([self.I, self.conv_dim, self.H], dim=-1)
         weight = self.conv1d.weight.squeeze(1)               # [C, W]
         A = self._A()                                        # [H] float32
         nd = md.num_decode_tokens
@@ -68,7 +104,8 @@ class Mamba2Mixer(nn.Module):
             ssu_args = (ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias,
                         A, bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
                         md.decode_slots, md.num_accepted)
-            if not md.num_prefill_rows:       # decode-only step: the gated norm runs inside the SSU kernel
+            if not md.num_prefill_rows and self.gate_mode == "gate_then_norm":
+                # decode-only step: the gated norm runs inside the SSU kernel
                 y = mops.selective_state_update_gated(*ssu_args, z[:nd], self.norm.weight, self.I // self.G,
                                                       self.eps, dt_limit=self.dt_limit)    # [n, s, I]
                 return self.out_proj(y.view(nd, self.I))
@@ -88,7 +125,8 @@ class Mamba2Mixer(nn.Module):
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        y = mops.gated_rmsnorm(y, z, self.norm.weight, self.I // self.G, self.eps)
+        y = mops.gated_rmsnorm(y, z, None if self.norm is None else self.norm.weight, self.I // self.G, self.eps,
+                               self.gate_mode)
         return self.out_proj(y)
 
 
@@ -101,22 +139,32 @@ class RMSNormWeight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ordinal: int):
+    """Paged attention over the KV cache of attention ordinal ``ordinal``. Shared by the families:
+    ``cfg.attention_bias`` (q/k/v/o biases), ``cfg.attention_scale`` (softmax scale, default
+    head_dim ** -0.5), ``cfg.rope_theta`` / ``cfg.rotary_dim`` (RoPE on the first rotary_dim dims of
+    each head, ``rope.py``; none for Nemotron-H) and ``key_scale`` (k multiplied before RoPE:
+    Falcon-H1's key_multiplier)."""
+
+    def __init__(self, cfg: ModelConfig, ordinal: int, key_scale: float = 1.0):
         super().__init__()
         self.ordinal = ordinal
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.hd ** -0.5
-        d = cfg.hidden_size
-        self.q_proj = Linear(d, self.nh * self.hd, bias=False)
-        self.k_proj = Linear(d, self.nkv * self.hd, bias=False)
-        self.v_proj = Linear(d, self.nkv * self.hd, bias=False)
-        self.o_proj = Linear(self.nh * self.hd, d, bias=False)
+        self.scale = self.hd ** -0.5 if cfg.attention_scale is None else float(cfg.attention_scale)
+        self.key_scale = float(key_scale)
+        d, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = Linear(d, self.nh * self.hd, bias=bias)
+        self.k_proj = Linear(d, self.nkv * self.hd, bias=bias)
+        self.v_proj = Linear(d, self.nkv * self.hd, bias=bias)
+        self.o_proj = Linear(self.nh * self.hd, d, bias=bias)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if cfg.rope_theta is not None else None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.nh, self.hd)
         k = self.k_proj(x).view(t, self.nkv, self.hd)
         v = self.v_proj(x).view(t, self.nkv, self.hd)
+        if self.key_scale != 1.0:
+            k = k * self.key_scale
         q, k = self.rotary(q, k, fb.positions)
         kc, vc = caches.kv.k[self.ordinal], caches.kv.v[self.ordinal]
         a = fb.attn
@@ -126,8 +174,8 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """Positional-encoding hook: Nemotron-H uses none; RoPE hybrids override this."""
-        return q, k
+        """Positional encoding: none (Nemotron-H) or RoPE (``cfg.rope_theta`` set)."""
+        return (q, k) if self.rope is None else self.rope(q, k, positions)
 
 
 class Block(nn.Module):
@@ -174,9 +222,11 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridCausalLM):
     # loader: these tensors stay float32 whatever the model dtype (the router runs in float32)
     keep_in_fp32 = ("e_score_correction_bias",) + ROUTER_FP32_WEIGHTS
+    embedding_name = "backbone.embeddings.weight"
+    supports_mtp = True
 
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
@@ -196,17 +246,3 @@ class NemotronHForCausalLM(nn.Module):
             h, residual = layer(h, residual, fb, caches)
         return self.backbone.norm_f.add_norm(h, residual)[0]           # last add fused into norm_f
 
-    def reset_runtime_state(self) -> None:
-        """Zero the buffers the checkpoint does not fill (the MoE expert-load counters)."""
-        for m in self.modules():
-            if m is not self and hasattr(m, "reset_runtime_state"):
-                m.reset_runtime_state()
-
-    def read_expert_load(self) -> dict[str, list[int]]:
-        """{MoE module name: tokens routed to each expert since the last read}; clears the
-        counters. Reads the device (a sync): for stats(), never on the step path."""
-        return {name: m.read_expert_load() for name, m in self.named_modules() if hasattr(m, "read_expert_load")
-                and m is not self}
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()                # [L, V] float32

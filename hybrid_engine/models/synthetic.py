@@ -68,7 +68,7 @@ def sens_init_(module: torch.nn.Module, seed: int = 0, *, lm_head_gain: float = 
         t = tensors[name]
         leaf = name.rsplit(".", 1)[-1]
         shape = t.shape
-        if name.endswith("embeddings.weight"):
+        if name.endswith("embeddings.weight") or name.endswith("embed_tokens.weight"):
             d = shape[-1]
             v = randn(shape) * (lm_head_gain / math.sqrt(d) if tied_embeddings else 1.0)
         elif name.endswith("lm_head.weight"):
@@ -247,6 +247,34 @@ def make_hf_model(out_dir, pattern: str = "M-M*-M*-", *, vocab_size: int = 256, 
     if with_tokenizer:
         from ..default_model import save_tokenizer
         save_tokenizer(out_dir, vocab_size)
+    return out_dir
+
+
+# ------------------------------------------------------------------------ the other families
+
+def make_family_model(out_dir, model_type: str, *, seed: int = 0, with_tokenizer: bool = False,
+                      **config) -> Path:
+    """Write a tiny checkpoint of another Mamba2 hybrid family (``model_type``: "bamba",
+    "granitemoehybrid", "falcon_h1") with transformers' own config and model classes and
+    ``save_pretrained``, re-initialised with ``sens_init_`` (O(1)-scale weights); ``config`` is
+    passed to the family's transformers config class as is. Returns the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    vocab = config.get("vocab_size", 0)
+    if with_tokenizer and vocab < 259:
+        raise ValueError(f"with_tokenizer=True needs vocab_size >= 259, got {vocab}")
+    hf_cfg = AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(seed)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    sens_init_(model, seed, tied_embeddings=bool(hf_cfg.tie_word_embeddings))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _quiet_transformers():
+        model.save_pretrained(out_dir)
+    if with_tokenizer:
+        from ..default_model import save_tokenizer
+        save_tokenizer(out_dir, vocab)
     return out_dir
 
 

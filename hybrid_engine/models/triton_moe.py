@@ -1,8 +1,9 @@
 """Triton kernels of the MoE block (CUDA; the torch twins are in ``moe_ops``).
 
 - ``_route_kernel``: one program per token: sigmoid of the router logits, correction bias for the
-  choice only, group-limited top-k by repeated argmax, renormalisation and scaling; optionally
-  adds the token's choices to the per-expert counters (atomics, padding tokens skipped).
+  choice only, group-limited top-k by repeated argmax, renormalisation and scaling (SOFTMAX: top-k
+  of the logits themselves, weights the softmax of the k chosen logits); optionally adds the
+  token's choices to the per-expert counters (atomics, padding tokens skipped).
 - decode path (``T <= DECODE_MAX_TOKENS``): ``_pair_gemv_kernel`` computes one (token, choice)
   pair per program row-block, reading only the chosen experts' weights: up (relu² epilogue) into
   [P, F], down (routing-weight epilogue, float32) into [P, D_out]; no sort.
@@ -13,6 +14,8 @@
   in sorted order, routing weight, written per pair).
 - ``rowwise_linear_triton``: the same GEMV kernel on one weight matrix: the router logits (float32
   from a 16-bit x) and the shared expert (relu² epilogue) on decode batches.
+- SWIGLU (both expert kernels): the up weight is [E, 2F, D] (gate rows, then up rows); each
+  program accumulates the gate and up tiles of its F columns and writes silu(gate) * up.
 - ``_combine_kernel``: out[t] = sum_j pair_out[t, j] rounded to the model dtype (+ ``add``).
 Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graphs.
 """
@@ -35,12 +38,15 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, valid_ptr, E, s
                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr,
                   HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_G: tl.constexpr):
+                  BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr = False):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     me = offs < E
     lg = tl.load(logits_ptr + t.to(tl.int64) * s_l + offs, mask=me, other=0.0).to(tl.float32)
-    score = 1.0 / (1.0 + tl.exp(-lg))
+    if SOFTMAX:                         # choose by the logits; weights come from them below
+        score = lg
+    else:
+        score = 1.0 / (1.0 + tl.exp(-lg))
     bias = tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
     choice = tl.where(me, score + bias, float("-inf"))
     if N_GROUP > 1:                     # keep the TOPK_GROUP groups with the best top-2 sums
@@ -70,10 +76,13 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, valid_ptr, E, s
         ids = tl.where(k_offs == j, i, ids)
         wts = tl.where(k_offs == j, s, wts)
         choice = tl.where(offs == i, float("-inf"), choice)
-    if RENORM:
+    mk = k_offs < TOP_K
+    if SOFTMAX:                         # softmax over the k chosen logits
+        wts = tl.where(mk, tl.exp(wts - tl.max(tl.where(mk, wts, float("-inf")), axis=0)), 0.0)
+        wts = wts / tl.sum(wts, axis=0)
+    elif RENORM:
         wts = wts / (tl.sum(wts, axis=0) + 1e-20)
     wts = wts * scale
-    mk = k_offs < TOP_K
     tl.store(ids_ptr + t * TOP_K + k_offs, ids, mask=mk)
     tl.store(w_ptr + t * TOP_K + k_offs, wts, mask=mk)
     if COUNT:
@@ -103,7 +112,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, coun
         E, logits.stride(0), float(spec.scale), TOP_K=k, N_GROUP=spec.n_group,
         PER_GROUP=E // spec.n_group, TOPK_GROUP=spec.topk_group, RENORM=bool(spec.norm_topk_prob),
         COUNT=counts is not None, HAS_VALID=valid is not None, BLOCK_E=next_pow2(E),
-        BLOCK_K=max(2, next_pow2(k)), BLOCK_G=max(2, next_pow2(spec.n_group)), num_warps=4)
+        BLOCK_K=max(2, next_pow2(k)), BLOCK_G=max(2, next_pow2(spec.n_group)),
+        SOFTMAX=spec.scoring == "softmax", num_warps=4)
     return ids, w
 
 
@@ -164,12 +174,23 @@ def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
 # ------------------------------------------------------------------------------------ experts
 
 @triton.jit
+def _swiglu(g, u, dtype):
+    """silu(g) * u as transformers computes it in the model dtype: g and u are the projections
+    (g already rounded), silu(g) rounded, the product rounded at the store."""
+    u = u.to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return s * u
+
+
+@triton.jit
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True):
+                      BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True,
+                      SWIGLU: tl.constexpr = False):
     """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row.
     ONE_WEIGHT: w is one [N, K] matrix (ids not read): a plain row-wise linear (shared expert,
-    router logits); ROUND False keeps the float32 sum (router logits)."""
+    router logits); ROUND False keeps the float32 sum (router logits). SWIGLU: w has 2N rows
+    (gate rows n, up rows N + n): out = silu(gate) * up."""
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     if ONE_WEIGHT:
@@ -181,12 +202,16 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     w_rows = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn
     a_row = a_ptr + (p // A_DIV).to(tl.int64) * s_am
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         xv = tl.load(a_row + offs_k, mask=mk, other=0.0)
         acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+        if SWIGLU:
+            wu = tl.load(w_rows + N * s_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc_up += wu.to(tl.float32) * xv.to(tl.float32)[None, :]
     # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
     # squares that in float32 (exact) for one more rounding at the store; the routing weight
     # applies in float32 (the pair outputs stay float32 until the combine)
@@ -196,6 +221,8 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
+    if SWIGLU:
+        y = _swiglu(y, tl.sum(acc_up, axis=1), a_ptr.dtype.element_ty)
     if WEIGHTED:
         y = y * tl.load(wt_ptr + p)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
@@ -242,7 +269,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
                          N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
                          WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr = False):
     """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows.
     A rows: the sorted position (A_SORTED) or the pair's token (pair // A_DIV); output rows: the
     sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once."""
@@ -263,6 +290,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
     a_base = a_ptr + a_rows[:, None] * s_am
     w_base = w_ptr + e * s_we + offs_n[None, :].to(tl.int64) * s_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
@@ -272,10 +300,18 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+        if SWIGLU:                      # the up rows sit N rows below the gate rows
+            wu = tl.load(w_base + N * s_wn + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+            if IEEE:
+                acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, wu, acc_up)
     y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
+    if SWIGLU:
+        y = _swiglu(y, acc_up, a_ptr.dtype.element_ty)
     if WEIGHTED:
         y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
     if OUT_SORTED:
@@ -315,8 +351,9 @@ def _gemm_config(rows_per_expert_tile: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _check(h, w_up, w_down, ids, weights):
+def _check(h, w_up, w_down, ids, weights, swiglu: bool = False):
     E, F, D_in = w_up.shape
+    F = F // 2 if swiglu else F
     if h.dim() != 2 or h.shape[1] != D_in or w_down.shape[0] != E or w_down.shape[2] != F:
         raise ValueError(f"routed experts: h {tuple(h.shape)}, up {tuple(w_up.shape)}, down "
                          f"{tuple(w_down.shape)} must be [T, D], [E, F, D], [E, D_out, F]")
@@ -328,12 +365,15 @@ def _check(h, w_up, w_down, ids, weights):
 
 def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, add: torch.Tensor | None = None,
-                          force_grouped: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                          force_grouped: bool = False, out: torch.Tensor | None = None,
+                          activation: str = "relu2") -> torch.Tensor:
     """Same contract as ``moe_ops.routed_experts``. ``force_grouped`` (tests, benchmarks) takes
     the grouped path whatever the token count; ``out`` [T, D_out] h.dtype to write into."""
-    _check(h, w_up, w_down, ids, weights)
+    swiglu = activation == "swiglu"
+    _check(h, w_up, w_down, ids, weights, swiglu)
     T, k = ids.shape
     E, F, _ = w_up.shape
+    F = F // 2 if swiglu else F                  # the activation's width (SwiGLU: half the up rows)
     D_out = w_down.shape[1]
     P = T * k
     dev = h.device
@@ -345,7 +385,8 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         bn, bk, warps = gemv_tiles("up", T, w_up)
         _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
             h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
-            inter.stride(0), RELU2=True, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+            inter.stride(0), RELU2=not swiglu, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
+            num_warps=warps)
         bn, bk, warps = gemv_tiles("down", T, w_down)
         _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
             inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
@@ -361,7 +402,8 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         _grouped_gemm_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
             h, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             F, h.shape[1], P, k, h.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
-            A_SORTED=False, OUT_SORTED=True, RELU2=True, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm, **cfg)
+            A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm,
+            SWIGLU=swiglu, **cfg)
         _grouped_gemm_kernel[(triton.cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
             inter, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             D_out, F, P, 1, inter.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),

@@ -6,7 +6,7 @@ from hybrid_engine.mamba_cache.ops.conv1d import (
     causal_conv1d_varlen,
     causal_conv1d_varlen_ref,
 )
-from hybrid_engine.mamba_cache.ops.gated_norm import gated_rmsnorm, gated_rmsnorm_ref
+from hybrid_engine.mamba_cache.ops.gated_norm import GATE_MODES, gated_rmsnorm, gated_rmsnorm_ref
 from hybrid_engine.mamba_cache.ops.ssd import ssd_scan_naive, ssd_scan_varlen, ssd_scan_varlen_ref
 from hybrid_engine.mamba_cache.ops.state_update import (
     reserve_ssu_norm_counters,
@@ -22,5 +22,5 @@ __all__ = [
     "ssd_scan_varlen", "ssd_scan_varlen_ref", "ssd_scan_naive",
     "selective_state_update", "selective_state_update_ref",
     "selective_state_update_gated", "selective_state_update_gated_ref", "reserve_ssu_norm_counters",
-    "gated_rmsnorm", "gated_rmsnorm_ref",
+    "gated_rmsnorm", "gated_rmsnorm_ref", "GATE_MODES",
 ]

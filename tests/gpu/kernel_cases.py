@@ -304,16 +304,18 @@ def check_ssu_norm(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, norm_gr
 
 # ----------------------------------------------------------------------------- gated norm
 
-def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None):
+def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None, mode="gate_then_norm"):
+    """impl(y, z, w, group_size, eps[, mode=...]) against gated_rmsnorm_ref; the Falcon-H1 modes
+    (norm_then_gate, gate_only) pass ``mode`` on."""
     g = _gen(seed)
     y = torch.randn(T, I, generator=g).to(dtype)
     zbig = torch.randn(T, I + 8, generator=g).to(dtype)
     z = zbig[:, 3:3 + I]                                        # a strided view, as in the model
     w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype)
     y, z, w = y.to(device), z.to(device), w.to(device)
-    ref = gated_rmsnorm_ref(y, z, w, group_size, eps)
+    ref = gated_rmsnorm_ref(y, z, w, group_size, eps, mode)
     poison_allocator(device)
-    out = impl(y, z, w, group_size, eps)
+    out = impl(y, z, w, group_size, eps) if mode == "gate_then_norm" else impl(y, z, w, group_size, eps, mode=mode)
     assert out.dtype == dtype and out.shape == (T, I)
     return {"out": assert_close(out, ref, tol or TOL["norm"][dtype], "gated_rmsnorm")}
 

@@ -65,13 +65,16 @@ def check_align(device, T: int, E: int, k: int, block_m: int, load: str = "ragge
 
 
 def check_route(route_fn, device, T: int, E: int, k: int, n_group: int = 1, topk_group: int = 1,
-                renorm: bool = True, scale: float = 2.5, seed: int = 0) -> float:
-    """route_fn(logits, bias, spec, counts, valid, out) -> (ids, w): the Triton router."""
+                renorm: bool = True, scale: float = 2.5, seed: int = 0, scoring: str = "sigmoid") -> float:
+    """route_fn(logits, bias, spec, counts, valid, out) -> (ids, w): the Triton router. ``scoring``
+    "softmax" (Granite-4.0-H): no correction bias (zeros, as the model passes)."""
     gen = torch.Generator().manual_seed(seed)
     spec = RouteSpec(num_experts=E, top_k=k, n_group=n_group, topk_group=topk_group,
-                     norm_topk_prob=renorm, scale=scale)
+                     norm_topk_prob=renorm, scale=scale, scoring=scoring)
     logits = (2.0 * torch.randn(T, E, generator=gen)).to(device)
     bias = (0.05 * torch.randn(E, generator=gen)).to(device)
+    if scoring == "softmax":
+        bias = torch.zeros_like(bias)
     valid = (torch.rand(T, generator=gen) < 0.8).long().to(device) * 17     # slot-mapping-like
     base = torch.randint(0, 1000, (E,), generator=gen, dtype=torch.int32).to(device)
     counts = base.clone()
@@ -84,7 +87,8 @@ def check_route(route_fn, device, T: int, E: int, k: int, n_group: int = 1, topk
     ref_s, ref_order = ref_ids.sort(-1)
     same = (ids_s == ref_s).all(-1)
     if not bool(same.all()):      # only where the k-th and (k+1)-th choices are within rounding
-        choice = (logits.float().sigmoid() + bias).sort(-1, descending=True)[0]
+        choice = (logits.float() if scoring == "softmax" else logits.float().sigmoid() + bias)
+        choice = choice.sort(-1, descending=True)[0]
         gap = (choice[:, k - 1] - choice[:, k]).abs()
         assert bool((gap[~same] < 1e-5).all()), "router picked different experts away from a tie"
     err = (w.gather(1, order) - ref_w.gather(1, ref_order))[same].abs().max().item() if bool(same.any()) else 0.0
@@ -98,20 +102,25 @@ def check_route(route_fn, device, T: int, E: int, k: int, n_group: int = 1, topk
 
 
 def check_experts(experts_fn, device, dtype, T: int, E: int, k: int, D: int, F: int, D_out: int | None = None,
-                  load: str = "uniform", add: bool = False, seed: int = 0, **kw) -> float:
-    """experts_fn(h, w_up, w_down, ids, weights, add, out=..., **kw) -> [T, D_out]."""
+                  load: str = "uniform", add: bool = False, seed: int = 0, activation: str = "relu2",
+                  **kw) -> float:
+    """experts_fn(h, w_up, w_down, ids, weights, add, out=..., **kw) -> [T, D_out]; ``activation``
+    "swiglu" gives w_up 2F rows (gate then up) and is passed on to experts_fn."""
     D_out = D if D_out is None else D_out
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(T, D, generator=gen).to(device, dtype)
-    w_up = (torch.randn(E, F, D, generator=gen) / D ** 0.5).to(device, dtype)
+    up_rows = 2 * F if activation == "swiglu" else F
+    w_up = (torch.randn(E, up_rows, D, generator=gen) / D ** 0.5).to(device, dtype)
     w_down = (torch.randn(E, D_out, F, generator=gen) / F ** 0.5).to(device, dtype)
     ids = make_ids(T, E, k, load, gen).to(device, torch.int32)
     weights = (torch.rand(T, k, generator=gen) * 2.0 / k).to(device)
     extra = torch.randn(T, D_out, generator=gen).to(device, dtype) if add else None
     out = torch.full((T, D_out), float("nan"), dtype=dtype, device=device)
+    if activation != "relu2":
+        kw["activation"] = activation
     got = experts_fn(h, w_up, w_down, ids, weights, extra, out=out, **kw)
     assert got is out
-    ref = grouped_experts_ref(h, w_up, w_down, ids.long(), weights)
+    ref = grouped_experts_ref(h, w_up, w_down, ids.long(), weights, activation)
     if add:
         ref = ref + extra
     assert bool(torch.isfinite(got).all()), "unwritten (poisoned) outputs"

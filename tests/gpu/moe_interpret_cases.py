@@ -53,6 +53,43 @@ def moe_block(latent: bool):
     return max(errs)
 
 
+def granite_moe_block():
+    """Granite-4.0-H's MoE (softmax router, SwiGLU experts, shared MLP added) through the Triton
+    kernels (backend forced) vs its CPU path."""
+    from hybrid_engine.config import ATTENTION, ModelConfig
+    from hybrid_engine.models import moe_ops
+    from hybrid_engine.models.granitemoehybrid import GraniteMoE, GraniteSettings
+    from hybrid_engine.models.synthetic import sens_init_
+    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch
+    cfg = ModelConfig(layer_types=(ATTENTION,), vocab_size=16, hidden_size=16, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, intermediate_size=12, n_routed_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=12, moe_router="softmax",
+                      moe_activation="swiglu", family=GraniteSettings())
+    moe = GraniteMoE(cfg)
+    sens_init_(moe, seed=4)
+    moe.reset_runtime_state()
+    errs = []
+    for T in (3, 11):                                # decode path and grouped path
+        x = torch.randn(T, 16, generator=torch.Generator().manual_seed(T))
+        add = torch.randn(T, 16, generator=torch.Generator().manual_seed(T + 50))
+        slots = torch.arange(1, T + 1)
+        fb = ForwardBatch(None, None, AttnMetadata(None, None, None, slots, 0, 0), None, None)
+        with torch.no_grad():
+            ref = moe(x, fb, add)
+            ref_counts = moe.read_expert_load()
+            real = moe_ops.kernel_backend
+            moe_ops.kernel_backend = lambda op, device: "triton"
+            try:
+                got = moe(x, fb, add)
+            finally:
+                moe_ops.kernel_backend = real
+        assert moe.read_expert_load() == ref_counts and sum(ref_counts) == 3 * T
+        err = (got - ref).abs().max().item()
+        assert ref.abs().max() > 1.0 and err < 1e-4, err
+        errs.append(err)
+    return max(errs)
+
+
 CASES = {
     "moe_align": lambda: mc.check_align("cpu", 13, 8, 3, 4, "ragged", align_fn=align_pairs_triton),
     "moe_align_one": lambda: mc.check_align("cpu", 9, 16, 2, 8, "one", seed=1, align_fn=align_pairs_triton),
@@ -67,6 +104,15 @@ CASES = {
                                                seed=1),
     "moe_route_no_renorm": lambda: mc.check_route(route_triton, "cpu", 3, 12, 2, renorm=False, scale=1.0,
                                                   seed=2),
+    "moe_route_softmax": lambda: mc.check_route(route_triton, "cpu", 6, 16, 3, scale=1.0, scoring="softmax",
+                                                seed=3),
+    "moe_decode_swiglu": lambda: mc.check_experts(routed_experts_triton, "cpu", F32, 3, 8, 2, 24, 20,
+                                                  activation="swiglu", seed=5),
+    "moe_decode_swiglu_add_f16": lambda: mc.check_experts(routed_experts_triton, "cpu", F16, 2, 8, 3, 16, 24,
+                                                          add=True, activation="swiglu", seed=6),
+    "moe_grouped_swiglu_ragged": lambda: mc.check_experts(grouped, "cpu", F32, 11, 8, 2, 24, 20, load="ragged",
+                                                          activation="swiglu", seed=7),
+    "moe_block_granite": granite_moe_block,
     "moe_decode": lambda: mc.check_experts(routed_experts_triton, "cpu", F32, 3, 8, 2, 24, 20),
     "moe_decode_add_f16": lambda: mc.check_experts(routed_experts_triton, "cpu", F16, 2, 8, 3, 16, 24,
                                                    add=True, seed=1),

@@ -291,6 +291,12 @@ def test_norm(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("mode", ["norm_then_gate", "gate_only"])
+def test_norm_falcon_modes(dtype, mode):
+    kc.check_norm(gated_rmsnorm, DEV, dtype, 33, 2048, 256, seed=7, mode=mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("block_t,num_warps,streaming", [(1, 1, False), (1, 4, True), (2, 2, False),
                                                          (4, 8, True)])
 def test_norm_launch_options(dtype, block_t, num_warps, streaming):

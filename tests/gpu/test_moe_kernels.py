@@ -20,7 +20,9 @@ sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, run_cases  # noqa: E402
 
 INTERPRET_CASES = ["moe_router_logits_f16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
-                   "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape"]
+                   "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape",
+                   "moe_route_softmax", "moe_decode_swiglu", "moe_decode_swiglu_add_f16", "moe_grouped_swiglu_ragged",
+                   "moe_block_granite"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,28 @@ def test_experts_cuda_sweep(case, dtype):
     _poison_cuda()
     mc.check_experts(_auto, "cuda", dtype, T, E, k, D, F, D_out, load=load, add=add, seed=T)
     mc.check_experts(_grouped, "cuda", dtype, T, E, k, D, F, D_out, load=load, add=add, seed=T + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", [(1, 64, 8, 512, 256, None, "uniform", True), (8, 64, 8, 512, 256, None, "ragged", True),
+                                  (700, 64, 8, 256, 128, None, "ragged", False)])
+def test_experts_swiglu_cuda(case, dtype):
+    """Granite-4.0-H's experts (SwiGLU, up [E, 2F, D]): decode GEMV and grouped GEMM paths."""
+    T, E, k, D, F, D_out, load, add = case
+    _poison_cuda()
+    mc.check_experts(_auto, "cuda", dtype, T, E, k, D, F, D_out, load=load, add=add, activation="swiglu")
+    if T <= 8:
+        mc.check_experts(_grouped, "cuda", dtype, T, E, k, D, F, D_out, load=load, add=add, seed=1,
+                         activation="swiglu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k", [(1, 64, 8), (8, 62, 6), (1500, 64, 8)])
+def test_route_softmax_cuda(T, E, k):
+    from hybrid_engine.models.triton_moe import route_triton
+    _poison_cuda()
+    mc.check_route(route_triton, "cuda", T, E, k, scale=1.0, scoring="softmax")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,36 @@
+"""What the families' causal LMs share: the runtime-state hooks the engine calls, and the logits
+(lm_head, then the family's logit multiplier / divisor). Nemotron-H, Bamba, Granite-4.0-H and
+Falcon-H1 derive from it (families.py lists the forward contract)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class HybridCausalLM(nn.Module):
+    keep_in_fp32: tuple[str, ...] = ()             # loader: tensor-name suffixes kept float32
+    embedding_name = "model.embed_tokens.weight"   # loader: the tensor a tied lm_head shares
+    supports_mtp = False                           # the checkpoint family has MTP layers we run
+    logits_mul = 1.0                               # logits = lm_head(h) * logits_mul / logits_div
+    logits_div = 1.0
+
+    def reset_runtime_state(self) -> None:
+        """Rebuild the buffers the checkpoint does not fill (MoE expert-load counters, RoPE
+        frequencies): the model is materialised from the meta device with them unset."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_runtime_state"):
+                m.reset_runtime_state()
+
+    def read_expert_load(self) -> dict[str, list[int]]:
+        """{MoE module name: tokens routed to each expert since the last read}; clears the
+        counters. Reads the device (a sync): for stats(), never on the step path."""
+        return {name: m.read_expert_load() for name, m in self.named_modules() if hasattr(m, "read_expert_load")
+                and m is not self}
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()              # [L, V] float32
+        if self.logits_mul != 1.0:
+            logits = logits * self.logits_mul
+        if self.logits_div != 1.0:
+            logits = logits / self.logits_div
+        return logits
