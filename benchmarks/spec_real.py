@@ -55,6 +55,16 @@ def heldout_files(args) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".rst", ".md") and p.is_file())
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def build_prompts(tok, files: list[Path], n: int, prompt_tokens: int, min_continuation: int):
     """-> {workload: [prompt token lists]} with n prompts each (files cycled when there are fewer)."""
     comp, edit = [], []
@@ -174,7 +184,16 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                         if wl != "sample":
                             same = outs == ref_outs
                             row["greedy_equal"] = same
-                            assert same, f"{method} K={k} {wl} batch {b}: greedy output differs from none"
+                            # kept going on a mismatch so the table is still written; main() fails
+                            # the run at the end. In bf16 on a GPU a verify step (1+K tokens per row)
+                            # may round differently from a one-token step and flip a near-tie.
+                            row["greedy_equal_requests"] = sum(o == r for o, r in zip(outs, ref_outs)) / len(outs)
+                            row["greedy_common_prefix"] = sum(_common(o, r) / max(len(r), 1)
+                                                              for o, r in zip(outs, ref_outs)) / len(outs)
+                            if not same:
+                                logger.error("%s K=%d %s batch %d: greedy output differs from none "
+                                             "(%.0f%% of requests equal, common prefix %.0f%%)", method, k, wl, b,
+                                             100 * row["greedy_equal_requests"], 100 * row["greedy_common_prefix"])
                         else:                  # n-gram sample-and-compare keeps the no-spec tokens too
                             row["sampled_equal"] = outs == ref_outs
                     rows.append(row)
@@ -372,6 +391,11 @@ def main(argv=None) -> int:
     print(md)
     print(f"wrote {out / 'spec_real.json'}, spec_real.md{', spec_real.png' if plotted else ''} "
           f"in {meta['seconds']:.0f}s")
+    unequal = [r for r in real if r.get("greedy_equal") is False]
+    if unequal:
+        print(f"FAILED: {len(unequal)} greedy cells differ from none: "
+              + ", ".join(f"{r['method']} K={r['k']} {r['workload']} B={r['batch']}" for r in unequal))
+        return 1
     return 0
 
 
