@@ -144,8 +144,9 @@ def time_cell(llm, prompts, params, args) -> tuple[float, list, dict]:
     return statistics.median(times), [o.outputs[0].token_ids for o in outs], stat_delta(llm.stats(), before)
 
 
-def free(llm) -> None:
-    del llm
+def free() -> None:
+    """Collect a dropped engine (the caller deletes its own reference first: a name deleted here would
+    leave the caller's alive, and the next engine would size its KV cache beside the old one)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -199,7 +200,8 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                     rows.append(row)
                     logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  AL %.2f", wl, method, k, b,
                                 row["tok_s"], row["speedup"], row["acceptance_length"])
-            free(llm)
+            del llm
+            free()
     return rows
 
 
@@ -269,7 +271,8 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                     logger.info("%-5s %-11s p=%s B=%-3d %8.1f tok/s  x%.2f  AL %.2f", shape, method,
                                 "-" if p is None else f"{p:.2f}", b, row["tok_s"], row["speedup"],
                                 row["acceptance_length"])
-                free(llm)
+                del llm
+                free()
     return rows
 
 

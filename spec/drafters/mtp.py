@@ -15,7 +15,7 @@ import torch
 from hybrid_engine.attention import KVCache
 from hybrid_engine.models.nemotron_h import Caches
 
-from .base import DraftContext, Drafter
+from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
 
 logger = logging.getLogger("hybrid_engine")
@@ -85,6 +85,18 @@ class MTPDrafter(Drafter):
         fb = single_token_batch(tok, pos, block_tables, block_size, torch.zeros_like(pos), valid, max_seq)
         h, normed = self._step(tok, hidden, fb)
         return h, self.target.compute_logits(normed)
+
+
+def cache_footprint(cfg) -> CacheFootprint:
+    """The MTP block's own KV per target block id (its attention layers; its weights are loaded with
+    the target before the KV budget is taken): without it the KV of an MTP engine outgrew
+    ``kv_cache_memory_fraction`` by the ratio of MTP to target attention layers."""
+    from hybrid_engine.config import ATTENTION
+
+    mc = cfg.model
+    n_attn = sum(kind == ATTENTION for kind in mc.mtp_layer_types)
+    return CacheFootprint(kv_bytes_per_block=KVCache.bytes_per_block(
+        n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype))
 
 
 def make_mtp(build) -> MTPDrafter:

@@ -232,3 +232,14 @@ def test_kv_budget_leaves_room_for_the_draft_model(target, random_draft):
     assert taken + per_block > 0.95 * budget
     assert spec.caches.kv.num_blocks < alone.caches.kv.num_blocks
     assert drafter.kv.num_blocks == spec.caches.kv.num_blocks
+
+
+def test_kv_budget_covers_the_mtp_blocks_own_kv(target):
+    """An MTP block with attention keeps its own KV per block id: target + MTP KV fit the budget."""
+    budget = 3 * 2**20
+    llm = LLM(target, dtype="float32", device=DEV, max_num_seqs=4, block_size=4, kv_cache_bytes=budget,
+              speculative_config=SpeculativeConfig("mtp", 2))
+    eng = llm.engine
+    taken = eng.caches.kv.bytes + eng.drafter.kv.bytes
+    assert eng.drafter.kv.num_layers >= 1
+    assert budget * 0.95 < taken <= budget, (taken, budget)
