@@ -12,8 +12,10 @@ Accepted forms, all for ``model_type == "nemotron_h"``:
   ``mamba_dt_max``, ``mamba_dt_limit``, ``mamba_dt_init_floor``, ``mamba_conv_bias``,
   ``mamba_chunk_size``), ``attention_head_dim`` (Nemotron-H 8B/47B: the attention head size when
   ``head_dim`` is absent) and bare ``Infinity`` / ``NaN`` literals.
-- ``quantization_config`` (or ``compression_config``): any quantization method is rejected with a
-  ValueError naming it; this engine runs float16 / bfloat16 / float32 weights only.
+- ``quantization_config`` (or ``compression_config``; ``hf_quant_config.json`` beside config.json
+  is merged by ``ModelConfig.from_json``): NVIDIA ModelOpt FP8 / NVFP4 is parsed into
+  ``ModelConfig.quantization`` (``hybrid_engine.quantization.config``); any other method is a
+  ValueError naming it.
 - ``eos_token_id`` must lie inside the vocabulary.
 
 Precedence follows transformers' ``NemotronHConfig``: a legacy ``mamba_*`` name overrides its
@@ -224,7 +226,8 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))}")
     d = dict(d)
-    _reject_quantization(d)
+    from hybrid_engine.quantization.config import parse_checkpoint_quantization
+    quantization = parse_checkpoint_quantization(d)
     if d.get("head_dim") is None and d.get("attention_head_dim") is not None:
         d["head_dim"] = d["attention_head_dim"]
     elif d.get("attention_head_dim") is not None and d["attention_head_dim"] != d["head_dim"]:
@@ -267,6 +270,7 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"config.json field dtype must be a string such as 'bfloat16', got {dt!r}")
     kw["torch_dtype"] = dt.removeprefix("torch.") if dt else None
 
+    kw["quantization"] = quantization
     _check_types(kw)
     _check_shapes(kw)
     outside = [e for e in kw["eos_token_id"] if e >= kw["vocab_size"]]
@@ -274,14 +278,3 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"config.json eos_token_id {outside[0]} is outside the vocabulary "
                          f"[0, {kw['vocab_size']})")
     return kw
-
-
-def _reject_quantization(d: dict) -> None:
-    for key in ("quantization_config", "compression_config"):
-        q = d.get(key)
-        if q is None:
-            continue
-        method = q.get("quant_method", q.get("quant_algo", q.get("format"))) if isinstance(q, dict) else q
-        raise ValueError(f"config.json {key} (quant_method {method!r}) is not supported: this engine "
-                         "loads float16 / bfloat16 / float32 weights only; use the checkpoint's "
-                         "unquantized (BF16) release")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .quantization.config import QuantConfig, resolve_quantization
+
 # Layer kinds, one character each, as in ``hybrid_override_pattern``.
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 
@@ -64,6 +66,8 @@ class ModelConfig:
     # added by the config parser (defaults = transformers' NemotronHConfig defaults)
     mlp_bias: bool = False                # bias on MLP / expert up_proj and down_proj
     mamba_hidden_act: str = "silu"        # activation after the Mamba conv
+    # how the checkpoint stores its weights (None: 16/32-bit); see hybrid_engine.quantization
+    quantization: "QuantConfig | None" = None
 
     @property
     def num_layers(self) -> int:
@@ -95,7 +99,10 @@ class ModelConfig:
     def from_json(cls, path) -> "ModelConfig":
         """Read ``path`` (a config.json file or the model folder holding one)."""
         from hybrid_engine._config_parse import read_config_json
-        return cls.from_dict(read_config_json(path))
+        from hybrid_engine.quantization.config import merge_hf_quant_config
+        d = read_config_json(path)
+        folder = Path(path).expanduser()
+        return cls.from_dict(merge_hf_quant_config(d, folder if folder.is_dir() else folder.parent))
 
 
 # --------------------------------------------------------------------------- engine-side configs
@@ -245,6 +252,8 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    # the quantization the model runs with (the checkpoint's, or one applied at load); None: none
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -264,13 +273,17 @@ class EngineConfig:
                 kv_cache_bytes: int = 256 * 1024 * 1024,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
-                enforce_eager: bool = False) -> "EngineConfig":
+                enforce_eager: bool = False, quantization: str | None = None) -> "EngineConfig":
         """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
-        is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``)."""
+        is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
+        None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
+        or confirm a stored one), "modelopt" (require the checkpoint's); see
+        ``hybrid_engine.quantization.config.resolve_quantization``."""
         from .hub import resolve_model_dir
         model_dir = resolve_model_dir(model)
         model_cfg = ModelConfig.from_json(model_dir)
         dev = resolve_device(device)
+        dt = resolve_dtype(dtype, model_cfg, dev)
         return cls(
             model_dir=model_dir, model=model_cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -279,5 +292,6 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            speculative=speculative_config, dtype=resolve_dtype(dtype, model_cfg, dev), device=dev,
-            async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager))
+            speculative=speculative_config, dtype=dt, device=dev,
+            async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager),
+            quantization=resolve_quantization(quantization, model_cfg.quantization, dev, dt))

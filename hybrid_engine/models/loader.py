@@ -19,9 +19,12 @@ Name mapping (disk -> model), checked for every tensor before anything is copied
   When the checkpoint has its own ``lm_head.weight`` it is used, tie or not (transformers'
   NemotronH never ties: ``_tied_weights_keys = {}``), untying a shared model parameter.
 
-Stored dtypes: only float16, bfloat16, float32 and float64 tensors are read; a float8, integer or
-packed (e.g. FP4 in uint8) tensor is a ValueError naming it (quantized checkpoints need their scales
-and kernels, which this engine does not implement: it never casts them silently). A file that is not
+Stored dtypes: float16, bfloat16, float32 and float64 tensors are read (cast to the target dtype);
+a float8_e4m3fn or uint8 tensor only into a model tensor of the same dtype (the quantized layers of
+``hybrid_engine.quantization``, which list their weight and scales in ``fixed_dtype_params``: the
+loader never casts those). Any other float8, integer or packed tensor is a ValueError naming it (the
+engine never casts quantized data silently). Names ending in the model's
+``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped. A file that is not
 valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
 floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
 read for all of them; a non-finite tensor is a ValueError naming it.
@@ -53,6 +56,8 @@ _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
 _MAX_LISTED = 10
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
+# quantized storage, read only into a model tensor of the same dtype (a quantized layer's)
+_CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 BACKBONE = "backbone."
 _ALT_BACKBONE = "model."
 _NEVER_RENAMED = ("lm_head.", "mtp.")
@@ -154,7 +159,8 @@ def _tie_requested(model, model_dir: Path, tie: bool | None) -> bool:
         return False
 
 
-def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bool):
+def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bool,
+          ignored: tuple[str, ...] = ()):
     """-> (copies, consumed target names, unexpected disk names)."""
     copies: list[_Copy] = []
     covered: set[str] = set()
@@ -185,6 +191,8 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
             covered.add(f"{t}[{e}]")
         elif name.startswith("mtp.") and not has_mtp:
             logger.debug("ignoring %s: the model has no MTP module", name)
+        elif name.endswith(ignored):
+            logger.debug("ignoring %s (the model reads past tensors ending in %s)", name, ignored)
         else:
             unexpected.append(name)
     for t, tensor in targets.items():      # a merged target is covered when every expert is
@@ -201,6 +209,13 @@ def _expected_shape(c: _Copy, targets) -> tuple[int, ...]:
 
 def _found_shape(c: _Copy, shapes) -> tuple[int, ...]:
     return shapes[c.disk][1:] if c.split else shapes[c.disk]
+
+
+def _fixed_dtype(model: torch.nn.Module, name: str) -> bool:
+    """True for a tensor whose module fixes its dtype (a quantized layer's weight and scales)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    return attr in getattr(mod, "fixed_dtype_params", ())
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.Tensor) -> None:
@@ -262,15 +277,20 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             for name in names:
                 sl = f.get_slice(disk_name[name])
                 shapes[name] = tuple(sl.get_shape())
-                if sl.get_dtype() not in FLOAT_DTYPES:
+                stored_as_target = name in targets and _CODES.get(targets[name].dtype) == sl.get_dtype()
+                skipped = ((name.startswith("mtp.") and not has_mtp) or (strict_prefixes is not None
+                           and not name.startswith(tuple(strict_prefixes))))      # never read (_plan)
+                if sl.get_dtype() not in FLOAT_DTYPES and not stored_as_target and not skipped:
                     not_float.append(f"{disk_name[name]} ({sl.get_dtype()}, in {path.name})")
     if not_float:
         raise ValueError(f"checkpoint {folder} stores {len(not_float)} tensor(s) in a dtype this engine "
                          f"does not load (allowed: float16, bfloat16, float32, float64; quantized "
-                         f"float8 / FP4 / int checkpoints are not supported): {_listing(not_float)}")
+                         f"float8 / FP4 tensors are read only into the quantized layers of a "
+                         f"ModelOpt FP8 / NVFP4 checkpoint): {_listing(not_float)}")
 
     plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD)}
-    copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp)
+    copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
+                                        tuple(getattr(model, "ignored_checkpoint_suffixes", ())))
     if shared_on_disk and shapes[LM_HEAD] != tuple(full_sd[LM_HEAD].shape):
         raise ValueError(f"shape mismatch in checkpoint {folder}: {LM_HEAD}: expected "
                          f"{list(full_sd[LM_HEAD].shape)}, found {list(shapes[LM_HEAD])}")
@@ -289,7 +309,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     # Materialise / convert the targets: meta tensors, wrong device, or wrong floating dtype.
     for name, t in targets.items():
         want_dtype = t.dtype
-        if t.is_floating_point():
+        if t.is_floating_point() and not _fixed_dtype(model, name):
             if _has_fp32_name(name, keep32):
                 want_dtype = torch.float32
             elif dtype is not None:
@@ -356,7 +376,9 @@ def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
         by_device.setdefault(t.device, []).append((n, t))
     bad = []
     for items in by_device.values():
-        sums = torch.stack([t.detach().sum().float() for _, t in items])
+        # float8 has no sum kernel: those (1-byte) tensors are summed as float32
+        sums = torch.stack([(t.detach().float() if t.element_size() == 1 else t.detach()).sum().float()
+                            for _, t in items])
         flags = torch.isfinite(sums).cpu()                       # the one host read per device
         for (n, t), ok in zip(items, flags.tolist()):
             if not ok and not bool(torch.isfinite(t.detach()).all()):
