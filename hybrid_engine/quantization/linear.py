@@ -36,7 +36,7 @@ _KERNELS = {
     "fp8": "decode (<= 8 rows): Triton FP8-weight skinny kernels (bf16/fp16 compute); prefill: "
            "torch._scaled_mm W8A8 (bf16, K and N multiples of 16); otherwise / CPU: exact dequantize "
            "reference",
-    "nvfp4": "decode (<= 8 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
+    "nvfp4": "decode (<= 128 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
              "dequantize to 16 bits + cuBLAS; CPU: exact dequantize reference",
 }
 

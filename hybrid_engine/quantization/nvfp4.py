@@ -11,8 +11,8 @@ Real weight: ``E2M1[code] * weight_scale[n, k // 16] * weight_scale_2``. ``e2m1 
 exact in bfloat16 (2 + 4 significant bits), so the kernel converts tiles losslessly and applies the
 global scale once per output.
 
-``nvfp4_linear``: CUDA with 16-bit x and at most 8 rows -> ``nvfp4_kernels`` (decode, the packed
-weight is read once: a quarter of the bf16 bytes); more rows on CUDA -> the weight dequantized to
+``nvfp4_linear``: CUDA with 16-bit x and at most 128 rows -> ``nvfp4_kernels`` (decode, the packed
+weight is read once per 64-row tile: a quarter of the bf16 bytes); more rows on CUDA -> the weight dequantized to
 x.dtype (exact up to the global scale, applied to the output) and cuBLAS; CPU / float32 ->
 ``nvfp4_linear_ref`` (exact float32 dequantization and matmul).
 """
@@ -30,7 +30,9 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # midpoints between consecutive magnitudes: |v| above bound i rounds to index i + 1
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-MAX_SKINNY_ROWS = 8
+# decode and verify batches up to this many rows take the kernel (it reads the packed weight once
+# per 64-row tile); above, the weight is dequantized once per call and cuBLAS runs (prefill)
+MAX_SKINNY_ROWS = 128
 
 
 def _check_k(K: int) -> None:

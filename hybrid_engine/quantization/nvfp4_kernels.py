@@ -1,6 +1,6 @@
 """Decode-sized NVFP4-weight projections (weight-only, Hopper): Triton.
 
-One program per BLOCK_N outputs walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N]
+One program per BLOCK_N outputs (and per tile of x rows) walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N]
 byte tiles (each byte = inputs 2j and 2j+1). The low and high nibbles are decoded to e2m1 values,
 multiplied by their float8 block scale (``weight_scale[n, j // 8]``; exact in bf16) and fed to
 two ``tl.dot`` with the even and odd columns of x (rows padded to 16, float32 accumulation);
@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from .nvfp4 import GROUP, _check_k
+
+MAX_ROWS = 128
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KH, sxm,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_KH: tl.constexpr):
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -61,7 +63,8 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KH, sxm,
 
 def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=None,
                         block_kh=256, num_warps=4, num_stages=3):
-    """x [M <= 16, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype."""
+    """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype. Rows go in tiles of
+    16 / 32 / 64 (grid axis 1); each row tile decodes the weight tiles again (from L2)."""
     M, K = x.shape
     N = packed.shape[0]
     _check_k(K)
@@ -73,14 +76,15 @@ def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None, *, b
                          f"{tuple(weight_scale_2.shape)}")
     if x.stride(1) != 1 or packed.stride(1) != 1 or weight_scale.stride(1) != 1:
         raise ValueError("nvfp4_skinny_linear: x, weight and weight_scale need a unit inner stride")
-    assert M <= 16, "the NVFP4 kernel takes up to 16 rows"
+    assert M <= MAX_ROWS, f"the NVFP4 kernel takes up to {MAX_ROWS} rows"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     if block_n is None:
         block_n = 64 if N >= 20000 else 16
-    _nvfp4_dot_kernel[(triton.cdiv(N, block_n),)](
+    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    _nvfp4_dot_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x, packed, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 2,
         x.stride(0), packed.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_KH=block_kh, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, num_warps=num_warps, num_stages=num_stages)
     return y

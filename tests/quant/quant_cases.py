@@ -83,7 +83,7 @@ def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
 # shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
-NVFP4_SHAPES = [(1, 33, 16), (2, 70, 48), (5, 1, 272), (8, 130, 544)]
+NVFP4_SHAPES = [(1, 33, 16), (2, 70, 48), (5, 1, 272), (8, 130, 544), (20, 40, 64), (70, 17, 32)]
 
 
 def _cases():
