@@ -183,6 +183,10 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
                              f"layers of this model, e.g. {missing[0]} ({q.method} routed experts and other "
                              "non-linear modules are not implemented); use the BF16 release")
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
+    if q.kv_cache_quant_algo:
+        logger.warning("the checkpoint asks for a %s KV cache (kv_cache_quant_algo): not implemented, the KV "
+                       "cache stays in the model dtype and its k_scale / v_scale tensors are ignored",
+                       q.kv_cache_quant_algo)
     logger.info("quantization %s (%s): %d linear layers quantized; kernels: %s", q.method, q.source,
                 len(names), _KERNELS[q.method])
     return names
