@@ -18,14 +18,17 @@ beside it; tokenizer and generation files are copied.
 ``input_scale`` is amax / 448 of the layer's inputs over a calibration run (``--calibrate N``: N
 built-in prompts through this engine, enforce_eager, greedy, 16 tokens each); a layer the run never
 reached (e.g. the MTP layers) gets no input_scale, which the engine reads as "dynamic". With
-``--calibrate 0`` no input_scale is written. Routed experts (merged [E, F, D] tensors) are left in
-16 bits and listed in ``exclude_modules`` (FP8 experts are not implemented by the engine).
+``--calibrate 0`` no input_scale is written. Routed experts are left in 16 bits and listed in
+``exclude_modules``, unless ``--experts``: then each expert is written per expert
+(``<p>.experts.<e>.up_proj.weight`` ...) like the other layers, without input_scale (the engine
+dequantizes them at load: FP8 / NVFP4 experts in the fused MoE are not implemented).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -88,8 +91,21 @@ def calibrate(src: Path, num_prompts: int, device: str) -> dict[str, float]:
     return {k: float(v) for k, v in amax.items()}
 
 
+_PER_EXPERT = re.compile(r"^.*\.experts\.\d+\.(up_proj|down_proj)\.weight$")
+
+
+def _quantize_into(out: dict, base: str, w: torch.Tensor, method: str, amax: float | None) -> None:
+    """out[base.weight, base.weight_scale(, _2), base.input_scale] = the quantized layer."""
+    if method == "fp8":
+        out[base + ".weight"], out[base + ".weight_scale"] = quantize_fp8(w, per_channel=False)
+    else:
+        out[base + ".weight"], out[base + ".weight_scale"], out[base + ".weight_scale_2"] = quantize_nvfp4(w)
+    if amax is not None:
+        out[base + ".input_scale"] = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
+
+
 def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("lm_head",),
-                    calibrate_prompts: int = 8, device: str = "cpu") -> QuantConfig:
+                    calibrate_prompts: int = 8, device: str = "cpu", experts: bool = False) -> QuantConfig:
     """Write the quantized copy of ``src`` to ``dst`` (module docstring); returns its QuantConfig."""
     from ._config_parse import read_config_json
     from .config import ModelConfig
@@ -98,10 +114,11 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
     cfg = ModelConfig.from_json(src)
     if cfg.quantization is not None:
         raise ValueError(f"{src} is already quantized ({cfg.quantization.method}); give a 16/32-bit folder")
-    linears, tied, experts = _linear_names(src, cfg)
+    linears, tied, _experts = _linear_names(src, cfg)
     probe = QuantConfig(method=method, source="checkpoint", exclude_modules=tuple(exclude))
     chosen = {n for n in linears if n not in tied and not probe.excluded(n)}
-    exclude_all = tuple(exclude) + tuple(sorted(tied)) + tuple(f"{e}*" for e in experts)
+    expert_mods = _experts
+    exclude_all = tuple(exclude) + tuple(sorted(tied)) + (() if experts else tuple(f"{e}*" for e in expert_mods))
     q = QuantConfig(method=method, source="checkpoint", exclude_modules=exclude_all,
                     kv_cache_quant_algo=None)
     amax = calibrate(src, calibrate_prompts, device) if calibrate_prompts > 0 else {}
@@ -116,17 +133,17 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
         with _open(path) as f:
             t = f.get_tensor(disk)
         mod, _, suffix = renamed[disk].rpartition(".")
-        if suffix != "weight" or mod not in chosen:
+        if experts and mod in expert_mods and suffix in ("up_proj", "down_proj"):
+            # merged [E, out, in] -> the published per-expert layout
+            for e in range(t.shape[0]):
+                _quantize_into(out, f"{disk[: -len(suffix) - 1]}.{e}.{suffix}", t[e], method, None)
+                n_quant += 1
+            continue
+        is_expert = experts and _PER_EXPERT.match(renamed[disk]) is not None
+        if suffix != "weight" or (mod not in chosen and not is_expert):
             out[disk] = t.contiguous()
             continue
-        base = disk[: -len(".weight")]
-        if method == "fp8":
-            out[disk], out[base + ".weight_scale"] = quantize_fp8(t, per_channel=False)
-        else:
-            out[disk], out[base + ".weight_scale"], out[base + ".weight_scale_2"] = quantize_nvfp4(t)
-        if mod in amax:
-            a = amax[mod]
-            out[base + ".input_scale"] = torch.tensor(a / FP8_MAX if a > 0 else 1.0, dtype=torch.float32)
+        _quantize_into(out, disk[: -len(".weight")], t, method, amax.get(mod))
         n_quant += 1
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -153,9 +170,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate", type=int, default=8, metavar="N",
                     help="calibration prompts for input_scale (0: write no input_scale)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--experts", action="store_true",
+                    help="also quantize the routed experts (per-expert tensors; the engine dequantizes "
+                         "them at load: FP8 experts in the fused MoE are not implemented)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    quantize_folder(args.src, args.dst, args.format, tuple(args.exclude), args.calibrate, args.device)
+    quantize_folder(args.src, args.dst, args.format, tuple(args.exclude), args.calibrate, args.device,
+                    experts=args.experts)
     return 0
 
 

@@ -24,7 +24,9 @@ a float8_e4m3fn or uint8 tensor only into a model tensor of the same dtype (the 
 ``hybrid_engine.quantization``, which list their weight and scales in ``fixed_dtype_params``: the
 loader never casts those). Any other float8, integer or packed tensor is a ValueError naming it (the
 engine never casts quantized data silently). Names ending in the model's
-``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped. A file that is not
+``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped. Names in the
+model's ``dequantize_on_load`` (quantized tensors the model holds in 16 bits, e.g. routed experts of
+an FP8 checkpoint) are dequantized with their scales as they are read. A file that is not
 valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
 floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
 read for all of them; a non-finite tensor is a ValueError naming it.
@@ -211,6 +213,11 @@ def _found_shape(c: _Copy, shapes) -> tuple[int, ...]:
     return shapes[c.disk][1:] if c.split else shapes[c.disk]
 
 
+def _read(path: Path, name: str) -> torch.Tensor:
+    with _open(path) as f:
+        return f.get_tensor(name)
+
+
 def _fixed_dtype(model: torch.nn.Module, name: str) -> bool:
     """True for a tensor whose module fixes its dtype (a quantized layer's weight and scales)."""
     mod_name, _, attr = name.rpartition(".")
@@ -254,6 +261,11 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
     has_mtp = any(k.startswith("mtp.") for k in full_sd)
+    # quantized tensors the model holds in 16 bits: {model-side name: spec with .scale_names,
+    # .ignored (scale names not needed), .shape(stored shape) and
+    # __call__(weight, {scale name: tensor}) -> float tensor}
+    deq = dict(getattr(model, "dequantize_on_load", {}))
+    deq_scales = {sn for spec in deq.values() for sn in spec.scale_names + spec.ignored}
     tie = shared_on_disk = False
     if LM_HEAD in targets and EMBED in full_sd:
         if LM_HEAD not in files:
@@ -277,9 +289,12 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             for name in names:
                 sl = f.get_slice(disk_name[name])
                 shapes[name] = tuple(sl.get_shape())
+                if name in deq:
+                    shapes[name] = deq[name].shape(shapes[name])
+                    continue
                 stored_as_target = name in targets and _CODES.get(targets[name].dtype) == sl.get_dtype()
-                skipped = ((name.startswith("mtp.") and not has_mtp) or (strict_prefixes is not None
-                           and not name.startswith(tuple(strict_prefixes))))      # never read (_plan)
+                skipped = (name in deq_scales or (name.startswith("mtp.") and not has_mtp)
+                           or (strict_prefixes is not None and not name.startswith(tuple(strict_prefixes))))
                 if sl.get_dtype() not in FLOAT_DTYPES and not stored_as_target and not skipped:
                     not_float.append(f"{disk_name[name]} ({sl.get_dtype()}, in {path.name})")
     if not_float:
@@ -288,7 +303,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                          f"float8 / FP4 tensors are read only into the quantized layers of a "
                          f"ModelOpt FP8 / NVFP4 checkpoint): {_listing(not_float)}")
 
-    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD)}
+    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in deq_scales}
     copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
                                         tuple(getattr(model, "ignored_checkpoint_suffixes", ())))
     if shared_on_disk and shapes[LM_HEAD] != tuple(full_sd[LM_HEAD].shape):
@@ -335,6 +350,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             with _open(path) as f:
                 for name, group in by_disk_file[path].items():
                     src = f.get_tensor(disk_name[name])
+                    if name in deq:
+                        src = deq[name](src, {sn: _read(files[sn], disk_name[sn]) for sn in deq[name].scale_names})
                     for c in group:
                         dst = targets[c.target]
                         if c.split:

@@ -19,13 +19,14 @@ loader does not cast names listed in ``fixed_dtype_params``.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch import nn
 
 from .config import QuantConfig
-from .fp8 import FP8, fp8_linear, quantize_fp8
-from .nvfp4 import GROUP, nvfp4_linear, quantize_nvfp4
+from .fp8 import FP8, dequantize_fp8, fp8_linear, quantize_fp8
+from .nvfp4 import GROUP, dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,39 @@ def _nvfp4_empty(lin: nn.Linear, stored: dict) -> Nvfp4Linear:
                        input_scale="input_scale" in stored, dtype=lin.weight.dtype, device=lin.weight.device)
 
 
+_EXPERT = re.compile(r"^.*\.experts\.\d+\.(up_proj|down_proj)$")
+
+
+class Fp8Dequant:
+    """Loader hook: a stored FP8 weight -> float32 ``w * weight_scale``."""
+
+    def __init__(self, module: str, stored: dict):
+        self.scale_names = (f"{module}.weight_scale",)
+        self.ignored = tuple(f"{module}.{s}" for s in ("input_scale",) if s in stored)
+
+    def shape(self, stored_shape):
+        return stored_shape
+
+    def __call__(self, w, scales):
+        return dequantize_fp8(w, scales[self.scale_names[0]].reshape(-1))
+
+
+class Nvfp4Dequant:
+    """Loader hook: a stored NVFP4 weight [N, K/2] -> float32 [N, K]."""
+
+    def __init__(self, module: str, stored: dict):
+        self.scale_names = (f"{module}.weight_scale", f"{module}.weight_scale_2")
+        self.ignored = tuple(f"{module}.{s}" for s in ("input_scale",) if s in stored)
+
+    def shape(self, stored_shape):
+        return (stored_shape[0], stored_shape[1] * 2)
+
+    def __call__(self, w, scales):
+        return dequantize_nvfp4(w, *(scales[n] for n in self.scale_names))
+
+
+DEQUANTIZE = {"fp8": Fp8Dequant, "nvfp4": Nvfp4Dequant}
+
 # (method, source) -> builder(linear, stored tensor shapes {suffix: shape}) -> module
 LINEAR_METHODS = {
     ("fp8", "checkpoint"): _fp8_empty,
@@ -177,11 +211,18 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         names.append(name)
     if stored is not None:
-        missing = sorted(set(stored) - set(names))
-        if missing:
-            raise ValueError(f"the checkpoint stores {len(missing)} quantized module(s) that are not linear "
-                             f"layers of this model, e.g. {missing[0]} ({q.method} routed experts and other "
-                             "non-linear modules are not implemented); use the BF16 release")
+        rest = sorted(set(stored) - set(names))
+        not_experts = [m for m in rest if not _EXPERT.match(m)]
+        if not_experts:
+            raise ValueError(f"the checkpoint stores {len(not_experts)} quantized module(s) that are not linear "
+                             f"layers or routed experts of this model, e.g. {not_experts[0]}; quantizing them "
+                             "is not implemented")
+        if rest:
+            # the fused MoE runs 16-bit experts: dequantize them while loading (exact values, no gain)
+            model.dequantize_on_load = {f"{m}.weight": DEQUANTIZE[q.method](m, stored[m]) for m in rest}
+            logger.warning("%d routed-expert weights are stored in %s: dequantized to the model dtype at "
+                           "load (%s experts in the fused MoE are not implemented; no memory or bandwidth "
+                           "gain on them)", len(rest), q.method, q.method)
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
     if q.kv_cache_quant_algo:
         logger.warning("the checkpoint asks for a %s KV cache (kv_cache_quant_algo): not implemented, the KV "

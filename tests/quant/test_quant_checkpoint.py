@@ -244,15 +244,31 @@ def test_bad_quantization_argument(folders, arg, where, match):
         LLM(folders[where], dtype="float32", device="cpu", quantization=arg)
 
 
-def test_fp8_experts_on_disk_are_refused_clearly(folders, tmp_path):
+@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
+def test_quantized_experts_are_dequantized_at_load(folders, tmp_path, method, caplog):
+    """Routed experts stored quantized (the published MoE releases) load dequantized into the 16-bit
+    fused MoE: the logits equal transformers on the dequantized weights."""
+    qdir = tmp_path / "qe"
+    quantize_folder(folders["src"], qdir, method, calibrate_prompts=0, experts=True)
+    t = _tensors(qdir)
+    up = "backbone.layers.6.mixer.experts.1.up_proj"
+    assert t[up + ".weight"].dtype == (torch.float8_e4m3fn if method == "fp8" else torch.uint8)
+    assert up + ".weight_scale" in t
+    with caplog.at_level("WARNING", logger="hybrid_engine"):
+        llm = LLM(qdir, dtype="float32", device="cpu", max_num_seqs=2)
+    assert "dequantized to the model dtype at load" in caplog.text
+    twin = _dequantized_twin(qdir, folders["src"], tmp_path / "twin")
+    torch.testing.assert_close(_logits(llm, IDS), hf_logits(twin, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_other_quantized_modules_are_refused_clearly(folders, tmp_path):
     d = tmp_path / "e"
     d.mkdir()
     t = _tensors(folders["fp8"])
-    name = next(k for k in t if ".experts." in k)
-    t[name] = t[name].to(torch.float8_e4m3fn)
+    t["backbone.layers.6.mixer.gate.weight"] = t["backbone.layers.6.mixer.gate.weight"].to(torch.float8_e4m3fn)
     save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text((folders["fp8"] / "config.json").read_text())
-    with pytest.raises(ValueError, match="not implemented"):
+    with pytest.raises(ValueError, match=r"not linear layers or routed experts .* backbone.layers.6.mixer.gate"):
         LLM(d, dtype="float32", device="cpu")
 
 
