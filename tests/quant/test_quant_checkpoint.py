@@ -27,6 +27,7 @@ from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
 from hybrid_engine.quantize import quantize_folder
 
+DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")   # "cuda" runs the same tests on a GPU
 PATTERN = "M-M*-ME"
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 QUANTIZED_SUFFIXES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -40,7 +41,8 @@ def folders(tmp_path_factory):
     src = make_hf_model(root / "src", PATTERN, seed=5, num_nextn_predict_layers=1, mtp_pattern="*E")
     out = {"src": src}
     for method in ("fp8", "nvfp4"):
-        quantize_folder(src, root / method, method, calibrate_prompts=2)
+        # NVFP4 is weight-only here: its input_scale is not used, so only FP8 is calibrated
+        quantize_folder(src, root / method, method, calibrate_prompts=1 if method == "fp8" else 0)
         out[method] = root / method
     return out
 
@@ -140,13 +142,13 @@ def test_nvfp4_folder_is_the_published_layout(folders):
 
 @pytest.mark.parametrize("method,cls", [("fp8", Fp8Linear), ("nvfp4", Nvfp4Linear)])
 def test_loaded_tensors_equal_the_file(folders, method, cls):
-    llm = LLM(folders[method], dtype="bfloat16", device="cpu", max_num_seqs=2)
+    llm = LLM(folders[method], dtype="bfloat16", device=DEV, max_num_seqs=2)
     q = _tensors(folders[method])
     mods = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, cls)}
     assert len(mods) == sum(1 for k in q if k.startswith("backbone.") and _is_quantized_linear(k))
     for n, m in mods.items():
         for attr, t in m.named_parameters(recurse=False):
-            assert t.dtype == q[f"{n}.{attr}"].dtype and torch.equal(t, q[f"{n}.{attr}"]), f"{n}.{attr}"
+            assert t.dtype == q[f"{n}.{attr}"].dtype and torch.equal(t.cpu(), q[f"{n}.{attr}"]), f"{n}.{attr}"
     assert not isinstance(llm.engine.model.lm_head, cls)            # excluded: stays 16-bit
     assert llm.engine.model.lm_head.weight.dtype == torch.bfloat16
 
@@ -156,25 +158,25 @@ def test_loaded_tensors_equal_the_file(folders, method, cls):
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
 def test_logits_equal_transformers_on_the_dequantized_weights(folders, tmp_path, method):
     twin = _dequantized_twin(folders[method], folders["src"], tmp_path / "twin")
-    llm = LLM(folders[method], dtype="float32", device="cpu", max_num_seqs=2)
+    llm = LLM(folders[method], dtype="float32", device=DEV, max_num_seqs=2)
     ref = hf_logits(twin, IDS)
     assert ref.abs().max() > 1.0
     torch.testing.assert_close(_logits(llm, IDS), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_online_fp8_per_channel(folders, tmp_path):
-    base = LLM(folders["src"], dtype="float32", device="cpu", max_num_seqs=2)
-    llm = LLM(folders["src"], dtype="float32", device="cpu", max_num_seqs=2, quantization="fp8")
+    base = LLM(folders["src"], dtype="float32", device=DEV, max_num_seqs=2)
+    llm = LLM(folders["src"], dtype="float32", device=DEV, max_num_seqs=2, quantization="fp8")
     assert llm.engine.cfg.quantization.source == "online"
     src = load_file(str(folders["src"] / "model.safetensors"))
     mods = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Fp8Linear)}
     assert len(mods) == sum(1 for k in src if k.startswith("backbone.") and _is_quantized_linear(k))
     twin = {}
     for n, m in mods.items():
-        w = src[n + ".weight"]
-        assert m.weight_scale.shape == (w.shape[0],)                     # one scale per output channel
-        assert torch.equal(m.weight_scale, w.abs().amax(1) / 448)
-        twin[n + ".weight"] = m.weight.float() * m.weight_scale[:, None]
+        w, w_q, scale = src[n + ".weight"], m.weight.cpu(), m.weight_scale.cpu()
+        assert scale.shape == (w.shape[0],)                              # one scale per output channel
+        assert torch.equal(scale, w.abs().amax(1) / 448)
+        twin[n + ".weight"] = w_q.float() * scale[:, None]
     assert not isinstance(llm.engine.model.lm_head, Fp8Linear)
     sd = {k: twin.get(k, v) for k, v in src.items()}
     (tmp_path / "twin").mkdir()
@@ -194,11 +196,11 @@ def test_online_fp8_per_channel(folders, tmp_path):
 # ------------------------------------------------------------------------------- composition
 
 def test_fp8_composes_with_mtp_async_and_chunked_prefill(folders):
-    prompts = [np.random.default_rng(i).integers(3, 256, n).tolist() for i, n in enumerate((30, 5, 19, 41))]
-    sp = SamplingParams(max_tokens=10, ignore_eos=True)
-    alone = LLM(folders["fp8"], dtype="float32", device="cpu", max_num_seqs=4, async_scheduling=False)
+    prompts = [np.random.default_rng(i).integers(3, 256, n).tolist() for i, n in enumerate((30, 5, 41))]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = LLM(folders["fp8"], dtype="float32", device=DEV, max_num_seqs=4, async_scheduling=False)
     want = [o.outputs[0].token_ids for o in alone.generate(prompts, sp, use_tqdm=False)]
-    llm = LLM(folders["fp8"], dtype="float32", device="cpu", max_num_seqs=3, max_num_batched_tokens=16,
+    llm = LLM(folders["fp8"], dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=16,
               async_scheduling=True, speculative_config=_mtp(2))
     mtp_q = [n for n, m in llm.engine.model.named_modules() if n.startswith("mtp.") and isinstance(m, Fp8Linear)]
     assert len(mtp_q) == 7                              # eh_proj, q/k/v/o, shared expert up/down
@@ -231,7 +233,7 @@ def _with_config(src, tmp_path, **edits):
 def test_unsupported_checkpoint_quantization_is_named(folders, tmp_path, qc, match):
     d = _with_config(folders["src"], tmp_path, quantization_config=qc)
     with pytest.raises(ValueError, match=match):
-        LLM(d, dtype="float32", device="cpu")
+        LLM(d, dtype="float32", device=DEV)
 
 
 @pytest.mark.parametrize("arg,where,match", [
@@ -241,7 +243,7 @@ def test_unsupported_checkpoint_quantization_is_named(folders, tmp_path, qc, mat
 ])
 def test_bad_quantization_argument(folders, arg, where, match):
     with pytest.raises(ValueError, match=match):
-        LLM(folders[where], dtype="float32", device="cpu", quantization=arg)
+        LLM(folders[where], dtype="float32", device=DEV, quantization=arg)
 
 
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
@@ -255,7 +257,7 @@ def test_quantized_experts_are_dequantized_at_load(folders, tmp_path, method, ca
     assert t[up + ".weight"].dtype == (torch.float8_e4m3fn if method == "fp8" else torch.uint8)
     assert up + ".weight_scale" in t
     with caplog.at_level("WARNING", logger="hybrid_engine"):
-        llm = LLM(qdir, dtype="float32", device="cpu", max_num_seqs=2)
+        llm = LLM(qdir, dtype="float32", device=DEV, max_num_seqs=2)
     assert "dequantized to the model dtype at load" in caplog.text
     twin = _dequantized_twin(qdir, folders["src"], tmp_path / "twin")
     torch.testing.assert_close(_logits(llm, IDS), hf_logits(twin, IDS), atol=1e-4, rtol=1e-4)
@@ -269,7 +271,7 @@ def test_other_quantized_modules_are_refused_clearly(folders, tmp_path):
     save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text((folders["fp8"] / "config.json").read_text())
     with pytest.raises(ValueError, match=r"not linear layers or routed experts .* backbone.layers.6.mixer.gate"):
-        LLM(d, dtype="float32", device="cpu")
+        LLM(d, dtype="float32", device=DEV)
 
 
 def test_gpu_without_fp8_is_refused(monkeypatch):
@@ -288,6 +290,6 @@ def test_hf_quant_config_json_alone_is_read(folders, tmp_path):
     cfg = json.loads((folders["fp8"] / "config.json").read_text())
     cfg.pop("quantization_config")
     (d / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(d, dtype="float32", device="cpu", max_num_seqs=2)
+    llm = LLM(d, dtype="float32", device=DEV, max_num_seqs=2)
     assert llm.engine.cfg.quantization.method == "fp8"
     assert isinstance(llm.engine.model.backbone.layers[0].mixer.in_proj, Fp8Linear)
