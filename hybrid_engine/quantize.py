@@ -20,8 +20,8 @@ built-in prompts through this engine, enforce_eager, greedy, 16 tokens each); a 
 reached (e.g. the MTP layers) gets no input_scale, which the engine reads as "dynamic". With
 ``--calibrate 0`` no input_scale is written. Routed experts are left in 16 bits and listed in
 ``exclude_modules``, unless ``--experts``: then each expert is written per expert
-(``<p>.experts.<e>.up_proj.weight`` ...) like the other layers, without input_scale (the engine
-dequantizes them at load: FP8 / NVFP4 experts in the fused MoE are not implemented).
+(``<p>.experts.<e>.up_proj.weight`` ...) like the other layers, without input_scale (the engine runs
+FP8 experts in the fused MoE and dequantizes NVFP4 experts at load).
 """
 from __future__ import annotations
 
@@ -171,8 +171,8 @@ def main(argv=None) -> int:
                     help="calibration prompts for input_scale (0: write no input_scale)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--experts", action="store_true",
-                    help="also quantize the routed experts (per-expert tensors; the engine dequantizes "
-                         "them at load: FP8 experts in the fused MoE are not implemented)")
+                    help="also quantize the routed experts (per-expert tensors; the engine runs FP8 "
+                         "experts in the fused MoE and dequantizes NVFP4 ones at load)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     quantize_folder(args.src, args.dst, args.format, tuple(args.exclude), args.calibrate, args.device,

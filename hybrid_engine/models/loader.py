@@ -56,6 +56,9 @@ DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
 LM_HEAD, EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
+# per-expert weight scales of quantized experts -> the merged [E] tensor "<p>.experts.<w>_weight_scale"
+_PER_EXPERT_SCALE = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight_scale$")
+_MERGED_SCALE = re.compile(r"^.*\.experts\.(up_proj|down_proj)_weight_scale$")
 _MAX_LISTED = 10
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
 # quantized storage, read only into a model tensor of the same dtype (a quantized layer's)
@@ -175,7 +178,7 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
             copies.append(_Copy(name, name, None, False))
             covered.add(name)
             continue
-        m, pe = _MERGED.match(name), _PER_EXPERT.match(name)
+        m, pe, ps = _MERGED.match(name), _PER_EXPERT.match(name), _PER_EXPERT_SCALE.match(name)
         if m and f"{m['p']}.0.{m['w']}.weight" in targets:
             for e in range(shapes[name][0] if shapes[name] else 0):
                 t = f"{m['p']}.{e}.{m['w']}.weight"
@@ -191,6 +194,13 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
                 continue
             copies.append(_Copy(name, t, e, False))
             covered.add(f"{t}[{e}]")
+        elif ps and f"{ps['p']}.{ps['w']}_weight_scale" in targets:
+            t, e = f"{ps['p']}.{ps['w']}_weight_scale", int(ps["e"])
+            if e >= targets[t].shape[0]:
+                unexpected.append(name)
+                continue
+            copies.append(_Copy(name, t, e, False))
+            covered.add(f"{t}[{e}]")
         elif name.startswith("mtp.") and not has_mtp:
             logger.debug("ignoring %s: the model has no MTP module", name)
         elif name.endswith(ignored):
@@ -198,7 +208,7 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
         else:
             unexpected.append(name)
     for t, tensor in targets.items():      # a merged target is covered when every expert is
-        if t not in covered and tensor.dim() == 3 and _MERGED.match(t):
+        if t not in covered and ((tensor.dim() == 3 and _MERGED.match(t)) or _MERGED_SCALE.match(t)):
             if all(f"{t}[{e}]" in covered for e in range(tensor.shape[0])):
                 covered.add(t)
     return copies, covered, unexpected
@@ -211,6 +221,15 @@ def _expected_shape(c: _Copy, targets) -> tuple[int, ...]:
 
 def _found_shape(c: _Copy, shapes) -> tuple[int, ...]:
     return shapes[c.disk][1:] if c.split else shapes[c.disk]
+
+
+def _target_dtype(name: str, targets: dict) -> torch.dtype | None:
+    """The dtype of the model tensor disk tensor ``name`` is read into (merged experts included)."""
+    if name in targets:
+        return targets[name].dtype
+    pe = _PER_EXPERT.match(name)
+    t = targets.get(f"{pe['p']}.{pe['w']}") if pe else None
+    return t.dtype if t is not None else None
 
 
 def _read(path: Path, name: str) -> torch.Tensor:
@@ -266,6 +285,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     # __call__(weight, {scale name: tensor}) -> float tensor}
     deq = dict(getattr(model, "dequantize_on_load", {}))
     deq_scales = {sn for spec in deq.values() for sn in spec.scale_names + spec.ignored}
+    deq_scales |= set(getattr(model, "ignored_checkpoint_names", ()))      # read past (e.g. unused scales)
     tie = shared_on_disk = False
     if LM_HEAD in targets and EMBED in full_sd:
         if LM_HEAD not in files:
@@ -292,7 +312,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                 if name in deq:
                     shapes[name] = deq[name].shape(shapes[name])
                     continue
-                stored_as_target = name in targets and _CODES.get(targets[name].dtype) == sl.get_dtype()
+                stored_as_target = _CODES.get(_target_dtype(name, targets)) == sl.get_dtype()
                 skipped = (name in deq_scales or (name.startswith("mtp.") and not has_mtp)
                            or (strict_prefixes is not None and not name.startswith(tuple(strict_prefixes))))
                 if sl.get_dtype() not in FLOAT_DTYPES and not stored_as_target and not skipped:

@@ -9,6 +9,9 @@ quantization: the swapped modules keep the checkpoint names (``<layer>.weight``,
 - source "checkpoint": the modules are created empty (on the meta device, before the model is
   materialised) for exactly the layers the checkpoint stores quantized (``stored_quantized``);
   the scale shapes are taken from the file (per tensor [] / [1], or per channel [N] / [N, 1]).
+- routed experts (FP8 only): ``Experts`` modules whose every expert is stored in FP8 become
+  ``experts.Fp8Experts`` (online FP8 quantizes them per expert too); NVFP4 experts are dequantized
+  while loading through the loader's ``dequantize_on_load`` hook (``Nvfp4Dequant``).
 - source "online": after a 16/32-bit checkpoint is loaded, each ``Linear`` not excluded is
   quantized in place (FP8: per-output-channel scales; NVFP4: 16-element blocks), freeing its
   16-bit weight before the next layer, so the peak stays one layer above the quantized model.
@@ -35,8 +38,8 @@ logger = logging.getLogger(__name__)
 IGNORED_SUFFIXES = (".k_scale", ".v_scale")
 _KERNELS = {
     "fp8": "decode (<= 8 rows): Triton FP8-weight skinny kernels (bf16/fp16 compute); prefill: "
-           "torch._scaled_mm W8A8 (bf16, K and N multiples of 16); otherwise / CPU: exact dequantize "
-           "reference",
+           "torch._scaled_mm W8A8 (bf16, K and N multiples of 16); routed experts: the fused MoE "
+           "kernels with per-expert scales; otherwise / CPU: exact dequantize reference",
     "nvfp4": "decode (<= 128 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
              "dequantize to 16 bits + cuBLAS; CPU: exact dequantize reference",
 }
@@ -145,7 +148,7 @@ def _nvfp4_empty(lin: nn.Linear, stored: dict) -> Nvfp4Linear:
                        input_scale="input_scale" in stored, dtype=lin.weight.dtype, device=lin.weight.device)
 
 
-_EXPERT = re.compile(r"^.*\.experts\.\d+\.(up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.\d+\.(up_proj|down_proj)$")
 
 
 class Fp8Dequant:
@@ -189,6 +192,40 @@ LINEAR_METHODS = {
 STORED_WEIGHT_DTYPE = {"fp8": "F8_E4M3", "nvfp4": "U8"}
 
 
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def _fp8_experts_from_checkpoint(model: nn.Module, rest: list[str], stored: dict) -> list[str]:
+    """Swap each ``Experts`` whose every expert is stored in FP8 for ``Fp8Experts``; the experts'
+    input scales are read past (weight-only). -> the swapped module names."""
+    from hybrid_engine.models.moe import Experts
+    from .experts import Fp8Experts
+    by_parent: dict[str, set[str]] = {}
+    for m in rest:
+        by_parent.setdefault(_EXPERT.match(m)["p"], set()).add(m)
+    swapped, ignored = [], set()
+    for parent, mods in by_parent.items():
+        try:
+            experts = model.get_submodule(parent)
+        except AttributeError:
+            experts = None
+        if not isinstance(experts, Experts):
+            raise ValueError(f"the checkpoint stores quantized experts under {parent}, which is not a routed-"
+                             "experts module of this model")
+        E = experts.up_proj.shape[0]
+        want = {f"{parent}.{e}.{w}" for e in range(E) for w in ("up_proj", "down_proj")}
+        if mods != want:
+            raise ValueError(f"{parent}: {len(mods)} of the {len(want)} expert projections are stored in FP8 "
+                             f"(e.g. {sorted(want - mods)[0]} is not); mixed experts are not implemented")
+        _swap(model, parent, Fp8Experts.like(experts))
+        swapped.append(parent)
+        ignored |= {f"{m}.input_scale" for m in mods if "input_scale" in stored[m]}
+    model.ignored_checkpoint_names = frozenset(ignored)
+    return swapped
+
+
 def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] | None = None) -> list[str]:
     """Swap ``model``'s linear layers for ``q``'s modules; returns the swapped module names.
 
@@ -206,9 +243,7 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
                 continue
         elif q.excluded(name) or id(mod.weight) in shared:
             continue
-        new = build(mod, (stored or {}).get(name, {}))
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        _swap(model, name, build(mod, (stored or {}).get(name, {})))
         names.append(name)
     if stored is not None:
         rest = sorted(set(stored) - set(names))
@@ -217,17 +252,26 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
             raise ValueError(f"the checkpoint stores {len(not_experts)} quantized module(s) that are not linear "
                              f"layers or routed experts of this model, e.g. {not_experts[0]}; quantizing them "
                              "is not implemented")
-        if rest:
-            # the fused MoE runs 16-bit experts: dequantize them while loading (exact values, no gain)
+        if rest and q.method == "fp8":
+            names += _fp8_experts_from_checkpoint(model, rest, stored)
+        elif rest:
+            # NVFP4 experts: the fused MoE runs 16-bit experts; dequantize them while loading
             model.dequantize_on_load = {f"{m}.weight": DEQUANTIZE[q.method](m, stored[m]) for m in rest}
             logger.warning("%d routed-expert weights are stored in %s: dequantized to the model dtype at "
                            "load (%s experts in the fused MoE are not implemented; no memory or bandwidth "
                            "gain on them)", len(rest), q.method, q.method)
+    elif q.method == "fp8":
+        from hybrid_engine.models.moe import Experts
+        from .experts import Fp8Experts
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, Experts) and not q.excluded(name):
+                _swap(model, name, Fp8Experts.quantized_from(mod))
+                names.append(name)
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
     if q.kv_cache_quant_algo:
         logger.warning("the checkpoint asks for a %s KV cache (kv_cache_quant_algo): not implemented, the KV "
                        "cache stays in the model dtype and its k_scale / v_scale tensors are ignored",
                        q.kv_cache_quant_algo)
-    logger.info("quantization %s (%s): %d linear layers quantized; kernels: %s", q.method, q.source,
+    logger.info("quantization %s (%s): %d linear / expert modules quantized; kernels: %s", q.method, q.source,
                 len(names), _KERNELS[q.method])
     return names

@@ -48,6 +48,13 @@ def test_nvfp4_kernel(shape, dtype):
     qc.check_nvfp4(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=m + n)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("T,grouped", [(1, False), (8, False), (8, True), (200, True)])
+def test_fp8_experts(T, grouped, dtype):
+    # Nano-30B-A3B-like widths (reduced expert count): D 2688, F 1856, 16 experts, top 6
+    qc.check_fp8_experts(DEV, dtype, T, 16, 6, 2688, 1856, grouped, seed=T)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
 def test_scaled_mm_prefill_path(per_channel, static):

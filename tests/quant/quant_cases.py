@@ -80,6 +80,35 @@ def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     return err
 
 
+def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
+    """routed_experts_triton with FP8 merged experts (per-expert scales) vs the reference with the
+    weights dequantized exactly (float32 h: the same arithmetic up to summation order)."""
+    from hybrid_engine.models.moe_ops import grouped_experts_ref, dequantize_experts
+    from hybrid_engine.models.triton_moe import routed_experts_triton
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g).to(dtype)
+    w_up = torch.randn(E, F, D, generator=g) / math.sqrt(D) * torch.rand(E, 1, 1, generator=g).add(0.5)
+    w_down = torch.randn(E, D, F, generator=g) / math.sqrt(F)
+    qs = [quantize_fp8(w.reshape(-1, w.shape[-1]), False) for w in (*w_up, *w_down)]
+    up_q = torch.stack([q for q, _ in qs[:E]]).view(E, F, D)
+    down_q = torch.stack([q for q, _ in qs[E:]]).view(E, D, F)
+    up_s = torch.stack([s for _, s in qs[:E]])
+    down_s = torch.stack([s for _, s in qs[E:]])
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    ref = grouped_experts_ref(h.float(), dequantize_experts(up_q, up_s, torch.float32),
+                              dequantize_experts(down_q, down_s, torch.float32), ids, wts)
+    dev = lambda t: t.to(device)   # noqa: E731
+    with poisoned_empty():
+        y = routed_experts_triton(dev(h), dev(up_q), dev(down_q), dev(ids), dev(wts), force_grouped=grouped,
+                                  up_scale=dev(up_s), down_scale=dev(down_s))
+    assert y.shape == (T, D) and not torch.isnan(y).any()
+    err = _rel(y.cpu(), ref)
+    tol = tol or {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert err <= tol, f"fp8 experts T={T} grouped={grouped}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
 # shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
@@ -116,6 +145,8 @@ def _cases():
             x, p, s, g, b, block_n=16, block_kh=32), device=cpu, dtype=f32),
         "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
             x, p, s, g, b, block_n=32, block_kh=16), device=cpu, dtype=f16, bias=False),
+        "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
+        "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
     }
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_reference import engine_prefill_hidden, hf_logits
 from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.quantization.experts import Fp8Experts
 from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
 from hybrid_engine.quantize import quantize_folder
 
@@ -178,6 +179,15 @@ def test_online_fp8_per_channel(folders, tmp_path):
         assert torch.equal(scale, w.abs().amax(1) / 448)
         twin[n + ".weight"] = w_q.float() * scale[:, None]
     assert not isinstance(llm.engine.model.lm_head, Fp8Linear)
+    experts = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Fp8Experts)}
+    assert list(experts) == ["backbone.layers.6.mixer.experts"]       # per-expert scales
+    for n, m in experts.items():
+        for proj in ("up_proj", "down_proj"):
+            w_q, scale = getattr(m, proj).cpu(), getattr(m, proj + "_weight_scale").cpu()
+            for e in range(w_q.shape[0]):
+                w = src[f"{n}.{e}.{proj}.weight"]
+                assert float(scale[e]) == float(w.abs().max() / 448)
+                twin[f"{n}.{e}.{proj}.weight"] = w_q[e].float() * scale[e]
     sd = {k: twin.get(k, v) for k, v in src.items()}
     (tmp_path / "twin").mkdir()
     save_file(sd, str(tmp_path / "twin" / "model.safetensors"), metadata={"format": "pt"})
@@ -247,9 +257,10 @@ def test_bad_quantization_argument(folders, arg, where, match):
 
 
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
-def test_quantized_experts_are_dequantized_at_load(folders, tmp_path, method, caplog):
-    """Routed experts stored quantized (the published MoE releases) load dequantized into the 16-bit
-    fused MoE: the logits equal transformers on the dequantized weights."""
+def test_quantized_experts_load(folders, tmp_path, method, caplog):
+    """Routed experts stored quantized (the published MoE releases): FP8 ones run as FP8 experts
+    (stacked with their per-expert scales), NVFP4 ones are dequantized into the 16-bit fused MoE;
+    either way the logits equal transformers on the dequantized weights."""
     qdir = tmp_path / "qe"
     quantize_folder(folders["src"], qdir, method, calibrate_prompts=0, experts=True)
     t = _tensors(qdir)
@@ -258,7 +269,14 @@ def test_quantized_experts_are_dequantized_at_load(folders, tmp_path, method, ca
     assert up + ".weight_scale" in t
     with caplog.at_level("WARNING", logger="hybrid_engine"):
         llm = LLM(qdir, dtype="float32", device=DEV, max_num_seqs=2)
-    assert "dequantized to the model dtype at load" in caplog.text
+    experts = llm.engine.model.backbone.layers[6].mixer.experts
+    if method == "fp8":
+        assert isinstance(experts, Fp8Experts) and "dequantized to the model dtype" not in caplog.text
+        e_scale = t["backbone.layers.6.mixer.experts.3.down_proj.weight_scale"]
+        assert torch.equal(experts.down_proj_weight_scale[3].cpu(), e_scale)
+        assert torch.equal(experts.down_proj[3].cpu(), t["backbone.layers.6.mixer.experts.3.down_proj.weight"])
+    else:
+        assert not isinstance(experts, Fp8Experts) and "dequantized to the model dtype at load" in caplog.text
     twin = _dequantized_twin(qdir, folders["src"], tmp_path / "twin")
     torch.testing.assert_close(_logits(llm, IDS), hf_logits(twin, IDS), atol=1e-4, rtol=1e-4)
 

@@ -1,6 +1,6 @@
 """Quantized-weight kernels and formats on CPU.
 
-- The Triton FP8 / NVFP4 decode kernels under Triton's interpreter (quant_cases.py: poisoned
+- The Triton FP8 / NVFP4 decode kernels and the fused MoE with FP8 experts under Triton's interpreter (quant_cases.py: poisoned
   outputs, ragged rows, odd widths) against their exact float32 twins.
 - The formats against hand-written expectations, not our own encoder: e2m1 code table and nibble
   order, float8 scales, and that quantize -> dequantize is exact on representable values and within
@@ -19,7 +19,7 @@ from triton_interpret import assert_case, run_cases
 
 HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
-         "fp8_dispatch", "nvfp4_dot", "nvfp4_dot_f16"]
+         "fp8_dispatch", "nvfp4_dot", "nvfp4_dot_f16", "fp8_experts_decode", "fp8_experts_grouped"]
 
 
 @pytest.fixture(scope="module")
