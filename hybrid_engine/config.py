@@ -273,12 +273,17 @@ class EngineConfig:
                 kv_cache_bytes: int = 256 * 1024 * 1024,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
-                enforce_eager: bool = False, quantization: str | None = None) -> "EngineConfig":
+                enforce_eager: bool = False, quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> "EngineConfig":
         """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
         is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
         None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
         or confirm a stored one), "modelopt" (require the checkpoint's); see
-        ``hybrid_engine.quantization.config.resolve_quantization``."""
+        ``hybrid_engine.quantization.config.resolve_quantization``. ``kv_cache_dtype``: only "auto" (the
+        model dtype); an FP8 KV cache is not implemented."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the KV cache is stored in the model dtype; an FP8 "
+                             f"KV cache is not implemented), got {kv_cache_dtype!r}")
         from .hub import resolve_model_dir
         model_dir = resolve_model_dir(model)
         model_cfg = ModelConfig.from_json(model_dir)

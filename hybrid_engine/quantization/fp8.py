@@ -90,6 +90,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor,
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     N = w_q.shape[0]
+    # stored scale shapes [] / [1] (per tensor) and [N] / [N, 1] (per channel) -> [] or [N] (views)
+    weight_scale = weight_scale.reshape(()) if weight_scale.numel() == 1 else weight_scale.reshape(-1)
     if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
         if x2.shape[0] <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", x2.device) == "triton":
             from .fp8_kernels import fp8_skinny_linear

@@ -243,6 +243,10 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
                 continue
         elif q.excluded(name) or id(mod.weight) in shared:
             continue
+        elif q.method == "nvfp4" and mod.in_features % GROUP:
+            logger.info("%s stays 16-bit: NVFP4 needs in_features (%d) to be a multiple of %d", name,
+                        mod.in_features, GROUP)
+            continue
         _swap(model, name, build(mod, (stored or {}).get(name, {})))
         names.append(name)
     if stored is not None:

@@ -107,3 +107,14 @@ def test_w8a8_reference_quantizes_activations():
     static = torch.tensor(0.005)                          # |x| up to ~10: 10 / 0.005 > 448
     xq2, xs2 = quantize_activations(x, static)            # static: saturates at 448 * scale
     assert xs2.shape == () and float(xq2.float().abs().max()) == 448
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (24,), (24, 1)])
+def test_fp8_stored_scale_shapes(shape):
+    """Scales as checkpoints store them (per tensor [] / [1], per channel [N] / [N, 1])."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=g)
+    w_q = torch.randn(24, 32, generator=g).to(FP8)
+    s = torch.rand(shape, generator=g) + 0.5
+    want = x @ (w_q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))).T
+    torch.testing.assert_close(fp8_linear(x, w_q, s), want, rtol=1e-6, atol=1e-6)
