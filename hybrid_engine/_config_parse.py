@@ -18,8 +18,10 @@ Accepted forms for ``model_type == "nemotron_h"``:
   ``mamba_dt_max``, ``mamba_dt_limit``, ``mamba_dt_init_floor``, ``mamba_conv_bias``,
   ``mamba_chunk_size``), ``attention_head_dim`` (Nemotron-H 8B/47B: the attention head size when
   ``head_dim`` is absent) and bare ``Infinity`` / ``NaN`` literals.
-- ``quantization_config`` (or ``compression_config``): any quantization method is rejected with a
-  ValueError naming it; this engine runs float16 / bfloat16 / float32 weights only.
+- ``quantization_config`` (or ``compression_config``; ``hf_quant_config.json`` beside config.json
+  is merged by ``ModelConfig.from_json``): NVIDIA ModelOpt FP8 / NVFP4 is parsed into
+  ``ModelConfig.quantization`` (``hybrid_engine.quantization.config``); any other method is a
+  ValueError naming it.
 - ``eos_token_id`` must lie inside the vocabulary.
 
 Precedence follows transformers' ``NemotronHConfig``: a legacy ``mamba_*`` name overrides its
@@ -232,9 +234,11 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))}")
     d = dict(d)
-    _reject_quantization(d)
     if mt != "nemotron_h":
+        _reject_quantization(d, mt)
         return FAMILIES[mt].config_adapter()(d)
+    from hybrid_engine.quantization.config import parse_checkpoint_quantization
+    quantization = parse_checkpoint_quantization(d)
     if d.get("head_dim") is None and d.get("attention_head_dim") is not None:
         d["head_dim"] = d["attention_head_dim"]
     elif d.get("attention_head_dim") is not None and d["attention_head_dim"] != d["head_dim"]:
@@ -265,6 +269,7 @@ def model_config_kwargs(d: dict) -> dict:
     kw["eos_token_id"] = parse_eos(d.get("eos_token_id", 2))
     kw["time_step_limit"] = parse_time_step_limit(d)
     kw["torch_dtype"] = parse_dtype(d)
+    kw["quantization"] = quantization
     return finish_kwargs(kw)
 
 
@@ -314,15 +319,15 @@ def finish_kwargs(kw: dict) -> dict:
     return kw
 
 
-def _reject_quantization(d: dict) -> None:
+def _reject_quantization(d: dict, model_type: str) -> None:
     for key in ("quantization_config", "compression_config"):
         q = d.get(key)
         if q is None:
             continue
         method = q.get("quant_method", q.get("quant_algo", q.get("format"))) if isinstance(q, dict) else q
-        raise ValueError(f"config.json {key} (quant_method {method!r}) is not supported: this engine "
-                         "loads float16 / bfloat16 / float32 weights only; use the checkpoint's "
-                         "unquantized (BF16) release")
+        raise ValueError(f"config.json {key} (quant_method {method!r}) is not supported for model_type "
+                         f"{model_type!r}: quantized checkpoints load for 'nemotron_h' only; use the "
+                         "checkpoint's unquantized (BF16) release")
 
 
 # ------------------------------------------------------------- helpers of the other families' adapters

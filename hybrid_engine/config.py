@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .quantization.config import QuantConfig, resolve_quantization
+
 # Layer kinds, one character each, as in ``hybrid_override_pattern``; HYBRID is a layer holding a
 # Mamba2 mixer and an attention in parallel (Falcon-H1): it owns one Mamba state and one KV cache.
 MAMBA, ATTENTION, MLP, MOE, HYBRID = "M", "*", "-", "E", "H"
@@ -75,6 +77,8 @@ class ModelConfig:
     moe_router: str = "sigmoid"           # "sigmoid" (Nemotron-H) | "softmax" (softmax of the top-k logits)
     moe_activation: str = "relu2"         # routed experts: "relu2" | "swiglu" (up [E, 2F, D]: gate rows first)
     family: object = None                 # the family's own frozen settings (multipliers, ...), or None
+    # how the checkpoint stores its weights (None: 16/32-bit); see hybrid_engine.quantization
+    quantization: "QuantConfig | None" = None
 
     @property
     def num_layers(self) -> int:
@@ -106,7 +110,10 @@ class ModelConfig:
     def from_json(cls, path) -> "ModelConfig":
         """Read ``path`` (a config.json file or the model folder holding one)."""
         from hybrid_engine._config_parse import read_config_json
-        return cls.from_dict(read_config_json(path))
+        from hybrid_engine.quantization.config import merge_hf_quant_config
+        d = read_config_json(path)
+        folder = Path(path).expanduser()
+        return cls.from_dict(merge_hf_quant_config(d, folder if folder.is_dir() else folder.parent))
 
 
 # --------------------------------------------------------------------------- engine-side configs
@@ -270,6 +277,8 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    # the quantization the model runs with (the checkpoint's, or one applied at load); None: none
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -289,13 +298,22 @@ class EngineConfig:
                 kv_cache_bytes: int = 256 * 1024 * 1024,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
-                enforce_eager: bool = False) -> "EngineConfig":
+                enforce_eager: bool = False, quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> "EngineConfig":
         """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
-        is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``)."""
+        is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
+        None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
+        or confirm a stored one), "modelopt" (require the checkpoint's); see
+        ``hybrid_engine.quantization.config.resolve_quantization``. ``kv_cache_dtype``: only "auto" (the
+        model dtype); an FP8 KV cache is not implemented."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the KV cache is stored in the model dtype; an FP8 "
+                             f"KV cache is not implemented), got {kv_cache_dtype!r}")
         from .hub import resolve_model_dir
         model_dir = resolve_model_dir(model)
         model_cfg = ModelConfig.from_json(model_dir)
         dev = resolve_device(device)
+        dt = resolve_dtype(dtype, model_cfg, dev)
         return cls(
             model_dir=model_dir, model=model_cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -304,5 +322,6 @@ class EngineConfig:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            speculative=speculative_config, dtype=resolve_dtype(dtype, model_cfg, dev), device=dev,
-            async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager))
+            speculative=speculative_config, dtype=dt, device=dev,
+            async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager),
+            quantization=resolve_quantization(quantization, model_cfg.quantization, dev, dt))

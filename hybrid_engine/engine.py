@@ -66,7 +66,8 @@ class EngineCore(FaultIsolation):
         self.generation_defaults = read_generation_config(cfg.model_dir, mc.vocab_size)
         # generation stops on any EOS id of config.json or generation_config.json
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_id + self.generation_defaults.eos_token_ids))
-        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp)
+        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp,
+                                 quantization=cfg.quantization)
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.num_spec = k
         n_attn = len(mc.attention_layer_ids)

@@ -20,9 +20,14 @@ Name mapping (disk -> model), checked for every tensor before anything is copied
   When the checkpoint has its own ``lm_head.weight`` it is used, tie or not (transformers'
   NemotronH never ties: ``_tied_weights_keys = {}``), untying a shared model parameter.
 
-Stored dtypes: only float16, bfloat16, float32 and float64 tensors are read; a float8, integer or
-packed (e.g. FP4 in uint8) tensor is a ValueError naming it (quantized checkpoints need their scales
-and kernels, which this engine does not implement: it never casts them silently). A file that is not
+Stored dtypes: float16, bfloat16, float32 and float64 tensors are read (cast to the target dtype);
+a float8_e4m3fn or uint8 tensor only into a model tensor of the same dtype (the quantized layers of
+``hybrid_engine.quantization``, which list their weight and scales in ``fixed_dtype_params``: the
+loader never casts those). Any other float8, integer or packed tensor is a ValueError naming it (the
+engine never casts quantized data silently). Names ending in the model's
+``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped. Names in the
+model's ``dequantize_on_load`` (quantized tensors the model holds in 16 bits, e.g. routed experts of
+an FP8 checkpoint) are dequantized with their scales as they are read. A file that is not
 valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
 floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
 read for all of them; a non-finite tensor is a ValueError naming it.
@@ -52,8 +57,13 @@ DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
 LM_HEAD, DEFAULT_EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
+# per-expert weight scales of quantized experts -> the merged [E] tensor "<p>.experts.<w>_weight_scale"
+_PER_EXPERT_SCALE = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight_scale$")
+_MERGED_SCALE = re.compile(r"^.*\.experts\.(up_proj|down_proj)_weight_scale$")
 _MAX_LISTED = 10
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
+# quantized storage, read only into a model tensor of the same dtype (a quantized layer's)
+_CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 BACKBONE = "backbone."
 _ALT_BACKBONE = "model."
 _NEVER_RENAMED = ("lm_head.", "mtp.")
@@ -155,7 +165,8 @@ def _tie_requested(model, model_dir: Path, tie: bool | None) -> bool:
         return False
 
 
-def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bool):
+def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bool,
+          ignored: tuple[str, ...] = ()):
     """-> (copies, consumed target names, unexpected disk names)."""
     copies: list[_Copy] = []
     covered: set[str] = set()
@@ -168,7 +179,7 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
             copies.append(_Copy(name, name, None, False))
             covered.add(name)
             continue
-        m, pe = _MERGED.match(name), _PER_EXPERT.match(name)
+        m, pe, ps = _MERGED.match(name), _PER_EXPERT.match(name), _PER_EXPERT_SCALE.match(name)
         if m and f"{m['p']}.0.{m['w']}.weight" in targets:
             for e in range(shapes[name][0] if shapes[name] else 0):
                 t = f"{m['p']}.{e}.{m['w']}.weight"
@@ -184,12 +195,21 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
                 continue
             copies.append(_Copy(name, t, e, False))
             covered.add(f"{t}[{e}]")
+        elif ps and f"{ps['p']}.{ps['w']}_weight_scale" in targets:
+            t, e = f"{ps['p']}.{ps['w']}_weight_scale", int(ps["e"])
+            if e >= targets[t].shape[0]:
+                unexpected.append(name)
+                continue
+            copies.append(_Copy(name, t, e, False))
+            covered.add(f"{t}[{e}]")
         elif name.startswith("mtp.") and not has_mtp:
             logger.debug("ignoring %s: the model has no MTP module", name)
+        elif name.endswith(ignored):
+            logger.debug("ignoring %s (the model reads past tensors ending in %s)", name, ignored)
         else:
             unexpected.append(name)
     for t, tensor in targets.items():      # a merged target is covered when every expert is
-        if t not in covered and tensor.dim() == 3 and _MERGED.match(t):
+        if t not in covered and ((tensor.dim() == 3 and _MERGED.match(t)) or _MERGED_SCALE.match(t)):
             if all(f"{t}[{e}]" in covered for e in range(tensor.shape[0])):
                 covered.add(t)
     return copies, covered, unexpected
@@ -202,6 +222,27 @@ def _expected_shape(c: _Copy, targets) -> tuple[int, ...]:
 
 def _found_shape(c: _Copy, shapes) -> tuple[int, ...]:
     return shapes[c.disk][1:] if c.split else shapes[c.disk]
+
+
+def _target_dtype(name: str, targets: dict) -> torch.dtype | None:
+    """The dtype of the model tensor disk tensor ``name`` is read into (merged experts included)."""
+    if name in targets:
+        return targets[name].dtype
+    pe = _PER_EXPERT.match(name)
+    t = targets.get(f"{pe['p']}.{pe['w']}") if pe else None
+    return t.dtype if t is not None else None
+
+
+def _read(path: Path, name: str) -> torch.Tensor:
+    with _open(path) as f:
+        return f.get_tensor(name)
+
+
+def _fixed_dtype(model: torch.nn.Module, name: str) -> bool:
+    """True for a tensor whose module fixes its dtype (a quantized layer's weight and scales)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    return attr in getattr(mod, "fixed_dtype_params", ())
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.Tensor) -> None:
@@ -241,6 +282,12 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
     has_mtp = any(k.startswith("mtp.") for k in full_sd)
+    # quantized tensors the model holds in 16 bits: {model-side name: spec with .scale_names,
+    # .ignored (scale names not needed), .shape(stored shape) and
+    # __call__(weight, {scale name: tensor}) -> float tensor}
+    deq = dict(getattr(model, "dequantize_on_load", {}))
+    deq_scales = {sn for spec in deq.values() for sn in spec.scale_names + spec.ignored}
+    deq_scales |= set(getattr(model, "ignored_checkpoint_names", ()))      # read past (e.g. unused scales)
     tie = shared_on_disk = False
     if LM_HEAD in targets and EMBED in full_sd:
         if LM_HEAD not in files:
@@ -264,15 +311,23 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             for name in names:
                 sl = f.get_slice(disk_name[name])
                 shapes[name] = tuple(sl.get_shape())
-                if sl.get_dtype() not in FLOAT_DTYPES:
+                if name in deq:
+                    shapes[name] = deq[name].shape(shapes[name])
+                    continue
+                stored_as_target = _CODES.get(_target_dtype(name, targets)) == sl.get_dtype()
+                skipped = (name in deq_scales or (name.startswith("mtp.") and not has_mtp)
+                           or (strict_prefixes is not None and not name.startswith(tuple(strict_prefixes))))
+                if sl.get_dtype() not in FLOAT_DTYPES and not stored_as_target and not skipped:
                     not_float.append(f"{disk_name[name]} ({sl.get_dtype()}, in {path.name})")
     if not_float:
         raise ValueError(f"checkpoint {folder} stores {len(not_float)} tensor(s) in a dtype this engine "
                          f"does not load (allowed: float16, bfloat16, float32, float64; quantized "
-                         f"float8 / FP4 / int checkpoints are not supported): {_listing(not_float)}")
+                         f"float8 / FP4 tensors are read only into the quantized layers of a "
+                         f"ModelOpt FP8 / NVFP4 checkpoint): {_listing(not_float)}")
 
-    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD)}
-    copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp)
+    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in deq_scales}
+    copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
+                                        tuple(getattr(model, "ignored_checkpoint_suffixes", ())))
     if shared_on_disk and shapes[LM_HEAD] != tuple(full_sd[LM_HEAD].shape):
         raise ValueError(f"shape mismatch in checkpoint {folder}: {LM_HEAD}: expected "
                          f"{list(full_sd[LM_HEAD].shape)}, found {list(shapes[LM_HEAD])}")
@@ -291,7 +346,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     # Materialise / convert the targets: meta tensors, wrong device, or wrong floating dtype.
     for name, t in targets.items():
         want_dtype = t.dtype
-        if t.is_floating_point():
+        if t.is_floating_point() and not _fixed_dtype(model, name):
             if _has_fp32_name(name, keep32):
                 want_dtype = torch.float32
             elif dtype is not None:
@@ -317,6 +372,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             with _open(path) as f:
                 for name, group in by_disk_file[path].items():
                     src = f.get_tensor(disk_name[name])
+                    if name in deq:
+                        src = deq[name](src, {sn: _read(files[sn], disk_name[sn]) for sn in deq[name].scale_names})
                     for c in group:
                         dst = targets[c.target]
                         if c.split:
@@ -358,7 +415,9 @@ def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
         by_device.setdefault(t.device, []).append((n, t))
     bad = []
     for items in by_device.values():
-        sums = torch.stack([t.detach().sum().float() for _, t in items])
+        # float8 has no sum kernel: those (1-byte) tensors are summed as float32
+        sums = torch.stack([(t.detach().float() if t.element_size() == 1 else t.detach()).sum().float()
+                            for _, t in items])
         flags = torch.isfinite(sums).cpu()                       # the one host read per device
         for (n, t), ok in zip(items, flags.tolist()):
             if not ok and not bool(torch.isfinite(t.detach()).all()):

@@ -54,6 +54,11 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, width, inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, width))
 
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-expert weight scales (up, down) of quantized experts
+        (``quantization.experts.Fp8Experts``); None: the weights are the values."""
+        return None, None
+
 
 class MoE(nn.Module):
     takes_batch = True          # forward(x, fb, caches): fb marks padding tokens for the counters
@@ -86,7 +91,10 @@ class MoE(nn.Module):
         valid = None if fb is None else fb.attn.slot_mapping[:x.shape[0]]
         ids, w = self.gate(x, self.expert_tokens, valid)                    # [T, k] each
         shared = shared_expert(x, self.shared_experts)                       # [T, D]
+        up_s, down_s = self.experts.scales()
         if self.fc1_latent_proj is None:
-            return routed_experts(x, self.experts.up_proj, self.experts.down_proj, ids, w, add=shared)
-        routed = routed_experts(self.fc1_latent_proj(x), self.experts.up_proj, self.experts.down_proj, ids, w)
+            return routed_experts(x, self.experts.up_proj, self.experts.down_proj, ids, w, add=shared,
+                                  up_scale=up_s, down_scale=down_s)
+        routed = routed_experts(self.fc1_latent_proj(x), self.experts.up_proj, self.experts.down_proj, ids, w,
+                                up_scale=up_s, down_scale=down_s)
         return self.fc2_latent_proj(routed) + shared

@@ -192,16 +192,29 @@ def dense_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
     return acc.to(h.dtype)
 
 
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Merged expert weights [E, N, K] -> ``dtype``; FP8 weights with per-expert float32 scales
+    [E] are dequantized exactly in float32 first (the twin of the kernels' scaled epilogue when
+    ``dtype`` is float32)."""
+    if scale is None:
+        return w
+    return (w.float() * scale.float()[:, None, None]).to(dtype)
+
+
 def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, add: torch.Tensor | None = None, activation: str = "relu2"
-                   ) -> torch.Tensor:
+                   weights: torch.Tensor, add: torch.Tensor | None = None, activation: str = "relu2", *,
+                   up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[T, D_out] in h.dtype: the routed experts' weighted sum (+ ``add`` [T, D_out], rounded as
-    ``routed + add`` in h.dtype)."""
+    ``routed + add`` in h.dtype). ``up_scale`` / ``down_scale`` [E] float32: the weights are
+    float8_e4m3fn and each expert's projection is multiplied by its scale (FP8 experts; the
+    reference dequantizes them to h.dtype, float32 on CPU)."""
     _check_activation(activation, w_up, w_down)
     backend = kernel_backend("moe_experts", h.device)
     if backend == "triton" and h.shape[0]:
         from .triton_moe import routed_experts_triton
-        return routed_experts_triton(h, w_up, w_down, ids, weights, add, activation=activation)
+        return routed_experts_triton(h, w_up, w_down, ids, weights, add, activation=activation,
+                                     up_scale=up_scale, down_scale=down_scale)
+    w_up, w_down = dequantize_experts(w_up, up_scale, h.dtype), dequantize_experts(w_down, down_scale, h.dtype)
     fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
     out = fn(h, w_up, w_down, ids, weights, activation)
     return out if add is None else out + add

@@ -186,11 +186,12 @@ def _swiglu(g, u, dtype):
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True,
-                      SWIGLU: tl.constexpr = False):
+                      SWIGLU: tl.constexpr = False, ws_ptr=None, W_SCALED: tl.constexpr = False):
     """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row.
     ONE_WEIGHT: w is one [N, K] matrix (ids not read): a plain row-wise linear (shared expert,
     router logits); ROUND False keeps the float32 sum (router logits). SWIGLU: w has 2N rows
-    (gate rows n, up rows N + n): out = silu(gate) * up."""
+    (gate rows n, up rows N + n): out = silu(gate) * up. W_SCALED: w is FP8 and the sum is
+    multiplied by the expert's float32 scale ``ws[e]`` before the epilogue."""
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     if ONE_WEIGHT:
@@ -216,13 +217,18 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     # squares that in float32 (exact) for one more rounding at the store; the routing weight
     # applies in float32 (the pair outputs stay float32 until the combine)
     y = tl.sum(acc, axis=1)
+    if W_SCALED:
+        y = y * tl.load(ws_ptr + e)
     if ROUND:
         y = y.to(a_ptr.dtype.element_ty).to(tl.float32)
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
     if SWIGLU:
-        y = _swiglu(y, tl.sum(acc_up, axis=1), a_ptr.dtype.element_ty)
+        up = tl.sum(acc_up, axis=1)
+        if W_SCALED:
+            up = up * tl.load(ws_ptr + e)
+        y = _swiglu(y, up, a_ptr.dtype.element_ty)
     if WEIGHTED:
         y = y * tl.load(wt_ptr + p)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
@@ -260,7 +266,7 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
         x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
         RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
-        ROUND=out_dtype == x.dtype, num_warps=warps)
+        ROUND=out_dtype == x.dtype, num_warps=warps, ws_ptr=x)
     return out
 
 
@@ -269,7 +275,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
                          N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
                          WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ws_ptr,
+                         SWIGLU: tl.constexpr = False, W_SCALED: tl.constexpr = False):
     """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows.
     A rows: the sorted position (A_SORTED) or the pair's token (pair // A_DIV); output rows: the
     sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once."""
@@ -296,16 +303,24 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
         mk = offs_k < K
         a = tl.load(a_base + offs_k[None, :], mask=mrow[:, None] & mk[None, :], other=0.0)   # [BM, BK]
         w = tl.load(w_base + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)      # [BK, BN]
+        if W_SCALED:                    # FP8 weight tile -> the activations' dtype (exact)
+            w = w.to(a_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         if SWIGLU:                      # the up rows sit N rows below the gate rows
             wu = tl.load(w_base + N * s_wn + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+            if W_SCALED:
+                wu = wu.to(a_ptr.dtype.element_ty)
             if IEEE:
                 acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, wu, acc_up)
+    if W_SCALED:
+        acc = acc * tl.load(ws_ptr + e)
+        if SWIGLU:
+            acc_up = acc_up * tl.load(ws_ptr + e)
     y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
@@ -366,11 +381,16 @@ def _check(h, w_up, w_down, ids, weights, swiglu: bool = False):
 def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, add: torch.Tensor | None = None,
                           force_grouped: bool = False, out: torch.Tensor | None = None,
-                          activation: str = "relu2") -> torch.Tensor:
+                          activation: str = "relu2", *, up_scale: torch.Tensor | None = None,
+                          down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``moe_ops.routed_experts``. ``force_grouped`` (tests, benchmarks) takes
-    the grouped path whatever the token count; ``out`` [T, D_out] h.dtype to write into."""
+    the grouped path whatever the token count; ``out`` [T, D_out] h.dtype to write into.
+    ``up_scale`` / ``down_scale`` [E] float32: FP8 weights, scaled per expert in the epilogue."""
     swiglu = activation == "swiglu"
     _check(h, w_up, w_down, ids, weights, swiglu)
+    if (up_scale is None) != (down_scale is None):
+        raise ValueError("routed experts: give both up_scale and down_scale or neither")
+    scaled = dict(W_SCALED=up_scale is not None)
     T, k = ids.shape
     E, F, _ = w_up.shape
     F = F // 2 if swiglu else F                  # the activation's width (SwiGLU: half the up rows)
@@ -386,12 +406,12 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
             h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
             inter.stride(0), RELU2=not swiglu, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
-            num_warps=warps)
+            num_warps=warps, ws_ptr=up_scale if up_scale is not None else weights, **scaled)
         bn, bk, warps = gemv_tiles("down", T, w_down)
         _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
             inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
             w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps)
+            num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled)
     else:
         bm = align_block_size(P, E)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
@@ -403,11 +423,12 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             h, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             F, h.shape[1], P, k, h.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
             A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm,
-            SWIGLU=swiglu, **cfg)
+            SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **cfg)
         _grouped_gemm_kernel[(triton.cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
             inter, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             D_out, F, P, 1, inter.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
-            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm, **cfg)
+            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm,
+            ws_ptr=down_scale if down_scale is not None else weights, **scaled, **cfg)
     if out is None:
         out = torch.empty(T, D_out, dtype=h.dtype, device=dev)
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):

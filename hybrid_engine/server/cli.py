@@ -58,6 +58,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="draft model folder (--spec draft_model; default with the embedded model: its embedded draft)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--quantization", default=None, choices=["fp8", "nvfp4", "modelopt"],
+                   help="quantize a 16/32-bit checkpoint at load (fp8, nvfp4) or require a ModelOpt one "
+                        "(default: the checkpoint's own)")
     s.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default %(default)s)")
@@ -92,7 +95,8 @@ def build_llm(args):
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                     kv_cache_memory_fraction=args.kv_cache_memory_fraction, speculative_config=spec,
-                    async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager)
+                    async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager,
+                    quantization=args.quantization)
 
 
 def run_serve(args) -> int:

@@ -99,7 +99,7 @@ def test_non_float_tensor_named(base, tmp_path, dtype, code):
 def test_quantization_config_rejected(base, tmp_path):
     d = _copy(base, tmp_path)
     _edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(ValueError, match=r"quantization_config \(quant_method 'fp8'\) is not supported"):
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method 'fp8', quant_algo None\) is not supported"):
         LLM(d, dtype="float32", device="cpu")
 
 

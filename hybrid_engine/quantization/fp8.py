@@ -1,0 +1,103 @@
+"""FP8 (float8_e4m3fn) weights: quantization, exact dequantization, and the linear op.
+
+Weights ``w_q`` [N, K] float8_e4m3fn with a float32 ``weight_scale``: [] (per tensor, ModelOpt
+FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weight is
+``w_q.float() * weight_scale`` (per row for [N]).
+
+``fp8_linear(x, w_q, weight_scale, input_scale, bias)`` dispatch (backend logged once per op):
+- CUDA, 16-bit x, at most ``MAX_SKINNY_ROWS`` rows (decode): the Triton kernels of
+  ``fp8_kernels`` stream the 1-byte weight and multiply by the scale once per output (weight-only:
+  the activations stay 16-bit, so decode is at least as exact as W8A8);
+- CUDA, bfloat16 x, more rows (prefill) and K, N multiples of 16: ``torch._scaled_mm`` W8A8 on the
+  FP8 tensor cores: activations quantized per tensor with the checkpoint's static ``input_scale``,
+  or per token (dynamic) when there is none; ``fp8_scaled_mm_ref`` is its twin;
+- otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)        # 448
+MAX_SKINNY_ROWS = 8
+_SCALED_MM_DTYPES = (torch.bfloat16,)
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (w_q [N, K] float8_e4m3fn, scale float32 [] or [N]) with
+    scale = amax / 448 (1 for an all-zero tensor/row) and w_q = round(w / scale)."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1) if per_channel else wf.abs().amax()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    s = scale[:, None] if per_channel else scale
+    return (wf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.float()
+
+
+def dequantize_fp8(w_q: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """-> the weight [N, K] float32, exactly ``w_q * scale`` (per row for a [N] scale)."""
+    s = weight_scale.float()
+    return w_q.float() * (s[:, None] if s.dim() == 1 else s)
+
+
+def fp8_linear_ref(x, w_q, weight_scale, bias=None):
+    """The exact twin: dequantize in float32, float32 matmul, one rounding to x.dtype."""
+    y = F.linear(x.float(), dequantize_fp8(w_q, weight_scale),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] float8_e4m3fn, scale float32 [] (static) or [M, 1] (per token))."""
+    xf = x.float()
+    if input_scale is not None:
+        s = input_scale.float()
+    else:
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def fp8_scaled_mm_ref(x, w_q, weight_scale, input_scale=None, bias=None):
+    """Twin of the W8A8 prefill path: the same activation quantization, float32 arithmetic."""
+    x_q, xs = quantize_activations(x, input_scale)
+    y = F.linear(x_q.float() * xs, dequantize_fp8(w_q, weight_scale),
+                 None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None):
+    """W8A8 with ``torch._scaled_mm``: tensor-wise scales when both are scalars, row-wise
+    ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16."""
+    x_q, xs = quantize_activations(x, input_scale)
+    ws = weight_scale.float()
+    M, N = x.shape[0], w_q.shape[0]
+    if xs.dim() == 0 and ws.dim() == 0:
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    else:
+        sa = xs.expand(M, 1).contiguous() if xs.dim() == 0 else xs
+        sb = (ws.expand(N) if ws.dim() == 0 else ws).reshape(1, N).contiguous()
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    N = w_q.shape[0]
+    # stored scale shapes [] / [1] (per tensor) and [N] / [N, 1] (per channel) -> [] or [N] (views)
+    weight_scale = weight_scale.reshape(()) if weight_scale.numel() == 1 else weight_scale.reshape(-1)
+    if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
+        if x2.shape[0] <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", x2.device) == "triton":
+            from .fp8_kernels import fp8_skinny_linear
+            y = fp8_skinny_linear(x2.contiguous(), w_q, weight_scale, bias)
+            return y.view(*lead, N)
+        if (x2.dtype in _SCALED_MM_DTYPES and K % 16 == 0 and N % 16 == 0
+                and kernel_backend("fp8_scaled_mm", x2.device) == "triton"):
+            return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias).view(*lead, N)
+    return fp8_linear_ref(x2, w_q, weight_scale, bias).view(*lead, N)

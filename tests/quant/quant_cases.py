@@ -1,0 +1,158 @@
+"""Quantized-weight linear kernels against their exact torch twins, on random inputs.
+
+``check_fp8`` / ``check_nvfp4`` build random quantized weights (ragged rows, odd widths, strided x
+rows, bias or not), run a kernel with every float output allocation poisoned with NaN (an element
+the kernel forgets stays NaN and fails), and compare with ``fp8_linear_ref`` / ``nvfp4_linear_ref``
+(exact float32 dequantization). Used by tests/quant/test_quant_kernels.py (CPU: run as a script under
+TRITON_INTERPRET=1, which prints ``CASE name OK|FAIL``) and tests/gpu/test_quant_cuda.py (CUDA).
+The interpreter cases use float32 / float16 x (bf16 ``tl.dot`` is wrong in the interpreter).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+
+import torch
+
+from hybrid_engine.quantization.fp8 import fp8_linear_ref, quantize_fp8
+from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """``torch.empty`` returns NaN-filled float tensors inside the block."""
+    real = torch.empty
+
+    def empty(*a, **k):
+        t = real(*a, **k)
+        if t.is_floating_point() and t.dtype.itemsize > 1:
+            t.fill_(math.nan)
+        return t
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def _inputs(M, N, K, dtype, bias, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    xbig = torch.randn(M, K + 7, generator=g).to(dtype)
+    x = xbig[:, 3:3 + K]                                  # strided rows, unit inner stride
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g).add(0.1)   # row scales differ
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x.to(device), w, (b.to(device) if bias else None)
+
+
+def _rel(y, ref):
+    d = (y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
+    return float(d)
+
+
+def check_fp8(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0, tol=None):
+    x, w, b = _inputs(M, N, K, dtype, bias, seed, device)
+    w_q, s = quantize_fp8(w, per_channel)
+    w_q, s = w_q.to(device), s.to(device)
+    with poisoned_empty():
+        y = impl(x, w_q, s, b)
+    assert y.shape == (M, N) and y.dtype == dtype, (y.shape, y.dtype)
+    assert not torch.isnan(y).any(), "unwritten (NaN) outputs"
+    ref = fp8_linear_ref(x.float(), w_q, s, None if b is None else b.float())   # float32 twin
+    err = _rel(y.cpu(), ref.cpu())
+    tol = tol or {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert err <= tol, f"fp8 M={M} N={N} K={K} per_channel={per_channel}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
+def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
+    x, w, b = _inputs(M, N, K, dtype, bias, seed, device)
+    packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
+    with poisoned_empty():
+        y = impl(x, packed, bs, gs, b)
+    assert y.shape == (M, N) and y.dtype == dtype, (y.shape, y.dtype)
+    assert not torch.isnan(y).any(), "unwritten (NaN) outputs"
+    ref = nvfp4_linear_ref(x.float(), packed, bs, gs, None if b is None else b.float())
+    err = _rel(y.cpu(), ref.cpu())
+    tol = tol or {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert err <= tol, f"nvfp4 M={M} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
+def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
+    """routed_experts_triton with FP8 merged experts (per-expert scales) vs the reference with the
+    weights dequantized exactly (float32 h: the same arithmetic up to summation order)."""
+    from hybrid_engine.models.moe_ops import grouped_experts_ref, dequantize_experts
+    from hybrid_engine.models.triton_moe import routed_experts_triton
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g).to(dtype)
+    w_up = torch.randn(E, F, D, generator=g) / math.sqrt(D) * torch.rand(E, 1, 1, generator=g).add(0.5)
+    w_down = torch.randn(E, D, F, generator=g) / math.sqrt(F)
+    qs = [quantize_fp8(w.reshape(-1, w.shape[-1]), False) for w in (*w_up, *w_down)]
+    up_q = torch.stack([q for q, _ in qs[:E]]).view(E, F, D)
+    down_q = torch.stack([q for q, _ in qs[E:]]).view(E, D, F)
+    up_s = torch.stack([s for _, s in qs[:E]])
+    down_s = torch.stack([s for _, s in qs[E:]])
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    ref = grouped_experts_ref(h.float(), dequantize_experts(up_q, up_s, torch.float32),
+                              dequantize_experts(down_q, down_s, torch.float32), ids, wts)
+    dev = lambda t: t.to(device)   # noqa: E731
+    with poisoned_empty():
+        y = routed_experts_triton(dev(h), dev(up_q), dev(down_q), dev(ids), dev(wts), force_grouped=grouped,
+                                  up_scale=dev(up_s), down_scale=dev(down_s))
+    assert y.shape == (T, D) and not torch.isnan(y).any()
+    err = _rel(y.cpu(), ref)
+    tol = tol or {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert err <= tol, f"fp8 experts T={T} grouped={grouped}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
+# shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
+FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
+FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
+NVFP4_SHAPES = [(1, 33, 16), (2, 70, 48), (5, 1, 272), (8, 130, 544), (20, 40, 64), (70, 17, 32)]
+
+
+def _cases():
+    from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
+                                                        fp8_skinny_linear_fma)
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
+    cpu, f32, f16 = "cpu", torch.float32, torch.float16
+
+    def run(fn, shapes, **kw):
+        return lambda: max(fn(**kw, M=m, N=n, K=k, seed=i) for i, (m, n, k) in enumerate(shapes))
+
+    def small(impl, **kw):
+        return lambda x, w, s, b: impl(x, w, s, b, **kw)
+
+    return {
+        "fp8_fma_tensor": run(check_fp8, FP8_FMA_SHAPES, impl=small(fp8_skinny_linear_fma, block_n=8, block_k=64),
+                              device=cpu, dtype=f32, per_channel=False),
+        "fp8_fma_channel": run(check_fp8, FP8_FMA_SHAPES, impl=small(fp8_skinny_linear_fma, block_n=4, block_k=128),
+                               device=cpu, dtype=f32, per_channel=True, bias=False),
+        "fp8_fma_f16": run(check_fp8, FP8_FMA_SHAPES, impl=small(fp8_skinny_linear_fma, block_n=8, block_k=64),
+                           device=cpu, dtype=f16, per_channel=True),
+        "fp8_dot_tensor": run(check_fp8, FP8_DOT_SHAPES, impl=small(fp8_skinny_linear_dot, block_n=16, block_k=32),
+                              device=cpu, dtype=f32, per_channel=False, bias=False),
+        "fp8_dot_channel_f16": run(check_fp8, FP8_DOT_SHAPES, impl=small(fp8_skinny_linear_dot, block_n=16,
+                                                                          block_k=64),
+                                   device=cpu, dtype=f16, per_channel=True),
+        "fp8_dispatch": run(check_fp8, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
+                            device=cpu, dtype=f16, per_channel=True),
+        "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
+            x, p, s, g, b, block_n=16, block_kh=32), device=cpu, dtype=f32),
+        "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
+            x, p, s, g, b, block_n=32, block_kh=16), device=cpu, dtype=f16, bias=False),
+        "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
+        "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
+    }
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
+    torch.set_num_threads(1)
+    from triton_interpret import case_main
+    cases = _cases()
+    sys.exit(case_main(cases, sys.argv[1:], run=lambda case: f"err {case():.1e}"))

@@ -1,0 +1,120 @@
+"""Quantized-weight kernels and formats on CPU.
+
+- The Triton FP8 / NVFP4 decode kernels and the fused MoE with FP8 experts under Triton's interpreter (quant_cases.py: poisoned
+  outputs, ragged rows, odd widths) against their exact float32 twins.
+- The formats against hand-written expectations, not our own encoder: e2m1 code table and nibble
+  order, float8 scales, and that quantize -> dequantize is exact on representable values and within
+  half a step elsewhere.
+"""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_engine.quantization.fp8 import (FP8, dequantize_fp8, fp8_linear, fp8_linear_ref,
+                                            fp8_scaled_mm_ref, quantize_activations, quantize_fp8)
+from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4, quantize_nvfp4, unpack_e2m1
+from triton_interpret import assert_case, run_cases
+
+HERE = Path(__file__).resolve().parent
+CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
+         "fp8_dispatch", "nvfp4_dot", "nvfp4_dot_f16", "fp8_experts_decode", "fp8_experts_grouped"]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_cases(HERE / "quant_cases.py")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_interpreter(interpreter_results, case):
+    assert_case(interpreter_results, case)
+
+
+# ------------------------------------------------------------------------------------ formats
+
+def test_e2m1_table_and_nibble_order():
+    # byte 0x2F: low nibble 0xF = -6 (element 0), high nibble 0x2 = +1 (element 1)
+    # byte 0x9B: low 0xB = -1.5, high 0x9 = -0.5; byte 0x70: low 0 = 0, high 7 = 6
+    packed = torch.tensor([[0x2F, 0x9B, 0x70]], dtype=torch.uint8)
+    assert unpack_e2m1(packed).tolist() == [[-6.0, 1.0, -1.5, -0.5, 0.0, 6.0]]
+
+
+def test_nvfp4_dequantize_by_hand():
+    # 32 inputs = 2 blocks; block scales 0.5 and 3.0 (exact in e4m3), global scale 0.25
+    codes = torch.arange(32) % 16                       # every code twice
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8)[None]
+    bs = torch.tensor([[0.5, 3.0]]).to(FP8)
+    table = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
+    want = torch.tensor([table[c] * (0.5 if i < 16 else 3.0) * 0.25 for i, c in enumerate(codes.tolist())])
+    got = dequantize_nvfp4(packed, bs, torch.tensor(0.25))
+    assert torch.equal(got[0], want)
+
+
+def test_nvfp4_round_trip():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 64, generator=g)
+    packed, bs, gs = quantize_nvfp4(w)
+    assert packed.shape == (24, 32) and packed.dtype == torch.uint8
+    assert bs.shape == (24, 4) and bs.dtype == FP8 and gs.shape == () and gs.dtype == torch.float32
+    assert math.isclose(float(gs), float(w.abs().max()) / (6 * 448), rel_tol=1e-6)
+    deq = dequantize_nvfp4(packed, bs, gs)
+    # each value lands on the nearest of its block's grid: error <= half the largest e2m1 step (1.0)
+    step = bs.float().repeat_interleave(16, 1) * gs
+    assert ((deq - w).abs() <= step * 1.0 + 1e-6).all()
+    # a weight already on the grid comes back exactly
+    packed2, bs2, gs2 = quantize_nvfp4(deq)
+    assert torch.equal(dequantize_nvfp4(packed2, bs2, gs2), deq)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_round_trip(per_channel):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 40, generator=g) * torch.rand(16, 1, generator=g)
+    w_q, s = quantize_fp8(w, per_channel)
+    amax = w.abs().amax(1) if per_channel else w.abs().amax()
+    assert torch.equal(s, amax / 448) and w_q.dtype == FP8
+    deq = dequantize_fp8(w_q, s)
+    assert torch.equal(deq, w_q.float() * (s[:, None] if per_channel else s))
+    # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 on normal values
+    sc = s[:, None] if per_channel else s
+    normal = (w / sc).abs() >= 2 ** -6
+    assert (((deq - w).abs() <= w.abs() * 2 ** -4 + 1e-12) | ~normal).all()
+    assert w_q.float().abs().max() == 448                # the amax element maps to e4m3's max
+
+
+def test_fp8_cpu_dispatch_is_the_exact_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 32, generator=g).to(torch.bfloat16)
+    w_q, s = quantize_fp8(torch.randn(24, 32, generator=g), True)
+    y = fp8_linear(x, w_q, s)
+    assert y.shape == (3, 5, 24) and y.dtype == torch.bfloat16
+    want = (x.float().reshape(-1, 32) @ (w_q.float() * s[:, None]).T).to(torch.bfloat16).view(3, 5, 24)
+    assert torch.equal(y, want)
+    assert torch.equal(fp8_linear_ref(x.reshape(-1, 32), w_q, s), want.view(-1, 24))
+
+
+def test_w8a8_reference_quantizes_activations():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 32, generator=g) * 3
+    w_q, s = quantize_fp8(torch.randn(8, 32, generator=g), False)
+    xq, xs = quantize_activations(x, None)                # dynamic: per token
+    assert xs.shape == (4, 1) and torch.equal(xs[:, 0], x.abs().amax(1) / 448)
+    y = fp8_scaled_mm_ref(x, w_q, s)
+    want = (xq.float() * xs) @ (w_q.float() * s).T
+    assert torch.equal(y, want)
+    static = torch.tensor(0.005)                          # |x| up to ~10: 10 / 0.005 > 448
+    xq2, xs2 = quantize_activations(x, static)            # static: saturates at 448 * scale
+    assert xs2.shape == () and float(xq2.float().abs().max()) == 448
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (24,), (24, 1)])
+def test_fp8_stored_scale_shapes(shape):
+    """Scales as checkpoints store them (per tensor [] / [1], per channel [N] / [N, 1])."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 32, generator=g)
+    w_q = torch.randn(24, 32, generator=g).to(FP8)
+    s = torch.rand(shape, generator=g) + 0.5
+    want = x @ (w_q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))).T
+    torch.testing.assert_close(fp8_linear(x, w_q, s), want, rtol=1e-6, atol=1e-6)
