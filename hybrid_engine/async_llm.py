@@ -49,7 +49,7 @@ logger = logging.getLogger("hybrid_engine")
 
 class _Stream:
     """Consumer-side state of one request: how much of it has been handed out."""
-    __slots__ = ("req", "event", "sent", "prefix_offset", "read_offset")
+    __slots__ = ("req", "event", "sent", "prefix_offset", "read_offset", "chars_sent")
 
     def __init__(self, req: Request):
         self.req = req
@@ -57,6 +57,7 @@ class _Stream:
         self.sent = 0                     # output tokens already yielded
         self.prefix_offset = 0            # incremental detokenisation window (see _text_delta)
         self.read_offset = 0
+        self.chars_sent = 0               # requests with stop strings: characters of their text yielded
 
 
 class AsyncLLM:
@@ -252,7 +253,10 @@ class AsyncLLM:
             return None
         out = self.engine.make_output(req, delta_from=stream.sent)
         stream.sent = n
-        if self.engine.tokenizer is not None:
+        if req.stop_strings is not None:          # the stop-string search owns this request's text
+            text = req.stop_strings.visible_text(req.finished, req.output_token_ids)
+            out.outputs[0].text, stream.chars_sent = text[stream.chars_sent:], len(text)
+        elif self.engine.tokenizer is not None:
             out.outputs[0].text = self._text_delta(stream, n, req.finished)
         return out
 

@@ -26,6 +26,7 @@ from .scheduling.request import Request
 from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
+from .sampling.stop_strings import StopStrings
 from .scheduling.scheduler import Scheduler
 from .spec.drafters import DrafterBuild, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
@@ -115,6 +116,9 @@ class EngineCore(FaultIsolation):
         ids = self._tokenize(prompt)
         params = self.generation_defaults.sampling_params(len(ids)) if params is None else params
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer to read the output text, but the model "
+                             "folder has none: use stop_token_ids")
         check_stop_ids(params, self.cfg.model.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
@@ -131,6 +135,8 @@ class EngineCore(FaultIsolation):
         self._req_counter += 1
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
         req = Request(str(request_id), ids, params, seed, eos_token_ids=self.eos_token_ids)
+        if params.stop:
+            req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
         req.metrics.arrival_time = time.perf_counter()
         return req
 
@@ -275,7 +281,11 @@ class EngineCore(FaultIsolation):
     # ---- outputs ----------------------------------------------------------------------------
     def make_output(self, req: Request, delta_from: int = 0) -> RequestOutput:
         ids = req.output_token_ids[delta_from:]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        strings = req.stop_strings
+        if strings is not None and delta_from == 0:     # the text the stop-string search cut
+            text = strings.visible_text(req.finished, req.output_token_ids)
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
         if req.finished:
             self._account(req)
         m = req.metrics
@@ -286,7 +296,8 @@ class EngineCore(FaultIsolation):
                    "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
                    "finish_time": m.finish_time}
         return RequestOutput(req.request_id, list(req.prompt_token_ids),
-                             [CompletionOutput(0, list(ids), text, req.finish_reason)], req.finished,
+                             [CompletionOutput(0, list(ids), text, req.finish_reason,
+                                               strings.matched if strings is not None else None)], req.finished,
                              metrics, req.error)
 
     def _account(self, req: Request) -> None:

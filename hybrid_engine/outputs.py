@@ -10,6 +10,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None (still running)
+    stop_reason: str | None = None     # the stop string that ended the request (finish_reason "stop")
 
 
 @dataclass

@@ -38,7 +38,9 @@ class SamplingParams:
     top_p: a number in (0, 1]; min_p: a number in [0, 1].
     seed: None (drawn from the engine's seed) or an int in [0, 2**63).
     stop_token_ids: a list/tuple of int token ids (checked against the vocabulary at submission).
-    ignore_eos: bool. n: 1."""
+    ignore_eos: bool. n: 1.
+    stop: a str or a list/tuple of non-empty strs; generation stops when the output text contains
+    one (needs a tokenizer). include_stop_str_in_output: bool, keep the stop string in the text."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = -1
@@ -48,8 +50,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -114,9 +119,25 @@ class SamplingParams:
                 _is_int(x) and 0 <= x <= INT64_MAX for x in self.stop_token_ids):
             bad("stop_token_ids", "a list or tuple of int token ids in [0, 2**63) (and within the vocabulary)")
 
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "True or False", TypeError)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _str_tuple(name: str, value) -> tuple[str, ...]:
+    """A str or a list/tuple of non-empty strs -> a tuple (None and [] -> ())."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise TypeError(f"SamplingParams.{name}={value!r} is invalid: allowed a str or a list of strs")
+    if any(not s for s in value):
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: allowed non-empty strings only")
+    return tuple(value)
 
 
 def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:

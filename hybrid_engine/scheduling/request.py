@@ -77,6 +77,7 @@ class Request:
     error: str | None = None                   # set when a step that carried it raised
     accounted: bool = False                    # counted in engine stats
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
+    stop_strings: object = None                # sampling.stop_strings.StopStrings when params.stop is set
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).

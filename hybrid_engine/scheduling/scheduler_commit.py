@@ -6,7 +6,10 @@ stop-id cache is its own.
 
 A steady step (``SchedulerOutput.decode`` set, and no table row moved since it was scheduled)
 commits its decode rows with numpy operations on the table; only rows whose tokens may finish
-them take the per-token path. Everything else is committed row by row.
+them (a stop id, the length limit, or stop strings) take the per-token path. Everything else is
+committed row by row. Stop strings: after each appended token the request's ``StopStrings``
+(sampling/stop_strings.py) detokenises it and searches the new text; a match finishes the
+request at that token, so the rest of a verified run of drafts is dropped.
 """
 from __future__ import annotations
 
@@ -28,8 +31,10 @@ class OutputCommitter:
         self.table = table              # the scheduler's running table (counters updated here)
         self.num_spec, self.max_model_len = num_spec, max_model_len
         self._finish = finish           # Scheduler._finish: frees slot + blocks, status FINISHED
-        # (running req-id tuple the union was built for, every stop id of those requests)
-        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray] = (None, np.zeros(0, np.int64))
+        # (running req-id tuple the union was built for, every stop id of those requests,
+        #  [rows] bool: the table row's request has stop strings)
+        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray, np.ndarray] = (
+            None, np.zeros(0, np.int64), np.zeros(0, bool))
 
     def commit(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Commit one step's tokens; returns the requests that got tokens or finished."""
@@ -54,9 +59,11 @@ class OutputCommitter:
         n_out = table.n_out[idx] + num_valid
         table.n_out[idx] = n_out
         risky = n_out >= table.limit[idx]
-        stops = self._stop_union()
+        stops, has_strings = self._stop_union()
         if stops.size:
             risky |= np.isin(sampled, stops).any(1)                        # -1 pads never match
+        if has_strings.any():
+            risky |= has_strings[idx]                                      # their text is searched per token
         reqs = table.reqs
         touched = [reqs[j] for j in idx.tolist()]                          # [n] in step-row order
         now = None
@@ -93,8 +100,9 @@ class OutputCommitter:
                 self._append_tokens(req, sampled_l[i][:int(num_valid[i])])
         return touched
 
-    def _stop_union(self) -> np.ndarray:
-        """Every stop id of the running requests (EOS unless ignore_eos), cached per composition."""
+    def _stop_union(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stop id of the running requests (EOS unless ignore_eos), and per table row whether
+        its request has stop strings; cached per composition."""
         ids = self.table.ids()
         if self._stop_cache[0] is not ids:
             u: set[int] = set()
@@ -103,8 +111,10 @@ class OutputCommitter:
                 u.update(p.stop_token_ids)
                 if not p.ignore_eos:
                     u.update(r.eos_token_ids)
-            self._stop_cache = (ids, np.array(sorted(u), dtype=np.int64))
-        return self._stop_cache[1]
+            strings = np.fromiter((r.stop_strings is not None for r in self.table.reqs), dtype=bool,
+                                  count=len(self.table.reqs))
+            self._stop_cache = (ids, np.array(sorted(u), dtype=np.int64), strings)
+        return self._stop_cache[1], self._stop_cache[2]
 
     def _update_rows(self, step_rows: tuple[ScheduledRow, ...], out: ModelRunnerOutput,
                      offset: int) -> list[Request]:
@@ -154,10 +164,14 @@ class OutputCommitter:
         out_ids = req.output_token_ids
         # stop at max_tokens or when prompt + outputs reach max_model_len, whichever comes first
         limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        strings = req.stop_strings
         for tok in tokens:
             out_ids.append(tok)
             m.num_tokens_out += 1
             if tok in stop_ids:
+                self._finish(req, "stop")
+                return
+            if strings is not None and strings.push(out_ids):
                 self._finish(req, "stop")
                 return
             if len(out_ids) >= limit:

@@ -84,7 +84,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             run = await state.admit_and_start(ids, params, "messages", "chatcmpl")
             text = await run.collect()
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": run.finish_reason, **extras(run, run.token_ids)}
+                      "finish_reason": run.finish_reason, "stop_reason": run.stop_reason,
+                      **extras(run, run.token_ids)}
             return body(run, "chat.completion", [choice], run.usage)
         return JSONResponse(await until_disconnect(http, whole()))
 

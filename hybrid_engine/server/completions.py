@@ -12,7 +12,8 @@ from .sse import error_event, sse_event, DONE
 
 
 def _choice(req: CompletionRequest, run: Run, text: str, finish_reason: str | None, token_ids=None) -> dict:
-    c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+         "stop_reason": run.stop_reason if finish_reason else None}
     if req.return_token_ids:
         c["token_ids"] = token_ids
         c["prompt_token_ids"] = run.prompt_token_ids

@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic models), the OpenAI-shaped error, and the
 mapping of a request's sampling fields to ``SamplingParams``.
 
-Supported sampling fields: max_tokens (chat: also max_completion_tokens), temperature, top_p, and
-the extensions top_k, min_p, seed, stop_token_ids, ignore_eos. Fields of the OpenAI API that the
-engine does not implement yet (n > 1, best_of, logprobs, stop strings, penalties, logit_bias, echo,
-suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
+Supported sampling fields: max_tokens (chat: also max_completion_tokens), temperature, top_p, stop,
+and the extensions top_k, min_p, seed, stop_token_ids, ignore_eos, include_stop_str_in_output.
+Fields of the OpenAI API that the engine does not implement yet (n > 1, best_of, logprobs,
+penalties, logit_bias, echo, suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
 400 naming the field instead of being silently served without it. Unknown fields are ignored.
 """
 from __future__ import annotations
@@ -50,13 +50,14 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False                 # extension
+    include_stop_str_in_output: bool = False # extension
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False           # extension: prompt_token_ids / token_ids in the reply
     user: str | None = None                  # accepted, unused
     # OpenAI fields the engine does not implement yet: a non-default value is a 400 naming the field
     n: int = 1
-    stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -64,7 +65,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> dict[str, bool]:
         """field -> whether the request sets it to something the engine cannot do yet."""
-        return {"n": self.n != 1, "stop": bool(self.stop), "presence_penalty": self.presence_penalty != 0,
+        return {"n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
                 "frequency_penalty": self.frequency_penalty != 0, "repetition_penalty": self.repetition_penalty != 1,
                 "logit_bias": bool(self.logit_bias)}
 
@@ -83,8 +84,9 @@ class _SamplingFields(BaseModel):
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=-1 if self.top_k == 0 else self.top_k, min_p=self.min_p, seed=self.seed,
-                                  stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
-        except ValueError as e:
+                                  stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                                  stop=self.stop, include_stop_str_in_output=self.include_stop_str_in_output)
+        except (ValueError, TypeError) as e:
             m = re.match(r"SamplingParams\.(\w+)=", str(e))
             raise bad_request(str(e), m.group(1) if m else None) from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -123,6 +124,9 @@ class ServerState:
 
 def _engine_param(message: str, prompt_field: str) -> str | None:
     """Which request field an engine ValueError is about."""
+    m = re.match(r"SamplingParams\.(\w+)", message)
+    if m:
+        return m.group(1)
     if "max_tokens" in message:
         return "max_tokens"
     if message.startswith(("prompt", "request_id")):
@@ -147,6 +151,11 @@ class Run:
     @property
     def finish_reason(self) -> str | None:
         return self.last.outputs[0].finish_reason if self.last is not None else None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the request, if one did."""
+        return self.last.outputs[0].stop_reason if self.last is not None else None
 
     def error(self) -> ApiError:
         """The 500 of a request whose engine step failed."""

@@ -136,6 +136,54 @@ def test_completion_token_prompt_and_stream(oai, direct):
     assert all(ch.choices and ch.usage is None for ch in plain)
 
 
+def _stop_reference(tok, toks, stops, include=False):
+    """The stop-string definition: the first k tokens whose text holds a stop string; the text
+    cut before the earliest one (after it with include)."""
+    for k in range(1, len(toks) + 1):
+        text = tok.decode(toks[:k], skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            i, s = min(hits)
+            return toks[:k], (text[:i + len(s)] if include else text[:i]), s
+    raise AssertionError(f"no stop string of {stops} in the reference")
+
+
+def test_stop_strings(oai, direct):
+    """stop (completions and chat, whole and streamed, include_stop_str_in_output) against the
+    definition on the greedy reference; the server runs n-gram spec, so a cut may fall inside a
+    verified run of drafts."""
+    tok = direct.tokenizer
+    ref = direct.run([PROMPTS[4]])[0]
+    text = tok.decode(ref, skip_special_tokens=True)
+    stops = [text[len(text) // 2:len(text) // 2 + 2], "\u00ff\u00fe"]
+    toks, cut, s = _stop_reference(tok, ref, stops)
+    r = oai.completions.create(model="default", prompt=PROMPTS[4], max_tokens=16, stop=stops, **GREEDY)
+    c = r.choices[0]
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (toks, cut, "stop", s)
+    assert r.usage.completion_tokens == len(toks)
+    chunks = list(oai.completions.create(model="default", prompt=PROMPTS[4], max_tokens=16, stop=stops,
+                                         stream=True, **GREEDY))
+    assert "".join(ch.choices[0].text for ch in chunks) == cut
+    assert sum((ch.choices[0].token_ids for ch in chunks), []) == toks
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    g = dict(GREEDY, extra_body={**GREEDY["extra_body"], "include_stop_str_in_output": True})
+    toks, cut, s = _stop_reference(tok, ref, stops[:1], include=True)
+    r = oai.completions.create(model="default", prompt=PROMPTS[4], max_tokens=16, stop=stops[0], **g)
+    assert (r.choices[0].token_ids, r.choices[0].text) == (toks, cut) and cut.endswith(s)
+    msgs = [{"role": "user", "content": PROMPTS[5]}]
+    ids = _chat_ids(direct, msgs)
+    ref = direct.run([ids])[0]
+    text = tok.decode(ref, skip_special_tokens=True)
+    stops = [text[5:7]]
+    toks, cut, s = _stop_reference(tok, ref, stops)
+    r = oai.chat.completions.create(model="default", messages=msgs, max_tokens=16, stop=stops, **GREEDY)
+    c = r.choices[0]
+    assert (c.token_ids, c.message.content, c.finish_reason) == (toks, cut, "stop")
+    chunks = list(oai.chat.completions.create(model="default", messages=msgs, max_tokens=16, stop=stops,
+                                              stream=True, **GREEDY))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut
+
+
 def _chat_ids(direct, messages, shout=False):
     from jinja2 import Environment
     env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
@@ -178,14 +226,14 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(extra_body={"temperature": "hot"}), "temperature"),
     ("cmpl", dict(logprobs=2), "logprobs"),
     ("cmpl", dict(n=2), "n"),
-    ("cmpl", dict(stop=["\n"]), "stop"),
+    ("cmpl", dict(stop=["ok", ""]), "stop"),
     ("cmpl", dict(presence_penalty=0.5), "presence_penalty"),
     ("cmpl", dict(prompt=[5000]), "prompt"),                 # token id outside the vocabulary
     ("cmpl", dict(prompt=["a", "b"]), "prompt"),             # batches are not supported
     ("cmpl", dict(prompt="x " * 10000), "prompt"),           # longer than max_model_len
     ("chat", dict(logprobs=True), "logprobs"),
     ("chat", dict(n=3), "n"),
-    ("chat", dict(stop="END"), "stop"),
+    ("chat", dict(stop=[""]), "stop"),
     ("chat", dict(messages=[]), "messages"),
     ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages.0.content.0.type"),
