@@ -27,6 +27,7 @@ from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
 from .sampling.stop_strings import StopStrings
+from .sampling.logits_processing import MAX_BAD_WORD_TOKENS, ProcessingSpec
 from .scheduling.scheduler import Scheduler
 from .spec.drafters import DrafterBuild, make_drafter
 from hybrid_engine.mamba_cache.pool import MambaPool
@@ -119,6 +120,8 @@ class EngineCore(FaultIsolation):
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to read the output text, but the model "
                              "folder has none: use stop_token_ids")
+        processing = ProcessingSpec.of(params, self.eos_token_ids, self._bad_word_ids(params.bad_words)) \
+            if params.processes_logits else None
         check_stop_ids(params, self.cfg.model.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
@@ -136,9 +139,29 @@ class EngineCore(FaultIsolation):
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
         req = Request(str(request_id), ids, params, seed, eos_token_ids=self.eos_token_ids)
         if params.stop:
-            req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                           params.min_tokens)
+        req.processing = processing
         req.metrics.arrival_time = time.perf_counter()
         return req
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Token sequences of the bad words: each word as written and with a leading space (how it
+        reads after another word), deduplicated."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer, but the model folder has none")
+        out: dict[tuple[int, ...], None] = {}
+        for w in words:
+            for spelling in (w, " " + w.lstrip(" ")):
+                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"SamplingParams.bad_words: {w!r} is {len(ids)} tokens; allowed at most "
+                                     f"{MAX_BAD_WORD_TOKENS}")
+                if ids:
+                    out[ids] = None
+        return list(out)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):

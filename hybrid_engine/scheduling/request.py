@@ -78,6 +78,7 @@ class Request:
     accounted: bool = False                    # counted in engine stats
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
     stop_strings: object = None                # sampling.stop_strings.StopStrings when params.stop is set
+    processing: object = None                  # sampling.logits_processing.ProcessingSpec, or None
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).

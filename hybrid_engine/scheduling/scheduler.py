@@ -100,7 +100,8 @@ class Scheduler:
             req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
             self.table.add(req, self.max_model_len)
             new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
-                                      req.params, req.seed))
+                                      req.params, req.seed, num_prompt_tokens=len(req.prompt_token_ids),
+                                      processing=req.processing))
             rows.append(self._row(req, n))
             budget -= n
         self._step_id += 1

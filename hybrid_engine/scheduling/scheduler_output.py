@@ -19,6 +19,8 @@ class NewRequestData:
     slot: int                        # Mamba pool slot
     params: SamplingParams
     seed: int
+    num_prompt_tokens: int = 0       # token_ids[:num_prompt_tokens] is the prompt, the rest outputs
+    processing: object = None        # sampling.logits_processing.ProcessingSpec, or None
 
 
 class ScheduledRow(NamedTuple):

@@ -2,9 +2,10 @@
 mapping of a request's sampling fields to ``SamplingParams``.
 
 Supported sampling fields: max_tokens (chat: also max_completion_tokens), temperature, top_p, stop,
-and the extensions top_k, min_p, seed, stop_token_ids, ignore_eos, include_stop_str_in_output.
-Fields of the OpenAI API that the engine does not implement yet (n > 1, best_of, logprobs,
-penalties, logit_bias, echo, suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
+presence_penalty, frequency_penalty, logit_bias, and the extensions top_k, min_p, seed,
+stop_token_ids, ignore_eos, include_stop_str_in_output, min_tokens, repetition_penalty, bad_words.
+Fields of the OpenAI API that the engine does not implement yet (n > 1, best_of, logprobs, echo,
+suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
 400 naming the field instead of being silently served without it. Unknown fields are ignored.
 """
 from __future__ import annotations
@@ -52,22 +53,22 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False                 # extension
     include_stop_str_in_output: bool = False # extension
     stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0          # extension
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0                      # extension
+    bad_words: list[str] | None = None       # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False           # extension: prompt_token_ids / token_ids in the reply
     user: str | None = None                  # accepted, unused
     # OpenAI fields the engine does not implement yet: a non-default value is a 400 naming the field
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> dict[str, bool]:
         """field -> whether the request sets it to something the engine cannot do yet."""
-        return {"n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
-                "frequency_penalty": self.frequency_penalty != 0, "repetition_penalty": self.repetition_penalty != 1,
-                "logit_bias": bool(self.logit_bias)}
+        return {"n": self.n != 1}
 
     def check_supported(self) -> None:
         for name, bad in self.unsupported().items():
@@ -85,10 +86,26 @@ class _SamplingFields(BaseModel):
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=-1 if self.top_k == 0 else self.top_k, min_p=self.min_p, seed=self.seed,
                                   stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                                  stop=self.stop, include_stop_str_in_output=self.include_stop_str_in_output)
+                                  stop=self.stop, include_stop_str_in_output=self.include_stop_str_in_output,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
+                                  min_tokens=self.min_tokens, bad_words=self.bad_words)
         except (ValueError, TypeError) as e:
             m = re.match(r"SamplingParams\.(\w+)=", str(e))
             raise bad_request(str(e), m.group(1) if m else None) from None
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise bad_request(f"logit_bias key {key!r} is not a token id (an integer)", "logit_bias") from None
+        return out
 
 
 class CompletionRequest(_SamplingFields):

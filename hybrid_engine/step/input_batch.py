@@ -32,9 +32,10 @@ class InputBatch:
         self.top_p = np.ones(max_rows, dtype=np.float32)
         self.min_p = np.zeros(max_rows, dtype=np.float32)
         self.seed = np.zeros(max_rows, dtype=np.int64)
+        self.processed = np.zeros(max_rows, dtype=bool)     # logits processed (sampling/logits_processing.py)
         self._row_arrays = [self.token_ids_cpu, self.num_tokens_no_spec, self.num_prefill_tokens, self.slot,
                             self.epoch, self.block_table, self.num_blocks, self.temperature, self.top_k,
-                            self.top_p, self.min_p, self.seed]
+                            self.top_p, self.min_p, self.seed, self.processed]
         self._holes: list[int] = []
         self.num_rows = 0                       # rows 0..num_rows-1 in use or holes
         # req_id -> step row in the previous step's outputs (set_prev, by the runner after each step)
@@ -71,6 +72,7 @@ class InputBatch:
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[row] = new.seed
+        self.processed[row] = new.processing is not None
         self.req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row
         self.layout_version += 1

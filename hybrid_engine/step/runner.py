@@ -1,6 +1,7 @@
 """Model runner: one step as a list of phases (docs/design.md, "The step as phases").
 
-    update batch -> choose plan -> prepare -> forward -> sample/verify -> propose -> finish (D2H)
+    update batch -> choose plan -> prepare -> forward -> [process logits] -> sample/verify
+    -> [record processed outputs] -> propose -> finish (D2H)
 
 ``execute`` launches one step's device work and returns a handle at once; the only wait is the
 caller's, on the handle, one step later. The route a step takes (greedy graph, decode-only, mixed
@@ -15,6 +16,7 @@ import torch
 from hybrid_engine.spec.drafters import DraftContext, Drafter
 
 from ..models.nemotron_h import Caches
+from ..sampling.logits_processing import LogitsProcessor
 from ..sampling.sampler import nonfinite_rows
 from ..scheduling.scheduler_output import SchedulerOutput
 from .input_batch import InputBatch
@@ -49,6 +51,8 @@ class ModelRunner:
         self.plans: tuple[StepPlan, ...] = tuple(p for p in (greedy_graphs, DecodeOnlyPlan(res), MixedPlan(res))
                                                  if p is not None)
         self.sampler = DraftVerifier(num_spec) if num_spec else TokenSampler()
+        # per-request penalties, bias, bad words, min_tokens (state by slot, allocated on first use)
+        self.processor = LogitsProcessor(caches.mamba.num_slots, model.cfg.vocab_size, num_spec, device)
 
     def reset(self) -> None:
         """Forget the previous step's outputs (its step was dropped: nothing may read them)."""
@@ -69,7 +73,11 @@ class ModelRunner:
                 return self._finish_fused(sched, step, plan)
             inp = plan.prepare(step, self.prev)                # host staging, device gathers
             hidden, logits = self.executor.forward(inp.fb)
-            sampled = self.sampler.sample(logits, inp)         # sample, or verify the drafts (K > 0)
+            processes = self._processes(inp)                   # host flag: a sampling row processes logits
+            processed = self._process(logits, inp) if processes else logits
+            sampled = self.sampler.sample(processed, inp)      # sample, or verify the drafts (K > 0)
+            if processes:
+                self.processor.record(sampled, inp.slots)      # counts, output count, history per slot
             nonfinite = self._nonfinite_step_rows(logits, inp)   # [B] bool, rides in the D2H payload
         except BaseException:
             self.prev = None                                   # a half-launched step's outputs are void
@@ -81,6 +89,16 @@ class ModelRunner:
         return self._finish(sched, step.req_ids, inp.rows_sampling_np, payload,
                             PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
                                      drafts=drafts, draft_probs=draft_probs))
+
+    def _processes(self, inp: StepInputs) -> bool:
+        """Whether a row that samples this step has logits processing (host arrays only)."""
+        return self.processor.allocated and bool(self.batch.processed[inp.rows_sampling_np].any())
+
+    def _process(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """The step's logits [L, V] processed per row (sampling/logits_processing.py); verify rows
+        position by position with the drafts before each position counted as outputs."""
+        return self.processor.apply(logits, inp.slots, inp.sample_rows_p, inp.num_decode,
+                                    inp.spec.drafts if inp.spec is not None else None)
 
     def _choose_plan(self, step: StepRows) -> StepPlan:
         for plan in self.plans:
@@ -184,6 +202,7 @@ class ModelRunner:
             b.remove_request(new.req_id)           # resumed after preemption: start from a clean row
             b.add_request(new)
             self.drafter.add_request(new.slot, new.token_ids)
+            self.processor.add(new.slot, new.processing, new.token_ids, new.num_prompt_tokens)
         b.condense()
         order = [r for r in sched.rows if r.is_decode] + [r for r in sched.rows if not r.is_decode]
         for r in order:

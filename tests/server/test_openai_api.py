@@ -184,6 +184,30 @@ def test_stop_strings(oai, direct):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut
 
 
+def test_penalties_and_logit_bias(oai, direct):
+    """presence/frequency/repetition penalties, logit_bias, min_tokens and bad_words reach the
+    engine: the server's tokens equal AsyncLLM's with the same SamplingParams; a +100 bias makes
+    its token the greedy choice everywhere (the definition: bias added to the logits)."""
+    r = oai.completions.create(model="default", prompt=PROMPTS[7], max_tokens=6, logit_bias={"42": 100}, **GREEDY)
+    assert r.choices[0].token_ids == [42] * 6
+    extra = {"repetition_penalty": 2.0, "min_tokens": 3, "bad_words": ["off"]}   # "off": its first token
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0,
+                        logit_bias={7: 3.0}, **extra)
+
+    async def solo():
+        llm = AsyncLLM(None, device="cpu", dtype="float32")
+        toks = []
+        async for out in llm.generate(PROMPTS[6], sp):
+            toks += out.outputs[0].token_ids
+        llm.shutdown()
+        return toks
+    ref = asyncio.run(solo())
+    r = oai.completions.create(model="default", prompt=PROMPTS[6], max_tokens=10, presence_penalty=1.5,
+                               frequency_penalty=1.0, logit_bias={"7": 3.0}, temperature=0,
+                               extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+    assert r.choices[0].token_ids == ref and ref != direct.run([PROMPTS[6]])[0][:10]
+
+
 def _chat_ids(direct, messages, shout=False):
     from jinja2 import Environment
     env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
@@ -227,7 +251,11 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(logprobs=2), "logprobs"),
     ("cmpl", dict(n=2), "n"),
     ("cmpl", dict(stop=["ok", ""]), "stop"),
-    ("cmpl", dict(presence_penalty=0.5), "presence_penalty"),
+    ("cmpl", dict(presence_penalty=2.5), "presence_penalty"),
+    ("cmpl", dict(logit_bias={"x": 1}), "logit_bias"),
+    ("cmpl", dict(logit_bias={"99999": 1}), "logit_bias"),              # outside the vocabulary
+    ("chat", dict(frequency_penalty=-3), "frequency_penalty"),
+    ("chat", dict(extra_body={"min_tokens": 99}), "min_tokens"),         # above max_tokens
     ("cmpl", dict(prompt=[5000]), "prompt"),                 # token id outside the vocabulary
     ("cmpl", dict(prompt=["a", "b"]), "prompt"),             # batches are not supported
     ("cmpl", dict(prompt="x " * 10000), "prompt"),           # longer than max_model_len
