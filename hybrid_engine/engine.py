@@ -142,6 +142,10 @@ class EngineCore(FaultIsolation):
             req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                            params.min_tokens)
         req.processing = processing
+        if params.logprobs is not None:
+            req.output_logprobs = []
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         req.metrics.arrival_time = time.perf_counter()
         return req
 
@@ -320,8 +324,12 @@ class EngineCore(FaultIsolation):
                    "finish_time": m.finish_time}
         return RequestOutput(req.request_id, list(req.prompt_token_ids),
                              [CompletionOutput(0, list(ids), text, req.finish_reason,
-                                               strings.matched if strings is not None else None)], req.finished,
-                             metrics, req.error)
+                                               strings.matched if strings is not None else None,
+                                               None if req.output_logprobs is None
+                                               else req.output_logprobs[delta_from:])], req.finished,
+                             metrics, req.error,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
+                             and delta_from == 0 else None)
 
     def _account(self, req: Request) -> None:
         if req.accounted:

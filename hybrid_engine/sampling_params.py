@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 # denormal, 1e-46 rounds to 0 = greedy), above it every distribution is uniform to float32.
 TEMPERATURE_RANGE = (1e-3, 1e3)
 INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 32                # strings (each may give two token spellings: with and without a space)
 
 
@@ -48,7 +49,11 @@ class SamplingParams:
     (1 = off); definitions in sampling/logits_processing.py.
     logit_bias: {token id: bias in [-100, 100]} added to the logits (stored as sorted (id, bias) pairs).
     bad_words: a list of non-empty strs (at most 32, each at most 8 tokens; needs a tokenizer); the
-    last token of a word is banned where the output ends with its other tokens."""
+    last token of a word is banned where the output ends with its other tokens.
+    logprobs: None or an int in [0, 20]: each output token's logprob and the top ``logprobs``
+    alternatives (sampling/logprobs.py).
+    prompt_logprobs: None or an int in [0, 20]: each prompt token's logprob given the tokens before
+    it (None for the first) and the top alternatives (sampling/prompt_logprobs.py)."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = -1
@@ -66,6 +71,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     bad_words: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
@@ -143,6 +150,10 @@ class SamplingParams:
         real("repetition_penalty", lambda x: 0 < x <= 100, "a number in (0, 100] (1 = off)")
         if len(self.bad_words) > MAX_BAD_WORDS:
             bad("bad_words", f"at most {MAX_BAD_WORDS} words")
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for t, b in self.logit_bias:
             if not (0 <= t <= INT64_MAX and math.isfinite(b) and -100 <= b <= 100):
                 bad("logit_bias", "a dict {token id >= 0: bias in [-100, 100]}")

@@ -79,6 +79,8 @@ class Request:
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
     stop_strings: object = None                # sampling.stop_strings.StopStrings when params.stop is set
     processing: object = None                  # sampling.logits_processing.ProcessingSpec, or None
+    output_logprobs: list | None = None        # per output token {token id: logprob} (params.logprobs set)
+    prompt_logprobs: list | None = None        # per prompt position, None at 0 (params.prompt_logprobs set)
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).

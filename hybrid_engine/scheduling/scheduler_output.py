@@ -90,3 +90,5 @@ class ModelRunnerOutput:
     num_drafts: np.ndarray           # [B] int64, real drafts verified per row this step
     error: BaseException | None = None
     nonfinite_rows: np.ndarray | None = None  # [n] int64 rows whose logits were not finite (None: none)
+    logprobs: np.ndarray | None = None        # [B, 1+K, 1+2N] float64 (sampling/logprobs.py) or None
+    prompt_logprobs: list | None = None       # [(PromptSpan, float64 [count, 1+2N])] (sampling/prompt_logprobs.py)

@@ -140,7 +140,9 @@ class Run:
     def __init__(self, state: ServerState, request_id: str, agen, first: RequestOutput):
         self.state, self.request_id, self._agen, self._first = state, request_id, agen, first
         self.prompt_token_ids = first.prompt_token_ids
+        self.prompt_logprobs = first.prompt_logprobs    # per prompt token (SamplingParams.prompt_logprobs)
         self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []              # per token, when the request asked for logprobs
         self.last: RequestOutput | None = None
 
     @property
@@ -186,6 +188,7 @@ class Run:
 
     def _record(self, out: RequestOutput) -> None:
         self.token_ids += out.outputs[0].token_ids
+        self.logprobs += out.outputs[0].logprobs or ()
         self.last = out
         if out.finished:
             self.state.metrics.observe_finished(out, len(self.token_ids))

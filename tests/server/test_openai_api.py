@@ -208,6 +208,77 @@ def test_penalties_and_logit_bias(oai, direct):
     assert r.choices[0].token_ids == ref and ref != direct.run([PROMPTS[6]])[0][:10]
 
 
+def _engine_logprobs(prompt, n):
+    """(tokens, logprobs) of AsyncLLM run directly, greedy, logprobs=n."""
+    async def solo():
+        llm = AsyncLLM(None, device="cpu", dtype="float32")
+        toks, lps = [], []
+        async for out in llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=n)):
+            toks += out.outputs[0].token_ids
+            lps += out.outputs[0].logprobs
+        llm.shutdown()
+        return toks, lps
+    return asyncio.run(solo())
+
+
+def test_logprobs(oai, direct):
+    """completions logprobs=N and chat logprobs/top_logprobs carry the engine's values (the engine's
+    logprobs are checked against their definition in tests/engine/test_logprobs.py), whole and
+    streamed, in the OpenAI shapes."""
+    tok = direct.tokenizer
+    toks, lps = _engine_logprobs(PROMPTS[0], 2)
+    r = oai.completions.create(model="default", prompt=PROMPTS[0], max_tokens=8, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].token_ids == toks
+    assert lp.tokens == [tok.decode([t]) for t in toks]
+    assert lp.token_logprobs == pytest.approx([d[t] for d, t in zip(lps, toks)], abs=1e-5)
+    for top, d in zip(lp.top_logprobs, lps):
+        best = sorted(d.values(), reverse=True)[:2]
+        assert sorted(top.values(), reverse=True)[:2] == pytest.approx(best, abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chunks = list(oai.completions.create(model="default", prompt=PROMPTS[0], max_tokens=8, logprobs=2, stream=True,
+                                         **GREEDY))
+    streamed = sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+    msgs = [{"role": "user", "content": PROMPTS[2]}]
+    ids = _chat_ids(direct, msgs)
+    toks, lps = _engine_logprobs(ids, 3)
+    r = oai.chat.completions.create(model="default", messages=msgs, max_tokens=8, logprobs=True, top_logprobs=3,
+                                    **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([d[t] for d, t in zip(lps, toks)], abs=1e-5)
+    for c, d in zip(content, lps):
+        assert len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode())
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(sorted(d.values(), reverse=True)[:3], abs=1e-5)
+    plain = oai.chat.completions.create(model="default", messages=msgs, max_tokens=2, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_is_a_loglikelihood(oai, direct):
+    """echo + logprobs + max_tokens=1 (how evaluation harnesses ask for a loglikelihood): the prompt's
+    text, tokens and prompt logprobs come first (None for the first token), equal to the engine's
+    prompt_logprobs (checked against transformers in tests/engine/test_prompt_logprobs.py)."""
+    tok = direct.tokenizer
+    ids = tok.encode(PROMPTS[3], add_special_tokens=False)
+
+    async def solo():
+        llm = AsyncLLM(None, device="cpu", dtype="float32")
+        async for out in llm.generate(PROMPTS[3], SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=1)):
+            llm.shutdown()
+            return out
+    ref = asyncio.run(solo())
+    r = oai.completions.create(model="default", prompt=PROMPTS[3], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text.startswith(tok.decode(ids, skip_special_tokens=True))
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [d[t] for d, t in zip(ref.prompt_logprobs[1:], ids[1:])] + [ref.outputs[0].logprobs[0][ref.outputs[0].token_ids[0]]]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    chunks = list(oai.completions.create(model="default", prompt=PROMPTS[3], max_tokens=3, echo=True, stream=True,
+                                         temperature=0))
+    assert "".join(ch.choices[0].text for ch in chunks).startswith(tok.decode(ids, skip_special_tokens=True))
+
+
 def _chat_ids(direct, messages, shout=False):
     from jinja2 import Environment
     env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
@@ -248,7 +319,7 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(top_p=1.5), "top_p"),
     ("cmpl", dict(max_tokens=0), "max_tokens"),
     ("cmpl", dict(extra_body={"temperature": "hot"}), "temperature"),
-    ("cmpl", dict(logprobs=2), "logprobs"),
+    ("cmpl", dict(logprobs=21), "logprobs"),
     ("cmpl", dict(n=2), "n"),
     ("cmpl", dict(stop=["ok", ""]), "stop"),
     ("cmpl", dict(presence_penalty=2.5), "presence_penalty"),
@@ -259,7 +330,8 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(prompt=[5000]), "prompt"),                 # token id outside the vocabulary
     ("cmpl", dict(prompt=["a", "b"]), "prompt"),             # batches are not supported
     ("cmpl", dict(prompt="x " * 10000), "prompt"),           # longer than max_model_len
-    ("chat", dict(logprobs=True), "logprobs"),
+    ("chat", dict(top_logprobs=2), "top_logprobs"),                     # without logprobs=true
+    ("chat", dict(logprobs=True, top_logprobs=25), "top_logprobs"),
     ("chat", dict(n=3), "n"),
     ("chat", dict(stop=[""]), "stop"),
     ("chat", dict(messages=[]), "messages"),
