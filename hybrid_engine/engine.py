@@ -133,21 +133,60 @@ class EngineCore(FaultIsolation):
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
                              f"but the whole cache has {sched.blocks.num_total}: lower max_tokens or enlarge "
                              f"the cache (num_kv_blocks / kv_cache_memory_fraction)")
+        if params.n > 1:
+            sc = self.cfg.scheduler
+            first = blocks_needed(len(ids) + 1 + self.num_spec, sched.block_size)
+            if (params.n > sc.max_num_seqs or params.n * (1 + self.num_spec) > sc.max_num_batched_tokens
+                    or params.n * first > sched.blocks.num_total):
+                raise ValueError(f"SamplingParams.n={params.n} samples cannot run together: allowed at most "
+                                 f"max_num_seqs={sc.max_num_seqs}, n * (1 + K) <= max_num_batched_tokens="
+                                 f"{sc.max_num_batched_tokens}, and n * {first} blocks within the cache's "
+                                 f"{sched.blocks.num_total}")
         if request_id is None:
             request_id = f"req-{self._req_counter}"
         self._req_counter += 1
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
-        req = Request(str(request_id), ids, params, seed, eos_token_ids=self.eos_token_ids)
+        req = self._new_request(str(request_id), ids, params, seed, processing)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+        return req
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, seed: int,
+                     processing) -> Request:
+        req = Request(request_id, ids, params, seed, eos_token_ids=self.eos_token_ids)
         if params.stop:
             req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                            params.min_tokens)
         req.processing = processing
         if params.logprobs is not None:
             req.output_logprobs = []
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(ids)
         req.metrics.arrival_time = time.perf_counter()
         return req
+
+    def make_requests(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> list[Request]:
+        """``make_request`` for ``params.n`` samples: the leader (id ``request_id``) and n - 1
+        siblings (``{request_id}#{i}``; seed + i when seeded, else drawn). They share one prefill
+        (scheduling/fork.py) when the prompt has >= 2 tokens and the drafter keeps no per-request
+        caches of its own (none or n-gram); otherwise each prefills for itself. Prompt logprobs
+        belong to the leader. Queue them with ``add_requests``."""
+        req = self.make_request(prompt, params, request_id)
+        p = req.params
+        if p.n == 1:
+            return [req]
+        group = [req]
+        for i in range(1, p.n):
+            seed = (p.seed + i) % 2**63 if p.seed is not None else int(self._seed_rng.integers(0, 2**62))
+            group.append(self._new_request(f"{req.request_id}#{i}", list(req.prompt_token_ids), p, seed,
+                                           req.processing))
+        spec = self.cfg.speculative
+        if len(req.prompt_token_ids) >= 2 and (spec is None or spec.method == "ngram"):
+            req.fork_pending = group[1:]
+        return group
+
+    def add_requests(self, group: list[Request]) -> None:
+        """Queue a group from ``make_requests`` (a forking leader brings its siblings along)."""
+        for req in group[:1] if group[0].fork_pending else group:
+            self.scheduler.add_request(req)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Token sequences of the bad words: each word as written and with a leading space (how it

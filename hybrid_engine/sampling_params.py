@@ -40,7 +40,8 @@ class SamplingParams:
     top_p: a number in (0, 1]; min_p: a number in [0, 1].
     seed: None (drawn from the engine's seed) or an int in [0, 2**63).
     stop_token_ids: a list/tuple of int token ids (checked against the vocabulary at submission).
-    ignore_eos: bool. n: 1.
+    ignore_eos: bool. n: samples per prompt, sharing one prefill (an int in [1, 1024], at most the
+    engine's max_num_seqs); with a seed, sample i uses seed + i.
     stop: a str or a list/tuple of non-empty strs; generation stops when the output text contains
     one (needs a tokenizer). include_stop_str_in_output: bool, keep the stop string in the text.
     min_tokens: int in [0, max_tokens]: stop ids and EOS are banned (and stop strings not searched)
@@ -132,8 +133,7 @@ class SamplingParams:
             bad("top_k", "-1 (off) or an integer in [1, 2**63) (values above the vocabulary keep every token)")
         real("top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")
         real("min_p", lambda p: 0 <= p <= 1, "a number in [0, 1]")
-        if self.n != 1 or not _is_int(self.n):
-            bad("n", "1 (parallel sampling is not supported)")
+        integer("n", 1, 1024, "an integer in [1, 1024] (at most max_num_seqs of the engine)")
         if self.seed is not None:
             integer("seed", 0, INT64_MAX, "None or an integer in [0, 2**63)")
         if not isinstance(self.ignore_eos, bool):

@@ -21,6 +21,7 @@ from ..sampling.logprobs import logprobs_block
 from ..sampling.prompt_logprobs import PromptLogprobsCopy, PromptSpan, prompt_logprobs_block
 from ..sampling.sampler import nonfinite_rows
 from ..scheduling.scheduler_output import SchedulerOutput
+from .fork_state import fork_state
 from .input_batch import InputBatch
 from .plans import DecodeOnlyPlan, MixedPlan, StepPlan, StepResources
 from .plans.base import cat_rows
@@ -243,6 +244,8 @@ class ModelRunner:
         for new in sched.new_requests:
             b.remove_request(new.req_id)           # resumed after preemption: start from a clean row
             b.add_request(new)
+            if new.fork is not None:               # an n > 1 sibling: its leader's prefill, copied
+                fork_state(self.caches, new.fork, new.slot)
             self.drafter.add_request(new.slot, new.token_ids)
             self.processor.add(new.slot, new.processing, new.token_ids, new.num_prompt_tokens)
         b.condense()
