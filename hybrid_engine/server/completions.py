@@ -17,7 +17,7 @@ from .sse import error_event, sse_event, DONE
 
 
 def _choice(req: CompletionRequest, run: Run, text: str, finish_reason: str | None, token_ids=None,
-            logprobs=None, offset: int = 0, echo: bool = False) -> dict:
+            logprobs=None, offset: int = 0, echo: bool = False, index: int = 0, stop_reason=None) -> dict:
     lp = None
     if echo:                            # the prompt first: its text, tokens and prompt logprobs
         text = _prompt_text(run) + text
@@ -26,8 +26,8 @@ def _choice(req: CompletionRequest, run: Run, text: str, finish_reason: str | No
         if echo:
             ids, entries = list(run.prompt_token_ids) + ids, list(run.prompt_logprobs) + entries
         lp = completion_logprobs(run.state.llm.tokenizer, ids, entries, req.logprobs, offset)
-    c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason,
-         "stop_reason": run.stop_reason if finish_reason else None}
+    c = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+         "stop_reason": stop_reason if finish_reason else None}
     if req.return_token_ids:
         c["token_ids"] = token_ids
         c["prompt_token_ids"] = run.prompt_token_ids
@@ -53,23 +53,26 @@ async def create_completion(state: ServerState, req: CompletionRequest, http: Re
     if not req.stream:
         async def whole():
             run = await state.admit_and_start(prompt, params, "prompt", "cmpl")
-            text = await run.collect()
-            return body(run, [_choice(req, run, text, run.finish_reason, list(run.token_ids), run.logprobs,
-                                      echo=req.echo)], run.usage)
+            texts = await run.collect()
+            return body(run, [_choice(req, run, text, s.finish_reason, list(s.token_ids), s.logprobs, echo=req.echo,
+                                      index=i, stop_reason=s.stop_reason)
+                              for i, (text, s) in enumerate(zip(texts, run.samples))], run.usage)
         return JSONResponse(await until_disconnect(http, whole()))
 
     run = await until_disconnect(http, state.admit_and_start(prompt, params, "prompt", "cmpl"))
 
     async def events():
-        offset, echo = 0, req.echo
+        offsets, echo = [0] * params.n, [req.echo] * params.n
         async for out in run.outputs(http):
-            c = out.outputs[0]
-            finish = c.finish_reason if out.finished and out.error is None else None
-            if c.token_ids or c.text or finish or echo:
-                choice = _choice(req, run, c.text or "", finish, list(c.token_ids), c.logprobs, offset, echo)
-                yield sse_event(body(run, [choice], None))
-                offset += len(choice["text"])
-                echo = False
+            for c in out.outputs:
+                i = c.index
+                finish = c.finish_reason if c.finish_reason is not None and out.error is None else None
+                if c.token_ids or c.text or finish or echo[i]:
+                    choice = _choice(req, run, c.text or "", finish, list(c.token_ids), c.logprobs, offsets[i],
+                                     echo[i], i, c.stop_reason)
+                    yield sse_event(body(run, [choice], None))
+                    offsets[i] += len(choice["text"])
+                    echo[i] = False
         if run.last.error is not None:
             yield error_event(run.error())
         elif req.include_usage:

@@ -5,7 +5,7 @@ Supported sampling fields: max_tokens (chat: also max_completion_tokens), temper
 presence_penalty, frequency_penalty, logit_bias, and the extensions top_k, min_p, seed,
 stop_token_ids, ignore_eos, include_stop_str_in_output, min_tokens, repetition_penalty, bad_words.
 logprobs (completions: an int; chat: logprobs=true with top_logprobs). Fields of the OpenAI API that
-the engine does not implement yet (n > 1, best_of, suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
+the engine does not implement yet (best_of, suffix, tools, response_format) are accepted by the parser so that a request setting them gets a
 400 naming the field instead of being silently served without it. Unknown fields are ignored.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> dict[str, bool]:
         """field -> whether the request sets it to something the engine cannot do yet."""
-        return {"n": self.n != 1}
+        return {}
 
     def check_supported(self) -> None:
         for name, bad in self.unsupported().items():
@@ -98,7 +98,7 @@ class _SamplingFields(BaseModel):
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self._logit_bias(),
                                   min_tokens=self.min_tokens, bad_words=self.bad_words,
-                                  logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs())
+                                  logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(), n=self.n)
         except (ValueError, TypeError) as e:
             m = re.match(r"SamplingParams\.(\w+)=", str(e))
             raise bad_request(str(e), m.group(1) if m else None) from None

@@ -131,3 +131,32 @@ def test_n_validation(model):
     with pytest.raises(ValueError, match="SamplingParams.n=7"):
         llm.generate([[5, 6]], SamplingParams(n=7), use_tqdm=False)
     assert len(llm.generate([[5, 6]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)[0].outputs) == 2
+
+
+def test_async_llm_streams_the_samples(model, prompts, separate):
+    """AsyncLLM: deltas name their sample by index; joined per index they equal the separate
+    requests; abort ends every sample."""
+    import asyncio
+    from hybrid_engine import AsyncLLM
+    eng = AsyncLLM(model, async_scheduling=True, **ARGS)
+
+    async def main():
+        got = {0: [], 1: [], 2: []}
+        last = None
+        async for out in eng.generate(prompts[0], SamplingParams(max_tokens=7, temperature=1.0, seed=0, n=3,
+                                                                  ignore_eos=True), "a"):
+            for c in out.outputs:
+                got[c.index] += c.token_ids
+            last = out
+        aborted = []
+        async for out in eng.generate(prompts[2], SamplingParams(max_tokens=50, n=2, ignore_eos=True), "b"):
+            aborted.append(out)
+            if len(aborted) == 1:
+                await eng.abort("b")
+        return got, last, aborted
+    got, last, aborted = asyncio.run(main())
+    eng.shutdown()
+    assert [got[i] for i in range(3)] == separate[0] and last.finished and last.request_id == "a"
+    assert aborted[-1].finished
+    st = eng.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]

@@ -279,6 +279,36 @@ def test_echo_with_logprobs_is_a_loglikelihood(oai, direct):
     assert "".join(ch.choices[0].text for ch in chunks).startswith(tok.decode(ids, skip_special_tokens=True))
 
 
+def test_n_samples(oai, direct):
+    """n > 1: one choice per sample (index i), each equal to AsyncLLM run alone with seed + i;
+    streamed chunks name their choice; usage counts every sample's tokens."""
+    async def solo():
+        llm = AsyncLLM(None, device="cpu", dtype="float32")
+        res = []
+        for i in range(3):
+            toks = []
+            async for out in llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i,
+                                                                     ignore_eos=True)):
+                toks += out.outputs[0].token_ids
+            res.append(toks)
+        llm.shutdown()
+        return res
+    ref = asyncio.run(solo())
+    kw = dict(model="default", prompt=PROMPTS[1], max_tokens=6, n=3, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = oai.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.token_ids for c in r.choices] == ref
+    assert r.usage.completion_tokens == 18
+    assert [c.text for c in r.choices] == [direct.tokenizer.decode(t, skip_special_tokens=True) for t in ref]
+    chunks = list(oai.completions.create(stream=True, **kw))
+    for i in range(3):
+        assert sum((ch.choices[0].token_ids for ch in chunks if ch.choices[0].index == i), []) == ref[i]
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    greedy = direct.run([_chat_ids(direct, msgs)])[0][:5]
+    r = oai.chat.completions.create(model="default", messages=msgs, max_tokens=5, n=2, **GREEDY)
+    assert [c.token_ids for c in r.choices] == [greedy, greedy]
+
+
 def _chat_ids(direct, messages, shout=False):
     from jinja2 import Environment
     env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
@@ -320,7 +350,7 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(max_tokens=0), "max_tokens"),
     ("cmpl", dict(extra_body={"temperature": "hot"}), "temperature"),
     ("cmpl", dict(logprobs=21), "logprobs"),
-    ("cmpl", dict(n=2), "n"),
+    ("cmpl", dict(n=0), "n"),
     ("cmpl", dict(stop=["ok", ""]), "stop"),
     ("cmpl", dict(presence_penalty=2.5), "presence_penalty"),
     ("cmpl", dict(logit_bias={"x": 1}), "logit_bias"),
@@ -332,7 +362,7 @@ def test_chat_equals_async_llm(oai, direct):
     ("cmpl", dict(prompt="x " * 10000), "prompt"),           # longer than max_model_len
     ("chat", dict(top_logprobs=2), "top_logprobs"),                     # without logprobs=true
     ("chat", dict(logprobs=True, top_logprobs=25), "top_logprobs"),
-    ("chat", dict(n=3), "n"),
+    ("chat", dict(n=99), "n"),                                          # above --max-num-seqs
     ("chat", dict(stop=[""]), "stop"),
     ("chat", dict(messages=[]), "messages"),
     ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
