@@ -20,8 +20,7 @@ ARGS = dict(dtype="float32", device=DEV, max_num_seqs=6, max_num_batched_tokens=
 
 @pytest.fixture(scope="module")
 def model(model_dirs):
-    return model_dirs("stop_tok", pattern="M-M*-", vocab_size=300, with_tokenizer=True, seed=2,
-                      num_nextn_predict_layers=1)
+    return model_dirs("small_mtp", pattern="M-M*-", vocab_size=300, seed=2, num_nextn_predict_layers=1)
 
 
 @pytest.fixture(scope="module")
