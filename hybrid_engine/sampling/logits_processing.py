@@ -117,9 +117,12 @@ class LogitsProcessor:
         lens = np.zeros(MAX_BAD_WORDS, np.int64)
         for i, w in enumerate(spec.bad_words):
             words[i, :len(w)], lens[i] = w, len(w)
+        cuda = dev.type == "cuda"
         for dst, src in ((self.bias, bias), (self.min_ban, ban), (self.in_prompt, seen), (self.counts, counts),
                          (self.history, hist), (self.words, words), (self.word_len, lens)):
-            dst[slot] = torch.from_numpy(src).to(dev)
+            # pinned + non_blocking: a pageable upload would wait for the step in flight (a host sync)
+            t = torch.from_numpy(src)
+            dst[slot] = t.pin_memory().to(dev, non_blocking=True) if cuda else t
         self.num_out[slot] = len(out)
 
     def _set_params(self, slot: int, presence: float, frequency: float, repetition: float, min_tokens: int):
