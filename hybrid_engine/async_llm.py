@@ -49,14 +49,16 @@ logger = logging.getLogger("hybrid_engine")
 
 class _Stream:
     """Consumer-side state of one request: how much of it has been handed out."""
-    __slots__ = ("req", "event", "sent", "prefix_offset", "read_offset")
+    __slots__ = ("req", "event", "sent", "prefix_offset", "read_offset", "chars_sent", "done")
 
-    def __init__(self, req: Request):
+    def __init__(self, req: Request, event: asyncio.Event):
         self.req = req
-        self.event = asyncio.Event()      # set by the step loop when the request got tokens/finished
+        self.event = event                # set by the step loop when the request got tokens/finished
+        self.done = False                 # its last output was yielded
         self.sent = 0                     # output tokens already yielded
         self.prefix_offset = 0            # incremental detokenisation window (see _text_delta)
         self.read_offset = 0
+        self.chars_sent = 0               # requests with stop strings: characters of their text yielded
 
 
 class AsyncLLM:
@@ -91,30 +93,45 @@ class AsyncLLM:
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
         eng = self.engine
-        req = eng.make_request(prompt, params, uuid.uuid4().hex if request_id is None else str(request_id))
+        group = eng.make_requests(prompt, params, uuid.uuid4().hex if request_id is None else str(request_id))
+        for r in group[1:]:
+            if r.request_id in self._streams:
+                raise ValueError(f"request_id {r.request_id!r} is already in use by a running request")
         self._ensure_loop()
-        rid = req.request_id
-        eng.add_request(req)
-        stream = self._streams[rid] = _Stream(req)
+        rid = group[0].request_id
+        eng.add_requests(group)
+        event = asyncio.Event()             # one for the group: any sample's progress wakes it
+        streams = [_Stream(r, event) for r in group]
+        for s in streams:
+            self._streams[s.req.request_id] = s
         self._wake.set()
         try:
             while True:
-                stream.event.clear()
-                try:
-                    out = self._take(stream)
-                except Exception as e:              # building this stream's output failed: it alone ends
-                    out = self._take_failed(stream, e)
-                if out is None:
-                    await stream.event.wait()
+                event.clear()
+                outs = []
+                for i, stream in enumerate(streams):
+                    if stream.done:
+                        continue
+                    try:
+                        out = self._take(stream)
+                    except Exception as e:          # building this stream's output failed: it alone ends
+                        out = self._take_failed(stream, e)
+                    if out is not None:
+                        stream.done = out.finished
+                        outs.append((i, out))
+                if not outs:
+                    await event.wait()
                     continue
-                yield out
-                if out.finished:
+                finished = all(s.done for s in streams)
+                yield outs[0][1] if len(streams) == 1 else _group_delta(rid, outs, finished)
+                if finished:
                     return
         finally:
-            if self._streams.get(rid) is stream:
-                del self._streams[rid]
-            if not req.finished:            # the consumer stopped early (break, cancel, close)
-                self._abort_request(req)
+            for stream in streams:
+                if self._streams.get(stream.req.request_id) is stream:
+                    del self._streams[stream.req.request_id]
+                if not stream.req.finished:     # the consumer stopped early (break, cancel, close)
+                    self._abort_request(stream.req)
 
     async def chat(self, messages, params: SamplingParams | None = None, request_id: str | None = None, *,
                    chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True):
@@ -136,10 +153,16 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> bool:
         """Abort a running or queued request; its stream ends with finish_reason "abort".
         Returns False (no error) for an unknown or already finished request."""
-        stream = self._streams.get(str(request_id))
+        rid = str(request_id)
+        stream = self._streams.get(rid)
         if stream is None or stream.req.finished:
             return False
-        return self._abort_request(stream.req)
+        ok = self._abort_request(stream.req)
+        for i in range(1, stream.req.params.n):          # the other samples of an n > 1 request
+            sib = self._streams.get(f"{rid}#{i}")
+            if sib is not None and sib.event is stream.event and not sib.req.finished:
+                self._abort_request(sib.req)
+        return ok
 
     def _abort_request(self, req: Request) -> bool:
         eng = self.engine
@@ -252,7 +275,10 @@ class AsyncLLM:
             return None
         out = self.engine.make_output(req, delta_from=stream.sent)
         stream.sent = n
-        if self.engine.tokenizer is not None:
+        if req.stop_strings is not None:          # the stop-string search owns this request's text
+            text = req.stop_strings.visible_text(req.finished, req.output_token_ids)
+            out.outputs[0].text, stream.chars_sent = text[stream.chars_sent:], len(text)
+        elif self.engine.tokenizer is not None:
             out.outputs[0].text = self._text_delta(stream, n, req.finished)
         return out
 
@@ -279,6 +305,21 @@ class AsyncLLM:
             return ""
         stream.prefix_offset, stream.read_offset = r, n
         return full[len(prefix):] if full.startswith(prefix) else full[_common_prefix(prefix, full):]
+
+
+def _group_delta(rid: str, outs: list[tuple[int, RequestOutput]], finished: bool) -> RequestOutput:
+    """The deltas of an n > 1 request's samples that progressed, as one RequestOutput under the
+    leader's id: ``outputs`` holds those samples only, each with its ``index``."""
+    outputs = []
+    for i, out in outs:
+        c = out.outputs[0]
+        c.index = i
+        outputs.append(c)
+    first = outs[0][1]
+    lead = next((o for i, o in outs if i == 0), None)
+    return RequestOutput(rid, first.prompt_token_ids, outputs, finished,
+                         (lead or first).metrics, next((o.error for _, o in outs if o.error is not None), None),
+                         prompt_logprobs=lead.prompt_logprobs if lead is not None else None)
 
 
 def _common_prefix(a: str, b: str) -> int:

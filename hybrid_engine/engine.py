@@ -27,6 +27,8 @@ from .scheduling.request import Request
 from .step.runner import ModelRunner, StepHandle
 from .fault_isolation import FaultIsolation
 from .sampling_params import SamplingParams, check_stop_ids
+from .sampling.stop_strings import StopStrings
+from .sampling.logits_processing import MAX_BAD_WORD_TOKENS, ProcessingSpec
 from .scheduling.scheduler import Scheduler
 from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
@@ -151,6 +153,11 @@ class EngineCore(FaultIsolation):
         ids = self._tokenize(prompt)
         params = self.generation_defaults.sampling_params(len(ids)) if params is None else params
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer to read the output text, but the model "
+                             "folder has none: use stop_token_ids")
+        processing = ProcessingSpec.of(params, self.eos_token_ids, self._bad_word_ids(params.bad_words)) \
+            if params.processes_logits else None
         check_stop_ids(params, self.cfg.model.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at "
@@ -162,13 +169,78 @@ class EngineCore(FaultIsolation):
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
                              f"but the whole cache has {sched.blocks.num_total}: lower max_tokens or enlarge "
                              f"the cache (num_kv_blocks / kv_cache_memory_fraction)")
+        if params.n > 1:
+            sc = self.cfg.scheduler
+            first = blocks_needed(len(ids) + 1 + self.num_spec, sched.block_size)
+            if (params.n > sc.max_num_seqs or params.n * (1 + self.num_spec) > sc.max_num_batched_tokens
+                    or params.n * first > sched.blocks.num_total):
+                raise ValueError(f"SamplingParams.n={params.n} samples cannot run together: allowed at most "
+                                 f"max_num_seqs={sc.max_num_seqs}, n * (1 + K) <= max_num_batched_tokens="
+                                 f"{sc.max_num_batched_tokens}, and n * {first} blocks within the cache's "
+                                 f"{sched.blocks.num_total}")
         if request_id is None:
             request_id = f"req-{self._req_counter}"
         self._req_counter += 1
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**62))
-        req = Request(str(request_id), ids, params, seed, eos_token_ids=self.eos_token_ids)
+        req = self._new_request(str(request_id), ids, params, seed, processing)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
+        return req
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, seed: int,
+                     processing) -> Request:
+        req = Request(request_id, ids, params, seed, eos_token_ids=self.eos_token_ids)
+        if params.stop:
+            req.stop_strings = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                           params.min_tokens)
+        req.processing = processing
+        if params.logprobs is not None:
+            req.output_logprobs = []
         req.metrics.arrival_time = time.perf_counter()
         return req
+
+    def make_requests(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> list[Request]:
+        """``make_request`` for ``params.n`` samples: the leader (id ``request_id``) and n - 1
+        siblings (``{request_id}#{i}``; seed + i when seeded, else drawn). They share one prefill
+        (scheduling/fork.py) when the prompt has >= 2 tokens and the drafter keeps no per-request
+        caches of its own (none or n-gram); otherwise each prefills for itself. Prompt logprobs
+        belong to the leader. Queue them with ``add_requests``."""
+        req = self.make_request(prompt, params, request_id)
+        p = req.params
+        if p.n == 1:
+            return [req]
+        group = [req]
+        for i in range(1, p.n):
+            seed = (p.seed + i) % 2**63 if p.seed is not None else int(self._seed_rng.integers(0, 2**62))
+            group.append(self._new_request(f"{req.request_id}#{i}", list(req.prompt_token_ids), p, seed,
+                                           req.processing))
+        spec = self.cfg.speculative
+        if len(req.prompt_token_ids) >= 2 and (spec is None or spec.method == "ngram"):
+            req.fork_pending = group[1:]
+        return group
+
+    def add_requests(self, group: list[Request]) -> None:
+        """Queue a group from ``make_requests`` (a forking leader brings its siblings along)."""
+        for req in group[:1] if group[0].fork_pending else group:
+            self.scheduler.add_request(req)
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Token sequences of the bad words: each word as written and with a leading space (how it
+        reads after another word), deduplicated."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer, but the model folder has none")
+        out: dict[tuple[int, ...], None] = {}
+        for w in words:
+            for spelling in (w, " " + w.lstrip(" ")):
+                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"SamplingParams.bad_words: {w!r} is {len(ids)} tokens; allowed at most "
+                                     f"{MAX_BAD_WORD_TOKENS}")
+                if ids:
+                    out[ids] = None
+        return list(out)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -311,7 +383,11 @@ class EngineCore(FaultIsolation):
     # ---- outputs ----------------------------------------------------------------------------
     def make_output(self, req: Request, delta_from: int = 0) -> RequestOutput:
         ids = req.output_token_ids[delta_from:]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        strings = req.stop_strings
+        if strings is not None and delta_from == 0:     # the text the stop-string search cut
+            text = strings.visible_text(req.finished, req.output_token_ids)
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
         if req.finished:
             self._account(req)
         m = req.metrics
@@ -322,8 +398,13 @@ class EngineCore(FaultIsolation):
                    "arrival_time": m.arrival_time, "first_token_time": m.first_token_time,
                    "finish_time": m.finish_time}
         return RequestOutput(req.request_id, list(req.prompt_token_ids),
-                             [CompletionOutput(0, list(ids), text, req.finish_reason)], req.finished,
-                             metrics, req.error)
+                             [CompletionOutput(0, list(ids), text, req.finish_reason,
+                                               strings.matched if strings is not None else None,
+                                               None if req.output_logprobs is None
+                                               else req.output_logprobs[delta_from:])], req.finished,
+                             metrics, req.error,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
+                             and delta_from == 0 else None)
 
     def _account(self, req: Request) -> None:
         if req.accounted:

@@ -84,9 +84,10 @@ class LLM:
         else:
             param_list = [params] * len(prompt_list)
         eng = self.engine
-        reqs = [eng.make_request(p, sp) for p, sp in zip(prompt_list, param_list)]
-        for r in reqs:
-            eng.add_request(r)
+        groups = [eng.make_requests(p, sp) for p, sp in zip(prompt_list, param_list)]   # n samples each
+        reqs = [r for g in groups for r in g]
+        for g in groups:
+            eng.add_requests(g)
         progress = _Progress(reqs) if use_tqdm else None
         try:
             while eng.has_work():
@@ -101,7 +102,7 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        outs = [_output(eng, r) for r in reqs]
+        outs = [group_output([_output(eng, r) for r in g]) for g in groups]
         for r in reqs:
             eng.forget(r)
         return outs
@@ -146,6 +147,22 @@ def _output(eng: EngineCore, req) -> RequestOutput:
         return eng.make_output(req)
     except Exception as e:
         return error_output(req, f"building the output failed: {e!r}", 0)
+
+
+def group_output(parts: list[RequestOutput]) -> RequestOutput:
+    """The outputs of one prompt's n samples as one RequestOutput (``outputs[i]`` sample i, under
+    the leader's id, metrics and prompt logprobs; finished when all are; the first error)."""
+    if len(parts) == 1:
+        return parts[0]
+    lead = parts[0]
+    outputs = []
+    for i, p in enumerate(parts):
+        c = p.outputs[0]
+        c.index = i
+        outputs.append(c)
+    return RequestOutput(lead.request_id, lead.prompt_token_ids, outputs, all(p.finished for p in parts),
+                         lead.metrics, next((p.error for p in parts if p.error is not None), None),
+                         prompt_logprobs=lead.prompt_logprobs)
 
 
 def error_output(req, message: str, delta_from: int) -> RequestOutput:

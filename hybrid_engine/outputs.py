@@ -10,6 +10,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None (still running)
+    stop_reason: str | None = None     # the stop string that ended the request (finish_reason "stop")
+    logprobs: list[dict[int, float]] | None = None   # per token: {sampled id: logprob, top ids...}
 
 
 @dataclass
@@ -20,3 +22,4 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None at 0); first output only

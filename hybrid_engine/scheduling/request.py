@@ -77,6 +77,14 @@ class Request:
     error: str | None = None                   # set when a step that carried it raised
     accounted: bool = False                    # counted in engine stats
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
+    stop_strings: object = None                # sampling.stop_strings.StopStrings when params.stop is set
+    processing: object = None                  # sampling.logits_processing.ProcessingSpec, or None
+    output_logprobs: list | None = None        # per output token {token id: logprob} (params.logprobs set)
+    prompt_logprobs: list | None = None        # per prompt position, None at 0 (params.prompt_logprobs set)
+    # n > 1 (scheduling/fork.py): the leader prefills the prompt but its last token, and its
+    # siblings start from a copy of that state in the step that runs the leader's last token
+    fork_pending: list | None = None           # leader: siblings not admitted yet
+    fork_leader: object = None                 # sibling: its leader while it waits for the fork
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).

@@ -17,6 +17,7 @@ from ..attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
 from ..config import SchedulerConfig
 from .request import Request, Status
 from .running_table import RunningTable
+from .fork import PrefillFork
 from .scheduler_commit import OutputCommitter
 from .scheduler_output import DecodeRows, ModelRunnerOutput, NewRequestData, ScheduledRow, SchedulerOutput
 from hybrid_engine.mamba_cache.pool import SlotAllocator
@@ -24,7 +25,7 @@ from hybrid_engine.mamba_cache.pool import SlotAllocator
 logger = logging.getLogger("hybrid_engine")
 
 
-class Scheduler:
+class Scheduler(PrefillFork):
     def __init__(self, cfg: SchedulerConfig, *, max_model_len: int, block_size: int, num_kv_blocks: int,
                  num_slots: int, num_spec: int):
         self.cfg = cfg
@@ -42,6 +43,8 @@ class Scheduler:
         self._removed: set[str] = set()            # left the batch since the last schedule()
         self._step_id = 0
         self._epochs = 0                           # source of scheduler-unique request epochs
+        self._forked_new: list[NewRequestData] = []  # siblings admitted by a fork step (fork.py)
+        self._fork_blocked = False                 # a leader waits at its fork: admit nobody new
         self._committer = OutputCommitter(requests=self.requests, table=self.table, num_spec=num_spec,
                                           max_model_len=max_model_len, finish=self._finish)
 
@@ -49,6 +52,8 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if req.fork_pending:
+            self._register_group(req)
         self.requests[req.request_id] = req
         req.epoch = self._new_epoch()              # never equal to a finished namesake's in-flight rows
         self.waiting.append(req)
@@ -58,7 +63,7 @@ class Scheduler:
         if req is None or req.finished:
             return False
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
+            self._unqueue(req)
         self._finish(req, "abort")
         return True
 
@@ -85,12 +90,16 @@ class Scheduler:
         else:
             budget = self._schedule_running(rows, budget)
         # 2) admit waiting requests FCFS while a slot, blocks and token budget are available
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # (nobody while an n > 1 group waits for room to fork: fork.py)
+        blocked, self._fork_blocked = self._fork_blocked, False
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not blocked:
             req = self.waiting[0]
             if (len(self.running) + 1) * self.decode_len > self.cfg.max_num_batched_tokens:
                 break                                  # its decode steps would not fit beside the others
             target = req.num_tokens
             n = min(target, budget)
+            if req.fork_pending:
+                n = self._fork_cut(req, 0, n)
             need = blocks_needed(n + (self.num_spec if n == target else 0), self.block_size)
             if self.slots.num_free == 0 or self.blocks.num_free < need:
                 break
@@ -100,9 +109,13 @@ class Scheduler:
             req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
             self.table.add(req, self.max_model_len)
             new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
-                                      req.params, req.seed))
+                                      req.params, req.seed, num_prompt_tokens=len(req.prompt_token_ids),
+                                      processing=req.processing))
             rows.append(self._row(req, n))
             budget -= n
+        if self._forked_new:
+            new.extend(self._forked_new)
+            self._forked_new.clear()
         self._step_id += 1
         removed, self._removed = frozenset(self._removed), set()
         return SchedulerOutput(self._step_id, tuple(rows), tuple(new), removed, self.num_spec, decode)
@@ -156,6 +169,15 @@ class Scheduler:
             start = req.num_computed_tokens
             if start < req.prefill_target:             # prefilling
                 n = min(req.prefill_target - start, budget)
+                if req.fork_pending and n > 0:         # an n > 1 leader (fork.py)
+                    n = self._fork_cut(req, start, n)
+                    if start + n == len(req.prompt_token_ids):
+                        if not self._grow(req, start + n + self._lookahead(req, n)):
+                            continue                   # req itself was preempted
+                        used = self._fork_step(req, rows, budget - n)
+                        if used < 0:
+                            continue                   # siblings do not fit yet: wait at P-1
+                        budget -= used
                 if n <= 0:
                     continue
                 if not self._grow(req, start + n + self._lookahead(req, n)):
@@ -235,6 +257,8 @@ class Scheduler:
             self._removed.add(req.request_id)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.fork_pending:
+            self._release_siblings(req)
         self._release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finish_time = time.perf_counter()
@@ -257,7 +281,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and not req.finished:
                 if req.status is Status.WAITING:
-                    self.waiting.remove(req)
+                    self._unqueue(req)
                 self._finish(req, "error")
                 failed.append(req)
         return failed

@@ -6,7 +6,10 @@ stop-id cache is its own.
 
 A steady step (``SchedulerOutput.decode`` set, and no table row moved since it was scheduled)
 commits its decode rows with numpy operations on the table; only rows whose tokens may finish
-them take the per-token path. Everything else is committed row by row.
+them (a stop id, the length limit, or stop strings) take the per-token path. Everything else is
+committed row by row. Stop strings: after each appended token the request's ``StopStrings``
+(sampling/stop_strings.py) detokenises it and searches the new text; a match finishes the
+request at that token, so the rest of a verified run of drafts is dropped.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 
 from typing import Callable
 
+from ..sampling.logprobs import entry as logprob_entry
 from .request import Request, Status
 from .running_table import RunningTable
 from .scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
@@ -28,11 +32,15 @@ class OutputCommitter:
         self.table = table              # the scheduler's running table (counters updated here)
         self.num_spec, self.max_model_len = num_spec, max_model_len
         self._finish = finish           # Scheduler._finish: frees slot + blocks, status FINISHED
-        # (running req-id tuple the union was built for, every stop id of those requests)
-        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray] = (None, np.zeros(0, np.int64))
+        # (running req-id tuple the union was built for, every stop id of those requests,
+        #  [rows] bool: the table row's request is committed token by token: stop strings, logprobs)
+        self._stop_cache: tuple[tuple[str, ...] | None, np.ndarray, np.ndarray] = (
+            None, np.zeros(0, np.int64), np.zeros(0, bool))
 
     def commit(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Commit one step's tokens; returns the requests that got tokens or finished."""
+        if out.prompt_logprobs:
+            self._file_prompt_logprobs(out.prompt_logprobs)
         steady = sched.decode
         if steady is None or steady.table_version != self.table.version:
             return self._update_rows(sched.rows, out, 0)
@@ -54,9 +62,11 @@ class OutputCommitter:
         n_out = table.n_out[idx] + num_valid
         table.n_out[idx] = n_out
         risky = n_out >= table.limit[idx]
-        stops = self._stop_union()
+        stops, per_token = self._stop_union()
         if stops.size:
             risky |= np.isin(sampled, stops).any(1)                        # -1 pads never match
+        if per_token.any():
+            risky |= per_token[idx]                    # stop strings searched / logprobs kept per token
         reqs = table.reqs
         touched = [reqs[j] for j in idx.tolist()]                          # [n] in step-row order
         now = None
@@ -90,11 +100,13 @@ class OutputCommitter:
                     self._record_spec(req, int(out.num_drafts[i]), int(num_valid[i]))
                 else:
                     req.metrics.num_steps += 1
-                self._append_tokens(req, sampled_l[i][:int(num_valid[i])])
+                self._append_tokens(req, sampled_l[i][:int(num_valid[i])],
+                                    None if out.logprobs is None else out.logprobs[i])
         return touched
 
-    def _stop_union(self) -> np.ndarray:
-        """Every stop id of the running requests (EOS unless ignore_eos), cached per composition."""
+    def _stop_union(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stop id of the running requests (EOS unless ignore_eos), and per table row whether
+        its request has stop strings; cached per composition."""
         ids = self.table.ids()
         if self._stop_cache[0] is not ids:
             u: set[int] = set()
@@ -103,8 +115,10 @@ class OutputCommitter:
                 u.update(p.stop_token_ids)
                 if not p.ignore_eos:
                     u.update(r.eos_token_ids)
-            self._stop_cache = (ids, np.array(sorted(u), dtype=np.int64))
-        return self._stop_cache[1]
+            strings = np.fromiter((r.stop_strings is not None or r.output_logprobs is not None
+                                   for r in self.table.reqs), dtype=bool, count=len(self.table.reqs))
+            self._stop_cache = (ids, np.array(sorted(u), dtype=np.int64), strings)
+        return self._stop_cache[1], self._stop_cache[2]
 
     def _update_rows(self, step_rows: tuple[ScheduledRow, ...], out: ModelRunnerOutput,
                      offset: int) -> list[Request]:
@@ -128,9 +142,20 @@ class OutputCommitter:
                     self._record_spec(req, num_drafts[i], n_valid)
                 else:
                     req.metrics.num_steps += 1
-            self._append_tokens(req, sampled[i][:n_valid])
+            self._append_tokens(req, sampled[i][:n_valid], None if out.logprobs is None else out.logprobs[i])
             touched.append(req)
         return touched
+
+    def _file_prompt_logprobs(self, spans) -> None:
+        """Prompt logprobs by position (a chunk recomputed after preemption writes equal values)."""
+        for span, values in spans:
+            req = self.requests.get(span.req_id)
+            if req is None or req.epoch != span.epoch or req.prompt_logprobs is None:
+                continue
+            ids, n, kept = req.prompt_token_ids, req.params.prompt_logprobs, req.prompt_logprobs
+            for i in range(span.count):
+                pos = span.start + i
+                kept[pos] = logprob_entry(values[i], ids[pos], n)
 
     def _record_spec(self, req: Request, drafts: int, n_valid: int) -> None:
         m = req.metrics
@@ -143,7 +168,9 @@ class OutputCommitter:
         for j in range(accepted):
             m.accepted_per_position[j] += 1
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: np.ndarray | None = None) -> None:
+        """Append a row's valid tokens one by one until one finishes the request; ``logprobs``
+        [1+K, 1+2N] the row's logprobs block (kept for requests that asked)."""
         p, m = req.params, req.metrics
         if m.first_token_time is None and tokens:
             m.first_token_time = time.perf_counter()
@@ -154,10 +181,17 @@ class OutputCommitter:
         out_ids = req.output_token_ids
         # stop at max_tokens or when prompt + outputs reach max_model_len, whichever comes first
         limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        for tok in tokens:
+        strings = req.stop_strings
+        kept = req.output_logprobs if logprobs is not None else None
+        for i, tok in enumerate(tokens):
             out_ids.append(tok)
             m.num_tokens_out += 1
+            if kept is not None:
+                kept.append(logprob_entry(logprobs[i], tok, p.logprobs))
             if tok in stop_ids:
+                self._finish(req, "stop")
+                return
+            if strings is not None and strings.push(out_ids):
                 self._finish(req, "stop")
                 return
             if len(out_ids) >= limit:

@@ -11,6 +11,17 @@ from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class ForkSource:
+    """A request of an ``n > 1`` group that starts from its leader's prefill: the runner copies the
+    Mamba state of ``src_slot`` and the KV of ``src_blocks`` (the first ``num_tokens`` tokens) into
+    the new request's slot and ``dst_blocks`` before the step's forward."""
+    src_slot: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class NewRequestData:
     """A request entering the batch (new, or resumed after preemption with a fresh slot)."""
     req_id: str
@@ -19,6 +30,9 @@ class NewRequestData:
     slot: int                        # Mamba pool slot
     params: SamplingParams
     seed: int
+    num_prompt_tokens: int = 0       # token_ids[:num_prompt_tokens] is the prompt, the rest outputs
+    processing: object = None        # sampling.logits_processing.ProcessingSpec, or None
+    fork: ForkSource | None = None   # starts from its group leader's prefill (n > 1), else None
 
 
 class ScheduledRow(NamedTuple):
@@ -88,3 +102,5 @@ class ModelRunnerOutput:
     num_drafts: np.ndarray           # [B] int64, real drafts verified per row this step
     error: BaseException | None = None
     nonfinite_rows: np.ndarray | None = None  # [n] int64 rows whose logits were not finite (None: none)
+    logprobs: np.ndarray | None = None        # [B, 1+K, 1+2N] float64 (sampling/logprobs.py) or None
+    prompt_logprobs: list | None = None       # [(PromptSpan, float64 [count, 1+2N])] (sampling/prompt_logprobs.py)

@@ -13,6 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest, bad_request
 from .serving import Run, ServerState, until_disconnect
 from .sse import DONE, error_event, sse_event
@@ -76,31 +77,40 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return {"id": run.request_id, "object": obj, "created": created, "model": state.config.model_name,
                 "choices": choices, "usage": usage}
 
+    def logprobs(token_ids, lps) -> dict | None:
+        if params.logprobs is None:
+            return None
+        return chat_logprobs(state.llm.tokenizer, list(token_ids), list(lps or ()), params.logprobs)
+
     def extras(run: Run, token_ids) -> dict:
         return {"token_ids": list(token_ids), "prompt_token_ids": run.prompt_token_ids} if req.return_token_ids else {}
 
     if not req.stream:
         async def whole():
             run = await state.admit_and_start(ids, params, "messages", "chatcmpl")
-            text = await run.collect()
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": run.finish_reason, **extras(run, run.token_ids)}
-            return body(run, "chat.completion", [choice], run.usage)
+            texts = await run.collect()
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs(s.token_ids, s.logprobs),
+                        "finish_reason": s.finish_reason, "stop_reason": s.stop_reason, **extras(run, s.token_ids)}
+                       for i, (text, s) in enumerate(zip(texts, run.samples))]
+            return body(run, "chat.completion", choices, run.usage)
         return JSONResponse(await until_disconnect(http, whole()))
 
     run = await until_disconnect(http, state.admit_and_start(ids, params, "messages", "chatcmpl"))
 
-    def chunk(delta: dict, finish: str | None, token_ids=()) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extras(run, token_ids)}
+    def chunk(delta: dict, finish: str | None, token_ids=(), lps=None, index: int = 0) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs(token_ids, lps) if token_ids else None,
+                  "finish_reason": finish, **extras(run, token_ids)}
         return sse_event(body(run, "chat.completion.chunk", [choice], None))
 
     async def events():
-        yield chunk({"role": "assistant", "content": ""}, None)
+        for i in range(params.n):
+            yield chunk({"role": "assistant", "content": ""}, None, index=i)
         async for out in run.outputs(http):
-            c = out.outputs[0]
-            finish = c.finish_reason if out.finished and out.error is None else None
-            if c.token_ids or c.text or finish:
-                yield chunk({"content": c.text or ""}, finish, c.token_ids)
+            for c in out.outputs:
+                finish = c.finish_reason if c.finish_reason is not None and out.error is None else None
+                if c.token_ids or c.text or finish:
+                    yield chunk({"content": c.text or ""}, finish, c.token_ids, c.logprobs, c.index)
         if run.last.error is not None:
             yield error_event(run.error())
         elif req.include_usage:

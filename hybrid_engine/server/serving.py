@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ class ServerState:
         except BaseException:
             await agen.aclose()
             raise
-        run = Run(self, request_id, agen, first)
+        run = Run(self, request_id, agen, first, params.n)
         if first.finished and first.error is not None:
             await run.close()
             raise run.error()
@@ -123,6 +124,11 @@ class ServerState:
 
 def _engine_param(message: str, prompt_field: str) -> str | None:
     """Which request field an engine ValueError is about."""
+    m = re.match(r"SamplingParams\.(\w+)", message)
+    if m:
+        return m.group(1)
+    if message.startswith("SamplingParams.n="):
+        return "n"
     if "max_tokens" in message:
         return "max_tokens"
     if message.startswith(("prompt", "request_id")):
@@ -130,23 +136,50 @@ def _engine_param(message: str, prompt_field: str) -> str | None:
     return None
 
 
-class Run:
-    """One admitted request: its engine stream, accumulated output and metrics bookkeeping."""
+class Sample:
+    """What one of a request's ``n`` samples (a choice) produced so far."""
+    __slots__ = ("token_ids", "logprobs", "texts", "finish_reason", "stop_reason")
 
-    def __init__(self, state: ServerState, request_id: str, agen, first: RequestOutput):
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []              # per token, when the request asked for logprobs
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+
+class Run:
+    """One admitted request: its engine stream, accumulated output (one ``Sample`` per choice) and
+    metrics bookkeeping."""
+
+    def __init__(self, state: ServerState, request_id: str, agen, first: RequestOutput, n: int = 1):
         self.state, self.request_id, self._agen, self._first = state, request_id, agen, first
         self.prompt_token_ids = first.prompt_token_ids
-        self.token_ids: list[int] = []
+        self.prompt_logprobs = first.prompt_logprobs    # per prompt token (SamplingParams.prompt_logprobs)
+        self.samples = [Sample() for _ in range(n)]
         self.last: RequestOutput | None = None
 
     @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def logprobs(self) -> list[dict]:
+        return self.samples[0].logprobs
+
+    @property
     def usage(self) -> dict:
-        p, c = len(self.prompt_token_ids), len(self.token_ids)
+        p, c = len(self.prompt_token_ids), sum(len(s.token_ids) for s in self.samples)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     @property
     def finish_reason(self) -> str | None:
-        return self.last.outputs[0].finish_reason if self.last is not None else None
+        return self.samples[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the request, if one did."""
+        return self.samples[0].stop_reason
 
     def error(self) -> ApiError:
         """The 500 of a request whose engine step failed."""
@@ -176,10 +209,16 @@ class Run:
         await self.state.llm.abort(self.request_id)
 
     def _record(self, out: RequestOutput) -> None:
-        self.token_ids += out.outputs[0].token_ids
+        for c in out.outputs:
+            s = self.samples[c.index]
+            s.token_ids += c.token_ids
+            s.logprobs += c.logprobs or ()
+            s.texts.append(c.text or "")
+            if c.finish_reason is not None:
+                s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
         self.last = out
         if out.finished:
-            self.state.metrics.observe_finished(out, len(self.token_ids))
+            self.state.metrics.observe_finished(out, sum(len(s.token_ids) for s in self.samples))
 
     async def close(self) -> None:
         if self.last is None:
@@ -188,17 +227,17 @@ class Run:
             self.state.metrics.aborted.inc()
         await self._agen.aclose()
 
-    async def collect(self) -> str:
-        """Run to the end; returns the full text. A failed step is a 500, an abort (shutdown) a 503."""
-        parts = []
-        async for out in self.outputs():
-            parts.append(out.outputs[0].text or "")
+    async def collect(self) -> list[str]:
+        """Run to the end; returns each sample's full text. A failed step is a 500, an abort
+        (shutdown) a 503."""
+        async for _ in self.outputs():
+            pass
         if self.last.error is not None:
             raise self.error()
         if self.finish_reason == "abort":
             raise ApiError(503, "the request was aborted (server shutting down)", type="server_error",
                            code="aborted")
-        return "".join(parts)
+        return ["".join(s.texts) for s in self.samples]
 
 
 async def until_disconnect(request, coro):

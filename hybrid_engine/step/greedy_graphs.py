@@ -120,8 +120,9 @@ class GreedyStepGraphs:
             return False
         batch = self.batch
         rows = batch.rows_of(req_ids)
-        if batch.temperature[rows].any():
-            return False                                   # a row samples: the sampler's path
+        if batch.temperature[rows].any() or batch.processed[rows].any() or (
+                batch.num_logprob_rows and (batch.logprobs[rows] >= 0).any()):
+            return False                                   # a row samples or processes its logits
         prev_idx = batch.prev_positions(req_ids)
         if (prev_idx < 0).any():
             return False                                   # the general path reports it

@@ -32,9 +32,16 @@ class InputBatch:
         self.top_p = np.ones(max_rows, dtype=np.float32)
         self.min_p = np.zeros(max_rows, dtype=np.float32)
         self.seed = np.zeros(max_rows, dtype=np.int64)
+        self.processed = np.zeros(max_rows, dtype=bool)     # logits processed (sampling/logits_processing.py)
+        self.logprobs = np.full(max_rows, -1, dtype=np.int64)  # SamplingParams.logprobs, -1 = None
+        self.num_logprob_rows = 0                            # live rows with logprobs >= 0
+        self.prompt_logprobs = np.full(max_rows, -1, dtype=np.int64)  # SamplingParams.prompt_logprobs, -1 = None
+        self.num_prompt = np.zeros(max_rows, dtype=np.int64)  # prompt tokens (token_ids_cpu[row, :num_prompt])
+        self.num_prompt_logprob_rows = 0                     # live rows with prompt_logprobs >= 0
         self._row_arrays = [self.token_ids_cpu, self.num_tokens_no_spec, self.num_prefill_tokens, self.slot,
                             self.epoch, self.block_table, self.num_blocks, self.temperature, self.top_k,
-                            self.top_p, self.min_p, self.seed]
+                            self.top_p, self.min_p, self.seed, self.processed, self.logprobs,
+                            self.prompt_logprobs, self.num_prompt]
         self._holes: list[int] = []
         self.num_rows = 0                       # rows 0..num_rows-1 in use or holes
         # req_id -> step row in the previous step's outputs (set_prev, by the runner after each step)
@@ -71,6 +78,12 @@ class InputBatch:
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
             p.temperature, p.top_k, p.top_p, p.min_p)
         self.seed[row] = new.seed
+        self.processed[row] = new.processing is not None
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_logprob_rows += p.logprobs is not None
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_prompt_logprob_rows += p.prompt_logprobs is not None
+        self.num_prompt[row] = new.num_prompt_tokens
         self.req_ids[row] = new.req_id
         self.req_id_to_row[new.req_id] = row
         self.layout_version += 1
@@ -79,6 +92,10 @@ class InputBatch:
     def remove_request(self, req_id: str) -> int | None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
+            self.num_logprob_rows -= bool(self.logprobs[row] >= 0)
+            self.logprobs[row] = -1
+            self.num_prompt_logprob_rows -= bool(self.prompt_logprobs[row] >= 0)
+            self.prompt_logprobs[row] = -1
             self.req_ids[row] = None
             self._holes.append(row)
             self.layout_version += 1

@@ -149,8 +149,9 @@ class NgramStepGraphs:
             return False
         batch = self.batch
         rows = batch.rows_of(req_ids)
-        if batch.temperature[rows].any():
-            return False
+        if batch.temperature[rows].any() or batch.processed[rows].any() or (
+                batch.num_logprob_rows and (batch.logprobs[rows] >= 0).any()):
+            return False                                   # a row samples, processes or wants logprobs
         prev_idx = batch.prev_positions(req_ids)
         if (prev_idx < 0).any():
             return False

@@ -1,6 +1,7 @@
 """Model runner: one step as a list of phases (docs/design.md, "The step as phases").
 
-    update batch -> choose plan -> prepare -> forward -> sample/verify -> propose -> finish (D2H)
+    update batch -> choose plan -> prepare -> forward -> [process logits] -> sample/verify
+    -> [record processed outputs] -> propose -> finish (D2H)
 
 ``execute`` launches one step's device work and returns a handle at once; the only wait is the
 caller's, on the handle, one step later. The route a step takes (greedy graph, decode-only, mixed
@@ -15,8 +16,12 @@ import torch
 from hybrid_engine.spec.drafters import DraftContext, Drafter
 
 from ..models.nemotron_h import Caches
+from ..sampling.logits_processing import LogitsProcessor
+from ..sampling.logprobs import logprobs_block
+from ..sampling.prompt_logprobs import PromptLogprobsCopy, PromptSpan, prompt_logprobs_block
 from ..sampling.sampler import nonfinite_rows
 from ..scheduling.scheduler_output import SchedulerOutput
+from .fork_state import fork_state
 from .input_batch import InputBatch
 from .plans import DecodeOnlyPlan, MixedPlan, StepPlan, StepResources
 from .plans.base import cat_rows
@@ -43,6 +48,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len + 2 * (1 + num_spec), max_blocks)
         self.h2d = H2D(device)
         self.d2h = D2H(device)
+        self.d2h_prompt: D2H | None = None      # prompt logprobs' own copies (made on first use)
         self.prev: PrevStep | None = None       # the last launched step's device outputs (next step's inputs)
         self.consts = StepConstants(device, num_spec)                   # tensors fixed by a row count
         res = StepResources(batch=self.batch, h2d=self.h2d, consts=self.consts, scratch=StepScratch(device),
@@ -58,6 +64,8 @@ class ModelRunner:
         # one owner of the per-request draft counts (slot space): asked once per step, told each
         # step's counts when they reach the host (StepHandle)
         self.policy = draft_policy if draft_policy is not None else FixedDrafts(num_spec)
+        # per-request penalties, bias, bad words, min_tokens (state by slot, allocated on first use)
+        self.processor = LogitsProcessor(caches.mamba.num_slots, model.cfg.vocab_size, num_spec, device)
 
     def reset(self) -> None:
         """Forget the previous step's outputs (its step was dropped: nothing may read them)."""
@@ -78,8 +86,13 @@ class ModelRunner:
                 return self._finish_fused(sched, step, plan)
             inp = plan.prepare(step, self.prev)                # host staging, device gathers
             hidden, logits = self.executor.forward(inp.fb)
-            sampled = self.sampler.sample(logits, inp)         # sample, or verify the drafts (K > 0)
+            processes = self._processes(inp)                   # host flag: a sampling row processes logits
+            processed = self._process(logits, inp) if processes else logits
+            sampled = self.sampler.sample(processed, inp)      # sample, or verify the drafts (K > 0)
+            if processes:
+                self.processor.record(sampled, inp.slots)      # counts, output count, history per slot
             nonfinite = self._nonfinite_step_rows(logits, inp)   # [B] bool, rides in the D2H payload
+            prompt_logprobs = self._prompt_logprobs(step, inp, hidden)   # None unless a prefill row asks
         except BaseException:
             self.prev = None                                   # a half-launched step's outputs are void
             raise
@@ -100,11 +113,59 @@ class ModelRunner:
             observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp)))
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
-        payload = mark_nonfinite(self._d2h_payload(sampled, inp), nonfinite)
-        return self._finish(sched, step.req_ids, inp.rows_sampling_np, payload,
-                            PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
-                                     drafts=drafts, draft_probs=draft_probs),
-                            width=self._width(inp), observe=observe)
+        payload = self._d2h_payload(sampled, inp)
+        num_logprobs = self._num_logprobs(inp)
+        if num_logprobs >= 0:                                  # logprobs ride in the same D2H copy
+            payload = torch.cat([payload, logprobs_block(processed, sampled, inp.sample_rows_p, inp.num_decode,
+                                                         num_logprobs)], 1)
+        payload = mark_nonfinite(payload, nonfinite)
+        handle = self._finish(sched, step.req_ids, inp.rows_sampling_np, payload,
+                              PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
+                                       drafts=drafts, draft_probs=draft_probs),
+                              width=self._width(inp), observe=observe)
+        handle.prompt_logprobs = prompt_logprobs
+        return handle
+
+    def _processes(self, inp: StepInputs) -> bool:
+        """Whether a row that samples this step has logits processing (host arrays only)."""
+        return self.processor.allocated and bool(self.batch.processed[inp.rows_sampling_np].any())
+
+    def _num_logprobs(self, inp: StepInputs) -> int:
+        """The largest ``logprobs`` of this step's sampling rows, -1 when none asks (host arrays)."""
+        b = self.batch
+        if not b.num_logprob_rows or not len(inp.rows_sampling_np):
+            return -1
+        return int(b.logprobs[inp.rows_sampling_np].max())
+
+    def _prompt_logprobs(self, step: StepRows, inp: StepInputs, hidden: torch.Tensor) -> PromptLogprobsCopy | None:
+        """Prompt logprobs of the prefill rows that ask (sampling/prompt_logprobs.py): host-known
+        spans, the lm_head over their hidden rows, one extra D2H copy."""
+        b = self.batch
+        if not b.num_prompt_logprob_rows or step.order is None:
+            return None
+        off = inp.num_decode * (1 + self._width(inp))          # prefill tokens follow the verify rows'
+        rows, spans, n = [], [], -1
+        for r in step.order[inp.num_decode:]:
+            row = b.req_id_to_row[r.req_id]
+            want = int(b.prompt_logprobs[row])
+            count = min(r.start_pos + r.num_tokens, int(b.num_prompt[row]) - 1) - r.start_pos
+            if want >= 0 and count > 0:
+                rows.append((off, count))
+                spans.append(PromptSpan(r.req_id, int(b.epoch[row]), r.start_pos + 1, count))
+                n = max(n, want)
+            off += r.num_tokens
+        if not rows:
+            return None
+        if self.d2h_prompt is None:
+            self.d2h_prompt = D2H(self.device)
+        block = prompt_logprobs_block(self.model.compute_logits, hidden, inp.next_input_ids, rows, n)
+        return PromptLogprobsCopy(self.d2h_prompt.copy(block), spans, 1 + 2 * n)
+
+    def _process(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        """The step's logits [L, V] processed per row (sampling/logits_processing.py); verify rows
+        position by position with the drafts before each position counted as outputs."""
+        return self.processor.apply(logits, inp.slots, inp.sample_rows_p, inp.num_decode,
+                                    inp.spec.drafts if inp.spec is not None else None)
 
     def _choose_plan(self, step: StepRows) -> StepPlan:
         for plan in self.plans:
@@ -246,8 +307,11 @@ class ModelRunner:
         for new in sched.new_requests:
             b.remove_request(new.req_id)           # resumed after preemption: start from a clean row
             b.add_request(new)
+            if new.fork is not None:               # an n > 1 sibling: its leader's prefill, copied
+                fork_state(self.caches, new.fork, new.slot)
             self.drafter.add_request(new.slot, new.token_ids)
             self.policy.reset(new.slot)
+            self.processor.add(new.slot, new.processing, new.token_ids, new.num_prompt_tokens)
         b.condense()
         order = [r for r in sched.rows if r.is_decode] + [r for r in sched.rows if not r.is_decode]
         for r in order:

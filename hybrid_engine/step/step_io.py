@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .forward_batch import ForwardBatch
+from ..sampling.logprobs import unpack as unpack_logprobs
 from ..sampling.sampler import SamplingTensors
 from ..scheduling.scheduler_output import DecodeRows, ModelRunnerOutput, ScheduledRow, SchedulerOutput
 from .transfer import D2HCopy
@@ -87,6 +88,7 @@ class StepHandle:
         self.sched, self.req_ids, self._copy, self.error = sched, req_ids, copy, error
         self.num_spec = num_spec
         self._observe = observe
+        self.prompt_logprobs = None     # sampling.prompt_logprobs.PromptLogprobsCopy of this step, if any
 
     @property
     def copy_event(self) -> torch.cuda.Event | None:
@@ -103,15 +105,19 @@ class StepHandle:
         nonfinite = np.flatnonzero(bad) if bad.any() else None
         num_valid = (sampled != -1).sum(1, dtype=np.int64)
         if self.num_spec:
-            num_drafts = (host[:, tokens_per_row:] != -1).sum(1, dtype=np.int64)   # [B, K] verified drafts
+            num_drafts = (host[:, tokens_per_row:tokens_per_row + self.num_spec] != -1).sum(1, dtype=np.int64)
         else:
             num_drafts = np.zeros(len(host), dtype=np.int64)
         if self._observe is not None:
             policy, snapshot = self._observe
             self._observe = None                     # a handle read twice counts once
             policy.observe(snapshot, num_valid)
+        base = tokens_per_row + self.num_spec          # then, when a row asked, the logprobs block
+        logprobs = unpack_logprobs(host[:, base:], tokens_per_row) if host.shape[1] > base else None
         return ModelRunnerOutput(step_id=self.sched.step_id, req_ids=self.req_ids, sampled=sampled,
-                                 num_valid=num_valid, num_drafts=num_drafts, nonfinite_rows=nonfinite)
+                                 num_valid=num_valid, num_drafts=num_drafts, nonfinite_rows=nonfinite,
+                                 logprobs=logprobs,
+                                 prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.read())
 
     def result(self) -> ModelRunnerOutput:
         return self._output(self._copy.wait())

@@ -28,7 +28,8 @@ GOOD = [5, 6, 7]
     ({"top_k": -2}, "top_k"),
     ({"min_p": -0.1}, "min_p"),
     ({"min_p": 1.1}, "min_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 1025}, "n"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
