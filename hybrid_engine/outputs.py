@@ -20,3 +20,4 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    num_cached_tokens: int = 0         # prompt tokens restored from the prefix cache (latest admission)

@@ -77,6 +77,10 @@ class Request:
     error: str | None = None                   # set when a step that carried it raised
     accounted: bool = False                    # counted in engine stats
     stop_ids: frozenset[int] | None = None     # stop tokens (+ EOS unless ignore_eos), built at first commit
+    # prefix caching: hash chain of the full blocks of all_token_ids (scheduling/prefix_cache.py), and
+    # the tokens restored from the cache at the latest admission
+    block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    num_cached_tokens: int = 0
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).
