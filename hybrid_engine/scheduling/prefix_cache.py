@@ -114,7 +114,7 @@ class PrefixCache(NoPrefixCache):
         self.index = CheckpointIndex(num_rows)
         blocks.on_evict = self.index.drop          # a checkpoint without its KV blocks is unreachable
         self._pending: list[_Pending] = []
-        self._restoring: list[int] = []            # rows pinned by restores of the step being scheduled
+        self._restoring: list[tuple[Request, int]] = []   # (request, row) pinned by a restore not yet launched
         self._kv_upto: dict[str, int] = {}         # req id -> blocks already planned for registration
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
@@ -137,7 +137,7 @@ class PrefixCache(NoPrefixCache):
     def begin_step(self) -> None:
         """A new step is being scheduled: the restores of the previous one were launched, and
         later device work is ordered after them, so their rows may be evicted again."""
-        for row in self._restoring:
+        for _, row in self._restoring:
             self.index.unpin(row)
         self._restoring.clear()
 
@@ -167,7 +167,7 @@ class PrefixCache(NoPrefixCache):
             self.blocks.take(hit.blocks)
             self.index.pin(hit.row)
             self.index.touch(hit.row)
-            self._restoring.append(hit.row)
+            self._restoring.append((req, hit.row))
 
     # ---- prefill chunks ---------------------------------------------------------------------
     def plan_chunk(self, req: Request, start: int, n: int, step_id: int) -> tuple[tuple[int, int], ...]:
@@ -201,6 +201,7 @@ class PrefixCache(NoPrefixCache):
     def commit(self, step_id: int) -> None:
         """Step ``step_id``'s output arrived: publish what its chunks computed. Entries of older
         steps (a step that failed) are discarded."""
+        self.begin_step()                            # step_id and every earlier step were launched
         keep = []
         for e in self._pending:
             if e.step_id > step_id:
@@ -221,6 +222,9 @@ class PrefixCache(NoPrefixCache):
         """``req`` left the running set (finished, aborted, failed, preempted): its saves in flight
         are never published."""
         self._kv_upto.pop(req.request_id, None)
+        for r, row in [x for x in self._restoring if x[0] is req]:
+            self.index.unpin(row)
+            self._restoring.remove((r, row))
         keep = []
         for e in self._pending:
             if e.req is req:

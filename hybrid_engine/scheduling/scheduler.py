@@ -115,7 +115,7 @@ class Scheduler:
             self.table.add(req, self.max_model_len)
             new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
                                       req.params, req.seed))
-            rows.append(self._row(req, n, hit.row))
+            rows.append(self._row(req, n)._replace(restore_row=hit.row))
             budget -= n
         self._step_id += 1
         removed, self._removed = frozenset(self._removed), set()
@@ -198,7 +198,7 @@ class Scheduler:
         samples = not req.is_prefilling or req.num_computed_tokens + n >= req.prefill_target
         return self.num_spec if samples else 0
 
-    def _row(self, req: Request, n: int, restore_row: int = -1) -> ScheduledRow:
+    def _row(self, req: Request, n: int) -> ScheduledRow:
         decode = not req.is_prefilling
         start = req.num_computed_tokens
         req.num_computed_tokens += n
@@ -207,7 +207,7 @@ class Scheduler:
             req.num_inflight_steps += 1
         saves = () if decode else self.prefix.plan_chunk(req, start, n, self._step_id + 1)
         return ScheduledRow(req.request_id, req.epoch, n, start, decode, samples, tuple(req.block_ids),
-                            restore_row, saves)
+                            ckpt_saves=saves)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's blocks cover num_tokens, preempting the newest running requests if needed."""
