@@ -192,31 +192,18 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
     return y, finals
 
 
-_logged_emit_fallback = False
-
-
 def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states, chunk_size,
                     dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None,
                     out_dtype: torch.dtype = torch.float32, emit_at: torch.Tensor | None = None):
     """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere.
-    ``emit_at`` (prefix-cache checkpoints) adds the states after those tokens; the Triton scan
-    does not emit them yet, so such a call runs the torch scan (logged once)."""
+    ``emit_at`` [M] (prefix-cache checkpoints) adds the states after those packed tokens
+    [M, H, P, N] float32 as a third result."""
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
-    if emit_at is not None:
-        global _logged_emit_fallback
-        if x.device.type == "cuda" and not _logged_emit_fallback:
-            import logging
-            logging.getLogger("hybrid_engine").warning(
-                "prefix caching: chunks that save Mamba checkpoints run the torch SSD scan (the Triton "
-                "scan does not emit boundary states yet)")
-            _logged_emit_fallback = True
-        return ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
-                                   chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype,
-                                   emit_at=emit_at)
+    kw = {} if emit_at is None else {"emit_at": emit_at}
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
         return triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc,
                                       initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, **kw)
     return ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
-                               chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype)
+                               chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype, **kw)

@@ -206,3 +206,39 @@ def test_checkpoint_and_restore_are_exact(hybrid_dir):
         torch.testing.assert_close(rs, cs, rtol=1e-5, atol=1e-6)
     while ref.has_work():
         ref.step()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_faults_with_caching_end_only_their_step_and_leak_nothing(hybrid_dir, monkeypatch, async_scheduling):
+    """Faults injected at random step phases (chaos_harness) on a shared-prefix workload with
+    caching on: a request either fails naming the fault or equals its fault-free run; blocks,
+    references, checkpoint pins and pending saves all return; a step that failed publishes
+    nothing that a later request restores wrongly (the probe after it is exact)."""
+    from chaos_harness import PHASES, Injector, drive
+    from test_chaos import check_against_clean
+    llm = make_engine(hybrid_dir, on=True, async_scheduling=async_scheduling, seqs=2, budget=12, blocks=48)
+    eng = llm.engine
+    rng = np.random.default_rng(21 + async_scheduling)
+    system = rng.integers(3, 256, 18).tolist()
+
+    def workload(prefix):
+        return [(int(rng.integers(0, 6)), system + rng.integers(3, 256, int(rng.integers(1, 9))).tolist(),
+                 SamplingParams(max_tokens=int(rng.integers(1, 6)), ignore_eos=True), f"{prefix}-{i}")
+                for i in range(4)]
+    inj = Injector(eng, monkeypatch)
+    fired = failed = 0
+    for run in range(3):
+        wl = workload(f"r{run}")
+        clean = drive(eng, wl)
+        assert_drained(llm)
+        plan = {int(s): str(rng.choice(PHASES)) for s in rng.integers(0, 10, 2)}
+        n0 = len(inj.fired)
+        faulty = drive(eng, wl, inj, plan)
+        assert_drained(llm)
+        failed += check_against_clean(clean, faulty, inj.fired, n0)
+        fired += len(inj.fired) - n0
+    assert fired and failed
+    probe = system + [7, 7, 7]
+    out = llm.generate([probe], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == hf_greedy(hybrid_dir, [probe], 4)[0]
+    assert_drained(llm)
