@@ -78,6 +78,9 @@ class Mamba2Mixer(nn.Module):
         if md.num_prefill_rows:
             ckpts = caches.checkpoints
             if md.restore_rows is not None:       # prefix-cache hit: the slot starts from a checkpoint
+                if ckpts is None:
+                    raise RuntimeError("a prefix-cache restore reached a model without checkpoint storage "
+                                       "(Caches.checkpoints is None)")
                 ckpts.restore(self.ordinal, conv_state, ssm_state, md.prefill_slots[md.restore_seq],
                               md.restore_rows)
             saving = md.ckpt_rows is not None and ckpts is not None

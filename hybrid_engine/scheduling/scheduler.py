@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ..attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
+from ..attention.block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocks, blocks_needed
 from .prefix_cache import NoPrefixCache
 from ..config import SchedulerConfig
 from .request import Request, Status
@@ -39,7 +39,6 @@ class Scheduler:
             self.blocks = BlockAllocator(num_kv_blocks)
             self.prefix = NoPrefixCache()
         else:
-            from ..attention.block_pool import CachingBlockAllocator
             self.blocks = CachingBlockAllocator(num_kv_blocks)
             self.prefix = prefix_cache(self.blocks)
         self.slots = SlotAllocator(num_slots)
