@@ -89,3 +89,36 @@ def test_conv_windows_at_equal_the_window_a_conv_leaves():
         causal_conv1d_varlen_ref(x[a:t + 1], weight, None, state, qsl_of([t + 1 - a], torch.int64),
                                  torch.tensor([1]), has_init[b:b + 1])
         assert torch.equal(got[m], state[1]), f"token {t}"
+
+
+def test_checkpoint_ops_never_read_device_data_on_the_host():
+    """The ops a saving / restoring step adds (window gather, emit of the Triton path, checkpoint
+    save and restore) run under the no-host-sync guard (docs/design.md invariant 8)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hf_reference import NoHostSync
+    from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
+    gen = torch.Generator().manual_seed(6)
+    H, G, P, N, Cdim, W, cs = 4, 2, 3, 5, 6, 4, 8
+    T = 19
+    x, dt_raw, dt_bias, A, B, C, D = _inputs(T, H, G, P, N, gen)
+    qsl = qsl_of([12, 7], torch.int64)
+    emit = torch.tensor([3, 11, 15])
+    seq = torch.tensor([0, 0, 1])
+    ck = MambaCheckpoints(1, 4, Cdim, W, H, P, N, torch.float32, torch.device("cpu"))
+    conv_state = torch.zeros(3, Cdim, W - 1 + 2)
+    ssm_state = torch.zeros(3, 3, H, P, N)
+    with NoHostSync():
+        win = conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
+        ck.save(0, torch.tensor([0, 2, 3]), win, torch.randn(3, H, P, N))
+        ck.restore(0, conv_state, ssm_state, torch.tensor([1, 2]), torch.tensor([2, 0]))
+    assert torch.equal(conv_state[1, :, :W - 1], win[1]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
+    triton_ssd = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd")
+    NC, BL = 4, 16
+    meta = torch.tensor([[0, 8], [8, 4], [12, 7], [19, 0]], dtype=torch.int32)
+    cum = torch.tensor([2, 3], dtype=torch.int32)
+    with NoHostSync():
+        out = triton_ssd._emit_states(x, B, qsl, cum, meta, torch.rand(NC, H, BL), -torch.rand(NC, H, BL),
+                                      torch.randn(NC, H, P, N), emit, cs)
+    assert out.shape == (3, H, P, N) and torch.isfinite(out).all()
