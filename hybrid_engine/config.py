@@ -135,9 +135,20 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.5
     kv_cache_bytes: int = 256 * 1024 * 1024
+    # prefix caching (docs/design.md, "Prefix caching"): KV blocks shared by hash chain, Mamba
+    # checkpoints every ``mamba_checkpoint_interval`` blocks (and at each prompt's last full
+    # block) in a pool of at most ``mamba_checkpoint_bytes``
+    enable_prefix_caching: bool = False
+    mamba_checkpoint_interval: int = 16
+    mamba_checkpoint_bytes: int = 4 * 1024 ** 3
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}")
+        _check_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval, 1,
+                   allowed="an integer >= 1 (blocks between Mamba checkpoints)")
+        _check_int("mamba_checkpoint_bytes", self.mamba_checkpoint_bytes, 1)
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 2,
                        allowed="None (auto) or an integer >= 2 (block 0 is the null block)")
@@ -296,6 +307,8 @@ class EngineConfig:
                 max_model_len: int | None = None, block_size: int = 16,
                 num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.5,
                 kv_cache_bytes: int = 256 * 1024 * 1024,
+                enable_prefix_caching: bool = False, mamba_checkpoint_interval: int = 16,
+                mamba_checkpoint_bytes: int = 4 * 1024 ** 3,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
                 enforce_eager: bool = False, quantization: str | None = None,
@@ -318,7 +331,9 @@ class EngineConfig:
             model_dir=model_dir, model=model_cfg,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              kv_cache_bytes=kv_cache_bytes),
+                              kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
+                              mamba_checkpoint_interval=mamba_checkpoint_interval,
+                              mamba_checkpoint_bytes=mamba_checkpoint_bytes),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),

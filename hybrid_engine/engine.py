@@ -32,7 +32,9 @@ from .sampling.logits_processing import MAX_BAD_WORD_TOKENS, ProcessingSpec
 from .scheduling.scheduler import Scheduler
 from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
+from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
 from hybrid_engine.mamba_cache.pool import MambaPool
+from .scheduling.prefix_cache import PrefixCache
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -81,8 +83,6 @@ class EngineCore(FaultIsolation):
         pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
                          mc.mamba_head_dim, mc.ssm_state_size, k, cfg.dtype, cfg.device)
         self.caches = Caches(kv, pool)
-        self.scheduler = Scheduler(sc, max_model_len=self.max_model_len, block_size=cc.block_size,
-                                   num_kv_blocks=num_blocks, num_slots=pool.num_slots, num_spec=k)
         if sc.max_num_batched_tokens < 1 + k:
             raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
                              f"num_speculative_tokens = {1 + k}")
@@ -90,6 +90,10 @@ class EngineCore(FaultIsolation):
             cfg=cfg, model=self.model, num_spec=k, max_model_len=self.max_model_len, max_num_seqs=sc.max_num_seqs,
             block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
             num_slots=pool.num_slots))
+        prefix_cache = self._build_prefix_cache(num_blocks) if cc.enable_prefix_caching else None
+        self.scheduler = Scheduler(sc, max_model_len=self.max_model_len, block_size=cc.block_size,
+                                   num_kv_blocks=num_blocks, num_slots=pool.num_slots, num_spec=k,
+                                   prefix_cache=prefix_cache)
         counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
         executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
                                  max_model_len=self.max_model_len, block_size=cc.block_size,
@@ -133,6 +137,26 @@ class EngineCore(FaultIsolation):
             logger.info("KV budget: %.1f MiB set aside for the %s drafter, its KV %.1f KiB per block",
                         footprint.fixed_bytes / 2**20, cfg.speculative.method, footprint.kv_bytes_per_block / 1024)
         return max(0, budget // per_block)
+
+    def _build_prefix_cache(self, num_blocks: int):
+        """Checkpoint storage (target and drafter) sized by ``mamba_checkpoint_bytes`` (at most one
+        row per KV block: a checkpoint is only reachable through its blocks) -> the scheduler's
+        factory of the host-side ``PrefixCache``."""
+        mc, cc = self.cfg.model, self.cfg.cache
+        spec = self.cfg.speculative
+        lookahead = 1 if spec is not None and spec.method == "mtp" else 0   # MTP KV pairs a position with the next token
+        shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
+        n_mamba = len(mc.mamba_layer_ids)
+        row_bytes = (MambaCheckpoints.bytes_per_row(n_mamba, *shape, self.cfg.dtype)
+                     + self.drafter.checkpoint_bytes_per_row())
+        rows = max(1, min(cc.mamba_checkpoint_bytes // max(row_bytes, 1), num_blocks - 1))
+        self.caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, self.cfg.dtype, self.cfg.device)
+        self.drafter.attach_checkpoints(rows)
+        self._checkpoint_bytes = rows * row_bytes
+        logger.info("prefix caching on: checkpoints every %d blocks, %d rows (%.1f MiB), lookahead %d",
+                    cc.mamba_checkpoint_interval, rows, rows * row_bytes / 2**20, lookahead)
+        return lambda blocks: PrefixCache(block_size=cc.block_size, interval_blocks=cc.mamba_checkpoint_interval,
+                                          lookahead=lookahead, blocks=blocks, num_rows=rows)
 
     def _kv_budget(self) -> int:
         cc = self.cfg.cache
@@ -404,7 +428,7 @@ class EngineCore(FaultIsolation):
                                                else req.output_logprobs[delta_from:])], req.finished,
                              metrics, req.error,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None
-                             and delta_from == 0 else None)
+                             and delta_from == 0 else None, num_cached_tokens=req.num_cached_tokens)
 
     def _account(self, req: Request) -> None:
         if req.accounted:
@@ -440,6 +464,9 @@ class EngineCore(FaultIsolation):
         steps = s.get("verify_steps", 0)
         s["mean_acceptance_length"] = (1 + s["drafts_accepted"] / steps) if steps else 0.0
         s.update(self.occupancy())
+        s.update(self.scheduler.prefix.stats())
+        if self.cfg.cache.enable_prefix_caching:
+            s["mamba_checkpoint_bytes"] = self._checkpoint_bytes
         if expert_load:
             load = self.model.read_expert_load()      # device counters, cleared: a window per call
             if load:

@@ -23,3 +23,4 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None at 0); first output only
+    num_cached_tokens: int = 0         # prompt tokens restored from the prefix cache (latest admission)

@@ -23,9 +23,10 @@ from .rope import RotaryEmbedding
 class Caches:
     """Per-layer cache tensors handed to the model: KV per attention layer, state per Mamba layer."""
 
-    def __init__(self, kv_cache, mamba_pool):
+    def __init__(self, kv_cache, mamba_pool, checkpoints=None):
         self.kv = kv_cache            # attention.KVCache: .k[i], .v[i] by attention ordinal
         self.mamba = mamba_pool       # mamba_cache.pool.MambaPool: by Mamba ordinal
+        self.checkpoints = checkpoints  # mamba_cache.checkpoints.MambaCheckpoints (prefix caching) or None
 
 
 class Mamba2Mixer(nn.Module):
@@ -112,16 +113,33 @@ class Mamba2Mixer(nn.Module):
             y = mops.selective_state_update(*ssu_args, dt_limit=self.dt_limit, out_dtype=x.dtype)
             ys.append(y.reshape(nd, self.I))
         if md.num_prefill_rows:
+            ckpts = caches.checkpoints
+            if md.restore_rows is not None:       # prefix-cache hit: the slot starts from a checkpoint
+                if ckpts is None:
+                    raise RuntimeError("a prefix-cache restore reached a model without checkpoint storage "
+                                       "(Caches.checkpoints is None)")
+                ckpts.restore(self.ordinal, conv_state, ssm_state, md.prefill_slots[md.restore_seq],
+                              md.restore_rows)
+            saving = md.ckpt_rows is not None and ckpts is not None
+            if saving:                            # windows the saved chunks start from (read before the conv)
+                win0 = conv_state[md.prefill_slots[md.ckpt_seq], :, :weight.shape[-1] - 1]
+                win0 = win0 * md.has_initial_state[md.ckpt_seq].view(-1, 1, 1).to(win0.dtype)
             xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,
                                               md.prefill_query_start_loc, md.prefill_slots,
                                               md.has_initial_state)
             xp, bp, cp = xbc_p.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
             init = ssm_state[md.prefill_slots, 0] * md.has_initial_state.view(-1, 1, 1, 1)
-            y, final = mops.ssd_scan_varlen(
+            out = mops.ssd_scan_varlen(
                 xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
                 cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, init, self.chunk_size,
-                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len, out_dtype=x.dtype)
+                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len, out_dtype=x.dtype,
+                **({"emit_at": md.ckpt_token} if saving else {}))
+            y, final = out[0], out[1]
             ssm_state[md.prefill_slots, 0] = final
+            if saving:                            # the states after the block boundaries the chunks crossed
+                windows = mops.conv_windows_at(xbc[nd:], win0, md.prefill_query_start_loc, md.ckpt_seq,
+                                               md.ckpt_token)
+                ckpts.save(self.ordinal, md.ckpt_rows, windows, out[2])
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)

@@ -85,6 +85,10 @@ class Request:
     # siblings start from a copy of that state in the step that runs the leader's last token
     fork_pending: list | None = None           # leader: siblings not admitted yet
     fork_leader: object = None                 # sibling: its leader while it waits for the fork
+    # prefix caching: hash chain of the full blocks of all_token_ids (scheduling/prefix_cache.py), and
+    # the tokens restored from the cache at the latest admission
+    block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    num_cached_tokens: int = 0
 
     # num_computed_tokens is optimistic: it counts every token scheduled into the caches (drafts
     # included) and is corrected when the step's output arrives (an upper bound).

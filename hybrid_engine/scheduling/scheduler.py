@@ -13,7 +13,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ..attention.block_pool import BlockAllocator, NoFreeBlocks, blocks_needed
+from ..attention.block_pool import BlockAllocator, CachingBlockAllocator, NoFreeBlocks, blocks_needed
+from .prefix_cache import NoPrefixCache
 from ..config import SchedulerConfig
 from .request import Request, Status
 from .running_table import RunningTable
@@ -27,13 +28,20 @@ logger = logging.getLogger("hybrid_engine")
 
 class Scheduler(PrefillFork):
     def __init__(self, cfg: SchedulerConfig, *, max_model_len: int, block_size: int, num_kv_blocks: int,
-                 num_slots: int, num_spec: int):
+                 num_slots: int, num_spec: int, prefix_cache=None):
+        """``prefix_cache``: None (off) or ``f(blocks) -> PrefixCache`` building the cache on the
+        scheduler's block pool (a ``CachingBlockAllocator`` then)."""
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_spec = num_spec
         self.decode_len = 1 + num_spec
-        self.blocks = BlockAllocator(num_kv_blocks)
+        if prefix_cache is None:
+            self.blocks = BlockAllocator(num_kv_blocks)
+            self.prefix = NoPrefixCache()
+        else:
+            self.blocks = CachingBlockAllocator(num_kv_blocks)
+            self.prefix = prefix_cache(self.blocks)
         self.slots = SlotAllocator(num_slots)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -81,6 +89,7 @@ class Scheduler(PrefillFork):
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
+        self.prefix.begin_step()
         rows: list[ScheduledRow] = []
         new: list[NewRequestData] = []
         # 1) running requests in admission order; preempt the newest when blocks run out
@@ -97,21 +106,27 @@ class Scheduler(PrefillFork):
             if (len(self.running) + 1) * self.decode_len > self.cfg.max_num_batched_tokens:
                 break                                  # its decode steps would not fit beside the others
             target = req.num_tokens
-            n = min(target, budget)
+            # a cached prefix is restored, not computed (an n > 1 leader prefills from scratch: the
+            # fork copies the leader's state at P-1, which a restore would not have written)
+            hit = self.prefix.match(req, 0 if req.fork_pending else target)
+            start = hit.num_tokens
+            n = min(target - start, budget)
             if req.fork_pending:
                 n = self._fork_cut(req, 0, n)
-            need = blocks_needed(n + (self.num_spec if n == target else 0), self.block_size)
-            if self.slots.num_free == 0 or self.blocks.num_free < need:
+            need = blocks_needed(start + n + (self.num_spec if start + n == target else 0),
+                                 self.block_size) - len(hit.blocks)
+            if self.slots.num_free == 0 or self.blocks.num_free - self.prefix.num_unreferenced(hit) < need:
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
-            req.block_ids = self.blocks.allocate(need)
-            req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, 0
+            self.prefix.take(req, hit)                 # before allocating: evictions never take a hit block
+            req.block_ids = list(hit.blocks) + self.blocks.allocate(need)
+            req.status, req.prefill_target, req.num_computed_tokens = Status.RUNNING, target, start
             self.table.add(req, self.max_model_len)
             new.append(NewRequestData(req.request_id, req.epoch, tuple(req.all_token_ids), req.slot,
                                       req.params, req.seed, num_prompt_tokens=len(req.prompt_token_ids),
                                       processing=req.processing))
-            rows.append(self._row(req, n))
+            rows.append(self._row(req, n)._replace(restore_row=hit.row))
             budget -= n
         if self._forked_new:
             new.extend(self._forked_new)
@@ -213,7 +228,9 @@ class Scheduler(PrefillFork):
         samples = decode or req.num_computed_tokens >= req.prefill_target
         if samples:
             req.num_inflight_steps += 1
-        return ScheduledRow(req.request_id, req.epoch, n, start, decode, samples, tuple(req.block_ids))
+        saves = () if decode else self.prefix.plan_chunk(req, start, n, self._step_id + 1)
+        return ScheduledRow(req.request_id, req.epoch, n, start, decode, samples, tuple(req.block_ids),
+                            ckpt_saves=saves)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make req's blocks cover num_tokens, preempting the newest running requests if needed."""
@@ -246,6 +263,7 @@ class Scheduler(PrefillFork):
         return self._epochs
 
     def _release(self, req: Request) -> None:
+        self.prefix.drop(req)
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None
@@ -267,6 +285,7 @@ class Scheduler(PrefillFork):
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Commit one step's tokens (scheduler_commit.OutputCommitter); returns the requests that
         got tokens or finished."""
+        self.prefix.commit(sched.step_id)            # publish the blocks / checkpoints it computed
         return self._committer.commit(sched, out)
 
     def requeue_removed(self, req_ids: Iterable[str]) -> None:

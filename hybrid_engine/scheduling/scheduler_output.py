@@ -44,6 +44,10 @@ class ScheduledRow(NamedTuple):
     is_decode: bool                  # verify path: tokens come from last step's device outputs
     samples: bool                    # this step produces tokens for the request
     block_ids: tuple[int, ...]       # the request's whole block list (tables are rebuilt from it)
+    restore_row: int = -1            # prefix cache: Mamba checkpoint row restored into the slot before
+                                     # this chunk (the first chunk after a hit), -1 none
+    ckpt_saves: tuple[tuple[int, int], ...] = ()   # prefix cache: (boundary q, checkpoint row) this
+                                     # chunk saves, q in (start_pos, start_pos + num_tokens]
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="KV-cache blocks (default: sized from --kv-cache-memory-fraction)")
     s.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
                    help="fraction of free GPU memory for the KV cache (default %(default)s)")
+    s.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks and Mamba state of prompt prefixes earlier requests computed")
+    s.add_argument("--mamba-checkpoint-interval", type=int, default=16,
+                   help="prefix caching: blocks between Mamba state checkpoints (default %(default)s)")
     s.add_argument("--spec", default=None, choices=["ngram", "draft_model", "mtp"],
                    help="speculative decoding method")
     s.add_argument("--num-speculative-tokens", "--num-spec-tokens", dest="num_spec_tokens", type=int, default=3,
@@ -95,6 +99,8 @@ def build_llm(args):
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                     kv_cache_memory_fraction=args.kv_cache_memory_fraction, speculative_config=spec,
+                    enable_prefix_caching=args.enable_prefix_caching,
+                    mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                     async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager,
                     quantization=args.quantization)
 

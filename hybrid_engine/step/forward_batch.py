@@ -31,6 +31,12 @@ class MambaMetadata:
     prefill_qsl_cpu: tuple[int, ...]       # same on the host (exact: prefill lengths are CPU-known)
     prefill_slots: torch.Tensor     # [B_p] int64 pool slots
     has_initial_state: torch.Tensor # [B_p] bool: chunk continues an earlier chunk
+    # prefix caching (None when the step restores / saves nothing; only prefill rows do):
+    restore_seq: torch.Tensor | None = None   # [R] int64 prefill rows whose slot is restored first
+    restore_rows: torch.Tensor | None = None  # [R] int64 checkpoint rows they restore
+    ckpt_seq: torch.Tensor | None = None      # [M] int64 prefill row of each save
+    ckpt_token: torch.Tensor | None = None    # [M] int64 prefill-token index of the last token before the boundary
+    ckpt_rows: torch.Tensor | None = None     # [M] int64 checkpoint rows written
 
     @property
     def num_decode_tokens(self) -> int:

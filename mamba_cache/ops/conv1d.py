@@ -94,6 +94,26 @@ def causal_conv1d_varlen_ref(
     return out.to(x.dtype)
 
 
+def conv_windows_at(
+    x: torch.Tensor,                    # [T, C] packed conv inputs of the step's prefill rows
+    initial_windows: torch.Tensor,      # [M, C, W-1] window each emit's sequence started from (zeros if none)
+    query_start_loc: torch.Tensor,      # [B+1] int64
+    seq: torch.Tensor,                  # [M] int64 sequence of each emit
+    token: torch.Tensor,                # [M] int64 packed index of the last token before the boundary
+) -> torch.Tensor:                      # [M, C, W-1] in initial_windows.dtype
+    """The conv window after ``token`` (prefix-cache checkpoints): the W-1 inputs ending at it,
+    taken from the packed inputs, or from the sequence's initial window where they precede the
+    chunk. A gather of what the prefill conv reads anyway; no recomputation."""
+    M, wm1 = token.numel(), initial_windows.shape[-1]
+    qsl = query_start_loc.long()
+    pos = token - qsl[seq]                                               # [M] position in its chunk
+    src = pos[:, None] - (wm1 - 1) + torch.arange(wm1, device=pos.device)   # [M, W-1] source positions
+    from_x = x[(qsl[seq][:, None] + src).clamp(min=0)].to(initial_windows.dtype)   # [M, W-1, C]
+    from_win = initial_windows.gather(2, (wm1 + src).clamp(0, wm1 - 1)[:, None, :].expand(
+        M, initial_windows.shape[1], wm1))                               # [M, C, W-1]
+    return torch.where((src >= 0)[:, None, :], from_x.transpose(1, 2), from_win)
+
+
 def causal_conv1d_update_ref(
     x: torch.Tensor,                    # [N, s, C] decode/verify tokens (s = 1 + drafts)
     weight: torch.Tensor,               # [C, W]

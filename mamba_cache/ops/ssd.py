@@ -100,8 +100,12 @@ def ssd_scan_varlen_ref(
     *,
     max_seqlen: int | None = None,      # optional host-side upper bound on the longest sequence
     out_dtype: torch.dtype = torch.float32,
+    emit_at: torch.Tensor | None = None,  # [M] int64 packed token indices: also return the state after each
 ):
-    """Chunked SSD scan (CONTRACT item 3) -> (y [T, H, P] out_dtype, final_states [B, H, P, N] f32).
+    """Chunked SSD scan (CONTRACT item 3) -> (y [T, H, P] out_dtype, final_states [B, H, P, N] f32),
+    plus, with ``emit_at``, the states after those tokens [M, H, P, N] f32 (prefix-cache
+    checkpoints: read off the chunk the token lies in, from the chunk-entry state the state pass
+    already computes and that chunk's decay row; no second pass over the sequence).
 
     Tokens go into a grid of chunks [NC, Lc] (chunk c of sequence b at row first_chunk[b] + c,
     Lc = min(chunk_size, longest sequence)); padding positions get dt = 0 and x = B = C = 0, so
@@ -153,7 +157,16 @@ def ssd_scan_varlen_ref(
     hp_t = h_prev.reshape(NC1, G, hpg, P, N).transpose(-1, -2)            # [NC1, G, hpg, N, P]
     y = y + (Cg[:, :, None] @ hp_t).reshape(NC1, H, Lc, P) * cum_in[..., None]
     y = y[row, :, col] + D.float()[:, None] * x.float()                  # [T, H, P]
-    return y.to(out_dtype), h
+    if emit_at is None:
+        return y.to(out_dtype), h
+    # the state after token i of chunk r: exp(cum a up to i) h_prev[r] + sum_{j<=i} decay[i, j] dt_j x_j B_j^T
+    # (for i = the chunk's last token this is the state pass's own update, term for term)
+    r, i = row[emit_at], col[emit_at]                                     # [M]
+    M = r.numel()
+    xw_e = (xh[r] * (decay[r, :, i, :] * dth[r])[..., None]).transpose(-1, -2)   # [M, H, P, Lc]
+    S_e = (xw_e.reshape(M, G, hpg, P, Lc) @ Bg[r][:, :, None]).reshape(M, H, P, N)
+    states = cum_in[r, :, i][:, :, None, None] * h_prev[r] + S_e
+    return y.to(out_dtype), h, states
 
 
 def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
@@ -181,13 +194,16 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
 
 def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states, chunk_size,
                     dt_limit=(0.0, math.inf), *, max_seqlen: int | None = None,
-                    out_dtype: torch.dtype = torch.float32):
-    """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere."""
+                    out_dtype: torch.dtype = torch.float32, emit_at: torch.Tensor | None = None):
+    """Public entry point (CONTRACT item 3): Triton kernels on CUDA, torch reference elsewhere.
+    ``emit_at`` [M] (prefix-cache checkpoints) adds the states after those packed tokens
+    [M, H, P, N] float32 as a third result."""
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+    kw = {} if emit_at is None else {"emit_at": emit_at}
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
         return triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc,
                                       initial_states, chunk_size, dt_limit, max_seqlen=max_seqlen,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, **kw)
     return ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states,
-                               chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype)
+                               chunk_size, dt_limit, max_seqlen=max_seqlen, out_dtype=out_dtype, **kw)

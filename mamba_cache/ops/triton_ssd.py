@@ -137,6 +137,7 @@ def _state_pass_kernel(
     H, P, N, n_nblocks,
     si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE32: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -166,6 +167,8 @@ def _state_pass_kernel(
         d_nxt = tl.load(cuma_ptr + nrow * BLOCK_L + BLOCK_L - 1)
         # the state entering chunk c (hin may alias S: S_c is already in registers)
         tl.store(hin_ptr + crow * P * N + tile, st.to(hin_ptr.dtype.element_ty), mask=m2)
+        if STORE32:     # prefix-cache emits: the float32 entry state too, in place over S_c (in registers)
+            tl.store(S_ptr + crow * P * N + tile, st, mask=m2)
         st = dec * st + s_c
     tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
              + offs_n[None, :] * sf_n, st, mask=m2)
@@ -252,9 +255,12 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            out_dtype=torch.float32, lowp=None, cb_pre=None, block_m=None,
                            block_k=None, num_warps=None, block_p=None, num_stages=None,
                            cb_dtype=None, heads_per_program=None, state_block_k=None,
-                           state_num_warps=None, state_num_stages=None, state_block_p=None):
+                           state_num_warps=None, state_num_stages=None, state_block_p=None,
+                           emit_at=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
-    final [B,H,P,N] f32).
+    final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
+    (``_emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
+    own dt / cumulative decay; no second pass over the sequence).
 
     lowp: 16-bit dot operands (the model dtype) for the dots whose operands are float32 values
     (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
@@ -284,7 +290,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     y = torch.empty((T, H, P), dtype=out_dtype, device=dev)
     final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
     if Bn == 0:
-        return y, final
+        return (y, final) if emit_at is None else (y, final, torch.empty((0, H, P, N), device=dev))
     _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
     NC = max(NC, 1)
     qsl = query_start_loc.to(dev)
@@ -357,7 +363,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         _state_pass_kernel[(Bn, H, triton.cdiv(P, BP_PASS) * nnb)](
             S, hin, cuma, cum, initial_states, final, H, P, N, nnb,
             *initial_states.stride(), *final.stride(),
-            BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, num_warps=4,
+            BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
+            num_warps=4,
         )
         npb = triton.cdiv(P, BP_OUT)
         nmb = triton.cdiv(cs, BLOCK_M)
@@ -376,7 +383,39 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
                 BLOCK_K=BLOCK_K, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, **launch,
             )
-    return y, final
+    if emit_at is None:
+        return y, final
+    # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S)
+    return y, final, _emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs)
+
+
+def _emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int) -> torch.Tensor:
+    """States after the packed tokens ``emit_at`` [M] -> [M, H, P, N] float32 (device ops, no
+    sync): with c the token's chunk and i its offset there,
+    h = exp(cuma[c, i]) h_in[c] + sum_{j<=i} exp(cuma[c, i] - cuma[c, j]) dt[c, j] x_j B_j^T.
+    Reads only the emitting chunks' tokens (at most a chunk each)."""
+    M = emit_at.numel()
+    T, H, P = x.shape
+    G, N = B.shape[-2:]
+    BL = cuma.shape[-1]
+    t = emit_at.long()
+    q = qsl.long()
+    seq = torch.searchsorted(q[1:].contiguous(), t, right=True)             # [M]
+    pos = t - q[seq]
+    cum64 = cum.long()
+    first = cum64[seq] - (q[seq + 1] - q[seq] + cs - 1) // cs               # first chunk of the sequence
+    c = first + pos // cs                                                   # [M] chunk
+    i = pos % cs                                                            # [M] offset in it
+    j = torch.arange(BL, device=x.device)
+    tok = (meta[c, 0].long()[:, None] + j).clamp(max=T - 1)                 # [M, BL] packed tokens
+    live = j[None, :] <= i[:, None]                                         # [M, BL]
+    cum_i = cuma[c, :, i]                                                   # [M, H]
+    w = torch.exp(cum_i[:, :, None] - cuma[c]) * dtc[c]                     # [M, H, BL]
+    w = torch.where(live[:, None, :], w, 0.0)
+    xs = torch.where(live[:, :, None, None], x[tok].float() * w.transpose(1, 2)[..., None], 0.0)  # [M, BL, H, P]
+    Bs = B[tok].float().repeat_interleave(H // G, dim=2)                    # [M, BL, H, N]
+    S_e = torch.einsum("mjhp,mjhn->mhpn", xs, Bs)
+    return torch.exp(cum_i)[:, :, None, None] * h_in[c] + S_e
 
 
 # Defaults.  16-bit dot operands (lowp: bf16 / fp16 models) with more than one head per group:

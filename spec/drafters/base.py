@@ -74,6 +74,16 @@ class Drafter:
     # spares the device ops that derive them every step.
     full_context: bool = True
 
+    def checkpoint_bytes_per_row(self) -> int:
+        """Prefix caching: bytes a Mamba checkpoint row of the drafter's own state takes (0: the
+        drafter keeps no Mamba state; n-gram history is the tokens, MTP's KV lives in the
+        target's blocks)."""
+        return 0
+
+    def attach_checkpoints(self, num_rows: int) -> None:
+        """Prefix caching: allocate ``num_rows`` checkpoint rows of the drafter's own Mamba
+        state, the same rows as the target's (a restore or save names one row for both)."""
+
     def add_request(self, slot: int, token_ids: tuple[int, ...]) -> None:
         """A request (new or resumed) got ``slot``; reset every slot-indexed field it owns."""
 

@@ -18,6 +18,7 @@ from hybrid_engine.config import ModelConfig
 from hybrid_engine.step.graphs import EagerExecutor, make_executor
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
+from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
 from hybrid_engine.mamba_cache.pool import MambaPool
 
 from ..adaptive import draft_counts
@@ -32,7 +33,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model, model_cfg: ModelConfig, *, num_spec: int, max_num_seqs: int, num_blocks: int,
                  block_size: int, max_model_len: int, dtype, device):
-        self.model, self.num_spec, self.device = model, num_spec, device
+        self.model, self.num_spec, self.device, self.dtype = model, num_spec, device, dtype
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         mc = model_cfg
         self.kv = KVCache(len(mc.attention_layer_ids), num_blocks, block_size, mc.num_key_value_heads,
@@ -44,6 +45,20 @@ class DraftModelDrafter(Drafter):
         self.conv_width = mc.conv_kernel - 1
         self.vocab = mc.vocab_size
         self.verify_exec = self.step_exec = EagerExecutor(model, self.caches)
+
+    def _checkpoint_shape(self):
+        mc = self.model.cfg
+        return (len(mc.mamba_layer_ids), mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim,
+                mc.ssm_state_size)
+
+    def checkpoint_bytes_per_row(self) -> int:
+        return MambaCheckpoints.bytes_per_row(*self._checkpoint_shape(), self.dtype)
+
+    def attach_checkpoints(self, num_rows: int) -> None:
+        """The draft's own checkpoints: its replay of the target's forward batch restores and saves
+        the same rows the target does, so its state follows the prefix cache too."""
+        n, *shape = self._checkpoint_shape()
+        self.caches.checkpoints = MambaCheckpoints(n, num_rows, *shape[:1], *shape[1:], self.dtype, self.device)
 
     def use_executors(self, make) -> None:
         """``make(model, caches, num_spec, name)`` -> executor: graphs for the replay ([B, 1+K])

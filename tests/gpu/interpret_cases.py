@@ -38,7 +38,34 @@ def _on_triton(case):
         triton_common.kernel_backend = real
 
 
+def check_ssd_emit(dtype, lens, emit, chunk_size=16, H=4, G=2, P=16, N=16, seed=0, **kw):
+    """Prefix-cache emits: the states after packed tokens ``emit`` equal the torch scan's (and y /
+    final are unchanged by asking for them)."""
+    from hybrid_engine.mamba_cache.ops import ssd_scan_varlen_ref
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    x = torch.randn(T, H, P, generator=g).to(dtype)
+    dt = (torch.randn(T, H, generator=g) * 0.5).to(dtype)
+    B = torch.randn(T, G, N, generator=g).to(dtype)
+    C = torch.randn(T, G, N, generator=g).to(dtype)
+    dt_bias, A, D = torch.randn(H, generator=g) * 0.5, -torch.rand(H, generator=g) - 0.1, torch.randn(H, generator=g)
+    init = torch.randn(len(lens), H, P, N, generator=g)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    e = torch.tensor(emit, dtype=torch.int64)
+    _, _, want = ssd_scan_varlen_ref(x, dt, dt_bias, A, B, C, D, qsl, init, chunk_size, emit_at=e)
+    y0, f0 = triton_ssd_scan_varlen(x, dt, dt_bias, A, B, C, D, qsl, init, chunk_size, **kw)
+    y, f, got = triton_ssd_scan_varlen(x, dt, dt_bias, A, B, C, D, qsl, init, chunk_size, emit_at=e, **kw)
+    assert torch.equal(y, y0) and torch.equal(f, f0), "emitting changed y / final"
+    err = (got - want).abs().max().item() / (1 + want.abs().max().item())
+    tol = 1e-5 if dtype == F32 else 2e-3
+    assert err <= tol, f"emit err {err:.2e}"
+    return {"emit": err}
+
+
 CASES = {
+    "ssd_emit": lambda: check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44]),
+    "ssd_emit_lowp_f16": lambda: check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48],
+                                                 chunk_size=16, seed=1, lowp=True),
     "conv_varlen": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                 [5, 1, 0, 2, 17], 24, W=4, K=3),
     "conv_varlen_w2": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,

@@ -50,7 +50,9 @@ class MixedPlan(StepPlan):
         host["slot_p"] = b.block_table[row_of_tok, pos_p // bs].astype(np.int64) * bs + pos_p % bs
         host["start_p"] = start_p
         host["qsl_p"] = (qsl[num_decode:] - decode_tokens).astype(np.int64)   # Mamba: from the first prefill token
-        host["init_p"] = start_p > 0                               # chunk continues an earlier chunk
+        host["init_p"] = start_p > 0                               # chunk continues an earlier chunk (or a restore)
+        ckpt = _prefix_cache_arrays(pre, host["qsl_p"])
+        host.update(ckpt)
         # the token after each input token: -1 on decode rows and where not known on the host
         host["next_ids"] = np.concatenate([np.full(decode_tokens, -1, np.int64),
                                            b.token_ids_cpu[row_of_tok, pos_p + 1]])
@@ -101,7 +103,8 @@ class MixedPlan(StepPlan):
                                 decode_slots=staged["slots"][:num_decode], num_accepted=a_prev,
                                 prefill_query_start_loc=staged["qsl_p"],
                                 prefill_qsl_cpu=tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)])),
-                                prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"]),
+                                prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"],
+                                **{name: staged[name] for name in ckpt}),
             logits_indices=staged["logits_idx"])
         sampling_all, sampling_decode, sampling_prefill = sampling_tensors(
             b, res.consts, staged, rows, num_decode, sample_rows_p, random_np)
@@ -140,3 +143,18 @@ class MixedPlan(StepPlan):
         slot_d = (staged["bt_d"].gather(1, pos_d // bs) * bs + pos_d % bs).reshape(-1)
         return ids_d, pos_d.reshape(-1), slot_d, start_d, a_prev, drafts, draft_probs
 
+
+
+def _prefix_cache_arrays(pre, qsl_p: np.ndarray) -> dict[str, np.ndarray]:
+    """Prefix-cache metadata of the prefill rows (``MambaMetadata.restore_*`` / ``ckpt_*``), only
+    the non-empty ones: which rows restore a checkpoint row into their slot before the forward,
+    and which (row, token, checkpoint row) states the chunk saves. Host-exact, staged with the
+    step's one H2D copy."""
+    out: dict[str, np.ndarray] = {}
+    restore = [(i, r.restore_row) for i, r in enumerate(pre) if r.restore_row >= 0]
+    if restore:
+        out["restore_seq"], out["restore_rows"] = (np.array(c, dtype=np.int64) for c in zip(*restore))
+    saves = [(i, int(qsl_p[i]) + q - r.start_pos - 1, row) for i, r in enumerate(pre) for q, row in r.ckpt_saves]
+    if saves:
+        out["ckpt_seq"], out["ckpt_token"], out["ckpt_rows"] = (np.array(c, dtype=np.int64) for c in zip(*saves))
+    return out

@@ -1,0 +1,199 @@
+"""Prefix caching on a multi-turn chat workload: TTFT and throughput with caching on vs off, with
+and without MTP, and the memory the Mamba checkpoints take.
+
+Workload (closed loop): ``--conversations`` concurrent conversations share one system prompt of
+``--system-len`` tokens; each runs ``--turns`` turns: the prompt is the whole history (system +
+earlier user turns + the replies generated) plus a new user message of ``--user-len`` tokens
+(uniform in [lo, hi]); the reply is ``--reply-len`` greedy tokens; a conversation sends its next
+turn as soon as the previous reply finishes. A second scenario with no sharing at all (random
+prompts of the same lengths) checks that caching costs no throughput where it cannot hit.
+
+    # H100, the Nemotron-H-8B shape with random bf16 weights (~6-8 minutes):
+    python benchmarks/prefix_cache.py --shape 8b --out $OUT
+    # CPU smoke test, tiny model and sizes (~1 minute):
+    python benchmarks/prefix_cache.py --device cpu --shape tiny --conversations 3 --turns 2 \
+        --system-len 40 --user-len 5 10 --reply-len 4 --nosharing-requests 4
+
+Per (scenario, MTP, caching): TTFT p50 / p99 (ms), wall time, prompt and generated tokens per
+second, hit rate, cached tokens, checkpoint rows used and bytes. Prints a markdown table; --out
+writes prefix-cache-<shape>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import SHAPE_8B, SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+
+
+def make_model_dir(shape: str, root: Path) -> Path:
+    if shape == "tiny":
+        from hybrid_engine.models.synthetic import make_hf_model
+        return make_hf_model(root / "tiny", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+    base = {"8b": SHAPE_8B, "small": SHAPE_SMALL}[shape]
+    return write_config(root / shape, dict(base, num_nextn_predict_layers=1))
+
+
+def drive(engine, submit_next, first):
+    """Step until every conversation is done; ``submit_next(req)`` is called for each finished
+    request (it may add the conversation's next turn). Returns the finished requests."""
+    done = []
+    for req in first:
+        engine.add_request(req)
+    while engine.has_work():
+        for req in engine.step():
+            if req.finished:
+                done.append(req)
+                engine.forget(req)
+                nxt = submit_next(req)
+                if nxt is not None:
+                    engine.add_request(nxt)
+    return done
+
+
+def run_chat(engine, args, rng, vocab):
+    system = rng.integers(3, vocab, args.system_len).tolist()
+    users = [[rng.integers(3, vocab, int(rng.integers(args.user_len[0], args.user_len[1] + 1))).tolist()
+              for _ in range(args.turns)] for _ in range(args.conversations)]
+    sp = SamplingParams(max_tokens=args.reply_len, ignore_eos=True)
+    state = {}
+
+    def make(conv: int, turn: int, history: list[int]):
+        prompt = history + users[conv][turn]
+        req = engine.make_request(prompt, sp, f"c{conv}-t{turn}")
+        state[req.request_id] = (conv, turn, prompt)
+        return req
+
+    def submit_next(req):
+        conv, turn, prompt = state[req.request_id]
+        if turn + 1 < args.turns:
+            return make(conv, turn + 1, prompt + list(req.output_token_ids))
+        return None
+    return drive(engine, submit_next, [make(c, 0, list(system)) for c in range(args.conversations)])
+
+
+def run_nosharing(engine, args, rng, vocab):
+    sp = SamplingParams(max_tokens=args.reply_len, ignore_eos=True)
+    lens = rng.integers(args.system_len, args.system_len + args.user_len[1] * args.turns // 2 + 1,
+                        args.nosharing_requests)
+    reqs = [engine.make_request(rng.integers(3, vocab, int(n)).tolist(), sp, f"n{i}") for i, n in enumerate(lens)]
+    return drive(engine, lambda r: None, reqs)
+
+
+def summarize(done, wall, engine):
+    ttft = np.array([r.metrics.first_token_time - r.metrics.arrival_time for r in done]) * 1e3
+    st = engine.stats(expert_load=False)
+    prompt = sum(len(r.prompt_token_ids) for r in done)
+    gen = sum(len(r.output_token_ids) for r in done)
+    return dict(requests=len(done), wall_s=wall, ttft_p50_ms=float(np.percentile(ttft, 50)),
+                ttft_p99_ms=float(np.percentile(ttft, 99)), ttft_mean_ms=float(ttft.mean()),
+                prompt_tok_s=prompt / wall, gen_tok_s=gen / wall, prompt_tokens=prompt, gen_tokens=gen,
+                cached_tokens=sum(r.num_cached_tokens for r in done),
+                hit_rate=sum(r.num_cached_tokens for r in done) / max(prompt, 1),   # this scenario's
+                checkpoint_rows_used=st.get("mamba_checkpoints_used", 0),
+                checkpoint_rows_total=st.get("mamba_checkpoints_total", 0),
+                checkpoint_bytes=st.get("mamba_checkpoint_bytes", 0),
+                checkpoint_bytes_used=(st.get("mamba_checkpoint_bytes", 0) * st.get("mamba_checkpoints_used", 0)
+                                       // max(st.get("mamba_checkpoints_total", 1), 1)),
+                acceptance_length=st.get("mean_acceptance_length", 0.0))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=["8b", "small", "tiny"], default="8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system-len", type=int, default=2048)
+    ap.add_argument("--user-len", type=int, nargs=2, default=[100, 300])
+    ap.add_argument("--reply-len", type=int, default=64)
+    ap.add_argument("--nosharing-requests", type=int, default=64)
+    ap.add_argument("--mtp", type=int, nargs="+", default=[0, 2], help="MTP draft counts to run (0: none)")
+    ap.add_argument("--scenarios", nargs="+", default=["chat", "nosharing"], choices=["chat", "nosharing"])
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--checkpoint-interval", type=int, default=64, help="blocks between Mamba checkpoints")
+    ap.add_argument("--checkpoint-gib", type=float, default=12.0)
+    ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp())
+    model_dir = make_model_dir(args.shape, root)
+    results = []
+    for k in args.mtp:
+        for on in (False, True):
+            spec = SpeculativeConfig("mtp", k) if k else None
+            kw = dict(dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      speculative_config=spec, enable_prefix_caching=on,
+                      mamba_checkpoint_interval=args.checkpoint_interval,
+                      mamba_checkpoint_bytes=int(args.checkpoint_gib * 2**30))
+            if args.device == "cpu":
+                kw["num_kv_blocks"] = 512
+            else:
+                kw["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+            ctx = random_weights() if args.shape != "tiny" else _null()
+            with ctx:
+                llm = LLM(str(model_dir), **kw)
+            engine = llm.engine
+            vocab = engine.cfg.model.vocab_size
+            # warm-up: one short request (kernels, graphs), then a fresh prefix cache per scenario
+            llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            for scenario in args.scenarios:
+                if on:
+                    engine.scheduler.blocks.reset_cache()
+                rng = np.random.default_rng(0)
+                _sync(args.device)
+                t0 = time.perf_counter()
+                done = (run_chat if scenario == "chat" else run_nosharing)(engine, args, rng, vocab)
+                _sync(args.device)
+                row = dict(scenario=scenario, mtp=k, caching=on, **summarize(done, time.perf_counter() - t0, engine))
+                results.append(row)
+                print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
+            del llm, engine
+            gc.collect()
+            if args.device != "cpu":
+                torch.cuda.empty_cache()
+    print_table(results)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_json(args.out / f"prefix-cache-{args.shape}.json", dict(args={k: str(v) for k, v in vars(args).items()},
+                                                                      results=results))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _sync(device):
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def print_table(results):
+    print("| scenario | MTP | caching | TTFT p50 ms | TTFT p99 ms | wall s | prompt tok/s | gen tok/s | hit rate "
+          "| ckpt rows | ckpt MiB used |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['scenario']} | {r['mtp']} | {'on' if r['caching'] else 'off'} | {r['ttft_p50_ms']:.1f} | "
+              f"{r['ttft_p99_ms']:.1f} | {r['wall_s']:.2f} | {r['prompt_tok_s']:.0f} | {r['gen_tok_s']:.0f} | "
+              f"{r['hit_rate']:.2f} | {r['checkpoint_rows_used']}/{r['checkpoint_rows_total']} | "
+              f"{r['checkpoint_bytes_used'] / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

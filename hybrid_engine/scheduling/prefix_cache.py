@@ -1,0 +1,245 @@
+"""Prefix caching, the scheduler's side (docs/design.md, "Prefix caching").
+
+A full block of a request's tokens is named by a hash chain: ``h_k = H(h_{k-1}, tokens of block
+k, lookahead tokens)``, so equal hashes mean equal tokens at equal positions from the start (the
+KV and the Mamba state of a position depend on nothing else in one engine). ``lookahead`` is 1
+with the MTP drafter: its KV at the last position of a block pairs the target's hidden state with
+the *next* token, so that token is part of what the block holds.
+
+Two caches share the chain:
+
+- KV blocks (``CachingBlockAllocator``): a computed full block is registered under its hash; a
+  new request takes references on the longest cached prefix of its blocks.
+- Mamba checkpoints (``CheckpointIndex`` rows + ``MambaCheckpoints`` tensors): the conv window
+  and SSM state after block boundary ``q`` (keyed by the hash of the block ending at ``q``),
+  saved by the prefill chunk that crosses ``q``: every ``interval`` blocks and at the last full
+  block of the prefill target.
+
+Restore rule: a new (or resumed) request restores the deepest boundary ``q`` such that its KV
+blocks 0..q/bs-1 are all cached, the checkpoint at ``q`` is cached, and ``q <= L - 1`` (the last
+token to prefill is always computed: its logits are needed). It prefills ``[q, L)`` only.
+Everything here depends on the tokens and the interval, never on the chunk budget, so the hit
+depth does not either.
+
+Registration is deferred to the commit of the step that computed the block / saved the state:
+by then the device work is ordered before any later reader (one stream), and a failed step
+never publishes anything.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..attention.block_pool import CachingBlockAllocator
+from hybrid_engine.mamba_cache.checkpoints import CheckpointIndex
+from .request import Request, Status
+
+ROOT_HASH = b"hybrid-engine-prefix-v1"
+
+
+def hash_blocks(tokens: list[int], block_size: int, lookahead: int, parent: bytes = ROOT_HASH,
+                start_block: int = 0) -> list[bytes]:
+    """Chain hashes of the full blocks ``start_block, start_block+1, ...`` of ``tokens`` (block k
+    covers tokens [k*bs, (k+1)*bs + lookahead)); ``parent`` is the hash of block start_block-1."""
+    out = []
+    arr = np.asarray(tokens, dtype=np.int64)
+    k = start_block
+    while (k + 1) * block_size + lookahead <= len(arr):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(arr[k * block_size:(k + 1) * block_size + lookahead].tobytes())
+        parent = h.digest()
+        out.append(parent)
+        k += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int = 0                 # tokens restored (a multiple of the block size)
+    blocks: tuple[int, ...] = ()        # cached KV blocks of those tokens
+    row: int = -1                       # checkpoint row restored into the slot (-1: none)
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass
+class _Pending:
+    """What a scheduled prefill chunk will have computed once its step commits."""
+    step_id: int
+    req: Request
+    epoch: int
+    kv: list[tuple[int, bytes]] = field(default_factory=list)      # (block index in req, hash)
+    saves: list[tuple[bytes, int]] = field(default_factory=list)   # (hash, checkpoint row)
+
+
+class NoPrefixCache:
+    """Prefix caching off: no hits, no saves."""
+    enabled = False
+
+    def begin_step(self) -> None:
+        pass
+
+    def match(self, req: Request, target: int) -> PrefixHit:
+        return NO_HIT
+
+    def num_unreferenced(self, hit: PrefixHit) -> int:
+        return 0
+
+    def take(self, req: Request, hit: PrefixHit) -> None:
+        req.num_cached_tokens = 0
+
+    def plan_chunk(self, req: Request, start: int, n: int, step_id: int) -> tuple:
+        return ()
+
+    def commit(self, step_id: int) -> None:
+        pass
+
+    def drop(self, req: Request) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+class PrefixCache(NoPrefixCache):
+    enabled = True
+
+    def __init__(self, *, block_size: int, interval_blocks: int, lookahead: int,
+                 blocks: CachingBlockAllocator, num_rows: int):
+        self.block_size, self.interval, self.lookahead = block_size, interval_blocks, lookahead
+        self.blocks = blocks
+        self.index = CheckpointIndex(num_rows)
+        blocks.on_evict = self.index.drop          # a checkpoint without its KV blocks is unreachable
+        self._pending: list[_Pending] = []
+        self._restoring: list[tuple[Request, int]] = []   # (request, row) pinned by a restore not yet launched
+        self._kv_upto: dict[str, int] = {}         # req id -> blocks already planned for registration
+        self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
+
+    # ---- hashes -----------------------------------------------------------------------------
+    def hashes(self, req: Request) -> list[bytes]:
+        """The request's chain over its current tokens (extended as outputs arrive; cached)."""
+        tokens = req.all_token_ids
+        hs = req.block_hashes
+        if (len(hs) + 1) * self.block_size + self.lookahead <= len(tokens):
+            hs.extend(hash_blocks(tokens, self.block_size, self.lookahead, hs[-1] if hs else ROOT_HASH, len(hs)))
+        return hs
+
+    def is_boundary(self, q: int, target: int) -> bool:
+        """Checkpoints are saved at these token counts: every ``interval`` blocks, and the last
+        full block of the prefill target (the next turn of a chat resumes there)."""
+        bs = self.block_size
+        return q > 0 and q % bs == 0 and (q % (self.interval * bs) == 0 or q == target // bs * bs)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the restores of the previous one were launched, and
+        later device work is ordered after them, so their rows may be evicted again."""
+        for _, row in self._restoring:
+            self.index.unpin(row)
+        self._restoring.clear()
+
+    def match(self, req: Request, target: int) -> PrefixHit:
+        hs = self.hashes(req)
+        bs = self.block_size
+        cached = self.blocks.lookup(hs[:max(target - 1, 0) // bs])          # q <= target - 1
+        for k in range(len(cached), 0, -1):
+            row = self.index.get(hs[k - 1])
+            if row is not None:
+                return PrefixHit(k * bs, tuple(cached[:k]), row)
+        return NO_HIT
+
+    def num_unreferenced(self, hit: PrefixHit) -> int:
+        return self.blocks.num_unreferenced(hit.blocks)
+
+    def take(self, req: Request, hit: PrefixHit) -> None:
+        """``req`` is admitted with ``hit``: reference its blocks, pin its checkpoint row until
+        the restore is launched, count the query."""
+        self.queries += 1
+        self.query_tokens += req.num_tokens
+        req.num_cached_tokens = hit.num_tokens
+        self._kv_upto[req.request_id] = len(hit.blocks)
+        if hit.num_tokens:
+            self.hits += 1
+            self.hit_tokens += hit.num_tokens
+            self.blocks.take(hit.blocks)
+            self.index.pin(hit.row)
+            self.index.touch(hit.row)
+            self._restoring.append((req, hit.row))
+
+    # ---- prefill chunks ---------------------------------------------------------------------
+    def plan_chunk(self, req: Request, start: int, n: int, step_id: int) -> tuple[tuple[int, int], ...]:
+        """A prefill chunk [start, start+n) of ``req`` is scheduled in step ``step_id``: the
+        checkpoint saves it makes ((boundary q, row) pairs, for the step's metadata) and the KV
+        blocks it completes, both published when the step commits."""
+        hs, bs, end, target = req.block_hashes, self.block_size, start + n, req.prefill_target
+        entry = _Pending(step_id, req, req.epoch)
+        first = self._kv_upto.get(req.request_id, 0)
+        last = min(end // bs, len(hs))
+        entry.kv = [(k, hs[k]) for k in range(first, last)]
+        self._kv_upto[req.request_id] = max(first, last)
+        saves = []
+        for q in range((start // bs + 1) * bs, end + 1, bs):
+            if q // bs > len(hs) or not self.is_boundary(q, target):
+                continue
+            h = hs[q // bs - 1]
+            have = self.index.get(h)
+            if have is not None:
+                self.index.touch(have)
+                continue
+            row = self.index.allocate()
+            if row is None:
+                continue                              # every row pinned: skip this checkpoint
+            entry.saves.append((h, row))
+            saves.append((q, row))
+        if entry.kv or entry.saves:
+            self._pending.append(entry)
+        return tuple(saves)
+
+    def commit(self, step_id: int) -> None:
+        """Step ``step_id``'s output arrived: publish what its chunks computed. Entries of older
+        steps (a step that failed) are discarded."""
+        self.begin_step()                            # step_id and every earlier step were launched
+        keep = []
+        for e in self._pending:
+            if e.step_id > step_id:
+                keep.append(e)
+                continue
+            live = (e.step_id == step_id and e.req.epoch == e.epoch and e.req.status is Status.RUNNING)
+            for k, h in e.kv:
+                if live:
+                    self.blocks.register(e.req.block_ids[k], h)
+            for h, row in e.saves:
+                if live:
+                    self.index.commit(row, h)
+                else:
+                    self.index.discard(row)
+        self._pending = keep
+
+    def drop(self, req: Request) -> None:
+        """``req`` left the running set (finished, aborted, failed, preempted): its saves in flight
+        are never published."""
+        self._kv_upto.pop(req.request_id, None)
+        for r, row in [x for x in self._restoring if x[0] is req]:
+            self.index.unpin(row)
+            self._restoring.remove((r, row))
+        keep = []
+        for e in self._pending:
+            if e.req is req:
+                for _, row in e.saves:
+                    self.index.discard(row)
+            else:
+                keep.append(e)
+        self._pending = keep
+
+    def stats(self) -> dict:
+        ix = self.index
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_query_tokens": self.query_tokens, "prefix_cache_hit_tokens": self.hit_tokens,
+                "prefix_cache_hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+                "prefix_cache_cached_blocks": self.blocks.num_cached,
+                "prefix_cache_block_evictions": self.blocks.num_evictions,
+                "mamba_checkpoints_used": ix.num_used, "mamba_checkpoints_total": ix.num_rows,
+                "mamba_checkpoint_evictions": ix.num_evictions}

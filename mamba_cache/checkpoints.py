@@ -1,0 +1,161 @@
+"""Prefix-cache checkpoints of the Mamba state: the conv window and the SSM state after a block
+boundary, stored in a pool of rows with its own memory budget (docs/design.md, "Prefix caching").
+
+Two owners, one per side:
+
+- ``CheckpointIndex`` (host, owned by the scheduler's ``PrefixCache``): which row holds the
+  checkpoint of which block hash, pins (rows being written by a step in flight or read by a
+  restore about to be launched), and the LRU order of the unpinned cached rows. No device work.
+- ``MambaCheckpoints`` (device, in ``Caches``): per Mamba layer ``conv [R, C, W-1]`` (model dtype)
+  and ``ssm [R, H, P, N]`` (float32). The mixer saves boundary states into rows and restores a
+  row into a pool slot, with index tensors the step staged (no host sync).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class CheckpointIndex:
+    """Rows 0..num_rows-1. A row is *free*, *pinned* (pins > 0: a save in flight not yet
+    committed, or a restore scheduled) or *cached* (hashed, pins == 0, on the LRU list). Only
+    free and cached rows are handed out; a pinned row is never evicted."""
+
+    def __init__(self, num_rows: int):
+        if num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._pins = [0] * num_rows
+        self._hash: list[bytes | None] = [None] * num_rows
+        self._by_hash: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
+
+    @property
+    def num_used(self) -> int:
+        """Rows holding a checkpoint or pinned by a save in flight."""
+        return self.num_rows - len(self._free)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for p in self._pins if p)
+
+    def pins(self, row: int) -> int:
+        return self._pins[row]
+
+    def get(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def allocate(self) -> int | None:
+        """A row for a new save, pinned; None when every row is pinned (the save is skipped)."""
+        if self._free:
+            row = self._free.pop()
+        elif self._lru:
+            row, _ = self._lru.popitem(last=False)
+            del self._by_hash[self._hash[row]]
+            self._hash[row] = None
+            self.num_evictions += 1
+        else:
+            return None
+        self._pins[row] = 1
+        return row
+
+    def commit(self, row: int, block_hash: bytes) -> None:
+        """The save into pinned ``row`` ran: it now holds the checkpoint of ``block_hash``."""
+        self._unpin_checked(row)
+        if block_hash in self._by_hash or self._hash[row] is not None:
+            self._release(row)                       # a duplicate (saved twice concurrently)
+            return
+        self._hash[row] = block_hash
+        self._by_hash[block_hash] = row
+        self._settle(row)
+
+    def discard(self, row: int) -> None:
+        """The save into pinned ``row`` never ran (its step failed, or its request was preempted
+        or aborted first): the row returns to the free list."""
+        self._unpin_checked(row)
+        self._release(row)
+
+    def pin(self, row: int) -> None:
+        """A restore reads ``row`` in the step being scheduled."""
+        if self._hash[row] is None:
+            raise ValueError(f"checkpoint row {row} holds no checkpoint")
+        if self._pins[row] == 0:
+            del self._lru[row]
+        self._pins[row] += 1
+
+    def unpin(self, row: int) -> None:
+        self._unpin_checked(row)
+        self._settle(row)
+
+    def touch(self, row: int) -> None:
+        if row in self._lru:
+            self._lru.move_to_end(row)
+
+    def drop(self, block_hash: bytes) -> None:
+        """Forget the checkpoint of ``block_hash`` if nothing pins it (its KV block was evicted)."""
+        row = self._by_hash.get(block_hash)
+        if row is None or self._pins[row]:
+            return
+        del self._by_hash[block_hash]
+        self._hash[row] = None
+        del self._lru[row]
+        self._free.append(row)
+
+    def _unpin_checked(self, row: int) -> None:
+        if self._pins[row] <= 0:
+            raise ValueError(f"checkpoint row {row} is not pinned")
+        self._pins[row] -= 1
+
+    def _settle(self, row: int) -> None:
+        if self._pins[row] == 0:
+            if self._hash[row] is not None:
+                self._lru[row] = None
+            else:
+                self._free.append(row)
+
+    def _release(self, row: int) -> None:
+        if self._pins[row] == 0 and self._hash[row] is None:
+            self._free.append(row)
+
+
+class MambaCheckpoints:
+    """Device storage of the checkpoint rows, per Mamba layer (the model's Mamba ordinals)."""
+
+    def __init__(self, num_layers: int, num_rows: int, conv_dim: int, conv_kernel: int, num_heads: int,
+                 head_dim: int, state_size: int, dtype: torch.dtype, device: torch.device):
+        self.num_rows = num_rows
+        self.conv = [torch.zeros(num_rows, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+                     for _ in range(num_layers)]                            # [R, C, W-1]
+        self.ssm = [torch.zeros(num_rows, num_heads, head_dim, state_size, dtype=torch.float32, device=device)
+                    for _ in range(num_layers)]                             # [R, H, P, N] f32
+        logger.info("mamba prefix checkpoints: %d layers x %d rows, %.1f MiB", num_layers, num_rows,
+                    self.bytes / 2**20)
+
+    @staticmethod
+    def bytes_per_row(num_layers: int, conv_dim: int, conv_kernel: int, num_heads: int, head_dim: int,
+                      state_size: int, dtype: torch.dtype) -> int:
+        elt = torch.empty(0, dtype=dtype).element_size()
+        return num_layers * (conv_dim * (conv_kernel - 1) * elt + num_heads * head_dim * state_size * 4)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
+
+    def restore(self, layer: int, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                rows: torch.Tensor) -> None:
+        """Pool slots := checkpoint rows (conv window columns 0..W-2, SSM checkpoint 0).
+        slots, rows: [M] int64 device tensors."""
+        wm1 = self.conv[layer].shape[-1]
+        conv_state[slots, :, :wm1] = self.conv[layer][rows]
+        ssm_state[slots, 0] = self.ssm[layer][rows]
+
+    def save(self, layer: int, rows: torch.Tensor, windows: torch.Tensor, states: torch.Tensor) -> None:
+        """rows [M] int64; windows [M, C, W-1]; states [M, H, P, N] float32."""
+        self.conv[layer][rows] = windows.to(self.conv[layer].dtype)
+        self.ssm[layer][rows] = states
