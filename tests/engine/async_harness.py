@@ -153,10 +153,10 @@ def assert_hf_greedy(model_dir, prompt, output):
     assert logits[len(prompt) - 1:].argmax(-1).tolist() == list(output)
 
 
-def make_llm(model_dir, k=None, **kw):
+def make_llm(model_dir, k=None, adaptive=True, **kw):
     kw.setdefault("dtype", "float32")
     kw.setdefault("device", DEV)
-    spec = SpeculativeConfig("ngram", k) if k else None
+    spec = SpeculativeConfig("ngram", k, adaptive=adaptive) if k else None
     return LLM(model_dir, speculative_config=spec, **kw)
 
 
