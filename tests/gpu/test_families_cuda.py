@@ -41,15 +41,20 @@ def prompts():
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_graphs_equal_eager_and_spec_equals_greedy(dirs, prompts, name):
+    """Graphs == eager in bfloat16 (the same kernels on the same rows); n-gram == greedy in float32:
+    a verify step runs 1+K tokens per row through other kernel shapes than a one-token step, and in
+    bfloat16 that rounding difference may flip a near-tie (seen here on Granite and Falcon-H1), so
+    the exactness claim of speculation is checked where rounding cannot decide it."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = {}
-    for key, kw in {"eager": dict(enforce_eager=True), "graphs": {},
-                    "ngram": dict(speculative_config=SpeculativeConfig("ngram", 3))}.items():
-        llm = LLM(dirs[name], dtype="bfloat16", device="cuda", max_num_seqs=8, max_num_batched_tokens=32,
+    for key, dtype, kw in (("eager", "bfloat16", dict(enforce_eager=True)), ("graphs", "bfloat16", {}),
+                           ("greedy32", "float32", {}),
+                           ("ngram32", "float32", dict(speculative_config=SpeculativeConfig("ngram", 3)))):
+        llm = LLM(dirs[name], dtype=dtype, device="cuda", max_num_seqs=8, max_num_batched_tokens=32,
                   async_scheduling=True, **kw)
         outs[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["graphs"] == outs["eager"]
-    assert outs["ngram"] == outs["graphs"]
+    assert outs["ngram32"] == outs["greedy32"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
