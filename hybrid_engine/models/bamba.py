@@ -20,9 +20,8 @@ from torch import nn
 from .._config_parse import base_kwargs, common_fields, finish_kwargs, ibm_mamba_fields, layer_count, reject_unless, rope_fields
 from ..config import ATTENTION, MAMBA, ModelConfig
 from ..step.forward_batch import ForwardBatch
-from .causal_lm import HybridCausalLM
+from .causal_lm import HybridCausalLM, layers_by_kind
 from .layers import GatedMLP, RMSNorm
-from .linear import Linear
 from .nemotron_h import Attention, Caches, Mamba2Mixer
 
 
@@ -81,27 +80,15 @@ class BambaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        ordinals = {MAMBA: 0, ATTENTION: 0}
-        layers = []
-        for kind in cfg.layer_types:
-            layers.append(BambaDecoderLayer(cfg, kind, ordinals[kind]))
-            ordinals[kind] += 1
-        self.layers = nn.ModuleList(layers)
+        self.layers = layers_by_kind(cfg, BambaDecoderLayer)
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
 
 class BambaForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.model = BambaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._attach(cfg, BambaModel(cfg))
 
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Final-normed hidden states [T, D] of every scheduled token."""
-        h, residual = self.model.embed_tokens(fb.input_ids), None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, fb, caches)
-        return self.model.final_layernorm.add_norm(h, residual)[0]
+        return self._run_layers(fb, caches, self.model.final_layernorm)

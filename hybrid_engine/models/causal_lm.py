@@ -14,6 +14,30 @@ class HybridCausalLM(nn.Module):
     logits_mul = 1.0                               # logits = lm_head(h) * logits_mul / logits_div
     logits_div = 1.0
 
+    embedding_multiplier = 1.0                     # hidden = embed(ids) * embedding_multiplier
+
+    def _attach(self, cfg, model: nn.Module) -> None:
+        """The common head: ``cfg``, the backbone ``model`` (with ``embed_tokens``) and an lm_head,
+        tied to the embedding when the config says so."""
+        from .linear import Linear
+        self.cfg = cfg
+        self.model = model
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    def _run_layers(self, fb, caches, final_norm: nn.Module):
+        """Final-normed hidden states [T, D]: embedding (times ``embedding_multiplier``), every
+        layer as ``layer(h, residual, fb, caches) -> (h, residual)``, then the final norm that adds
+        the last residual."""
+        h = self.model.embed_tokens(fb.input_ids)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, fb, caches)
+        return final_norm.add_norm(h, residual)[0]
+
     def reset_runtime_state(self) -> None:
         """Rebuild the buffers the checkpoint does not fill (MoE expert-load counters, RoPE
         frequencies): the model is materialised from the meta device with them unset."""
@@ -34,3 +58,14 @@ class HybridCausalLM(nn.Module):
         if self.logits_div != 1.0:
             logits = logits / self.logits_div
         return logits
+
+
+def layers_by_kind(cfg, make_layer) -> nn.ModuleList:
+    """One layer per ``cfg.layer_types`` entry, ``make_layer(cfg, kind, ordinal)`` where ordinal
+    counts the layers of that kind before it (the index of its Mamba state or KV cache)."""
+    ordinals: dict[str, int] = {}
+    layers = []
+    for kind in cfg.layer_types:
+        layers.append(make_layer(cfg, kind, ordinals.get(kind, 0)))
+        ordinals[kind] = ordinals.get(kind, 0) + 1
+    return nn.ModuleList(layers)

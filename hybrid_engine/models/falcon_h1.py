@@ -29,7 +29,6 @@ from ..config import HYBRID, ModelConfig
 from ..step.forward_batch import ForwardBatch
 from .causal_lm import HybridCausalLM
 from .layers import GatedMLP, RMSNorm
-from .linear import Linear
 from .nemotron_h import Attention, Caches, Mamba2Mixer
 
 
@@ -147,20 +146,10 @@ class FalconH1Model(nn.Module):
 class FalconH1ForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.model = FalconH1Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._attach(cfg, FalconH1Model(cfg))
         self.embedding_multiplier = cfg.family.embedding_multiplier
         self.logits_mul = cfg.family.lm_head_multiplier
 
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Final-normed hidden states [T, D] of every scheduled token."""
-        h = self.model.embed_tokens(fb.input_ids)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, fb, caches)
-        return self.model.final_layernorm.add_norm(h, residual)[0]
+        return self._run_layers(fb, caches, self.model.final_layernorm)

@@ -32,7 +32,7 @@ from .._config_parse import (base_kwargs, common_fields, field, finish_kwargs, i
                              reject_unless, rope_fields)
 from ..config import ATTENTION, MAMBA, ModelConfig
 from ..step.forward_batch import ForwardBatch
-from .causal_lm import HybridCausalLM
+from .causal_lm import HybridCausalLM, layers_by_kind
 from .layers import RMSNorm
 from .linear import Linear
 from .moe_ops import RouteSpec, route, routed_experts, router_logits
@@ -195,32 +195,17 @@ class GraniteModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        ordinals = {MAMBA: 0, ATTENTION: 0}
-        layers = []
-        for kind in cfg.layer_types:
-            layers.append(GraniteDecoderLayer(cfg, kind, ordinals[kind]))
-            ordinals[kind] += 1
-        self.layers = nn.ModuleList(layers)
+        self.layers = layers_by_kind(cfg, GraniteDecoderLayer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
 
 class GraniteMoeHybridForCausalLM(HybridCausalLM):
     def __init__(self, cfg: ModelConfig, with_mtp: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.model = GraniteModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._attach(cfg, GraniteModel(cfg))
         self.embedding_multiplier = cfg.family.embedding_multiplier
         self.logits_div = cfg.family.logits_scaling
 
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Final-normed hidden states [T, D] of every scheduled token."""
-        h = self.model.embed_tokens(fb.input_ids)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, fb, caches)
-        return self.model.norm.add_norm(h, residual)[0]
+        return self._run_layers(fb, caches, self.model.norm)

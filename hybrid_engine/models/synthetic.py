@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import math
 from pathlib import Path
