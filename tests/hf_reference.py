@@ -82,34 +82,7 @@ def hf_dt_values(model_dir, token_ids: list[int]) -> torch.Tensor:
     return torch.cat(seen) if seen else torch.empty(0)
 
 
-def engine_prefill_hidden(llm, ids: list[int]):
-    """Final-normed hidden states [T, D] of one plain prefill of ``ids`` through an engine's model and
-    caches (a fresh slot and blocks, returned afterwards). For tests that compare per-position values."""
-    from hybrid_engine.attention import blocks_needed
-    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    eng = llm.engine
-    slot = eng.scheduler.slots.allocate()
-    bs = eng.scheduler.block_size
-    blocks = eng.scheduler.blocks.allocate(blocks_needed(len(ids), bs))
-    try:
-        dev = eng.cfg.device
-        t = len(ids)
-        pos = torch.arange(t, device=dev)
-        bt = torch.tensor([blocks], dtype=torch.int32, device=dev)
-        qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
-        fb = ForwardBatch(
-            torch.tensor(ids, device=dev), pos,
-            AttnMetadata(qsl, torch.tensor([t], dtype=torch.int32, device=dev), bt,
-                         bt[0, pos // bs].long() * bs + pos % bs, t, t),
-            MambaMetadata(0, 1, torch.zeros(0, dtype=torch.long, device=dev),
-                          torch.ones(0, dtype=torch.long, device=dev), qsl.long(), (0, t),
-                          torch.tensor([slot], device=dev), torch.tensor([False], device=dev)),
-            pos)
-        with torch.inference_mode():
-            return eng.model(fb, eng.caches)
-    finally:
-        eng.scheduler.slots.free(slot)
-        eng.scheduler.blocks.free(blocks)
+from hybrid_engine.evaluation import prefill_hidden as engine_prefill_hidden  # noqa: E402,F401
 
 
 class NoHostSync(torch.overrides.TorchFunctionMode):
