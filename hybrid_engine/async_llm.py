@@ -187,6 +187,7 @@ class AsyncLLM:
             self._task.cancel()
         self._task = None
         self.engine.drop_inflight()         # its output is never read; nothing runs afterwards
+        self.engine.shutdown()              # tensor-parallel workers stop
 
     async def __aenter__(self) -> "AsyncLLM":
         return self

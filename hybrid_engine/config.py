@@ -290,6 +290,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # the quantization the model runs with (the checkpoint's, or one applied at load); None: none
     quantization: QuantConfig | None = None
+    # ranks the model is split over (parallel/): one process per rank, rank 0 in this process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -300,6 +302,16 @@ class EngineConfig:
             raise ValueError("speculative method 'mtp' needs a model with MTP layers "
                              "(num_nextn_predict_layers >= 1 in config.json), this model has none")
         _check_int("seed", self.seed, 0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1:
+            from .parallel.sharding import shard_model_config
+            shard_model_config(self.model, self.tensor_parallel_size)     # ValueError naming the field
+            if self.device.type == "cuda":
+                first = self.device.index or 0
+                if first + self.tensor_parallel_size > torch.cuda.device_count():
+                    raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs GPUs "
+                                     f"{first}..{first + self.tensor_parallel_size - 1} but "
+                                     f"{torch.cuda.device_count()} are visible")
 
     @classmethod
     def resolve(cls, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
@@ -312,13 +324,14 @@ class EngineConfig:
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
                 enforce_eager: bool = False, quantization: str | None = None,
-                kv_cache_dtype: str = "auto") -> "EngineConfig":
+                kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> "EngineConfig":
         """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
         is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
         None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
         or confirm a stored one), "modelopt" (require the checkpoint's); see
         ``hybrid_engine.quantization.config.resolve_quantization``. ``kv_cache_dtype``: only "auto" (the
-        model dtype); an FP8 KV cache is not implemented."""
+        model dtype); an FP8 KV cache is not implemented. ``tensor_parallel_size``: ranks the model is
+        split over (``hybrid_engine.parallel``; one GPU each on CUDA, processes sharing the CPU else)."""
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype must be 'auto' (the KV cache is stored in the model dtype; an FP8 "
                              f"KV cache is not implemented), got {kv_cache_dtype!r}")
@@ -339,4 +352,5 @@ class EngineConfig:
                                       max_model_len=max_model_len),
             speculative=speculative_config, dtype=dt, device=dev,
             async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager),
-            quantization=resolve_quantization(quantization, model_cfg.quantization, dev, dt))
+            quantization=resolve_quantization(quantization, model_cfg.quantization, dev, dt),
+            tensor_parallel_size=tensor_parallel_size)

@@ -9,42 +9,31 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .attention import KVCache, blocks_needed
+from .attention import blocks_needed
 from .config import EngineConfig
+from .device_side import build_device_side
 from .generation_config import read_generation_config
-from .step.graphs import make_executor
-from .step.greedy_graphs import make_greedy_graphs
-from .step.ngram_graphs import make_ngram_graphs
-from .models import build_model
-from .models.nemotron_h import Caches
 from .outputs import CompletionOutput, RequestOutput
+from .parallel import start_tensor_parallel
 from .scheduling.request import Request
-from .step.runner import ModelRunner, StepHandle
-from .fault_isolation import FaultIsolation
+from .step.runner import StepHandle
+from .fault_isolation import FaultIsolation, is_fatal
 from .sampling_params import SamplingParams, check_stop_ids
 from .sampling.stop_strings import StopStrings
 from .sampling.logits_processing import MAX_BAD_WORD_TOKENS, ProcessingSpec
 from .scheduling.scheduler import Scheduler
-from .spec.adaptive import draft_counts, make_policy
-from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
-from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
-from hybrid_engine.mamba_cache.pool import MambaPool
 from .scheduling.prefix_cache import PrefixCache
 
 logger = logging.getLogger("hybrid_engine")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def forced_acceptance(cfg: EngineConfig) -> float | None:
-    """The benchmark-only forced acceptance rate of the config, or None."""
-    return cfg.speculative.forced_acceptance_rate if cfg.speculative else None
 
 
 def _load_tokenizer(model_dir: Path):
@@ -64,58 +53,33 @@ class EngineCore(FaultIsolation):
         self.cfg = cfg
         mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
         t0 = time.perf_counter()
-        with_mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
         # the small files first, so a bad one fails before the weights are read
         self.tokenizer = _load_tokenizer(cfg.model_dir)
         self.generation_defaults = read_generation_config(cfg.model_dir, mc.vocab_size)
         # generation stops on any EOS id of config.json or generation_config.json
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_id + self.generation_defaults.eos_token_ids))
-        self.model = build_model(mc, cfg.model_dir, cfg.dtype, cfg.device, with_mtp=with_mtp,
-                                 quantization=cfg.quantization)
+        self.tp = start_tensor_parallel(cfg)        # None, or rank 0 of the group with its workers started
+        if self.tp is not None:                     # workers stop when the engine is dropped or at exit
+            weakref.finalize(self, self.tp.shutdown)
+        try:
+            side = build_device_side(cfg, None if self.tp is None else self.tp.group)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model, self.caches, self.drafter = side.model, side.caches, side.drafter
         k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
         self.num_spec = k
-        n_attn = len(mc.attention_layer_ids)
-        num_blocks = cc.num_kv_blocks or self._blocks_for_budget(n_attn)
-        self.max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
-        max_blocks = blocks_needed(self.max_model_len + 3 * (1 + k), cc.block_size) + 1
-        self.max_blocks_per_req = max_blocks
-        kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype, cfg.device)
-        pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
-                         mc.mamba_head_dim, mc.ssm_state_size, k, cfg.dtype, cfg.device)
-        self.caches = Caches(kv, pool)
-        if sc.max_num_batched_tokens < 1 + k:
-            raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
-                             f"num_speculative_tokens = {1 + k}")
-        self.drafter = make_drafter(DrafterBuild(
-            cfg=cfg, model=self.model, num_spec=k, max_model_len=self.max_model_len, max_num_seqs=sc.max_num_seqs,
-            block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
-            num_slots=pool.num_slots))
-        prefix_cache = self._build_prefix_cache(num_blocks) if cc.enable_prefix_caching else None
+        num_blocks, self.max_model_len, self.max_blocks_per_req = side.num_blocks, side.max_model_len, \
+            side.max_blocks_per_req
+        self._checkpoint_bytes = side.checkpoint_bytes
+        prefix_cache = self._prefix_cache_factory(side) if cc.enable_prefix_caching else None
         self.scheduler = Scheduler(sc, max_model_len=self.max_model_len, block_size=cc.block_size,
-                                   num_kv_blocks=num_blocks, num_slots=pool.num_slots, num_spec=k,
+                                   num_kv_blocks=num_blocks, num_slots=side.caches.mamba.num_slots, num_spec=k,
                                    prefix_cache=prefix_cache)
-        counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
-        executor = make_executor(self.model, self.caches, cfg, num_spec=k, max_blocks=max_blocks,
-                                 max_model_len=self.max_model_len, block_size=cc.block_size,
-                                 widths=tuple(1 + c for c in counts))
-        # with speculation, steps that verify no drafts replay the fused greedy graphs when the
-        # drafter follows a step from its tokens alone (n-gram: full_context False)
-        greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
-                                           drafter_follows_fused=not self.drafter.full_context)
-        # greedy n-gram verify steps replayed whole (prepare + forward + verify + propose)
-        spec_graphs = None if forced_acceptance(cfg) is not None else make_ngram_graphs(
-            executor, self.drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks)
-        forced = forced_acceptance(cfg)
-        if forced is not None:
-            logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
-                           "without verification; outputs are NOT the model's and differ from greedy", forced)
-        self.runner = ModelRunner(self.model, self.caches, self.drafter, executor=executor,
-                                  greedy_graphs=greedy_graphs, max_num_seqs=sc.max_num_seqs,
-                                  max_model_len=self.max_model_len, block_size=cc.block_size,
-                                  max_blocks=max_blocks, num_spec=k, device=cfg.device,
-                                  draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
-                                                           counts if executor.widths is not None else None),
-                                  forced_acceptance_rate=forced, spec_graphs=spec_graphs)
+        # the engine's only use of the runner: execute(sched) and reset(); under tensor
+        # parallelism the same calls reach every rank (parallel/worker.py)
+        self.runner = side.runner if self.tp is None else self.tp.runner(side.runner)
+        kv = side.caches.kv
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0
@@ -124,46 +88,24 @@ class EngineCore(FaultIsolation):
                     time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size,
                     kv.bytes / 2**20, self.max_model_len, k)
 
-    def _blocks_for_budget(self, n_attn: int) -> int:
-        """KV blocks that fit the budget once the drafter's own memory is set aside: its fixed bytes
-        (a draft model's weights and Mamba pool) and its KV per block id (a draft model indexes its
-        own KV cache with the target's block ids, so each block costs target + draft bytes)."""
-        cfg, mc, cc = self.cfg, self.cfg.model, self.cfg.cache
-        footprint = drafter_footprint(cfg)
-        per_block = (KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim,
-                                             cfg.dtype) + footprint.kv_bytes_per_block)
-        budget = self._kv_budget() - footprint.fixed_bytes
-        if footprint.fixed_bytes:
-            logger.info("KV budget: %.1f MiB set aside for the %s drafter, its KV %.1f KiB per block",
-                        footprint.fixed_bytes / 2**20, cfg.speculative.method, footprint.kv_bytes_per_block / 1024)
-        return max(0, budget // per_block)
-
-    def _build_prefix_cache(self, num_blocks: int):
-        """Checkpoint storage (target and drafter) sized by ``mamba_checkpoint_bytes`` (at most one
-        row per KV block: a checkpoint is only reachable through its blocks) -> the scheduler's
-        factory of the host-side ``PrefixCache``."""
-        mc, cc = self.cfg.model, self.cfg.cache
+    def _prefix_cache_factory(self, side):
+        """The scheduler's factory of the host-side ``PrefixCache`` over the checkpoint rows the
+        device side allocated."""
+        cc = self.cfg.cache
         spec = self.cfg.speculative
         lookahead = 1 if spec is not None and spec.method == "mtp" else 0   # MTP KV pairs a position with the next token
-        shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
-        n_mamba = len(mc.mamba_layer_ids)
-        row_bytes = (MambaCheckpoints.bytes_per_row(n_mamba, *shape, self.cfg.dtype)
-                     + self.drafter.checkpoint_bytes_per_row())
-        rows = max(1, min(cc.mamba_checkpoint_bytes // max(row_bytes, 1), num_blocks - 1))
-        self.caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, self.cfg.dtype, self.cfg.device)
-        self.drafter.attach_checkpoints(rows)
-        self._checkpoint_bytes = rows * row_bytes
+        rows = side.checkpoint_rows
         logger.info("prefix caching on: checkpoints every %d blocks, %d rows (%.1f MiB), lookahead %d",
-                    cc.mamba_checkpoint_interval, rows, rows * row_bytes / 2**20, lookahead)
+                    cc.mamba_checkpoint_interval, rows, side.checkpoint_bytes / 2**20, lookahead)
         return lambda blocks: PrefixCache(block_size=cc.block_size, interval_blocks=cc.mamba_checkpoint_interval,
                                           lookahead=lookahead, blocks=blocks, num_rows=rows)
 
-    def _kv_budget(self) -> int:
-        cc = self.cfg.cache
-        if self.cfg.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.cfg.device)
-            return int(free * cc.kv_cache_memory_fraction)
-        return cc.kv_cache_bytes
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do on one
+        device). Idempotent; the engine serves no step afterwards."""
+        tp = getattr(self, "tp", None)
+        if tp is not None:
+            tp.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams | None, request_id: str | None = None) -> Request:
@@ -335,7 +277,7 @@ class EngineCore(FaultIsolation):
             sched = self.scheduler.schedule()
         except BaseException as e:
             failed = self.fail_schedule(e)
-            if not isinstance(e, Exception):
+            if is_fatal(e):
                 raise
             return None, failed
         if not sched.rows:                 # nothing runs: its removals must reach the next step
@@ -346,8 +288,8 @@ class EngineCore(FaultIsolation):
             return self.runner.execute(sched), []
         except BaseException as e:         # fail this step's requests, keep serving the others
             failed = self.fail_launch(sched, e)
-            if not isinstance(e, Exception):
-                raise                      # KeyboardInterrupt & co: cleaned up, then passed on
+            if is_fatal(e):
+                raise                      # KeyboardInterrupt & co, a lost rank: cleaned up, then passed on
             logger.exception("step %d failed", sched.step_id)
             return None, failed
 
@@ -388,7 +330,7 @@ class EngineCore(FaultIsolation):
                 return touched
             except BaseException as e:
                 touched += self.fail_step(handle, e)
-                if not isinstance(e, Exception):
+                if is_fatal(e):
                     raise
                 return touched
         return touched + self.fail_step(handle, error)
@@ -401,7 +343,10 @@ class EngineCore(FaultIsolation):
         try:
             out = handle.result()
         except Exception as e:              # the step's requests fail; the others keep running
-            return self.finish_step(handle, None, failed, error=e)
+            touched = self.finish_step(handle, None, failed, error=e)
+            if is_fatal(e):
+                raise
+            return touched
         return self.finish_step(handle, out, failed)
 
     # ---- outputs ----------------------------------------------------------------------------

@@ -28,6 +28,13 @@ from .scheduling.request import Request
 logger = logging.getLogger("hybrid_engine")
 
 
+def is_fatal(error: BaseException) -> bool:
+    """Errors that end the loop instead of a step's requests: KeyboardInterrupt & co, and errors
+    marked ``fatal`` (``parallel.EngineDeadError``: a tensor-parallel rank is gone, so no step
+    can run). Their step's requests are failed first, like any other."""
+    return not isinstance(error, Exception) or getattr(error, "fatal", False)
+
+
 def describe(error: BaseException, phase: str) -> str:
     return f"{phase} failed: {error!r}"
 

@@ -66,6 +66,17 @@ class LLM:
     def __init__(self, model=None, **engine_args):
         self.engine = build_engine(model, **engine_args)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device; they also stop when the
+        LLM is garbage-collected or the interpreter exits). The LLM generates nothing afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -7,14 +7,17 @@ _FROM_CONFIG = object()
 
 
 def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, with_mtp: bool = False,
-                quantization=_FROM_CONFIG):
+                quantization=_FROM_CONFIG, tp=None):
     """Construct the model of ``model_cfg.model_type`` (its family's class, ``families.py``)
     without initialising weights, then fill them from the checkpoint.
 
     ``quantization``: a ``QuantConfig`` or None; by default the checkpoint's own
     (``model_cfg.quantization``). Source "checkpoint": the layers stored quantized are swapped for
     quantized modules before loading; source "online": linear layers are quantized after loading
-    (``hybrid_engine.quantization.linear.quantize_linears``). Nemotron-H only so far."""
+    (``hybrid_engine.quantization.linear.quantize_linears``). Nemotron-H only so far.
+
+    ``tp``: a ``parallel.group.TPGroup``: build this rank's part (``parallel/sharding.py``) and read
+    only its part of each checkpoint tensor. ``model_cfg`` is the full model's config."""
     from .families import FAMILIES
     from .loader import load_checkpoint
     model_class = FAMILIES[model_cfg.model_type].model_class()
@@ -32,8 +35,14 @@ def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
+        shards = None
         with torch.device("meta"):
-            model = model_class(model_cfg, with_mtp=with_mtp)
+            if tp is None:
+                model = model_class(model_cfg, with_mtp=with_mtp)
+            else:
+                from ..parallel.sharding import TPLayout, apply_tensor_parallel, shard_model_config
+                model = model_class(shard_model_config(model_cfg, tp.size), with_mtp=with_mtp)
+                shards = apply_tensor_parallel(model, TPLayout(rank=tp.rank, size=tp.size, full=model_cfg), tp)
             if q is not None and q.source == "checkpoint":
                 from hybrid_engine.quantization.linear import quantize_linears
                 from hybrid_engine.quantization.stored import stored_quantized
@@ -41,7 +50,7 @@ def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, 
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device).to(dtype)
-    load_checkpoint(model, model_dir, dtype, device)
+    load_checkpoint(model, model_dir, dtype, device, shards=shards)
     if q is not None and q.source == "online":
         from hybrid_engine.quantization.linear import quantize_linears
         quantize_linears(model, q)

@@ -215,8 +215,11 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
     return copies, covered, unexpected
 
 
-def _expected_shape(c: _Copy, targets) -> tuple[int, ...]:
+def _expected_shape(c: _Copy, targets, shards=None) -> tuple[int, ...]:
+    """The disk shape ``c`` needs (with ``shards``: the full tensor this rank's part comes from)."""
     shape = tuple(targets[c.target].shape)
+    if shards and c.target in shards:
+        shape = shards[c.target].full_shape(shape)
     return shape[1:] if (c.index is not None and not c.split) else shape
 
 
@@ -256,7 +259,8 @@ def _replace(model: torch.nn.Module, name: str, new: torch.Tensor) -> None:
 
 def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, strict_prefixes: tuple[str, ...] | None = None,
-                    *, tie_word_embeddings: bool | None = None, progress: bool | None = None) -> torch.nn.Module:
+                    *, tie_word_embeddings: bool | None = None, progress: bool | None = None,
+                    shards: dict | None = None) -> torch.nn.Module:
     """Fill ``model``'s parameters and persistent buffers from ``model_dir``; returns ``model``.
 
     ``strict_prefixes``: None (default) checks the whole checkpoint: every model tensor must be
@@ -265,6 +269,9 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     (e.g. ``("mtp.",)`` to fill an MTP module); others are left alone.
     ``tie_word_embeddings``: None reads it from ``model.cfg`` / ``model.config`` or config.json.
     ``progress``: show a tqdm bar over files (default: when there is more than one file).
+    ``shards``: {model tensor name: ``parallel.sharding.Shard``} under tensor parallelism: that
+    tensor holds this rank's part of the checkpoint tensor (shapes are checked against the full
+    one; each tensor is read whole, one at a time, and only its part is copied to the device).
     Errors (ValueError, raised before anything is copied): missing tensors (up to 10 listed),
     shape mismatches (expected vs found), unexpected tensors, no weight files in the folder.
     """
@@ -328,9 +335,13 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in deq_scales}
     copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
                                         tuple(getattr(model, "ignored_checkpoint_suffixes", ())))
-    if shared_on_disk and shapes[LM_HEAD] != tuple(full_sd[LM_HEAD].shape):
+    shards = shards or {}
+    lm_full_shape = tuple(full_sd[LM_HEAD].shape) if LM_HEAD in full_sd else ()
+    if LM_HEAD in shards:
+        lm_full_shape = shards[LM_HEAD].full_shape(lm_full_shape)
+    if shared_on_disk and shapes[LM_HEAD] != lm_full_shape:
         raise ValueError(f"shape mismatch in checkpoint {folder}: {LM_HEAD}: expected "
-                         f"{list(full_sd[LM_HEAD].shape)}, found {list(shapes[LM_HEAD])}")
+                         f"{list(lm_full_shape)}, found {list(shapes[LM_HEAD])}")
     if unexpected:
         raise ValueError(f"checkpoint {folder} has {len(unexpected)} tensor(s) the model does not have: "
                          f"{_listing(unexpected)}")
@@ -338,8 +349,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if missing:
         raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensor(s) the model needs: "
                          f"{_listing(missing)}")
-    bad = [f"{c.disk}: expected {list(_expected_shape(c, targets))}, found {list(_found_shape(c, shapes))}"
-           for c in copies if _expected_shape(c, targets) != _found_shape(c, shapes)]
+    bad = [f"{c.disk}: expected {list(_expected_shape(c, targets, shards))}, found {list(_found_shape(c, shapes))}"
+           for c in copies if _expected_shape(c, targets, shards) != _found_shape(c, shapes)]
     if bad:
         raise ValueError(f"shape mismatch in checkpoint {folder}: " + "; ".join(sorted(set(bad))[:_MAX_LISTED]))
 
@@ -376,12 +387,16 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                         src = deq[name](src, {sn: _read(files[sn], disk_name[sn]) for sn in deq[name].scale_names})
                     for c in group:
                         dst = targets[c.target]
+                        shard = shards.get(c.target)
                         if c.split:
+                            if shard is not None:
+                                raise ValueError(f"{c.target}: a per-expert tensor cannot be split by "
+                                                 f"tensor parallelism")
                             dst.copy_(src[c.index])
                         elif c.index is not None:
-                            dst[c.index].copy_(src)
+                            dst[c.index].copy_(src if shard is None else shard.take(src, offset=1))
                         else:
-                            dst.copy_(src)
+                            dst.copy_(src if shard is None else shard.take(src))
                     del src
 
     lm = model.get_submodule(LM_HEAD.rpartition(".")[0]) if (tie or shared_on_disk) else None
@@ -391,7 +406,10 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         emb = model.get_parameter(EMBED)
         lm.weight = emb      # materialisation above may have replaced the embedding parameter
         with _open(files[LM_HEAD]) as f:
-            stored = f.get_tensor(disk_name[LM_HEAD]).to(device=emb.device, dtype=emb.dtype)
+            stored = f.get_tensor(disk_name[LM_HEAD])
+            if LM_HEAD in shards:
+                stored = shards[LM_HEAD].take(stored)
+            stored = stored.to(device=emb.device, dtype=emb.dtype)
         if not torch.equal(stored, emb.detach()):
             logger.info("checkpoint's %s differs from %s: untying them", LM_HEAD, EMBED)
             lm.weight = torch.nn.Parameter(stored, requires_grad=False)

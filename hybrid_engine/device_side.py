@@ -1,0 +1,156 @@
+"""What every rank builds: the model (its share of it under tensor parallelism), the caches, the
+drafter and the runner with its executor and graphs. ``EngineCore`` builds it on rank 0 and adds
+the scheduler and the API side; a tensor-parallel worker (``parallel/worker.py``) builds the same
+and runs the steps rank 0 sends it. Ranks agree on the KV cache size (the smallest any rank can
+hold) before allocating it, so every rank's caches have the same blocks and slots.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from .attention import KVCache, blocks_needed
+from .config import EngineConfig
+from .models import build_model
+from .models.nemotron_h import Caches
+from .step.graphs import make_executor
+from .step.greedy_graphs import make_greedy_graphs
+from .step.ngram_graphs import make_ngram_graphs
+from .step.runner import ModelRunner
+from .spec.adaptive import draft_counts, make_policy
+from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
+from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
+from hybrid_engine.mamba_cache.pool import MambaPool
+
+logger = logging.getLogger("hybrid_engine")
+
+
+def forced_acceptance(cfg: EngineConfig) -> float | None:
+    """The benchmark-only forced acceptance rate of the config, or None."""
+    return cfg.speculative.forced_acceptance_rate if cfg.speculative else None
+
+
+@dataclass
+class DeviceSide:
+    cfg: EngineConfig            # this rank's config: model sizes split by tensor parallelism, its device
+    model: object
+    caches: Caches
+    drafter: object
+    runner: ModelRunner
+    num_blocks: int              # KV blocks, null block 0 included (the same on every rank)
+    max_model_len: int
+    max_blocks_per_req: int
+    checkpoint_rows: int         # prefix caching: Mamba checkpoint rows (0 when off)
+    checkpoint_bytes: int
+
+
+def rank_config(cfg: EngineConfig, tp) -> EngineConfig:
+    """``cfg`` as rank ``tp.rank`` sees it: per-rank model sizes and the rank's device; its
+    ``tensor_parallel_size`` is 1 (it describes the rank's own part, which splits no further)."""
+    if tp is None:
+        return cfg
+    from .parallel.sharding import shard_model_config
+    return replace(cfg, model=shard_model_config(cfg.model, tp.size), device=tp.device, tensor_parallel_size=1)
+
+
+def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
+    """Build this rank's model, caches, drafter and runner (``tp``: the ``TPGroup``, or None)."""
+    local = rank_config(cfg, tp)
+    mc, sc, cc = local.model, local.scheduler, local.cache
+    with_mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
+    k = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
+    n_attn = len(mc.attention_layer_ids)
+    try:
+        model = build_model(cfg.model, cfg.model_dir, cfg.dtype, local.device, with_mtp=with_mtp,
+                            quantization=cfg.quantization, tp=tp)
+        num_blocks, error = cc.num_kv_blocks or _blocks_for_budget(local, n_attn), None
+    except Exception as e:
+        if tp is None:
+            raise
+        num_blocks, error = 0, e
+    if tp is not None:                   # every rank reports; the smallest cache fits them all
+        reports = tp.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", num_blocks))
+        if error is not None:
+            raise error
+        failed = [(r, msg) for r, (msg, _) in enumerate(reports) if msg is not None]
+        if failed:
+            raise RuntimeError(f"tensor-parallel rank {failed[0][0]} failed to build its model: {failed[0][1]}")
+        num_blocks = min(n for _, n in reports)
+    max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
+    max_blocks = blocks_needed(max_model_len + 3 * (1 + k), cc.block_size) + 1
+    kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, local.dtype, local.device)
+    pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
+                     mc.mamba_head_dim, mc.ssm_state_size, k, local.dtype, local.device)
+    caches = Caches(kv, pool)
+    if sc.max_num_batched_tokens < 1 + k:
+        raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
+                         f"num_speculative_tokens = {1 + k}")
+    drafter = make_drafter(DrafterBuild(
+        cfg=local, model=model, num_spec=k, max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs,
+        block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
+        num_slots=pool.num_slots))
+    rows = row_bytes = 0
+    if cc.enable_prefix_caching:
+        rows, row_bytes = _attach_checkpoints(local, caches, drafter, num_blocks)
+    counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
+    executor = make_executor(model, caches, local, num_spec=k, max_blocks=max_blocks,
+                             max_model_len=max_model_len, block_size=cc.block_size,
+                             widths=tuple(1 + c for c in counts))
+    # with speculation, steps that verify no drafts replay the fused greedy graphs when the
+    # drafter follows a step from its tokens alone (n-gram: full_context False)
+    greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
+                                       drafter_follows_fused=not drafter.full_context)
+    forced = forced_acceptance(cfg)
+    # greedy n-gram verify steps replayed whole (prepare + forward + verify + propose)
+    spec_graphs = None if forced is not None else make_ngram_graphs(
+        executor, drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks)
+    if forced is not None and (tp is None or tp.rank == 0):
+        logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
+                       "without verification; outputs are NOT the model's and differ from greedy", forced)
+    runner = ModelRunner(model, caches, drafter, executor=executor, greedy_graphs=greedy_graphs,
+                         max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len, block_size=cc.block_size,
+                         max_blocks=max_blocks, num_spec=k, device=local.device,
+                         draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
+                                                  counts if executor.widths is not None else None),
+                         forced_acceptance_rate=forced, spec_graphs=spec_graphs)
+    return DeviceSide(cfg=local, model=model, caches=caches, drafter=drafter, runner=runner, num_blocks=num_blocks,
+                      max_model_len=max_model_len, max_blocks_per_req=max_blocks, checkpoint_rows=rows,
+                      checkpoint_bytes=rows * row_bytes)
+
+
+def _blocks_for_budget(cfg: EngineConfig, n_attn: int) -> int:
+    """KV blocks that fit the budget once the drafter's own memory is set aside: its fixed bytes
+    (a draft model's weights and Mamba pool) and its KV per block id (a draft model indexes its
+    own KV cache with the target's block ids, so each block costs target + draft bytes)."""
+    mc, cc = cfg.model, cfg.cache
+    footprint = drafter_footprint(cfg)
+    per_block = (KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim,
+                                         cfg.dtype) + footprint.kv_bytes_per_block)
+    budget = _kv_budget(cfg) - footprint.fixed_bytes
+    if footprint.fixed_bytes:
+        logger.info("KV budget: %.1f MiB set aside for the %s drafter, its KV %.1f KiB per block",
+                    footprint.fixed_bytes / 2**20, cfg.speculative.method, footprint.kv_bytes_per_block / 1024)
+    return max(0, budget // per_block)
+
+
+def _kv_budget(cfg: EngineConfig) -> int:
+    cc = cfg.cache
+    if cfg.device.type == "cuda":
+        import torch
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        return int(free * cc.kv_cache_memory_fraction)
+    return cc.kv_cache_bytes
+
+
+def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:
+    """Prefix caching's checkpoint storage (target and drafter) sized by ``mamba_checkpoint_bytes``
+    (at most one row per KV block: a checkpoint is only reachable through its blocks) -> (rows,
+    bytes per row)."""
+    mc, cc = cfg.model, cfg.cache
+    shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
+    n_mamba = len(mc.mamba_layer_ids)
+    row_bytes = MambaCheckpoints.bytes_per_row(n_mamba, *shape, cfg.dtype) + drafter.checkpoint_bytes_per_row()
+    rows = max(1, min(cc.mamba_checkpoint_bytes // max(row_bytes, 1), num_blocks - 1))
+    caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, cfg.dtype, cfg.device)
+    drafter.attach_checkpoints(rows)
+    return rows, row_bytes

@@ -1,0 +1,242 @@
+"""How a Nemotron-H model is split over the ranks of a tensor-parallel group.
+
+The hidden stream is replicated: every rank holds the whole [T, D] residual, norms and routers,
+and each mixer works on its own share of heads or width, then one all-reduce per mixer sums the
+shares (the row-parallel output projections: Mamba ``out_proj``, attention ``o_proj``, MLP
+``down_proj``, and the MoE block's routed + shared sum). Split by mixer:
+
+- Mamba2: heads (``mamba_num_heads / N`` per rank) and the B / C groups with them
+  (``n_groups / N`` per rank). The gated norm normalises per group, so a rank holds whole norm
+  groups: ``n_groups % N == 0`` (every published Nemotron-H release has 8 groups; splitting one
+  group's norm over ranks would need a collective inside the norm, not built).
+  ``in_proj`` rows (z, x, B, C, dt sections), ``conv1d`` channels (x, B, C), ``dt_bias`` /
+  ``A_log`` / ``D`` / ``norm.weight`` by head, ``out_proj`` columns. The conv and SSM state pools
+  are sized by the per-rank config, so they are split the same way.
+- Attention: query heads (``num_attention_heads / N``); KV heads split when N divides them, else
+  replicated (each rank keeps the KV head its query heads read); the paged KV cache holds the
+  rank's KV heads.
+- MLP (and the MoE's shared expert): ``up_proj`` rows, ``down_proj`` columns.
+- MoE: by width (every rank holds every expert, ``moe_intermediate_size / N`` of each); the router
+  and the latent projections are replicated (``fc2_latent_proj`` is linear, so it is applied to the
+  partial routed sum before the one all-reduce).
+- Embedding and lm_head: by vocabulary rows (padded to a multiple of N); the embedding sums the
+  ranks' masked lookups, the lm_head gathers the ranks' logits.
+- The MTP block is split like the backbone (its mixers are the same classes); a draft model is
+  replicated (small; every rank drafts the same tokens).
+
+Biases of row-parallel projections are kept by rank 0 only (the all-reduce adds them once).
+A model is split by building it from ``shard_model_config`` (the per-rank sizes: module shapes and
+cache pools follow), then ``apply_tensor_parallel`` swaps the vocabulary-parallel modules, adds the
+all-reduce hooks and returns the loader's ``Shard`` per parameter, which reads each rank's rows of
+every checkpoint tensor (``models/loader.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a checkpoint tensor: ``sections`` ((start, length) ranges of the full
+    tensor along ``dim``, concatenated; rows past ``full`` are zero padding), or ``zero`` (a
+    row-parallel bias on ranks > 0: the all-reduce must add it once)."""
+    dim: int = 0
+    sections: tuple[tuple[int, int], ...] = ()
+    full: int = 0                    # the full tensor's length along dim
+    zero: bool = False
+
+    def full_shape(self, local_shape: tuple[int, ...], offset: int = 0) -> tuple[int, ...]:
+        """The checkpoint shape this rank's ``local_shape`` comes from (``offset``: leading dims the
+        disk tensor lacks, e.g. one expert of a merged [E, ...] parameter)."""
+        if self.zero:
+            return tuple(local_shape)
+        shape = list(local_shape)
+        shape[self.dim - offset] = self.full
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor ``full``."""
+        if self.zero:
+            return torch.zeros_like(full)
+        dim = self.dim - offset
+        parts = []
+        for start, length in self.sections:
+            have = max(0, min(length, full.shape[dim] - start))
+            if have:
+                parts.append(full.narrow(dim, start, have))
+            if have < length:                # vocabulary padding
+                shape = list(full.shape)
+                shape[dim] = length - have
+                parts.append(full.new_zeros(shape))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Where this rank sits: ``rank`` of ``size``, and the full (unsplit) model config."""
+    rank: int
+    size: int
+    full: ModelConfig
+
+
+def _split(what: str, total: int, size: int) -> int:
+    if total % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide {what} (={total})")
+    return total // size
+
+
+def shard_model_config(mc: ModelConfig, size: int) -> ModelConfig:
+    """The per-rank model config: heads and widths divided by ``size`` (vocabulary and hidden size
+    stay whole). ValueError naming the config field that ``size`` cannot split."""
+    if size == 1:
+        return mc
+    if mc.model_type != "nemotron_h":
+        raise ValueError(f"tensor_parallel_size > 1 is available for model_type 'nemotron_h' only, "
+                         f"got {mc.model_type!r}")
+    if mc.quantization is not None and mc.quantization.source == "checkpoint":
+        raise ValueError("tensor_parallel_size > 1 with a quantized checkpoint is not available yet; "
+                         "serve the BF16 release with quantization='fp8' (quantized at load, per rank)")
+    heads = _split("mamba_num_heads", mc.mamba_num_heads, size)
+    groups = _split("n_groups", mc.n_groups, size)
+    nkv = mc.num_key_value_heads
+    if nkv % size and size % nkv:
+        raise ValueError(f"tensor_parallel_size={size} must divide num_key_value_heads (={nkv}) or be a "
+                         f"multiple of it (KV heads are then replicated)")
+    kwargs = dict(mamba_num_heads=heads, n_groups=groups,
+                  num_attention_heads=_split("num_attention_heads", mc.num_attention_heads, size),
+                  num_key_value_heads=max(1, nkv // size))
+    if any(k == "-" for k in mc.layer_types + mc.mtp_layer_types):
+        kwargs["intermediate_size"] = _split("intermediate_size", mc.intermediate_size, size)
+    if any(k == "E" for k in mc.layer_types + mc.mtp_layer_types):
+        kwargs["moe_intermediate_size"] = _split("moe_intermediate_size", mc.moe_intermediate_size, size)
+        kwargs["moe_shared_expert_intermediate_size"] = _split(
+            "moe_shared_expert_intermediate_size", mc.moe_shared_expert_intermediate_size, size)
+    return replace(mc, **kwargs)
+
+
+# ------------------------------------------------------------------------------ modules
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows [V / N (padded), D] of the embedding; the lookup of ids outside them is zero,
+    and the ranks' lookups are summed."""
+
+    def __init__(self, rows: int, dim: int, first: int, reduce):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.first, self.rows, self._reduce = first, rows, reduce
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self._reduce(out)
+
+
+class VocabParallelHead(nn.Module):
+    """The rank's rows [V / N (padded), D] of the lm_head; logits of every rank gathered -> [L, V]."""
+
+    def __init__(self, rows: int, dim: int, vocab: int, gather):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.vocab, self._gather = vocab, gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..models.linear import linear
+        return self._gather(linear(x, self.weight))[:, :self.vocab]
+
+
+def _mixer_shards(name: str, mixer: nn.Module, lay: TPLayout) -> dict[str, Shard]:
+    """The Shard of each parameter of one mixer (``name``: its module path)."""
+    from ..models.layers import MLP
+    from ..models.moe import MoE
+    from ..models.nemotron_h import Attention, Mamba2Mixer
+    full, r, n = lay.full, lay.rank, lay.size
+    out: dict[str, Shard] = {}
+
+    def put(param: str, dim: int, sections, length: int) -> None:
+        out[f"{name}.{param}"] = Shard(dim=dim, sections=tuple(sections), full=length)
+
+    def row_parallel(proj: str, length: int, part: int) -> None:
+        put(f"{proj}.weight", 1, [(r * part, part)], length)
+        if mixer.get_submodule(proj).bias is not None and r > 0:
+            out[f"{name}.{proj}.bias"] = Shard(zero=True)      # added once, by rank 0
+
+    def mlp(prefix: str, width: int) -> None:
+        part = width // n
+        put(f"{prefix}up_proj.weight", 0, [(r * part, part)], width)
+        if mixer.get_submodule(f"{prefix}up_proj").bias is not None:
+            put(f"{prefix}up_proj.bias", 0, [(r * part, part)], width)
+        row_parallel(f"{prefix}down_proj", width, part)
+
+    if isinstance(mixer, Mamba2Mixer):
+        H, P, G, N = full.mamba_num_heads, full.mamba_head_dim, full.n_groups, full.ssm_state_size
+        I, hl, gl = H * P, H // n, G // n
+        il = hl * P
+        z, x = (r * il, il), (I + r * il, il)
+        b, c = (2 * I + r * gl * N, gl * N), (2 * I + G * N + r * gl * N, gl * N)
+        dt = (2 * I + 2 * G * N + r * hl, hl)
+        proj_len = 2 * I + 2 * G * N + H
+        put("in_proj.weight", 0, [z, x, b, c, dt], proj_len)
+        if mixer.in_proj.bias is not None:
+            put("in_proj.bias", 0, [z, x, b, c, dt], proj_len)
+        conv = [(r * il, il), (I + r * gl * N, gl * N), (I + G * N + r * gl * N, gl * N)]
+        put("conv1d.weight", 0, conv, I + 2 * G * N)
+        if mixer.conv1d.bias is not None:
+            put("conv1d.bias", 0, conv, I + 2 * G * N)
+        for p in ("dt_bias", "A_log", "D"):
+            put(p, 0, [(r * hl, hl)], H)
+        if mixer.norm is not None:
+            put("norm.weight", 0, [(r * il, il)], I)
+        row_parallel("out_proj", I, il)
+    elif isinstance(mixer, Attention):
+        hd, nh, nkv = full.head_dim, full.num_attention_heads, full.num_key_value_heads
+        qh = nh // n
+        kvh = max(1, nkv // n)
+        kv0 = r * kvh if nkv % n == 0 else r * nkv // n         # replicated: the KV head its queries read
+        for p, sec, length in (("q_proj", (r * qh * hd, qh * hd), nh * hd), ("k_proj", (kv0 * hd, kvh * hd), nkv * hd),
+                               ("v_proj", (kv0 * hd, kvh * hd), nkv * hd)):
+            put(f"{p}.weight", 0, [sec], length)
+            if getattr(mixer, p).bias is not None:
+                put(f"{p}.bias", 0, [sec], length)
+        row_parallel("o_proj", nh * hd, qh * hd)
+    elif isinstance(mixer, MoE):
+        if full.moe_activation != "relu2":
+            raise ValueError("tensor parallelism splits relu² experts only (moe_activation 'relu2')")
+        f = full.moe_intermediate_size
+        fl = f // n
+        put("experts.up_proj", 1, [(r * fl, fl)], f)
+        put("experts.down_proj", 2, [(r * fl, fl)], f)
+        mlp("shared_experts.", full.moe_shared_expert_intermediate_size)
+        if mixer.fc2_latent_proj is not None and mixer.fc2_latent_proj.bias is not None and r > 0:
+            out[f"{name}.fc2_latent_proj.bias"] = Shard(zero=True)    # applied to a partial sum
+    elif isinstance(mixer, MLP):
+        mlp("", full.intermediate_size)
+    else:
+        raise ValueError(f"tensor parallelism cannot split mixer {name} ({type(mixer).__name__})")
+    return out
+
+
+def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group) -> dict[str, Shard]:
+    """Make ``model`` (built on the meta device from ``shard_model_config``) this rank's part:
+    vocabulary-parallel embedding and lm_head, an all-reduce after every mixer. Returns the loader's
+    {parameter name: Shard} (parameters not listed are replicated)."""
+    full, r, n = lay.full, lay.rank, lay.size
+    rows = -(-full.vocab_size // n)
+    vocab = Shard(dim=0, sections=((r * rows, rows),), full=full.vocab_size)
+    shards = {"backbone.embeddings.weight": vocab, "lm_head.weight": vocab}
+    dim = full.hidden_size
+    emb = VocabParallelEmbedding(rows, dim, r * rows, group.all_reduce)
+    model.backbone.embeddings = emb
+    model.lm_head = VocabParallelHead(rows, dim, full.vocab_size, group.all_gather_last)
+    if full.tie_word_embeddings:
+        model.lm_head.weight = emb.weight
+    for name, module in list(model.named_modules()):
+        if name.endswith(".mixer"):
+            shards.update(_mixer_shards(name, module, lay))
+            module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+    return shards

@@ -1,0 +1,197 @@
+"""Tensor parallelism on CPU (gloo): a model split over two processes gives the greedy tokens of
+transformers (and of one process), with speculation and async scheduling; a killed worker ends the
+engine with a clear error; bad sizes are refused before any process starts.
+
+Each LLM(tensor_parallel_size=2) starts one worker process (a fresh interpreter: ~4 s here)."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hf_reference import hf_greedy
+from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.config import SpeculativeConfig
+from hybrid_engine.parallel import EngineDeadError
+from hybrid_engine.parallel.sharding import Shard, shard_model_config
+from hybrid_engine.config import ModelConfig
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 250, n).tolist() for n in (1, 23, 6, 40, 3)]
+
+
+def _tokens(llm, prompts, n=NEW):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_tp2_dense_and_moe_equal_transformers(model_dirs, prompts):
+    """Mamba, attention, MLP and MoE blocks; an odd vocabulary (padded rows on rank 1); chunked
+    prefill (a 16-token budget splits the long prompts); async scheduling."""
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    want = hf_greedy(d, prompts, NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16,
+             max_num_seqs=4) as llm:
+        assert _tokens(llm, prompts) == want
+        assert llm.engine.runner.local.model.lm_head.weight.shape[0] == 126      # ceil(251 / 2) rows
+
+
+def test_tp2_replicated_kv_head_tied_embeddings(model_dirs, prompts):
+    """One KV head (replicated on both ranks); a config that ties the embeddings with an lm_head
+    stored beside them (the loader compares the two on each rank's rows)."""
+    d = model_dirs("tp_kv1", pattern="M*M-*", num_key_value_heads=1, tie_word_embeddings=True, seed=4)
+    want = hf_greedy(d, prompts[:3], NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2, async_scheduling=False) as llm:
+        assert llm.engine.caches.kv.k[0].shape[-2] == 1
+        assert _tokens(llm, prompts[:3]) == want
+
+
+@pytest.mark.parametrize("method,k", [("mtp", 2), ("ngram", 3)])
+def test_tp2_speculation_equals_greedy(model_dirs, prompts, method, k):
+    """MTP (the MTP block split like the backbone) and n-gram drafts verified under TP=2, async:
+    the greedy tokens of transformers, and speculation really ran (drafts were accepted)."""
+    d = model_dirs("spec_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+    rep = [p + p[:5] for p in prompts]                          # repeats give the n-gram drafts hits
+    want = hf_greedy(d, rep, NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2,
+             speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=k)) as llm:
+        assert _tokens(llm, rep) == want
+        stats = llm.engine.stats(expert_load=False)
+        assert stats["drafts_proposed"] > 0
+
+
+def test_tp2_async_llm_streams(model_dirs, prompts):
+    """AsyncLLM (the server's engine) over TP=2: concurrent streams give transformers' tokens; its
+    shutdown stops the worker."""
+    import asyncio
+    from hybrid_engine import AsyncLLM
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    want = hf_greedy(d, prompts[:3], NEW)
+    eng = AsyncLLM(str(d), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16)
+
+    async def one(i, p):
+        tokens = []                                   # each streamed output carries the new tokens
+        async for out in eng.generate(p, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+                                      request_id=f"r{i}"):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        try:
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts[:3])])
+        finally:
+            eng.shutdown()
+    assert asyncio.run(main()) == want
+    worker = eng.engine.tp.procs[0]
+    assert worker.wait(timeout=30) == 0
+
+
+def test_killed_worker_ends_the_engine(model_dirs, prompts):
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    llm = LLM(str(d), device="cpu", tensor_parallel_size=2)
+    try:
+        assert len(_tokens(llm, prompts[:2], 3)[0]) == 3
+        worker = llm.engine.tp.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            _tokens(llm, prompts, 50)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(EngineDeadError):                        # and stays dead, at once
+            _tokens(llm, prompts[:1], 2)
+    finally:
+        llm.shutdown()
+
+
+def test_bad_sizes_are_refused_before_any_worker_starts(model_dirs):
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)   # 8 Mamba heads, 2 groups, 4 q heads
+    with pytest.raises(ValueError, match="n_groups"):
+        LLM(str(d), device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(d), device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        shard_model_config(ModelConfig.from_json(d).__class__(
+            **{**ModelConfig.from_json(d).__dict__, "num_key_value_heads": 3, "num_attention_heads": 6}), 2)
+
+
+def test_shard_take_sections_and_padding():
+    full = torch.arange(20.0).view(10, 2)
+    s = Shard(dim=0, sections=((1, 2), (6, 3)), full=10)
+    assert s.full_shape((5, 2)) == (10, 2)
+    assert s.take(full).tolist() == [[2, 3], [4, 5], [12, 13], [14, 15], [16, 17]]
+    pad = Shard(dim=0, sections=((8, 4),), full=10)          # the last rank of a padded vocabulary
+    assert pad.take(full).tolist() == [[16, 17], [18, 19], [0, 0], [0, 0]]
+    cols = Shard(dim=2, sections=((1, 1),), full=2)           # one expert of a merged [E, D, F]: offset 1
+    assert cols.take(full.view(5, 2, 2)[0], offset=1).tolist() == [[1], [3]]
+    assert Shard(zero=True).take(full).abs().sum() == 0
+
+
+def test_shard_model_config_sizes(model_dirs):
+    mc = ModelConfig.from_json(model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3))
+    part = shard_model_config(mc, 2)
+    assert (part.mamba_num_heads, part.n_groups, part.num_attention_heads, part.num_key_value_heads) == \
+        (mc.mamba_num_heads // 2, mc.n_groups // 2, mc.num_attention_heads // 2, mc.num_key_value_heads // 2)
+    assert part.conv_dim == mc.conv_dim // 2 and part.vocab_size == mc.vocab_size
+    assert part.moe_intermediate_size == mc.moe_intermediate_size // 2
+
+
+def test_tp2_draft_model_and_prefix_caching(model_dirs, prompts):
+    """A replicated draft model, and prefix caching (the scheduler's hits, every rank's Mamba
+    checkpoints restored and saved), both under TP=2: the tokens of transformers, with real hits."""
+    d = model_dirs("spec_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+    draft = model_dirs("tp_draft", pattern="M*", hidden_size=32, seed=9)
+    shared = prompts[3][:33]
+    batch = [shared + p for p in prompts[:3]]
+    want = hf_greedy(d, batch, NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2, block_size=4, enable_prefix_caching=True,
+             mamba_checkpoint_interval=2,
+             speculative_config=SpeculativeConfig(method="draft_model", num_speculative_tokens=2,
+                                                  model=str(draft))) as llm:
+        first = _tokens(llm, batch[:1])
+        rest = llm.generate(batch[1:], SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        assert first + [list(o.outputs[0].token_ids) for o in rest] == want
+        assert all(o.num_cached_tokens > 0 for o in rest)
+
+
+def test_torchrun_launch(model_dirs, tmp_path):
+    """``torchrun --nproc-per-node 2`` runs the script on two ranks: rank 0's LLM is the engine,
+    rank 1's serves as its worker and exits; rank 0 prints transformers' tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    prompt = [7, 8, 9, 10, 11]
+    script = tmp_path / "tp_script.py"
+    script.write_text(
+        "import json\n"
+        "from hybrid_engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(d)!r}, device='cpu', tensor_parallel_size=2)\n"
+        f"out = llm.generate([{prompt}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),"
+        " use_tqdm=False)\n"
+        "print('TOKENS', json.dumps(out[0].outputs[0].token_ids), flush=True)\n"
+        "llm.shutdown()\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), str(script)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if "TOKENS" in ln]
+    assert len(lines) == 1                                   # only rank 0 got past LLM(...)
+    assert json.loads(lines[0].split("TOKENS", 1)[1]) == hf_greedy(d, [prompt], 6)[0]
+
+
+def _free_port() -> int:
+    from hybrid_engine.parallel.group import free_port
+    return free_port()
