@@ -1,0 +1,54 @@
+"""Tensor parallelism on two GPUs (NCCL, CUDA graphs per rank): TP=2 gives the greedy tokens of
+TP=1 and of transformers (float32), with and without speculation, and launches its decode steps
+with no host sync on rank 0 or rank 1. Each engine runs in its own process (``tp_case.py``: one
+CUDA tensor-parallel engine per process)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_reference import hf_greedy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+CASE = Path(__file__).resolve().parent / "tp_case.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    return model_dirs("gpu_tp", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1, vocab_size=251)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(2)
+    return [rng.integers(3, 250, n).tolist() * 2 for n in (1, 9, 30, 4, 17, 2)]
+
+
+def run_case(target, prompts, method, tp, dtype, *extra, env=None):
+    env = {**os.environ, "TP_CASE_PROMPTS": json.dumps(prompts),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    res = subprocess.run([sys.executable, str(CASE), str(target), method, str(tp), dtype, *extra], env=env,
+                         capture_output=True, text=True, timeout=240)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert res.returncode == 0 and lines, f"case failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return json.loads(lines[-1][len("TOKENS "):])
+
+
+@pytest.mark.parametrize("method", ["none", "mtp", "ngram"])
+def test_tp2_equals_tp1_and_transformers(target, prompts, method):
+    want = hf_greedy(target, prompts, 16)
+    assert run_case(target, prompts, method, 1, "float32") == want
+    assert run_case(target, prompts, method, 2, "float32") == want
+
+
+def test_tp2_steps_launch_without_host_sync(target, prompts):
+    tokens = run_case(target, prompts, "none", 2, "bfloat16", "sync", env={"HYBRID_ENGINE_TP_SYNC_DEBUG": "error"})
+    assert len(tokens) == len(prompts) and all(len(t) == 16 for t in tokens)
