@@ -44,6 +44,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "embedded trained draft)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (one process each; default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed for requests without a sampling seed (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine info messages")
@@ -72,7 +74,8 @@ def _llm(args):
                                  model=draft)
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               speculative_config=spec, async_scheduling=not args.sync, seed=args.seed)
+               speculative_config=spec, async_scheduling=not args.sync, seed=args.seed,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _params(args, defaults):
@@ -120,7 +123,8 @@ async def _chat_loop(args, inp, out) -> int:
     from hybrid_engine import AsyncLLM
     engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                      async_scheduling=not args.sync, seed=args.seed)
+                      async_scheduling=not args.sync, seed=args.seed,
+                      tensor_parallel_size=args.tensor_parallel_size)
     params = _params(args, engine.get_default_sampling_params())
     kwargs = _template_kwargs(args)
     history = [{"role": "system", "content": args.system}] if args.system else []

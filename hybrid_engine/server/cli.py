@@ -65,6 +65,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--quantization", default=None, choices=["fp8", "nvfp4", "modelopt"],
                    help="quantize a 16/32-bit checkpoint at load (fp8, nvfp4) or require a ModelOpt one "
                         "(default: the checkpoint's own)")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (one process each; default %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default %(default)s)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default %(default)s)")
@@ -102,7 +104,7 @@ def build_llm(args):
                     enable_prefix_caching=args.enable_prefix_caching,
                     mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                     async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager,
-                    quantization=args.quantization)
+                    quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def run_serve(args) -> int:
