@@ -69,18 +69,26 @@ def hf_twin(our_model, model_dir: Path):
     return hf.eval()
 
 
-def cuda_time(fn, warmup: int = 1, iters: int = 3) -> float:
-    """Median wall time of fn() in seconds, synchronised."""
+def median_time(fn, *, warmup: int = 1, iters: int = 3, sync=None) -> float:
+    """Median wall time of fn() in seconds over ``iters`` calls after ``warmup`` calls; ``sync``
+    (e.g. ``torch.cuda.synchronize``; None: nothing to wait for, CPU) runs after the warm-up and
+    inside each timed call, so queued device work is counted."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def cuda_time(fn, warmup: int = 1, iters: int = 3) -> float:
+    """Median wall time of fn() in seconds, synchronised."""
+    return median_time(fn, warmup=warmup, iters=iters, sync=torch.cuda.synchronize)
 
 
 def event_ms(fn, n: int) -> float:

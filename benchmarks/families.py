@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save_json  # noqa: E402
+from benchmarks.common import median_time, save_json  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models.synthetic import make_family_model, make_hf_model  # noqa: E402
 
@@ -68,18 +66,8 @@ def build(family: str, s: dict, out: Path) -> Path:
     raise ValueError(family)
 
 
-def timed(fn, device, warmup=1, iters=3) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def timed(fn, device) -> float:
+    return median_time(fn, sync=torch.cuda.synchronize if device == "cuda" else None)
 
 
 def bench(model_dir: Path, device: str, dtype: str, batches, prompt_len: int, gen: int, rng) -> list[dict]:

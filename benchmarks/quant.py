@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_8B, SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
+from benchmarks.common import (SHAPE_8B, SHAPE_SMALL, median_time, random_weights, save_json,  # noqa: E402
+                               write_config)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
 SHAPE_TINY = dict(pattern="M-M*-", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -47,16 +48,7 @@ def kv_bytes_per_row(mc, ctx: int) -> int:
 
 
 def wall(fn, warmup: int, iters: int, sync) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return median_time(fn, warmup=warmup, iters=iters, sync=sync)
 
 
 def copy_bandwidth(device) -> float:

@@ -9,15 +9,12 @@ checkpoint (e.g. tiiuae/Falcon-H1-0.5B-Instruct) pass its folder or Hub id to ``
 
     python examples/falcon_h1.py [--out /tmp/tiny-falcon-h1]
 """
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
-from hybrid_engine.models.synthetic import make_family_model  # noqa: E402
+from _family_demo import run_family_demo  # noqa: E402
 
 TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
@@ -27,21 +24,8 @@ TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="folder for the tiny checkpoint (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    out = Path(args.out or tempfile.mkdtemp(prefix="tiny-falcon-h1-"))
-    make_family_model(out, "falcon_h1", seed=0, with_tokenizer=True, **TINY)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompt = "Hybrid models mix state spaces with attention"
-    llm = LLM(str(out), dtype="float32", device="auto")
-    plain = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    spec = LLM(str(out), dtype="float32", device="auto",
-               speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    fast = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    print(f"checkpoint: {out}")
-    print(f"greedy     : {plain.token_ids}")
-    print(f"ngram spec : {fast.token_ids} (same tokens: {fast.token_ids == plain.token_ids})")
+    run_family_demo("falcon_h1", TINY, description=__doc__.splitlines()[0], out_prefix="tiny-falcon-h1-",
+                    argv=argv)
 
 
 if __name__ == "__main__":

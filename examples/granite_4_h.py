@@ -10,15 +10,12 @@ folder or Hub id to ``LLM(model=...)``.
 
     python examples/granite_4_h.py [--out /tmp/tiny-granite]
 """
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
-from hybrid_engine.models.synthetic import make_family_model  # noqa: E402
+from _family_demo import run_family_demo  # noqa: E402
 
 TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=32, shared_intermediate_size=64, num_hidden_layers=4,
             layer_types=["mamba", "mamba", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
@@ -27,25 +24,15 @@ TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=32, shared_interme
             residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=0.5, tie_word_embeddings=True)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="folder for the tiny checkpoint (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    out = Path(args.out or tempfile.mkdtemp(prefix="tiny-granite-"))
-    make_family_model(out, "granitemoehybrid", seed=0, with_tokenizer=True, **TINY)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompt = "Hybrid models mix state spaces with attention"
-    llm = LLM(str(out), dtype="float32", device="auto")
-    plain = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+def expert_load(llm) -> list[str]:
+    """Tokens routed to each expert, per MoE layer, over the greedy run."""
     load = llm.stats().get("moe_expert_tokens", {})
-    spec = LLM(str(out), dtype="float32", device="auto",
-               speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    fast = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    print(f"checkpoint: {out}")
-    print(f"greedy     : {plain.token_ids}")
-    print(f"ngram spec : {fast.token_ids} (same tokens: {fast.token_ids == plain.token_ids})")
-    for name, counts in load.items():
-        print(f"expert load {name}: {counts}")
+    return [f"expert load {name}: {counts}" for name, counts in load.items()]
+
+
+def main(argv=None) -> None:
+    run_family_demo("granitemoehybrid", TINY, description=__doc__.splitlines()[0], out_prefix="tiny-granite-",
+                    argv=argv, report=expert_load)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,17 @@ class RequestMetrics:
 
 class _Counter:
     """A scheduling counter of a Request: its own field (``field``) while it waits or after it
-    finished, its RunningTable's column (``column``, row ``_trow``) while it runs."""
+    finished, its RunningTable's column (``column``, row ``_trow``) while it runs.
+
+    Ownership rule (docs/design.md "Who owns which counter"): at any moment exactly one of the
+    two holds the value, chosen by ``req._table``; the other is stale and nothing reads it. The
+    value moves only in ``RunningTable.add`` (copied in at admission or fork; ``_table`` set) and
+    ``RunningTable.remove`` (copied out at preemption or finish; ``_table`` cleared). Every other
+    reader and writer goes through this descriptor (or, for running rows only, the table's
+    columns in the numpy steady paths: ``Scheduler._schedule_steady``, ``_update_steady``), so
+    none can see the stale copy. The private
+    fields ``_computed`` / ``_inflight`` / ``_prefill_target`` are touched by RunningTable alone.
+    """
 
     def __init__(self, field: str, column: str):
         self.field, self.column = field, column
@@ -63,8 +73,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Scheduling counters (the _Counter descriptors below): held here while the request waits or after it
-    # finished, and by the scheduler's RunningTable while it runs.
+    # Scheduling counters (the _Counter descriptors below): held here while the request waits (0 when
+    # new or preempted) or after it finished (the table's last values), and by the scheduler's
+    # RunningTable while it runs; read and written only by RunningTable.add / remove (see _Counter).
     _computed: int = field(default=0, repr=False)
     _prefill_target: int = field(default=0, repr=False)
     _inflight: int = field(default=0, repr=False)

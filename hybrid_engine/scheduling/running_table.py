@@ -5,6 +5,12 @@ Row i is ``reqs[i]`` (admission order). While a request runs, this table is the 
 read and write through here, and the scheduler's steady decode path updates every row with a
 few numpy operations instead of a Python loop over the requests. On removal the values are
 written back to the request, which owns them again while it waits or after it finished.
+``add`` and ``remove`` are the only places a value moves between the two homes.
+
+The other columns are not homes but host caches of Request fields, kept for the numpy steady
+path: ``n_out`` (len(output_token_ids); the commit updates it), ``num_blocks`` (len(block_ids);
+``blocks_changed``), ``epoch`` (fixed while running: a new epoch comes with a preemption, after
+``remove``) and ``limit`` (constant while running).
 """
 from __future__ import annotations
 

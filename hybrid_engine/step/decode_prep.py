@@ -8,9 +8,10 @@ every field straight into the destination buffers (a graph bucket's own when one
 padding rows included, in one Triton launch on CUDA. ``prepare_decode_ref`` is its torch twin
 (CPU, and the oracle in the tests).
 
-Host staging, one int64 array ``staged``: ``[prev (N), slot (N), block table rows (N x W)]``.
+Host staging, one int64 array ``staged``: ``[prev (N), slot (N), block table rows (N x W)]``
+(W = ``block_cols``: the widest row's block count).
 
-Per real row r < N, with p = prev[r], s = 1 + K tokens, start = prev_next_start[p]:
+Per real row r < N, with p = prev[r], s = ``tokens_per_row`` = 1 + K, start = prev_next_start[p]:
 - accepted a = max(prev_num_valid[p], 1) if the previous step may have kept several tokens per row
   (``gather_accepted``: its ``sampled`` has more than one column) else 1 (the Mamba state offset + 1);
 - input_ids[r*s + j] = prev_sampled[p, a-1] for j = 0, max(prev_drafts[p, j-1], 0) for j >= 1;
@@ -18,7 +19,7 @@ Per real row r < N, with p = prev[r], s = 1 + K tokens, start = prev_next_start[
 - seq_lens[r] = start + s; block_tables[r] = the staged row, zeros past W; decode_slots[r] = slot;
 - start_out[r] = start; drafts_out[r] = prev_drafts[p] (K > 0); next_start_out[r] = start + 1 (K = 0:
   every decode row of a K = 0 step yields exactly one token, so its next start is known now).
-K is this step's width (adaptive speculation: 0..num_speculative_tokens, ``prev_drafts`` is [Bp, K]).
+K is this step's draft count (adaptive speculation: 0..num_speculative_tokens, ``prev_drafts`` is [Bp, K]).
 Padding rows N <= r < R (graph buckets): token 0, position 0, slot mapping 0 (the null block),
 seq_len s, an all-zero block-table row, the null Mamba slot, accepted count 1.
 
@@ -60,7 +61,7 @@ class PrevOutputs:
     drafts: torch.Tensor         # [Bp, K] int64
 
 
-def prepare_decode(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, dest: DecodeDest, *,
+def prepare_decode(staged: torch.Tensor, n: int, block_cols: int, prev: PrevOutputs, dest: DecodeDest, *,
                    block_size: int, num_spec: int, start_out: torch.Tensor, drafts_out: torch.Tensor | None,
                    next_start_out: torch.Tensor | None) -> None:
     """Fill ``dest`` (all R rows), ``start_out`` [N], ``drafts_out`` [N, K] (K > 0) and
@@ -68,9 +69,9 @@ def prepare_decode(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, 
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", staged.device) == "triton":
         from .triton_decode_prep import triton_prepare_decode
-        return triton_prepare_decode(staged, n, width, prev, dest, block_size=block_size, num_spec=num_spec,
+        return triton_prepare_decode(staged, n, block_cols, prev, dest, block_size=block_size, num_spec=num_spec,
                                      start_out=start_out, drafts_out=drafts_out, next_start_out=next_start_out)
-    return prepare_decode_ref(staged, n, width, prev, dest, block_size=block_size, num_spec=num_spec,
+    return prepare_decode_ref(staged, n, block_cols, prev, dest, block_size=block_size, num_spec=num_spec,
                               start_out=start_out, drafts_out=drafts_out, next_start_out=next_start_out)
 
 
@@ -80,46 +81,46 @@ def gathers_accepted(prev: PrevOutputs) -> bool:
     return prev.sampled.shape[1] > 1
 
 
-def prepare_decode_ref(staged: torch.Tensor, n: int, width: int, prev: PrevOutputs, dest: DecodeDest, *,
+def prepare_decode_ref(staged: torch.Tensor, n: int, block_cols: int, prev: PrevOutputs, dest: DecodeDest, *,
                        block_size: int, num_spec: int, start_out: torch.Tensor, drafts_out: torch.Tensor | None,
                        next_start_out: torch.Tensor | None) -> None:
-    s, k, bs = 1 + num_spec, num_spec, block_size
+    tokens_per_row, k, bs = 1 + num_spec, num_spec, block_size
     R = dest.rows
     dev = staged.device
     p = staged[:n]
     slots = staged[n:2 * n]
-    bt = staged[2 * n:2 * n + n * width].view(n, width)
+    bt = staged[2 * n:2 * n + n * block_cols].view(n, block_cols)
     start = prev.next_start[p]                                           # [N]
     if gathers_accepted(prev):
-        a = prev.num_valid[p].clamp(min=1)
-        last = prev.sampled[p].gather(1, (a - 1)[:, None])               # [N, 1]
+        accepted = prev.num_valid[p].clamp(min=1)
+        last = prev.sampled[p].gather(1, (accepted - 1)[:, None])        # [N, 1]
     else:
-        a = torch.ones(n, dtype=torch.int64, device=dev)
+        accepted = torch.ones(n, dtype=torch.int64, device=dev)
         last = prev.sampled[p][:, :1]
     if k:
         drafts = prev.drafts[p]
-        ids = torch.cat([last, drafts.clamp(min=0)], 1)                  # [N, s]
+        ids = torch.cat([last, drafts.clamp(min=0)], 1)                  # [N, tokens_per_row]
         drafts_out.copy_(drafts)
     else:
         ids = last
         next_start_out.copy_(start + 1)
-    pos = start[:, None] + torch.arange(s, device=dev)                   # [N, s]
+    pos = start[:, None] + torch.arange(tokens_per_row, device=dev)  # [N, tokens_per_row]
     slot_map = bt.gather(1, pos // bs) * bs + pos % bs
     start_out.copy_(start)
-    t = n * s
-    dest.input_ids[:t].copy_(ids.reshape(-1))
-    dest.positions[:t].copy_(pos.reshape(-1))
-    dest.slot_mapping[:t].copy_(slot_map.reshape(-1))
-    dest.seq_lens[:n].copy_(start + s)
-    dest.block_tables[:n, :width].copy_(bt)
-    dest.block_tables[:n, width:].zero_()
+    num_tokens = n * tokens_per_row
+    dest.input_ids[:num_tokens].copy_(ids.reshape(-1))
+    dest.positions[:num_tokens].copy_(pos.reshape(-1))
+    dest.slot_mapping[:num_tokens].copy_(slot_map.reshape(-1))
+    dest.seq_lens[:n].copy_(start + tokens_per_row)
+    dest.block_tables[:n, :block_cols].copy_(bt)
+    dest.block_tables[:n, block_cols:].zero_()
     dest.decode_slots[:n].copy_(slots)
-    dest.num_accepted[:n].copy_(a)
+    dest.num_accepted[:n].copy_(accepted)
     # padding rows
-    dest.input_ids[t:R * s].zero_()
-    dest.positions[t:R * s].zero_()
-    dest.slot_mapping[t:R * s].zero_()
-    dest.seq_lens[n:].fill_(s)
+    dest.input_ids[num_tokens:R * tokens_per_row].zero_()
+    dest.positions[num_tokens:R * tokens_per_row].zero_()
+    dest.slot_mapping[num_tokens:R * tokens_per_row].zero_()
+    dest.seq_lens[n:].fill_(tokens_per_row)
     dest.block_tables[n:].zero_()
     dest.decode_slots[n:].fill_(NULL_SLOT)
     dest.num_accepted[n:].fill_(1)

@@ -1,9 +1,10 @@
 """Forward executors: eager, or CUDA graphs for uniform decode/verify batches.
 
 ``CudaGraphExecutor`` captures ``hidden = model(fb); logits = lm_head(hidden)`` for decode-only
-batches of ``B`` rows x ``s`` tokens, for each B in a bucket list (largest first, one memory pool)
-and each row width s in ``widths`` (``1 + K``; with adaptive speculation also the narrower widths
-a step may verify, ``1`` included: a step that verifies no drafts replays the plain decode graph).
+batches of ``B`` rows x ``tokens_per_row`` tokens, for each B in a bucket list (largest first, one
+memory pool) and each row width in ``widths`` (a *width* here is tokens per row, ``1 + K``; with
+adaptive speculation also the narrower widths a step may verify, ``1`` included: a step that
+verifies no drafts replays the plain decode graph).
 Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
 pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
 only covers the null block. Mixed batches (any prefill row) run eagerly.
@@ -46,8 +47,8 @@ class EagerExecutor:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     fb: ForwardBatch              # static input buffers, sized for this bucket
-    hidden: torch.Tensor          # [B*s, D] static output
-    logits: torch.Tensor          # [B*s, V] static output
+    hidden: torch.Tensor          # [B * tokens_per_row, D] static output
+    logits: torch.Tensor          # [B * tokens_per_row, V] static output
 
 
 class CudaGraphExecutor(EagerExecutor):
@@ -56,35 +57,37 @@ class CudaGraphExecutor(EagerExecutor):
                  widths: tuple[int, ...] | None = None):
         """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``."""
         super().__init__(model, caches)
-        self.s = 1 + num_spec                                      # the widest row
-        self.widths = tuple(sorted(set(widths or (self.s,))))
-        if self.widths[-1] > self.s or self.widths[0] < 1:
-            raise ValueError(f"widths must lie in 1..{self.s}, got {widths}")
+        self.max_tokens_per_row = 1 + num_spec                     # the widest row
+        self.widths = tuple(sorted(set(widths or (self.max_tokens_per_row,))))   # tokens per row
+        if self.widths[-1] > self.max_tokens_per_row or self.widths[0] < 1:
+            raise ValueError(f"widths must lie in 1..{self.max_tokens_per_row}, got {widths}")
         self.block_size, self.max_blocks, self.max_model_len = block_size, max_blocks, max_model_len
         self.device = device
         self.buckets = tuple(sorted(set(buckets)))
-        self.graphs_by_width: dict[int, dict[int, _Graph]] = {s: {} for s in self.widths}
-        self.graphs = self.graphs_by_width.get(self.s, {})       # [bucket] of the widest rows
+        # [tokens per row][bucket] -> graph
+        self.graphs_by_width: dict[int, dict[int, _Graph]] = {w: {} for w in self.widths}
+        self.graphs = self.graphs_by_width.get(self.max_tokens_per_row, {})   # [bucket] of the widest rows
+        # (rows, tokens per row) -> prepare-in-place buffers, views
         self._views: dict[tuple[int, int], tuple[DecodeDest, ForwardBatch]] = {}
-        # (rows, width) -> graph, outputs
+        # (rows, tokens per row) -> graph, outputs
         self._outs: dict[tuple[int, int], tuple[_Graph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None                  # the graphs' memory pool (greedy_graphs captures into it too)
         self._capture_all()
 
-    def _static_batch(self, b: int, s: int) -> ForwardBatch:
+    def _static_batch(self, bucket: int, tokens_per_row: int) -> ForwardBatch:
         dev = self.device
-        t = b * s
+        num_tokens = bucket * tokens_per_row
         z64 = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         attn = AttnMetadata(
-            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev) * s,
-            seq_lens=torch.full((b,), s, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(b, self.max_blocks, dtype=torch.int32, device=dev),
-            slot_mapping=z64(t), max_query_len=s,
-            max_seq_len=self.max_model_len + 2 * s)
-        mamba = MambaMetadata(b, s, torch.full((b,), NULL_SLOT, dtype=torch.int64, device=dev),
-                              torch.ones(b, dtype=torch.int64, device=dev), z64(1), (0,), z64(0),
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=dev) * tokens_per_row,
+            seq_lens=torch.full((bucket,), tokens_per_row, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(bucket, self.max_blocks, dtype=torch.int32, device=dev),
+            slot_mapping=z64(num_tokens), max_query_len=tokens_per_row,
+            max_seq_len=self.max_model_len + 2 * tokens_per_row)
+        mamba = MambaMetadata(bucket, tokens_per_row, torch.full((bucket,), NULL_SLOT, dtype=torch.int64, device=dev),
+                              torch.ones(bucket, dtype=torch.int64, device=dev), z64(1), (0,), z64(0),
                               torch.zeros(0, dtype=torch.bool, device=dev))
-        return ForwardBatch(z64(t), z64(t), attn, mamba, torch.arange(t, device=dev))
+        return ForwardBatch(z64(num_tokens), z64(num_tokens), attn, mamba, torch.arange(num_tokens, device=dev))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -92,8 +95,9 @@ class CudaGraphExecutor(EagerExecutor):
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
         # largest first (tokens per graph): one pool fits all
-        for s, b in sorted(((s, b) for s in self.widths for b in self.buckets), key=lambda x: -x[0] * x[1]):
-            fb = self._static_batch(b, s)
+        for tokens_per_row, bucket in sorted(((w, b) for w in self.widths for b in self.buckets),
+                                             key=lambda wb: -wb[0] * wb[1]):
+            fb = self._static_batch(bucket, tokens_per_row)
             for _ in range(2):                                      # warm-up (Triton compiles here)
                 EagerExecutor.forward(self, fb)
             torch.cuda.synchronize(self.device)
@@ -101,7 +105,7 @@ class CudaGraphExecutor(EagerExecutor):
             with torch.cuda.graph(g, pool=pool):
                 hidden, logits = EagerExecutor.forward(self, fb)
             pool = g.pool()
-            self.graphs_by_width[s][b] = _Graph(g, fb, hidden, logits)
+            self.graphs_by_width[tokens_per_row][bucket] = _Graph(g, fb, hidden, logits)
         self.pool = pool
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
@@ -111,16 +115,19 @@ class CudaGraphExecutor(EagerExecutor):
 
     def forward(self, fb: ForwardBatch):
         md = fb.mamba
-        b, s = md.num_decode_rows, md.decode_len
-        if md.num_prefill_rows or b == 0 or s not in self.graphs_by_width or b > self.buckets[-1]:
+        num_rows, tokens_per_row = md.num_decode_rows, md.decode_len
+        if (md.num_prefill_rows or num_rows == 0 or tokens_per_row not in self.graphs_by_width
+                or num_rows > self.buckets[-1]):
             return super().forward(fb)
-        got = self._outs.get((b, s))
+        key = (num_rows, tokens_per_row)
+        got = self._outs.get(key)
         if got is None:                     # the bucket and its output views, once per row count
-            g = self.graphs_by_width[s][next(x for x in self.buckets if x >= b)]
-            got = self._outs[(b, s)] = (g, g.hidden[:b * s], g.logits[:b * s])
+            g = self.graphs_by_width[tokens_per_row][next(x for x in self.buckets if x >= num_rows)]
+            num_tokens = num_rows * tokens_per_row
+            got = self._outs[key] = (g, g.hidden[:num_tokens], g.logits[:num_tokens])
         g, hidden, logits = got
         if fb.input_ids.data_ptr() != g.fb.input_ids.data_ptr():     # else prepared in place
-            self._load(g.fb, fb, b, s)
+            self._load(g.fb, fb, num_rows, tokens_per_row)
         g.graph.replay()
         return hidden, logits
 
@@ -128,47 +135,46 @@ class CudaGraphExecutor(EagerExecutor):
         """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad
         rows too), and a ForwardBatch of views on the first num_rows rows, which ``forward`` replays
         without copies. Views are built once per row count."""
-        s = tokens_per_row
-        if not 0 < num_rows <= self.buckets[-1] or s not in self.graphs_by_width:
+        if not 0 < num_rows <= self.buckets[-1] or tokens_per_row not in self.graphs_by_width:
             return None
-        got = self._views.get((num_rows, s))
+        got = self._views.get((num_rows, tokens_per_row))
         if got is None:
             bucket = next(x for x in self.buckets if x >= num_rows)
-            f = self.graphs_by_width[s][bucket].fb
+            f = self.graphs_by_width[tokens_per_row][bucket].fb
             a, m = f.attn, f.mamba
             dest = DecodeDest(f.input_ids, f.positions, a.slot_mapping, a.seq_lens, a.block_tables,
                               m.decode_slots, m.num_accepted)
-            t = num_rows * s
+            num_tokens = num_rows * tokens_per_row
             view = ForwardBatch(
-                f.input_ids[:t], f.positions[:t],
+                f.input_ids[:num_tokens], f.positions[:num_tokens],
                 AttnMetadata(a.query_start_loc[:num_rows + 1], a.seq_lens[:num_rows], a.block_tables[:num_rows],
-                             a.slot_mapping[:t], a.max_query_len, a.max_seq_len),
-                MambaMetadata(num_rows, s, m.decode_slots[:num_rows], m.num_accepted[:num_rows],
+                             a.slot_mapping[:num_tokens], a.max_query_len, a.max_seq_len),
+                MambaMetadata(num_rows, tokens_per_row, m.decode_slots[:num_rows], m.num_accepted[:num_rows],
                               m.prefill_query_start_loc, m.prefill_qsl_cpu, m.prefill_slots, m.has_initial_state),
-                f.logits_indices[:t])
-            got = self._views[(num_rows, s)] = (dest, view)
+                f.logits_indices[:num_tokens])
+            got = self._views[(num_rows, tokens_per_row)] = (dest, view)
         return got
 
-    def _load(self, dst: ForwardBatch, src: ForwardBatch, b: int, s: int) -> None:
-        """Copy a real decode batch into the static buffers; rows >= b become padding."""
-        t = b * s
-        dst.input_ids[:t].copy_(src.input_ids)
-        dst.input_ids[t:].zero_()
-        dst.positions[:t].copy_(src.positions)
+    def _load(self, dst: ForwardBatch, src: ForwardBatch, num_rows: int, tokens_per_row: int) -> None:
+        """Copy a real decode batch into the static buffers; rows >= num_rows become padding."""
+        n, num_tokens = num_rows, num_rows * tokens_per_row
+        dst.input_ids[:num_tokens].copy_(src.input_ids)
+        dst.input_ids[num_tokens:].zero_()
+        dst.positions[:num_tokens].copy_(src.positions)
         da, sa = dst.attn, src.attn
-        da.seq_lens[:b].copy_(sa.seq_lens)
-        da.seq_lens[b:].fill_(s)
-        nb = sa.block_tables.shape[1]
-        da.block_tables[:b, :nb].copy_(sa.block_tables)
-        da.block_tables[:b, nb:].zero_()
-        da.block_tables[b:].zero_()
-        da.slot_mapping[:t].copy_(sa.slot_mapping)
-        da.slot_mapping[t:].zero_()                                  # pad tokens write the null block
+        da.seq_lens[:n].copy_(sa.seq_lens)
+        da.seq_lens[n:].fill_(tokens_per_row)
+        num_blocks = sa.block_tables.shape[1]
+        da.block_tables[:n, :num_blocks].copy_(sa.block_tables)
+        da.block_tables[:n, num_blocks:].zero_()
+        da.block_tables[n:].zero_()
+        da.slot_mapping[:num_tokens].copy_(sa.slot_mapping)
+        da.slot_mapping[num_tokens:].zero_()                         # pad tokens write the null block
         dm, sm = dst.mamba, src.mamba
-        dm.decode_slots[:b].copy_(sm.decode_slots)
-        dm.decode_slots[b:].fill_(NULL_SLOT)
-        dm.num_accepted[:b].copy_(sm.num_accepted)
-        dm.num_accepted[b:].fill_(1)
+        dm.decode_slots[:n].copy_(sm.decode_slots)
+        dm.decode_slots[n:].fill_(NULL_SLOT)
+        dm.num_accepted[:n].copy_(sm.num_accepted)
+        dm.num_accepted[n:].fill_(1)
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -178,8 +184,8 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
                   name: str = "target", widths: tuple[int, ...] | None = None):
-    """CUDA graphs for ``[B, s]`` decode batches on CUDA (s in ``widths``, default ``1+num_spec``),
-    eager otherwise."""
+    """CUDA graphs for decode batches of ``[B, tokens_per_row]`` on CUDA (tokens_per_row in
+    ``widths``, default ``1 + num_spec``), eager otherwise."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)

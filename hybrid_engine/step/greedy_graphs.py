@@ -7,10 +7,11 @@ argmax), such a step costs more host time than its GPU time on a small model, an
 bucket B and parity q:
 
     prepare_decode(header mode: N and W read from the staged array; previous outputs from the
-    parity 1-q buffers) -> the bucket's forward -> argmax into tok[q]; next starts into nxt[q]
+    parity 1-q buffers) -> the bucket's forward -> argmax into tokens[q]; next starts into
+    next_start[q]
 
 so the host's calls for such a step are one H2D copy of the staged array (into a buffer whose
-address the graphs hold), one replay, and the D2H of tok[q][:N].
+address the graphs hold), one replay, and the D2H of payload[q][:N].
 
 Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
 live in different buffers, and a step writes the buffers of the step before the previous one.
@@ -49,38 +50,39 @@ class GreedyStepGraphs:
         dev = executor.device
         self.max_rows = bmax = executor.buckets[-1]
         e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        self.tok = [e64(bmax, 1), e64(bmax, 1)]        # [Bmax, 1] tokens of a parity's steps
-        self.nxt = [e64(bmax), e64(bmax)]              # [Bmax] next start positions
-        self.pay = [e64(bmax, 1), e64(bmax, 1)]        # [Bmax, 1] D2H payload: tok, NONFINITE rows marked
+        self.tokens = [e64(bmax, 1), e64(bmax, 1)]     # [Bmax, 1] tokens of a parity's steps
+        self.next_start = [e64(bmax), e64(bmax)]       # [Bmax] next start positions
+        self.payload = [e64(bmax, 1), e64(bmax, 1)]    # [Bmax, 1] D2H payload: tokens, NONFINITE rows marked
         self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (unread)
         self._unused = e64(bmax)                       # num_valid / drafts inputs (read only for K > 0)
         # [N, W, prev (N), slot (N), block-table rows (N x W)]: the graphs hold its address
         self.staged = e64(2 + bmax * (2 + max_blocks))
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.q = 0                                     # parity of the next graph step
-        self._read_ev: list = [None, None]             # last D2H of tok[q] (an Event), per parity
+        self.parity = 0                                # parity of the next graph step
+        self._read_ev: list = [None, None]             # last D2H of payload[parity] (an Event), per parity
         self._main = CurrentStream(dev)
         self._capture_all()
 
     # ---- start-up ----------------------------------------------------------------------------
-    def _body(self, b: int, q: int) -> None:
+    def _body(self, bucket: int, parity: int) -> None:
         from .triton_decode_prep import triton_prepare_decode
-        g = self.fwd[b]
+        g = self.fwd[bucket]
         a, m = g.fb.attn, g.fb.mamba
         dest = DecodeDest(g.fb.input_ids, g.fb.positions, a.slot_mapping, a.seq_lens, a.block_tables,
                           m.decode_slots, m.num_accepted)
-        prev = PrevOutputs(self.tok[1 - q], self._unused, self.nxt[1 - q], self._unused[:, None])
+        prev = PrevOutputs(self.tokens[1 - parity], self._unused, self.next_start[1 - parity],
+                           self._unused[:, None])
         triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=0,
-                              start_out=self._start, drafts_out=None, next_start_out=self.nxt[q],
+                              start_out=self._start, drafts_out=None, next_start_out=self.next_start[parity],
                               header=True)
         _, logits = EagerExecutor.forward(self.ex, g.fb)
         tok = logits.argmax(-1, keepdim=True)
-        self.tok[q][:b].copy_(tok)
+        self.tokens[parity][:bucket].copy_(tok)
         # argmax propagates NaN, so the logit at the argmax is finite iff the row's max is: the
         # non-finite check of sampler.nonfinite_rows at the cost of a [B] gather (step_io.NONFINITE)
         finite = torch.isfinite(logits.gather(-1, tok))
-        self.pay[q][:b].copy_(torch.where(finite, tok, torch.full_like(tok, NONFINITE)))
+        self.payload[parity][:bucket].copy_(torch.where(finite, tok, torch.full_like(tok, NONFINITE)))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -88,14 +90,14 @@ class GreedyStepGraphs:
         dev = self.ex.device
         free0 = torch.cuda.mem_get_info(dev)[0]
         self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
-        for b in sorted(self.ex.buckets, reverse=True):
-            for q in (0, 1):
-                self._body(b, q)                           # warm-up (compiles the header kernel)
+        for bucket in sorted(self.ex.buckets, reverse=True):
+            for parity in (0, 1):
+                self._body(bucket, parity)                 # warm-up (compiles the header kernel)
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.ex.pool):
-                    self._body(b, q)
-                self.graphs[(b, q)] = g
+                    self._body(bucket, parity)
+                self.graphs[(bucket, parity)] = g
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
         logger.info("captured %d greedy step graphs (prepare + forward + argmax; B in %s, 2 parities) "
@@ -136,24 +138,25 @@ class GreedyStepGraphs:
         n = len(step.req_ids)
         rows, batch = self._rows, self.batch
         host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
-        q = self.q
+        parity = self.parity
         main = self._main()
-        if self._read_ev[q] is not None:                   # tok[q] is written below
-            main.wait_event(self._read_ev[q])
-        if prev.sampled.data_ptr() != self.tok[1 - q].data_ptr():
-            bp = prev.sampled.shape[0]                     # not this family's output: copy it in
-            if self._read_ev[1 - q] is not None:
-                main.wait_event(self._read_ev[1 - q])
-            self.tok[1 - q][:bp].copy_(prev.sampled[:, :1])
-            self.nxt[1 - q][:bp].copy_(prev.next_start)
+        if self._read_ev[parity] is not None:              # this parity's buffers are written below
+            main.wait_event(self._read_ev[parity])
+        if prev.sampled.data_ptr() != self.tokens[1 - parity].data_ptr():
+            prev_rows = prev.sampled.shape[0]              # not this family's output: copy it in
+            if self._read_ev[1 - parity] is not None:
+                main.wait_event(self._read_ev[1 - parity])
+            self.tokens[1 - parity][:prev_rows].copy_(prev.sampled[:, :1])
+            self.next_start[1 - parity][:prev_rows].copy_(prev.next_start)
         h2d.begin_step()
         h2d.put_raw(host, out=self.staged)
         bucket = next(x for x in self.ex.buckets if x >= n)
-        self.graphs[(bucket, q)].replay()
-        self.q = 1 - q
-        views = self._views.get((q, n))
+        self.graphs[(bucket, parity)].replay()
+        self.parity = 1 - parity
+        views = self._views.get((parity, n))
         if views is None:
-            views = self._views[(q, n)] = (self.tok[q][:n], self.nxt[q][:n], self.pay[q][:n])
+            views = self._views[(parity, n)] = (self.tokens[parity][:n], self.next_start[parity][:n],
+                                                self.payload[parity][:n])
         return views[0], views[1], rows, views[2]
 
     def slots(self, n: int) -> torch.Tensor:
@@ -168,7 +171,7 @@ class GreedyStepGraphs:
     def read_by(self, event) -> None:
         """The D2H copy of the tokens the last ``step`` wrote finishes at ``event`` (None: no
         side-stream reader); the next write of that parity's buffers waits for it."""
-        self._read_ev[1 - self.q] = event
+        self._read_ev[1 - self.parity] = event
 
 
 def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int,

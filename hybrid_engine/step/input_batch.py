@@ -161,14 +161,14 @@ class InputBatch:
         """``prepare_decode``'s staged array for these batch rows -> (array, W): [prev (N), slot (N),
         block-table rows (N x W)], W the widest row's block count; ``header``: [N, W] first."""
         n, h = len(rows), 2 if header else 0
-        width = max(int(self.num_blocks[rows].max()), 1)
-        host = np.empty(h + 2 * n + n * width, dtype=np.int64)
+        block_cols = max(int(self.num_blocks[rows].max()), 1)
+        host = np.empty(h + 2 * n + n * block_cols, dtype=np.int64)
         if header:
-            host[0], host[1] = n, width
+            host[0], host[1] = n, block_cols
         host[h:h + n] = prev_idx
         host[h + n:h + 2 * n] = self.slot[rows]
-        host[h + 2 * n:].reshape(n, width)[:] = self.block_table[rows, :width]
-        return host, width
+        host[h + 2 * n:].reshape(n, block_cols)[:] = self.block_table[rows, :block_cols]
+        return host, block_cols
 
     def backup_tokens(self, rows: np.ndarray) -> np.ndarray:
         """Last committed token per row: index num_tokens_no_spec - 1, never a placeholder (docs/design.md invariant 5).

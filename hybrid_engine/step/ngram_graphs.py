@@ -50,7 +50,7 @@ class FusedSpecStep:
         self.drafts = drafts            # [N, K] int64 n-gram drafts for the next step (-1 = none)
         self.rows = rows                # [N] batch rows (host)
         self.payload = payload          # [N, 1+2k] tokens, then the verified drafts; NONFINITE rows marked
-        self.width = width              # k: drafts each row verified
+        self.width = width              # k: drafts each row verified (the runner's "width": drafts, not tokens)
 
 
 class NgramStepGraphs:
@@ -59,61 +59,68 @@ class NgramStepGraphs:
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int):
+        """``widths``: the draft counts a step may verify (``adaptive.draft_counts``; a count k
+        runs the executor's forward of 1 + k tokens per row). Counts 0 and those without a
+        captured forward are left to other plans."""
         kernel = getattr(drafter, "_kernel", None)
         if kernel is None:
             raise ValueError("n-gram step graphs need the n-gram drafter on its Triton kernel")
         self.ex, self.drafter, self.kernel, self.block_size = executor, drafter, kernel, block_size
         self.num_spec = K = num_spec
-        self.widths = tuple(k for k in widths if k > 0 and 1 + k in executor.graphs_by_width)
-        if not self.widths:
+        self.draft_counts = tuple(k for k in widths if k > 0 and 1 + k in executor.graphs_by_width)
+        if not self.draft_counts:
             raise ValueError(f"no captured forward width among {widths}")
         self.batch: InputBatch | None = None
         self._rows = self._prev_idx = None
         dev = executor.device
         self.max_rows = bmax = executor.buckets[-1]
         e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        self.tok = [e64(bmax, 1 + K), e64(bmax, 1 + K)]      # [Bmax, 1+K] a parity's sampled tokens
-        self.nv = [e64(bmax), e64(bmax)]                     # [Bmax] valid tokens per row
-        self.nxt = [e64(bmax), e64(bmax)]                    # [Bmax] next start positions
-        self.drf = [e64(bmax, K), e64(bmax, K)]              # [Bmax, K] drafts for the next step
-        # per width k: [Bmax, k] drafts verified (prepare_decode's output), [Bmax, 1+2k] payloads
-        self.dver = {k: e64(bmax, k) for k in self.widths}
-        self.pay = {(k, q): e64(bmax, 1 + 2 * k) for k in self.widths for q in (0, 1)}
-        self._start = e64(bmax)
+        # per parity (steps alternate between the two buffers of each list)
+        self.tokens = [e64(bmax, 1 + K), e64(bmax, 1 + K)]   # [Bmax, 1+K] sampled tokens
+        self.num_valid = [e64(bmax), e64(bmax)]              # [Bmax] valid tokens per row
+        self.next_start = [e64(bmax), e64(bmax)]             # [Bmax] next start positions
+        self.drafts = [e64(bmax, K), e64(bmax, K)]           # [Bmax, K] drafts for the next step
+        # per draft count k: [Bmax, k] drafts verified (prepare_decode's output); per (k, parity):
+        # [Bmax, 1+2k] D2H payloads
+        self.verified_drafts = {k: e64(bmax, k) for k in self.draft_counts}
+        self.payload = {(k, parity): e64(bmax, 1 + 2 * k) for k in self.draft_counts for parity in (0, 1)}
+        self._start = e64(bmax)                              # [Bmax] prepare_decode's start output
         self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self._views: dict[tuple, FusedSpecStep] = {}
-        self.q = 0
-        self._read_ev: list = [None, None]
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}   # (bucket, k, parity)
+        self._views: dict[tuple, FusedSpecStep] = {}                         # (parity, N, k)
+        self.parity = 0                                      # parity of the next graph step
+        self._read_ev: list = [None, None]                   # last D2H of a parity's payload (an Event)
         self._main = CurrentStream(dev)
         self._capture_all()
 
     # ---- start-up ----------------------------------------------------------------------------
-    def _body(self, b: int, k: int, q: int) -> None:
+    def _body(self, bucket: int, num_drafts: int, parity: int) -> None:
         from .triton_decode_prep import triton_prepare_decode
-        s = 1 + k
-        g = self.ex.graphs_by_width[s][b]
+        k, tokens_per_row = num_drafts, 1 + num_drafts
+        g = self.ex.graphs_by_width[tokens_per_row][bucket]
         a, m = g.fb.attn, g.fb.mamba
         dest = DecodeDest(g.fb.input_ids, g.fb.positions, a.slot_mapping, a.seq_lens, a.block_tables,
                           m.decode_slots, m.num_accepted)
         # the previous tokens have 1+K columns: prepare_decode gathers the accepted counts
-        prev = PrevOutputs(self.tok[1 - q], self.nv[1 - q], self.nxt[1 - q], self.drf[1 - q][:, :k])
-        dver = self.dver[k]
+        other = 1 - parity
+        prev = PrevOutputs(self.tokens[other], self.num_valid[other], self.next_start[other],
+                           self.drafts[other][:, :k])
+        verified = self.verified_drafts[k]                                   # [Bmax, k]
         triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=k,
-                              start_out=self._start, drafts_out=dver, next_start_out=None, header=True)
-        _, logits = EagerExecutor.forward(self.ex, g.fb)                   # [b*s, V]
-        sampled = _greedy(logits.view(b, s, -1), dver[:b])                 # [b, s]
-        num_valid = (sampled != -1).sum(1)                                 # docs/design.md invariant 7
-        next_start = self._start[:b] + num_valid
-        bad = nonfinite_rows(logits).view(b, s).any(1)                     # [b]
-        drafts = self.kernel(self.drafter._store, self.drafter.length, m.decode_slots[:b], sampled,
-                             num_valid, next_start)                        # [b, K]
-        self.tok[q][:b, :s].copy_(sampled)
-        self.nv[q][:b].copy_(num_valid)
-        self.nxt[q][:b].copy_(next_start)
-        self.drf[q][:b].copy_(drafts)
-        payload = torch.cat([sampled, dver[:b]], 1)
-        self.pay[(k, q)][:b].copy_(payload.masked_fill(bad[:, None], NONFINITE))
+                              start_out=self._start, drafts_out=verified, next_start_out=None, header=True)
+        _, logits = EagerExecutor.forward(self.ex, g.fb)                     # [B * tokens_per_row, V]
+        sampled = _greedy(logits.view(bucket, tokens_per_row, -1), verified[:bucket])   # [B, tokens_per_row]
+        num_valid = (sampled != -1).sum(1)                                   # docs/design.md invariant 7
+        next_start = self._start[:bucket] + num_valid
+        bad = nonfinite_rows(logits).view(bucket, tokens_per_row).any(1)     # [B]
+        drafts = self.kernel(self.drafter._store, self.drafter.length, m.decode_slots[:bucket], sampled,
+                             num_valid, next_start)                          # [B, K]
+        self.tokens[parity][:bucket, :tokens_per_row].copy_(sampled)
+        self.num_valid[parity][:bucket].copy_(num_valid)
+        self.next_start[parity][:bucket].copy_(next_start)
+        self.drafts[parity][:bucket].copy_(drafts)
+        payload = torch.cat([sampled, verified[:bucket]], 1)                 # [B, 1+2k]
+        self.payload[(k, parity)][:bucket].copy_(payload.masked_fill(bad[:, None], NONFINITE))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -121,31 +128,31 @@ class NgramStepGraphs:
         dev = self.ex.device
         free0 = torch.cuda.mem_get_info(dev)[0]
         self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
-        for k in sorted(self.widths, reverse=True):
-            for b in sorted(self.ex.buckets, reverse=True):
-                for q in (0, 1):
-                    self._body(b, k, q)                    # warm-up (compiles the kernels)
+        for num_drafts in sorted(self.draft_counts, reverse=True):
+            for bucket in sorted(self.ex.buckets, reverse=True):
+                for parity in (0, 1):
+                    self._body(bucket, num_drafts, parity)     # warm-up (compiles the kernels)
                     torch.cuda.synchronize(dev)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.ex.pool):
-                        self._body(b, k, q)
-                    self.graphs[(b, k, q)] = g
+                        self._body(bucket, num_drafts, parity)
+                    self.graphs[(bucket, num_drafts, parity)] = g
         # the pad rows' n-gram appends went to the null slot's history (never a request's)
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
         logger.info("captured %d n-gram step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
-                    "2 parities) in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), list(self.widths),
-                    time.perf_counter() - t0, used / 2**20)
+                    "2 parities) in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets),
+                    list(self.draft_counts), time.perf_counter() - t0, used / 2**20)
 
     # ---- the step ---------------------------------------------------------------------------
     def applies(self, step: StepRows, prev) -> bool:
         """A decode-only step of greedy rows (at most max_rows, each with a previous output) that
-        verifies a width captured here."""
+        verifies a draft count captured here."""
         if not step.decode_only or prev is None:
             return False
         req_ids = step.req_ids
         n = len(req_ids)
-        if not 0 < n <= self.max_rows or prev.drafts.shape[1] not in self.dver:
+        if not 0 < n <= self.max_rows or prev.drafts.shape[1] not in self.verified_drafts:
             return False
         batch = self.batch
         rows = batch.rows_of(req_ids)
@@ -159,31 +166,32 @@ class NgramStepGraphs:
         return True
 
     def replay(self, step: StepRows, prev, h2d: H2D) -> FusedSpecStep:
-        n, k = len(step.req_ids), prev.drafts.shape[1]
+        n, num_drafts = len(step.req_ids), prev.drafts.shape[1]
         rows, batch = self._rows, self.batch
         host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
         self.drafter.flush()                               # pending slot resets, before the graph reads them
-        q = self.q
+        parity, other = self.parity, 1 - self.parity
         main = self._main()
-        if self._read_ev[q] is not None:                   # pay[., q] is written below
-            main.wait_event(self._read_ev[q])
-        if prev.sampled.data_ptr() != self.tok[1 - q].data_ptr():
-            bp, c = prev.sampled.shape                     # not this family's output: copy it in
-            self.tok[1 - q][:bp, :c].copy_(prev.sampled)
-            self.nv[1 - q][:bp].copy_(prev.num_valid)
-            self.nxt[1 - q][:bp].copy_(prev.next_start)
-            self.drf[1 - q][:bp, :k].copy_(prev.drafts)
+        if self._read_ev[parity] is not None:              # payload[., parity] is written below
+            main.wait_event(self._read_ev[parity])
+        if prev.sampled.data_ptr() != self.tokens[other].data_ptr():
+            prev_rows, prev_cols = prev.sampled.shape      # not this family's output: copy it in
+            self.tokens[other][:prev_rows, :prev_cols].copy_(prev.sampled)
+            self.num_valid[other][:prev_rows].copy_(prev.num_valid)
+            self.next_start[other][:prev_rows].copy_(prev.next_start)
+            self.drafts[other][:prev_rows, :num_drafts].copy_(prev.drafts)
         h2d.begin_step()
         h2d.put_raw(host, out=self.staged)
         bucket = next(x for x in self.ex.buckets if x >= n)
-        self.graphs[(bucket, k, q)].replay()
-        self.q = 1 - q
-        key = (q, n, k)
+        self.graphs[(bucket, num_drafts, parity)].replay()
+        self.parity = other
+        key = (parity, n, num_drafts)
         out = self._views.get(key)
         if out is None:
             out = self._views[key] = FusedSpecStep(
-                sampled=self.tok[q][:n, :1 + k], num_valid=self.nv[q][:n], next_start=self.nxt[q][:n],
-                drafts=self.drf[q][:n], rows=None, payload=self.pay[(k, q)][:n], width=k)
+                sampled=self.tokens[parity][:n, :1 + num_drafts], num_valid=self.num_valid[parity][:n],
+                next_start=self.next_start[parity][:n], drafts=self.drafts[parity][:n], rows=None,
+                payload=self.payload[(num_drafts, parity)][:n], width=num_drafts)
         out.rows = rows
         return out
 
@@ -192,7 +200,7 @@ class NgramStepGraphs:
 
     def read_by(self, event) -> None:
         """The D2H of the last replay's payload finishes at ``event``; that parity's next write waits."""
-        self._read_ev[1 - self.q] = event
+        self._read_ev[1 - self.parity] = event
 
 
 def make_ngram_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,

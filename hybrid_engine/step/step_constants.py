@@ -14,7 +14,7 @@ from ..sampling.sampler import SamplingTensors
 
 class StepConstants:
     def __init__(self, device: torch.device, num_spec: int):
-        self.device, self.s = device, 1 + num_spec
+        self.device, self.tokens_per_row = device, 1 + num_spec        # the widest decode row
         self._cache: dict[tuple, object] = {}
         self.empty_i64 = torch.zeros(0, dtype=torch.int64, device=device)    # [0]
         self.empty_bool = torch.zeros(0, dtype=torch.bool, device=device)    # [0]
@@ -34,15 +34,16 @@ class StepConstants:
         """[n] int64 0..n-1."""
         return self._get(("arange", n), lambda: torch.arange(n, device=self.device))
 
-    def qsl64(self, n: int, s: int | None = None) -> torch.Tensor:
-        """[n+1] int64 token offsets of n rows of s tokens (default 1+K; adaptive steps verify fewer)."""
-        s = self.s if s is None else s
-        return self._get(("qsl64", n, s), lambda: torch.arange(n + 1, device=self.device) * s)
+    def qsl64(self, n: int, tokens_per_row: int | None = None) -> torch.Tensor:
+        """[n+1] int64 token offsets of n rows of ``tokens_per_row`` tokens (default 1+K; adaptive
+        steps verify fewer)."""
+        w = self.tokens_per_row if tokens_per_row is None else tokens_per_row
+        return self._get(("qsl64", n, w), lambda: torch.arange(n + 1, device=self.device) * w)
 
-    def qsl32(self, n: int, s: int | None = None) -> torch.Tensor:
+    def qsl32(self, n: int, tokens_per_row: int | None = None) -> torch.Tensor:
         """[n+1] int32, the same offsets (attention metadata)."""
-        s = self.s if s is None else s
-        return self._get(("qsl32", n, s), lambda: self.qsl64(n, s).to(torch.int32))
+        w = self.tokens_per_row if tokens_per_row is None else tokens_per_row
+        return self._get(("qsl32", n, w), lambda: self.qsl64(n, w).to(torch.int32))
 
     def no_drafts(self, n: int) -> torch.Tensor:
         """[n, 0] int64."""
@@ -77,7 +78,7 @@ class StepScratch:
     def i64(self, name: str, n: int) -> torch.Tensor:
         """[n] int64, uninitialised: this step's buffer for ``name``."""
         key = (name, n, self._parity)
-        t = self._bufs.get(key)
-        if t is None:
-            t = self._bufs[key] = torch.empty(n, dtype=torch.int64, device=self.device)
-        return t
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = torch.empty(n, dtype=torch.int64, device=self.device)
+        return buf

@@ -8,19 +8,19 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.triton_common import FastLaunch, device_ctx, next_pow2
 
 
-@triton.jit(do_not_specialize=["n", "width", "M", "bs", "ss_r", "sd_r", "sbt_r"])
+@triton.jit(do_not_specialize=["n", "block_cols", "M", "bs", "ss_r", "sd_r", "sbt_r"])
 def _prepare_decode_kernel(
     staged_ptr, sampled_ptr, nvalid_ptr, nstart_ptr, pdrafts_ptr,
     ids_ptr, pos_ptr, smap_ptr, seqlen_ptr, bt_ptr, dslot_ptr, acc_ptr,
     start_ptr, drafts_ptr, next_ptr,
-    n, width, M, bs, ss_r, sd_r, sbt_r,
+    n, block_cols, M, bs, ss_r, sd_r, sbt_r,
     S: tl.constexpr, K: tl.constexpr, ACC: tl.constexpr, NULL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, HDR: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HDR:     # [n, W] lead the staged array (a CUDA graph replays with the n and W of each step)
         n = tl.load(staged_ptr).to(tl.int32)
-        width = tl.load(staged_ptr + 1).to(tl.int32)
+        block_cols = tl.load(staged_ptr + 1).to(tl.int32)
         staged_ptr = staged_ptr + 2
     j = tl.arange(0, BLOCK_S)
     mj = j < S
@@ -49,7 +49,7 @@ def _prepare_decode_kernel(
         tl.store(next_ptr + r + o1, start + 1, mask=real_1)
     pos = start + j                                                                # [BLOCK_S]
     bcol = pos // bs
-    blk = tl.load(staged_ptr + 2 * n + r * width + bcol, mask=real_j & mj & (bcol < width), other=0)
+    blk = tl.load(staged_ptr + 2 * n + r * block_cols + bcol, mask=real_j & mj & (bcol < block_cols), other=0)
     smap = blk * bs + pos % bs
     ids = tl.where(real_j, ids, 0)
     pos = tl.where(real_j, pos, 0)
@@ -63,14 +63,14 @@ def _prepare_decode_kernel(
     tl.store(start_ptr + r + o1, start, mask=real_1)
     for c0 in range(0, M, BLOCK_W):
         c = c0 + cols
-        v = tl.load(staged_ptr + 2 * n + r * width + c, mask=real_c & (c < width), other=0)
+        v = tl.load(staged_ptr + 2 * n + r * block_cols + c, mask=real_c & (c < block_cols), other=0)
         tl.store(bt_ptr + r * sbt_r + c, v.to(tl.int32), mask=c < M)
 
 
 _launch = FastLaunch(_prepare_decode_kernel)
 
 
-def triton_prepare_decode(staged, n, width, prev, dest, *, block_size, num_spec, start_out, drafts_out,
+def triton_prepare_decode(staged, n, block_cols, prev, dest, *, block_size, num_spec, start_out, drafts_out,
                           next_start_out, header=False) -> None:
     s, k = 1 + num_spec, num_spec
     acc = prev.sampled.shape[1] > 1          # decode_prep.gathers_accepted
@@ -85,7 +85,7 @@ def triton_prepare_decode(staged, n, width, prev, dest, *, block_size, num_spec,
             dest.input_ids, dest.positions, dest.slot_mapping, dest.seq_lens, dest.block_tables,
             dest.decode_slots, dest.num_accepted, start_out, drafts_out if k else dummy,
             next_start_out if not k else dummy,
-            n, width, M, block_size, prev.sampled.stride(0), prev.drafts.stride(0) if k else 0,
+            n, block_cols, M, block_size, prev.sampled.stride(0), prev.drafts.stride(0) if k else 0,
             dest.block_tables.stride(0),
             S=s, K=k, ACC=acc, NULL=NULL_SLOT, BLOCK_S=next_pow2(s), BLOCK_W=min(512, max(16, next_pow2(M))),
             HDR=header, num_warps=1,

@@ -115,10 +115,10 @@ def make_mtp(build) -> MTPDrafter:
               max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len, device=cfg.device)
     try:
         drafter.graphs = MTPGraphs(drafter, **kw)
-        drafter.verify_graphs = {drafter.graphs.s: drafter.graphs}
+        drafter.verify_graphs = {drafter.graphs.tokens_per_row: drafter.graphs}
         for c in draft_counts(cfg.speculative, build.num_spec):   # narrower steps (adaptive speculation)
             if 1 + c not in drafter.verify_graphs:
-                drafter.verify_graphs[1 + c] = MTPGraphs(drafter, width=1 + c, with_step=False, **kw)
+                drafter.verify_graphs[1 + c] = MTPGraphs(drafter, tokens_per_row=1 + c, with_step=False, **kw)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. an op that cannot be captured
         logger.warning("MTP drafter: eager (graph capture failed: %s: %s)", type(exc).__name__, exc)
         drafter.graphs, drafter.verify_graphs = None, {}

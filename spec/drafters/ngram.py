@@ -78,8 +78,8 @@ class NgramDrafter(Drafter):
         dev = self.device
         self._back = torch.arange(w, device=dev)         # [W] v: the v-th last token of a row
         self._v1 = torch.arange(1, w, device=dev)        # [W-1] occurrence ends v >= 1 tokens back
-        self._ar_k = torch.arange(num_spec, device=dev)  # [K]
-        self._ar_s = torch.arange(1 + num_spec, device=dev)  # [1+K]
+        self._ar_drafts = torch.arange(num_spec, device=dev)    # [K] draft index
+        self._ar_row = torch.arange(1 + num_spec, device=dev)   # [1+K] sampled-token index in a row
         self.backend = self._choose_backend(backend)
         self._kernel = None
         if self.backend == "triton":
@@ -116,9 +116,9 @@ class NgramDrafter(Drafter):
         if not self._pending:
             return
         slots = np.fromiter(self._pending.keys(), dtype=np.int64, count=len(self._pending))
-        seqs = [np.asarray(t, dtype=np.int64)[:self.max_len] for t in self._pending.values()]
+        seqs = [np.asarray(ids, dtype=np.int64)[:self.max_len] for ids in self._pending.values()]
         self._pending = {}
-        lens = np.array([len(t) for t in seqs], dtype=np.int64)
+        lens = np.array([len(ids) for ids in seqs], dtype=np.int64)
         toks = np.concatenate(seqs)
         rows = np.repeat(slots, lens)
         cols = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
@@ -131,25 +131,27 @@ class NgramDrafter(Drafter):
     # ---------------------------------------------------------------------------------------- propose
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, None]:
         self.flush()
-        k = ctx.drafts_wanted(self.num_spec)                              # the search finds K; the step verifies the first k
+        num_drafts = ctx.drafts_wanted(self.num_spec)    # the search finds K; the step verifies the first k
         if self._kernel is not None:                     # append + search in one launch
             drafts = self._kernel(self._store, self.length, ctx.slots, ctx.sampled, ctx.num_valid, ctx.input_pos)
-            return (drafts if k == self.num_spec else drafts[:, :k]), None
+            return (drafts if num_drafts == self.num_spec else drafts[:, :num_drafts]), None
         slots = ctx.slots.long()                         # [B] step row -> slot
-        a = ctx.num_valid.long()                         # [B] valid sampled tokens (0..1+K)
-        self._append(slots, ctx.sampled.long(), a, ctx.input_pos.long())
-        if not k:
+        num_valid = ctx.num_valid.long()                 # [B] valid sampled tokens (0..1+K)
+        self._append(slots, ctx.sampled.long(), num_valid, ctx.input_pos.long())
+        if not num_drafts:
             return ctx.sampled.new_empty(ctx.sampled.shape[0], 0), None
-        drafts = self._search(slots, a > 0)
-        return (drafts if k == self.num_spec else drafts[:, :k]), None
+        drafts = self._search(slots, num_valid > 0)
+        return (drafts if num_drafts == self.num_spec else drafts[:, :num_drafts]), None
 
-    def _append(self, slots: torch.Tensor, sampled: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor) -> None:
-        """Sampled token j < a of a row sits at position nxt - a + 1 + j (nxt: the last valid one)."""
-        j = self._ar_s[:sampled.shape[1]]                                   # [1+K]
-        pos = (nxt - a + 1)[:, None] + j                                     # [B, 1+K]
-        col = torch.where((j < a[:, None]) & (pos < self.max_len), pos, self.max_len)  # else scratch
+    def _append(self, slots: torch.Tensor, sampled: torch.Tensor, num_valid: torch.Tensor,
+                last_pos: torch.Tensor) -> None:
+        """slots [B], sampled [B, 1+k], num_valid [B], last_pos [B] (the position of a row's last
+        valid token): sampled token j < num_valid sits at position last_pos - num_valid + 1 + j."""
+        j = self._ar_row[:sampled.shape[1]]                                  # [1+k]
+        pos = (last_pos - num_valid + 1)[:, None] + j                        # [B, 1+k]
+        col = torch.where((j < num_valid[:, None]) & (pos < self.max_len), pos, self.max_len)  # else scratch
         self._store.index_put_((slots[:, None].expand_as(col), col), sampled)
-        new_len = torch.where(a > 0, (nxt + 1).clamp(max=self.max_len), self.length[slots])
+        new_len = torch.where(num_valid > 0, (last_pos + 1).clamp(max=self.max_len), self.length[slots])
         self.length.index_put_((slots,), new_len)
 
     def _search(self, slots: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -174,7 +176,7 @@ class NgramDrafter(Drafter):
         score = torch.where(n >= self.min_n, n * w - self._v1, -1)           # longest n, then smallest v
         best = score.amax(1)                                                 # [B]
         start = length - (-best) % w                                         # position after the occurrence
-        p = start[:, None] + self._ar_k                                      # [B, K]
+        p = start[:, None] + self._ar_drafts                                 # [B, K]
         valid = (best >= 0)[:, None] & (p < length[:, None]) & active[:, None]
         drafts = self._store[slots[:, None], p.clamp(max=self.max_len)]
         return torch.where(valid, drafts, NO_TOKEN)
@@ -183,8 +185,8 @@ class NgramDrafter(Drafter):
 def make_ngram(build) -> NgramDrafter:
     """The engine's n-gram drafter: one history row per Mamba slot (null slot included)."""
     spec = build.cfg.speculative
-    k = spec.num_speculative_tokens
+    num_spec = spec.num_speculative_tokens
     device = build.device
     # built before the runner: the drafter stages through its own H2D ring
-    return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max, num_slots=build.num_slots,
-                        max_len=build.max_model_len + 2 * (1 + k) + 1, device=device, h2d=H2D(device))
+    return NgramDrafter(num_spec, spec.prompt_lookup_min, spec.prompt_lookup_max, num_slots=build.num_slots,
+                        max_len=build.max_model_len + 2 * (1 + num_spec) + 1, device=device, h2d=H2D(device))

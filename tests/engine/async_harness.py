@@ -94,13 +94,14 @@ class Spy:
             return orig_execute(sched)
 
         def forward(fb):
-            m, s = fb.mamba, 1 + k
-            nd = m.num_decode_rows
+            m, tokens_per_row = fb.mamba, 1 + k
+            num_decode = m.num_decode_rows
             slots, acc = m.decode_slots.tolist(), m.num_accepted.tolist()
-            ids, pos = fb.input_ids[:nd * s:s].tolist(), fb.positions[:nd * s:s].tolist()
+            first_tokens = slice(0, num_decode * tokens_per_row, tokens_per_row)   # each row's first token
+            ids, pos = fb.input_ids[first_tokens].tolist(), fb.positions[first_tokens].tolist()
             # rows on the null slot are a graph bucket's padding
             self.decode[self._cur] = [(self.slot_owner[slots[i]], acc[i], ids[i], pos[i])
-                                      for i in range(nd) if slots[i] != NULL_SLOT]
+                                      for i in range(num_decode) if slots[i] != NULL_SLOT]
             return orig_forward(fb)
 
         def commit(handle, out):

@@ -1,4 +1,5 @@
-"""Fixtures of the async + spec regression tests (harness: async_harness.py)."""
+"""Fixtures of the async + spec regression tests (harness: async_harness.py) and the model the
+sampling-feature tests share (test_logits_processing.py, test_logprobs.py, test_stop_strings.py)."""
 import numpy as np
 import pytest
 
@@ -29,3 +30,10 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf12(hybrid_dir, prompts):
     return hf_greedy(hybrid_dir, prompts, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(model_dirs):
+    """A small hybrid with a tokenizer and an MTP layer (every drafter method can run on it)."""
+    return model_dirs("stop_tok", pattern="M-M*-", vocab_size=300, with_tokenizer=True, seed=2,
+                      num_nextn_predict_layers=1)

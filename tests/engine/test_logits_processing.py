@@ -13,7 +13,8 @@ import torch
 from hf_reference import NoHostSync, hf_logits
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hybrid_engine.sampling.logits_processing import LogitsProcessor, ProcessingSpec
-from hybrid_engine.spec.drafters import DRAFTERS, Drafter
+from continuation_drafter import ContinuationDrafter
+from hybrid_engine.spec.drafters import DRAFTERS
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 ARGS = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=96)
@@ -113,12 +114,6 @@ def test_processor_matches_definition_position_by_position():
 
 # ------------------------------------------------------------------------------- through the engine
 
-@pytest.fixture(scope="module")
-def tok_dir(model_dirs):
-    return model_dirs("stop_tok", pattern="M-M*-", vocab_size=300, with_tokenizer=True, seed=2,
-                      num_nextn_predict_layers=1)
-
-
 PROMPTS = ["a b a b a b a b", "the cat the cat the cat", "1 2 1 2 1 2 1 2 1"]
 MAX = 10
 
@@ -182,27 +177,6 @@ def test_greedy_spec_equals_no_spec(tok_dir, cases, method, k, async_scheduling)
     assert st["drafts_proposed"] > 0
 
 
-class _Oracle(Drafter):
-    """One-hot drafts = the given continuation (sample-and-compare verifies them)."""
-    has_probs = False
-
-    def __init__(self, k, seqs):
-        self.num_spec, self.seqs = k, seqs
-
-    def add_request(self, slot, token_ids):
-        pass
-
-    def propose(self, ctx):
-        pos = ctx.input_pos.tolist()
-        out = torch.full((len(ctx.req_ids), self.num_spec), -1, dtype=torch.int64)
-        for i, rid in enumerate(ctx.req_ids):
-            seq = self.seqs[rid]
-            for j in range(self.num_spec):
-                if pos[i] + 1 + j < len(seq):
-                    out[i, j] = seq[pos[i] + 1 + j]
-        return out.to(ctx.sampled.device), None
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])
 def test_seeded_sampling_spec_equals_no_spec(tok_dir, monkeypatch, drafter):
     """Sample-and-compare emits the no-spec token at every position, so equality holds only if the
@@ -217,7 +191,7 @@ def test_seeded_sampling_spec_equals_no_spec(tok_dir, monkeypatch, drafter):
     if drafter == "oracle":
         tok = plain_llm.tokenizer
         seqs = {f"q{i}": tok.encode(p, add_special_tokens=False) + plain[i] for i, p in enumerate(PROMPTS)}
-        monkeypatch.setitem(DRAFTERS, "ngram", lambda build: _Oracle(build.num_spec, seqs))
+        monkeypatch.setitem(DRAFTERS, "ngram", lambda build: ContinuationDrafter(build.num_spec, seqs))
     llm = LLM(tok_dir, speculative_config=SpeculativeConfig("ngram", 3), async_scheduling=True, **ARGS)
     eng = llm.engine
     reqs = [eng.make_request(p, sp, f"q{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]

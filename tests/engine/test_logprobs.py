@@ -23,12 +23,6 @@ PARAMS = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=N),
 
 
 @pytest.fixture(scope="module")
-def tok_dir(model_dirs):
-    return model_dirs("stop_tok", pattern="M-M*-", vocab_size=300, with_tokenizer=True, seed=2,
-                      num_nextn_predict_layers=1)
-
-
-@pytest.fixture(scope="module")
 def plain(tok_dir):
     llm = LLM(tok_dir, **ARGS)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -13,21 +13,15 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 from hybrid_engine import LLM, AsyncLLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.spec.drafters import DRAFTERS, Drafter
+from continuation_drafter import ContinuationDrafter
+from hybrid_engine.spec.drafters import DRAFTERS
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 ARGS = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=96)
 PROMPTS = ["hello world, streaming", "the cat sat", "a b c d e", "stop here"]
 MAX = 40
-
-
-@pytest.fixture(scope="module")
-def tok_dir(model_dirs):
-    return model_dirs("stop_tok", pattern="M-M*-", vocab_size=300, with_tokenizer=True, seed=2,
-                      num_nextn_predict_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -105,27 +99,6 @@ def test_stop_strings_with_spec_equal_no_spec(tok_dir, plain, method, k, async_s
         assert st["drafts_accepted"] > 0
 
 
-class _Oracle(Drafter):
-    """Proposes the true continuation: every draft is accepted, so tokens arrive in runs of 1 + K."""
-    has_probs = False
-
-    def __init__(self, k, seqs):
-        self.num_spec, self.seqs = k, seqs
-
-    def add_request(self, slot, token_ids):
-        pass
-
-    def propose(self, ctx):
-        pos = ctx.input_pos.tolist()
-        out = torch.full((len(ctx.req_ids), self.num_spec), -1, dtype=torch.int64)
-        for i, rid in enumerate(ctx.req_ids):
-            seq = self.seqs[rid]
-            for j in range(self.num_spec):
-                if pos[i] + 1 + j < len(seq):
-                    out[i, j] = seq[pos[i] + 1 + j]
-        return out.to(ctx.sampled.device), None
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stop_inside_a_run_of_accepted_drafts(tok_dir, plain, monkeypatch, async_scheduling):
     """K = 3 with perfect drafts: outputs come as 1 (prefill), then runs of 4. A stop string whose
@@ -135,7 +108,7 @@ def test_stop_inside_a_run_of_accepted_drafts(tok_dir, plain, monkeypatch, async
     k = 3
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
     seqs = {f"r{i}": prompt_ids[i] + toks[i] for i in range(len(PROMPTS))}
-    monkeypatch.setitem(DRAFTERS, "ngram", lambda build: _Oracle(build.num_spec, seqs))
+    monkeypatch.setitem(DRAFTERS, "ngram", lambda build: ContinuationDrafter(build.num_spec, seqs))
     # for each prompt: a stop string whose first occurrence completes at a mid-run token
     chosen = []
     for i, t in enumerate(toks):

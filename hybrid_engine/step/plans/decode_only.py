@@ -31,7 +31,7 @@ class DecodeOnlyPlan(StepPlan):
         rows = b.rows_of(req_ids)
         prev_idx = b.prev_positions(req_ids)
         require_prev(prev, prev_idx)
-        host, width = b.stage_decode(rows, prev_idx)
+        host, block_cols = b.stage_decode(rows, prev_idx)
         random_np = b.temperature[rows] > 0
         res.h2d.begin_step()
         staged_sampling = None
@@ -42,7 +42,7 @@ class DecodeOnlyPlan(StepPlan):
         staged = res.h2d.put_raw(host)
         got = res.executor.decode_dest(n, tokens_per_row)
         if got is None:
-            fb, dest = self._fresh_decode_batch(n, width, self._max_seq_len(step), tokens_per_row)
+            fb, dest = self._fresh_decode_batch(n, block_cols, self._max_seq_len(step), tokens_per_row)
         else:
             dest, fb = got
         res.scratch.next_step()
@@ -52,7 +52,7 @@ class DecodeOnlyPlan(StepPlan):
         next_start = None if k else res.scratch.i64("next_start", n)
         prev_outputs = PrevOutputs(sampled=prev.sampled, num_valid=prev.num_valid, next_start=prev.next_start,
                                    drafts=prev.drafts)
-        prepare_decode(staged, n, width, prev_outputs, dest, block_size=res.block_size, num_spec=k, start_out=start, drafts_out=drafts,
+        prepare_decode(staged, n, block_cols, prev_outputs, dest, block_size=res.block_size, num_spec=k, start_out=start, drafts_out=drafts,
                        next_start_out=next_start)
         if staged_sampling is None:
             sampling_all = sampling_decode = consts.greedy_sampling(n)
@@ -78,16 +78,17 @@ class DecodeOnlyPlan(StepPlan):
             return int(step.steady.start_pos.max()) + step.steady.num_tokens
         return max(r.start_pos + tokens_per_row for r in step.order)
 
-    def _fresh_decode_batch(self, n: int, width: int, max_seq: int,
+    def _fresh_decode_batch(self, n: int, block_cols: int, max_seq: int,
                             tokens_per_row: int) -> tuple[ForwardBatch, DecodeDest]:
-        """Eager executor: new buffers for a decode-only batch (R = N rows, width W)."""
+        """Eager executor: new buffers for a decode-only batch (R = N rows, W = block_cols block-table
+        columns)."""
         res = self.res
         dev, consts = res.device, res.consts
         e64 = lambda m: torch.empty(m, dtype=torch.int64, device=dev)  # noqa: E731
-        nt = n * tokens_per_row
-        dest = DecodeDest(input_ids=e64(nt), positions=e64(nt), slot_mapping=e64(nt),
+        num_tokens = n * tokens_per_row
+        dest = DecodeDest(input_ids=e64(num_tokens), positions=e64(num_tokens), slot_mapping=e64(num_tokens),
                           seq_lens=torch.empty(n, dtype=torch.int32, device=dev),
-                          block_tables=torch.empty(n, width, dtype=torch.int32, device=dev),
+                          block_tables=torch.empty(n, block_cols, dtype=torch.int32, device=dev),
                           decode_slots=e64(n), num_accepted=e64(n))
         fb = ForwardBatch(
             input_ids=dest.input_ids, positions=dest.positions,
