@@ -51,6 +51,8 @@ class TPGroup:
             # N processes share the host's cores: without this each takes all of them and the
             # collectives wait on oversubscribed threads (10-30x slower steps on a 2-core host)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            logger.info("tensor parallel on CPU: %d threads per rank (set OMP_NUM_THREADS to choose)",
+                        torch.get_num_threads())
         if _spent:
             raise RuntimeError("this process already ran a CUDA tensor-parallel engine that was shut down; its "
                                "NCCL communicators live until the process exits, so start the next "
@@ -74,16 +76,33 @@ class TPGroup:
 
     def _open_channel(self):
         """The shared-memory step channel (``channel.py``) when every rank runs on this host (the
-        engine's own workers; torchrun with one node), else None (messages go over gloo)."""
+        engine's own workers; torchrun with one node) and every rank could map it, else None
+        (messages go over gloo; logged). ``HYBRID_ENGINE_TP_CHANNEL=gloo`` chooses gloo."""
         from .channel import ShmChannel
-        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", self.size)) == self.size
-        if not one_host:
+        if int(os.environ.get("LOCAL_WORLD_SIZE", self.size)) != self.size:
             return None
-        if self.rank == 0:
-            channel = ShmChannel(None, readers=self.size - 1)
-            self._gloo_broadcast(channel.name)
+        if os.environ.get("HYBRID_ENGINE_TP_CHANNEL") == "gloo":      # the workers inherit it
+            return None
+        channel, error = None, None
+        try:
+            if self.rank == 0:
+                channel = ShmChannel(None, readers=self.size - 1)
+                self._gloo_broadcast(channel.name)
+            else:
+                name = self._gloo_broadcast()
+                channel = ShmChannel(name, readers=self.size - 1, reader=self.rank - 1) if name else None
+        except Exception as e:      # noqa: BLE001 - no /dev/shm here: gloo carries the messages
+            error = f"{type(e).__name__}: {e}"
+            if self.rank == 0:
+                self._gloo_broadcast(None)
+        if all(self.all_gather_object(channel is not None)):
             return channel
-        return ShmChannel(self._gloo_broadcast(), readers=self.size - 1, reader=self.rank - 1)
+        if channel is not None:
+            channel.close(unlink=self.rank == 0)
+        if self.rank == 0:
+            logger.warning("tensor parallel: step messages over gloo (no shared-memory channel: %s)",
+                           error or "a worker could not map it")
+        return None
 
     # ---- the model's collectives (inside the forward; captured by CUDA graphs on CUDA) ----
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -41,15 +41,19 @@ def test_tp2_dense_and_moe_equal_transformers(model_dirs, prompts):
              max_num_seqs=4) as llm:
         assert _tokens(llm, prompts) == want
         assert llm.engine.runner.local.model.lm_head.weight.shape[0] == 126      # ceil(251 / 2) rows
+        assert llm.engine.tp.group.channel is not None                           # messages via shared memory
 
 
-def test_tp2_replicated_kv_head_tied_embeddings(model_dirs, prompts):
+def test_tp2_replicated_kv_head_tied_embeddings(model_dirs, prompts, monkeypatch):
     """One KV head (replicated on both ranks); a config that ties the embeddings with an lm_head
-    stored beside them (the loader compares the two on each rank's rows)."""
+    stored beside them (the loader compares the two on each rank's rows). Step messages over gloo
+    (the fallback when there is no shared-memory channel)."""
+    monkeypatch.setenv("HYBRID_ENGINE_TP_CHANNEL", "gloo")
     d = model_dirs("tp_kv1", pattern="M*M-*", num_key_value_heads=1, tie_word_embeddings=True, seed=4)
     want = hf_greedy(d, prompts[:3], NEW)
     with LLM(str(d), device="cpu", tensor_parallel_size=2, async_scheduling=False) as llm:
         assert llm.engine.caches.kv.k[0].shape[-2] == 1
+        assert llm.engine.tp.group.channel is None
         assert _tokens(llm, prompts[:3]) == want
 
 
