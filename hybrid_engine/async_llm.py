@@ -39,6 +39,7 @@ import asyncio
 import logging
 import uuid
 
+from .fault_isolation import is_fatal
 from .llm import build_engine, error_output
 from .outputs import RequestOutput
 from .scheduling.request import Request
@@ -242,6 +243,9 @@ class AsyncLLM:
             except Exception as e:                          # the loop machinery itself broke
                 logger.exception("step loop failed; failing all requests")
                 self._publish(eng.fail_all(e))
+                if is_fatal(e):                             # no step can run (a lost TP rank): the loop
+                    self._end_all()                         # ends; a later request restarts it and fails
+                    return
                 continue
             self._publish(failed)
             await asyncio.sleep(0)                          # consumers / arrivals / aborts run here
@@ -253,9 +257,18 @@ class AsyncLLM:
                 raise
             except Exception as e:                          # reading it failed: its requests fail
                 touched = eng.finish_step(handle, error=e)
+                if is_fatal(e):
+                    self._publish(touched + eng.fail_all(e))
+                    self._end_all()
+                    return
             else:
                 touched = eng.finish_step(handle, out)      # a failing commit fails its step only
             self._publish(touched)
+
+    def _end_all(self) -> None:
+        """Wake every stream (the loop is ending on a fatal error: their requests have failed,
+        including those a failed launch ended before the error reached the loop)."""
+        self._publish([stream.req for stream in list(self._streams.values())])
 
     def _publish(self, reqs) -> None:
         """Wake the streams of requests that got tokens or finished; forget finished ones in the

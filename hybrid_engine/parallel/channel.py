@@ -8,7 +8,7 @@ than TP=1). Here a message is one ``memcpy`` into shared memory and a few intege
 
 Layout (int64 words, then the payload): [seq, length, crc32, reserved x5, ack of reader 0, ...].
 The writer waits until every reader acknowledged the previous message, writes the payload, its
-length and CRC, then the new ``seq``. A reader spins (5 ms, then sleeps, backing off to 0.2 ms) until
+length and CRC, then the new ``seq``. A reader spins (5 ms, then sleeps, backing off to 0.2 ms, and to 5 ms once idle for a second) until
 ``seq`` moves, copies the payload, checks its CRC (on hosts that reorder stores, a ``seq`` seen
 before its payload fails the check and is read again) and writes its ack. ``alive()`` callbacks,
 called every few ms while waiting, turn a dead peer into an error instead of a hang.
@@ -24,7 +24,8 @@ import numpy as np
 _HEADER = 8
 _SEQ, _LEN, _CRC = 0, 1, 2
 _SPIN_S = 5e-3            # busy-wait this long before sleeping (a step message is due within a step)
-_MAX_SLEEP_S = 2e-4       # then poll every 0.2 ms at most (an idle engine costs a worker little CPU)
+_MAX_SLEEP_S = 2e-4       # then poll every 0.2 ms at most while steps are due
+_IDLE_S, _IDLE_SLEEP_S = 1.0, 5e-3   # after 1 s without a message (an idle engine): every 5 ms
 _CHECK_EVERY_S = 5e-3
 
 
@@ -98,7 +99,7 @@ def _wait(ready, alive) -> None:
         now = time.monotonic()
         if now - start > _SPIN_S:
             time.sleep(sleep)
-            sleep = min(sleep * 2, _MAX_SLEEP_S)
+            sleep = min(sleep * 2, _IDLE_SLEEP_S if now - start > _IDLE_S else _MAX_SLEEP_S)
         if alive is not None and now >= next_check:
             alive()
             next_check = now + _CHECK_EVERY_S

@@ -36,6 +36,17 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def check_can_join(size: int) -> None:
+    """Raise when this process cannot form a group of ``size`` ranks (before workers start)."""
+    if _spent:
+        raise RuntimeError("this process already ran a CUDA tensor-parallel engine that was shut down; its "
+                           "NCCL communicators live until the process exits, so start the next "
+                           "tensor-parallel engine in a new process")
+    if dist.is_initialized() and dist.get_world_size() != size:
+        raise ValueError(f"tensor_parallel_size={size} but this process already belongs to a "
+                         f"torch.distributed group of {dist.get_world_size()} ranks")
+
+
 class TPGroup:
     """This process's place in the group: ``rank`` of ``size`` on ``device``; the model's
     collectives (``all_reduce``, ``all_gather_last``) and the host messages (``broadcast``,
@@ -53,15 +64,8 @@ class TPGroup:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             logger.info("tensor parallel on CPU: %d threads per rank (set OMP_NUM_THREADS to choose)",
                         torch.get_num_threads())
-        if _spent:
-            raise RuntimeError("this process already ran a CUDA tensor-parallel engine that was shut down; its "
-                               "NCCL communicators live until the process exits, so start the next "
-                               "tensor-parallel engine in a new process")
-        if dist.is_initialized():
-            if dist.get_world_size() != size:
-                raise ValueError(f"tensor_parallel_size={size} but this process already belongs to a "
-                                 f"torch.distributed group of {dist.get_world_size()} ranks")
-        else:
+        check_can_join(size)
+        if not dist.is_initialized():
             kwargs = dict(backend=backend, rank=rank, world_size=size,
                           timeout=DEVICE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT)
             if backend == "nccl":
@@ -124,9 +128,14 @@ class TPGroup:
         if self.channel is None:
             return self._gloo_broadcast(obj)
         if self.rank == 0:
-            self.channel.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), alive)
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) > self.channel.capacity:       # rare (huge prompts): an empty payload says
+                self.channel.send(b"", alive)           # "this one comes over gloo"
+                return self._gloo_broadcast(obj)
+            self.channel.send(data, alive)
             return obj
-        return pickle.loads(self.channel.recv(alive))
+        data = self.channel.recv(alive)
+        return pickle.loads(data) if data else self._gloo_broadcast()
 
     def _gloo_broadcast(self, obj=None):
         box = [obj]

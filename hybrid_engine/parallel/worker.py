@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .group import TPGroup, free_port, launched_by_torchrun
+from .group import TPGroup, check_can_join, free_port, launched_by_torchrun
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -180,6 +180,10 @@ class ParallelRunner:
     def read(self, step_id: int) -> None:
         self._ops.append(("read", step_id))
 
+    def drop_greedy_graphs(self) -> None:
+        raise RuntimeError("drop_greedy_graphs would change rank 0's plans only: not available under "
+                           "tensor parallelism")
+
     def __getattr__(self, name):            # read access to the local runner (tests, benchmarks)
         return getattr(self.local, name)
 
@@ -195,14 +199,22 @@ class MirroredHandle:
         return getattr(self._handle, name)
 
     def result(self):
-        self._runner.tp.wait(self._handle.copy_event)
-        out = self._handle.result()
+        tp = self._runner.tp
+        tp.wait(self._handle.copy_event)
+        try:
+            out = self._handle.result()
+        except Exception as e:      # reading tells the draft policy: a half-read step would leave the
+            raise tp.fail(e) from e  # workers' policy ahead of rank 0's, so it ends the engine
         self._runner.read(self._handle.sched.step_id)
         return out
 
     async def result_async(self):
-        await self._runner.tp.wait_async(self._handle.copy_event)
-        out = await self._handle.result_async()
+        tp = self._runner.tp
+        await tp.wait_async(self._handle.copy_event)
+        try:
+            out = await self._handle.result_async()
+        except Exception as e:
+            raise tp.fail(e) from e
         self._runner.read(self._handle.sched.step_id)
         return out
 
@@ -226,6 +238,7 @@ def start_tensor_parallel(cfg) -> TensorParallel | None:
             serve(cfg, group)
             sys.exit(0)
         return TensorParallel(cfg, group, None)
+    check_can_join(size)                 # before any worker starts: nothing to clean up on refusal
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                           wait_for_workers=False)
@@ -248,7 +261,12 @@ def start_tensor_parallel(cfg) -> TensorParallel | None:
                                f"(HYBRID_ENGINE_TP_STARTUP_S)")
         time.sleep(0.02)
     logger.info("tensor parallel: started %d worker process(es) (pids %s)", size - 1, [p.pid for p in procs])
-    return TensorParallel(cfg, TPGroup(0, size, device, store=store), procs)
+    try:
+        group = TPGroup(0, size, device, store=store)
+    except BaseException:
+        _kill(procs)
+        raise
+    return TensorParallel(cfg, group, procs)
 
 
 def _kill(procs) -> None:

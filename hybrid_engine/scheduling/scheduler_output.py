@@ -82,6 +82,13 @@ class SchedulerOutput:
     num_spec: int                    # K: placeholder drafts per decode row
     decode: DecodeRows | None = None # a steady step's decode rows (first in step order)
 
+    def __getstate__(self):
+        """Pickled (tensor-parallel step messages) without the cached ``rows``: they repeat
+        ``decode``'s columns and are rebuilt on first use."""
+        state = dict(self.__dict__)
+        state.pop("rows", None)
+        return state
+
     @cached_property
     def rows(self) -> tuple[ScheduledRow, ...]:
         """All rows of the step in scheduling order (built from ``decode`` on first use)."""

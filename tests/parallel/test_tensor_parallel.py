@@ -199,3 +199,49 @@ def test_torchrun_launch(model_dirs, tmp_path):
 def _free_port() -> int:
     from hybrid_engine.parallel.group import free_port
     return free_port()
+
+
+def test_shm_channel_round_trips_and_refuses_oversized_messages():
+    """The step mailbox: messages arrive in order (the writer waits for the reader's ack of the
+    previous one), an empty payload (the "over gloo" marker) round-trips, too big is a ValueError."""
+    from hybrid_engine.parallel.channel import ShmChannel
+    writer = ShmChannel(None, readers=2, size=4096)
+    readers = [ShmChannel(writer.name, readers=2, reader=i) for i in range(2)]
+    try:
+        for msg in (b"step-1", b"", bytes(range(256)) * 10):
+            writer.send(msg)
+            assert [r.recv() for r in readers] == [msg, msg]
+        with pytest.raises(ValueError, match="exceeds"):
+            writer.send(b"x" * (writer.capacity + 1))
+    finally:
+        for r in readers:
+            r.close()
+        writer.close(unlink=True)
+
+
+def test_killed_worker_fails_async_streams(model_dirs, prompts):
+    """AsyncLLM: a dead worker ends the step loop; the streams end with an error naming it."""
+    import asyncio
+    from hybrid_engine import AsyncLLM
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    eng = AsyncLLM(str(d), device="cpu", tensor_parallel_size=2)
+
+    async def stream(p):
+        last = None
+        async for last in eng.generate(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
+            pass
+        return last
+
+    async def main():
+        first = await stream(prompts[0][:3])                     # the engine works
+        os.kill(eng.engine.tp.procs[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        ends = await asyncio.gather(*[stream(p) for p in prompts[:2]])
+        return first, ends, time.monotonic() - t0
+    try:
+        first, ends, took = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert first.error is None
+    assert all(o.finished and o.outputs[0].finish_reason == "error" and "worker rank 1" in o.error for o in ends)
+    assert took < 10
