@@ -228,7 +228,7 @@ def test_killed_worker_fails_async_streams(model_dirs, prompts):
 
     async def stream(p):
         last = None
-        async for last in eng.generate(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
+        async for last in eng.generate(p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)):
             pass
         return last
 
