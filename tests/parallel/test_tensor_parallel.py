@@ -245,3 +245,24 @@ def test_killed_worker_fails_async_streams(model_dirs, prompts):
     assert first.error is None
     assert all(o.finished and o.outputs[0].finish_reason == "error" and "worker rank 1" in o.error for o in ends)
     assert took < 10
+
+
+def test_tp2_fp8_quantized_at_load(model_dirs, prompts):
+    """quantization="fp8" under TP=2: each rank quantizes its share after loading it. Rank 0's
+    row-parallel out_proj dequantizes to its columns of the checkpoint's weight (to FP8 rounding),
+    and the engine generates. (Tokens are not compared with TP=1's FP8: a row-parallel layer's
+    per-channel scales cover the rank's columns only, so the quantized weights differ, and a
+    near-tie flipped one token of 16 here.)"""
+    from safetensors import safe_open
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    with LLM(str(d), device="cpu", quantization="fp8", tensor_parallel_size=2) as llm:
+        proj = llm.engine.runner.local.model.backbone.layers[0].mixer.out_proj
+        assert type(proj).__name__ == "Fp8Linear"
+        deq = proj.weight.float() * proj.weight_scale.float().reshape(-1, 1)
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            name = next(k for k in f.keys() if k.endswith("layers.0.mixer.out_proj.weight"))
+            full = f.get_tensor(name).float()
+        mine = full[:, :full.shape[1] // 2]                           # rank 0's columns
+        assert deq.shape == mine.shape
+        assert torch.allclose(deq, mine, rtol=0.07, atol=1e-3 * float(mine.abs().max()))
+        assert all(len(t) == 8 for t in _tokens(llm, prompts[:2], 8))
