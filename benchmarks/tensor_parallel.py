@@ -18,6 +18,7 @@ rank 0 to a worker: over gloo ``broadcast_object_list`` and over the shared-memo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -95,8 +96,6 @@ def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fr
         rows.append(dict(tp=tp, batch=b, step_ms=step * 1e3, tok_s=b / step, build_s=build_s))
         print(f"TP={tp} batch {b}: {step * 1e3:.3f} ms/step, {b / step:.1f} tok/s", flush=True)
     llm.shutdown()
-    del llm
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -155,7 +154,8 @@ def _message():
             "blocks": np.arange(64 * 8), "t": 0.0}
 
 
-def channel_worker(kind: str, rank: int, port: int, name: str | None, n: int) -> None:
+def channel_worker(kind: str, rank: int, port: int, name: str | None, n: int, writer=None) -> None:
+    """One side of the latency test: rank 0 writes (through ``writer`` for shm), rank 1 reads."""
     import pickle
     import torch.distributed as dist
     from hybrid_engine.parallel.channel import ShmChannel
@@ -168,7 +168,7 @@ def channel_worker(kind: str, rank: int, port: int, name: str | None, n: int) ->
             msg = _message()
             msg["t"] = time.perf_counter()
             if kind == "shm":
-                CH.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                writer.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
             else:
                 dist.broadcast_object_list([msg], src=0)
             time.sleep(0.002)                          # one message per "step"
@@ -189,8 +189,6 @@ def channel_worker(kind: str, rank: int, port: int, name: str | None, n: int) ->
     dist.destroy_process_group()
 
 
-CH = None
-
 
 def channel_rows(out: Path, n: int = 300) -> None:
     """Step-message latency, rank 0 -> worker, for gloo and the shared-memory channel (CPU)."""
@@ -198,21 +196,20 @@ def channel_rows(out: Path, n: int = 300) -> None:
     from benchmarks.common import save_json as _save
     from hybrid_engine.parallel.channel import ShmChannel
     from hybrid_engine.parallel.group import free_port
-    global CH
     rows = []
     for kind in ("gloo", "shm"):
         port = free_port()
-        CH = ShmChannel(None, readers=1) if kind == "shm" else None
+        writer = ShmChannel(None, readers=1) if kind == "shm" else None
         code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
                 f"from benchmarks.tensor_parallel import channel_worker; "
-                f"channel_worker({kind!r}, 1, {port}, {CH.name if CH else None!r}, {n})")
+                f"channel_worker({kind!r}, 1, {port}, {writer.name if writer else None!r}, {n})")
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        channel_worker(kind, 0, port, None, n)
+        channel_worker(kind, 0, port, None, n, writer)
         line = p.communicate(timeout=120)[0].strip().splitlines()[-1]
         rows.append(json.loads(line))
         print(line, flush=True)
-        if CH is not None:
-            CH.close(unlink=True)
+        if writer is not None:
+            writer.close(unlink=True)
     _save(out / "tp-channel.json", rows)
 
 
@@ -242,6 +239,8 @@ def main() -> int:
     rows = []
     for tp in args.tp:
         rows += decode_rows(folder, tp, args.batches, args.prompt_len, args.gen, args.kv_fraction)
+        gc.collect()                      # the engine is gone: give its memory back before the next
+        torch.cuda.empty_cache()
     base = {r["batch"]: r["tok_s"] for r in rows if r["tp"] == 1}
     for r in rows:
         if r["batch"] in base:

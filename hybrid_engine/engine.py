@@ -13,7 +13,6 @@ import weakref
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .attention import blocks_needed
 from .config import EngineConfig
