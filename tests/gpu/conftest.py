@@ -10,8 +10,10 @@ The split lives in one table, ``DEFAULT_TIER`` below, instead of marks spread ov
 sweep's case stays in the default tier when its rule says so, and is marked ``slow`` otherwise.
 Tests not named in the table are default-tier unless they mark themselves slow.
 """
-import sys
+import gc
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,27 @@ def pytest_collection_modifyitems(config, items):
         keep = [it for k, it in enumerate(items) if k % n == i]
         config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
         items[:] = keep
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_gpu_memory_after_module():
+    """``run_all.sh`` runs the default tier as several pytest processes on one GPU, and an engine
+    sizes its KV cache from the device's free memory: hand each module's cached blocks back so the
+    other processes see them (and every module starts from the same free memory)."""
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pytest_runtest_logreport(report):
+    """``HYBRID_ENGINE_TEST_TIMES=path``: append "seconds phase:outcome nodeid" per test as it ends
+    (and per slow or failed setup/teardown),
+    so a run stopped by a time limit still says which tests took the time."""
+    path = os.environ.get("HYBRID_ENGINE_TEST_TIMES")
+    if path and (report.when == "call" or report.outcome != "passed" or report.duration > 1.0):
+        with open(path, "a") as f:
+            f.write(f"{report.duration:8.2f} {report.when}:{report.outcome} {report.nodeid} @{time.time():.0f}\n")
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
