@@ -85,6 +85,24 @@ def hf_dt_values(model_dir, token_ids: list[int]) -> torch.Tensor:
 from hybrid_engine.evaluation import prefill_hidden as engine_prefill_hidden  # noqa: E402,F401
 
 
+_GATED_NORM_CLASSES = {"bamba": ("bamba", "BambaRMSNormGated"),
+                       "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridRMSNormGated")}
+
+
+@functools.lru_cache(maxsize=None)
+def hf_groups_the_gated_norm(model_type: str) -> bool:
+    """Whether the installed transformers normalizes ``model_type``'s gated RMSNorm per group of the
+    Mamba width, as Mamba2 defines it (and the engine does). Older transformers releases (5.17, on
+    our GPU machine) normalized Bamba's and Granite-4.0-H's over the whole width even with
+    ``mamba_n_groups > 1``: there, their references of a grouped model are not the model, so the
+    tests build those families with one group (where the two readings agree)."""
+    import importlib
+    import inspect
+    module, cls = _GATED_NORM_CLASSES[model_type]
+    norm = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    return "group_size" in inspect.signature(norm.__init__).parameters
+
+
 class NoHostSync(torch.overrides.TorchFunctionMode):
     """Test guard: fails on any tensor operation that would read device data back to the host
     (works on CPU tensors too, so CI checks the step path's no-sync rule without a GPU)."""

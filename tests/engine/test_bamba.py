@@ -7,11 +7,12 @@ import json
 import pytest
 
 import family_checks as fc
+from hf_reference import hf_groups_the_gated_norm
 from hybrid_engine.config import ATTENTION, MAMBA, ModelConfig
 from hybrid_engine.models.synthetic import make_family_model
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=[1, 3],
-            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_n_groups=2 if hf_groups_the_gated_norm("bamba") else 1, mamba_d_state=16,
             mamba_d_conv=4, mamba_chunk_size=16, attention_bias=True, mamba_proj_bias=True, mlp_bias=True)
 
 

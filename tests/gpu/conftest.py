@@ -94,6 +94,22 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+# An engine sizes its KV cache as a fraction of the device's free memory (half, by default): with
+# several pytest processes on one GPU (run_all.sh) the first engine would take ~40 GB and a later
+# one in another process could run out of memory. The test models are tiny: cap each engine's KV
+# budget instead (it also spares every engine of zeroing tens of GB).
+KV_BUDGET_CAP_BYTES = 4 << 30
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _capped_kv_budget():
+    from hybrid_engine import device_side
+    uncapped = device_side._kv_budget
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_side, "_kv_budget", lambda cfg: min(uncapped(cfg), KV_BUDGET_CAP_BYTES))
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_gpu_memory_after_module():
     """``run_all.sh`` runs the default tier as several pytest processes on one GPU, and an engine
