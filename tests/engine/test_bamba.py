@@ -12,7 +12,8 @@ from hybrid_engine.config import ATTENTION, MAMBA, ModelConfig
 from hybrid_engine.models.synthetic import make_family_model
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=[1, 3],
-            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_n_groups=2 if hf_groups_the_gated_norm("bamba") else 1, mamba_d_state=16,
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+            mamba_n_groups=2 if hf_groups_the_gated_norm("bamba") else 1, mamba_d_state=16,
             mamba_d_conv=4, mamba_chunk_size=16, attention_bias=True, mamba_proj_bias=True, mlp_bias=True)
 
 
@@ -41,7 +42,7 @@ def test_config_maps_to_the_engine(bamba_dir):
     cfg = ModelConfig.from_json(bamba_dir)
     assert cfg.model_type == "bamba" and cfg.layer_types == (MAMBA, ATTENTION, MAMBA, ATTENTION)
     assert cfg.mamba_layer_ids == (0, 2) and cfg.attention_layer_ids == (1, 3)
-    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size) == (8, 16, 2, 16)
+    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size) == (8, 16, TINY["mamba_n_groups"], 16)
     assert cfg.rotary_dim == 8 and cfg.rope_theta == 10000.0          # partial_rotary_factor 0.5 of 16
 
 

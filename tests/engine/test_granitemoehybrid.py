@@ -14,7 +14,8 @@ from hybrid_engine.models.synthetic import make_family_model
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
             layer_types=["mamba", "attention", "mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
-            mamba_n_heads=8, mamba_n_groups=2 if hf_groups_the_gated_norm("granitemoehybrid") else 1, mamba_d_state=16, mamba_chunk_size=16, num_local_experts=4,
+            mamba_n_heads=8,
+            mamba_n_groups=2 if hf_groups_the_gated_norm("granitemoehybrid") else 1, mamba_d_state=16, mamba_chunk_size=16, num_local_experts=4,
             num_experts_per_tok=2, position_embedding_type="rope", embedding_multiplier=1.5,
             residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=0.8)
 
