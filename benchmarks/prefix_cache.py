@@ -6,7 +6,9 @@ Workload (closed loop): ``--conversations`` concurrent conversations share one s
 earlier user turns + the replies generated) plus a new user message of ``--user-len`` tokens
 (uniform in [lo, hi]); the reply is ``--reply-len`` greedy tokens; a conversation sends its next
 turn as soon as the previous reply finishes. A second scenario with no sharing at all (random
-prompts of the same lengths) checks that caching costs no throughput where it cannot hit.
+prompts of the same lengths) checks that caching costs no throughput where it cannot hit. A third,
+``single``, sends the system prompt plus one new user message one request at a time: the TTFT of a
+shared prefix without queueing behind other conversations.
 
     # H100, the Nemotron-H-8B shape with random bf16 weights (~6-8 minutes):
     python benchmarks/prefix_cache.py --shape 8b --out $OUT
@@ -90,6 +92,22 @@ def run_nosharing(engine, args, rng, vocab):
     return drive(engine, lambda r: None, reqs)
 
 
+def run_single(engine, args, rng, vocab):
+    """One request at a time (no queueing in the TTFT): the shared system prompt plus a fresh user
+    message of --user-len's upper bound, one output token, --single-requests times. The first
+    request computes the prefix either way and is left out; with caching the others restore it."""
+    system = rng.integers(3, vocab, args.system_len).tolist()
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    done = []
+    for i in range(args.single_requests):
+        user = rng.integers(3, vocab, args.user_len[1]).tolist()
+        done += drive(engine, lambda r: None, [engine.make_request(system + user, sp, f"s{i}")])
+    return done[1:]
+
+
+SCENARIOS = {"chat": run_chat, "nosharing": run_nosharing, "single": run_single}
+
+
 def summarize(done, wall, engine):
     ttft = np.array([r.metrics.first_token_time - r.metrics.arrival_time for r in done]) * 1e3
     st = engine.stats(expert_load=False)
@@ -119,7 +137,8 @@ def main():
     ap.add_argument("--reply-len", type=int, default=64)
     ap.add_argument("--nosharing-requests", type=int, default=64)
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 2], help="MTP draft counts to run (0: none)")
-    ap.add_argument("--scenarios", nargs="+", default=["chat", "nosharing"], choices=["chat", "nosharing"])
+    ap.add_argument("--single-requests", type=int, default=9, help="requests of the 'single' scenario")
+    ap.add_argument("--scenarios", nargs="+", default=["chat", "nosharing", "single"], choices=list(SCENARIOS))
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--checkpoint-interval", type=int, default=64, help="blocks between Mamba checkpoints")
@@ -155,7 +174,7 @@ def main():
                 rng = np.random.default_rng(0)
                 _sync(args.device)
                 t0 = time.perf_counter()
-                done = (run_chat if scenario == "chat" else run_nosharing)(engine, args, rng, vocab)
+                done = SCENARIOS[scenario](engine, args, rng, vocab)
                 _sync(args.device)
                 row = dict(scenario=scenario, mtp=k, caching=on, **summarize(done, time.perf_counter() - t0, engine))
                 results.append(row)
