@@ -18,7 +18,7 @@ from hybrid_engine.models.synthetic import make_family_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_bamba import TINY as BAMBA  # noqa: E402
 from test_falcon_h1 import TINY as FALCON  # noqa: E402
-from test_granitemoehybrid import TINY as GRANITE  # noqa: E402
+from test_granitemoehybrid import TINY as GRANITE, bf16_errors_routed_as_float32  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -74,9 +74,15 @@ def test_async_steps_never_sync_the_host(dirs, prompts, name):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_bf16_prefill_logits_near_transformers(dirs, name):
+    """Granite: routed as transformers float32 routes (a near-tie of two router logits flips an
+    expert in any bf16 run, ours or transformers', at random: test_granitemoehybrid)."""
     from hf_reference import engine_prefill_hidden, hf_logits
-    llm = LLM(dirs[name], dtype="bfloat16", device="cuda", max_num_seqs=2)
     ids = np.random.default_rng(2).integers(3, 256, 41).tolist()
+    if name == "granitemoehybrid":
+        ours, theirs = bf16_errors_routed_as_float32(dirs[name], ids, device="cuda")
+        assert ours < 0.15, (ours, theirs)                  # as below; theirs: transformers' bf16
+        return
+    llm = LLM(dirs[name], dtype="bfloat16", device="cuda", max_num_seqs=2)
     with torch.inference_mode():
         ours = llm.engine.model.compute_logits(engine_prefill_hidden(llm, ids)).float().cpu()
     ref = hf_logits(dirs[name], ids)
