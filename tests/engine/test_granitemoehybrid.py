@@ -2,10 +2,14 @@
 by the engine: exact greedy equality with transformers float32 (O(1)-scale weights; softmax top-k
 router, SwiGLU experts with merged gate/up weights, shared MLP; every Granite multiplier away from
 1; RoPE on and off; the dense variant without experts; tied embeddings), chunked prefill, async
-scheduling, n-gram and draft-model speculation, and clear errors for what is not implemented."""
+scheduling, n-gram and draft-model speculation, clear errors for what is not implemented, and
+bfloat16 prefill logits as close to float32 as transformers' own bfloat16 run."""
 import json
+from unittest import mock
 
+import numpy as np
 import pytest
+import torch
 
 import family_checks as fc
 from hf_reference import hf_groups_the_gated_norm
@@ -68,6 +72,63 @@ def test_spec_decoding_equals_transformers(make, ps, ref, method):
     draft = make("draft", seed=2, num_hidden_layers=2, layer_types=["mamba", "attention"])
     got = fc.engine_tokens(make("main"), ps, async_scheduling=True, speculative_config=fc.spec(method, draft))
     assert got == ref
+
+
+def bf16_errors_routed_as_float32(model_dir, ids: list[int], device: str = "cpu") -> tuple[float, float]:
+    """(ours, transformers'): max|bf16 logits - float32 transformers logits| / max|float32 logits|
+    of one prefill of ``ids``, with every MoE layer of both bf16 runs routed to the experts that
+    the float32 run chose (routing weights still from each run's own router logits). Where two
+    router logits lie closer than bf16 resolves, any bf16 run, ours or transformers', may pick
+    either expert, which moves that token's logits by 5-25%: which run draws such a flip on a
+    given prompt is chance (both flip equally often over many prompts), so a comparison of one
+    prompt's unforced errors measures that draw, not numerics."""
+    from hf_reference import engine_prefill_hidden, hf_logits, load_hf
+    from transformers import AutoModelForCausalLM
+
+    import hybrid_engine.models.granitemoehybrid as granite
+    from hybrid_engine import LLM
+    from hybrid_engine.models.synthetic import _quiet_transformers
+
+    choices: list[torch.Tensor] = []                    # [T, k] experts of each layer, float32 run
+    hooks = [layer.block_sparse_moe.router.register_forward_hook(lambda _m, _a, out: choices.append(out[2]))
+             for layer in load_hf(model_dir).model.layers]
+    try:
+        ref = hf_logits(model_dir, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def hf_router(_m, args, out):                      # transformers' router with the experts given
+        logits, idx = out[0], next(hf_forced).to(out[0].device)
+        return logits, torch.softmax(logits.gather(1, idx), dim=-1).type_as(args[0]), idx
+
+    def our_route(logits, bias, spec, counts=None, valid=None):   # moe_ops.route with the experts given
+        idx = next(our_forced).to(logits.device)
+        return idx.to(torch.int32), torch.softmax(logits.float().gather(1, idx), dim=-1) * spec.scale
+
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
+    for layer in model.model.layers:
+        layer.block_sparse_moe.router.register_forward_hook(hf_router)
+    hf_forced = iter(choices)
+    with torch.no_grad(), _quiet_transformers():
+        theirs = model(torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
+    llm = LLM(model_dir, dtype="bfloat16", device=device, max_num_seqs=2)
+    our_forced = iter(choices)
+    with torch.inference_mode(), mock.patch.object(granite, "route", our_route):
+        ours = llm.engine.model.compute_logits(engine_prefill_hidden(llm, ids)).float().cpu()
+    assert next(hf_forced, None) is None and next(our_forced, None) is None   # every layer routed
+    scale = ref.abs().max().item()
+    return (ours - ref).abs().max().item() / scale, (theirs - ref).abs().max().item() / scale
+
+
+def test_bf16_prefill_logits_as_close_as_transformers_bf16(make):
+    """Our bfloat16 numerics (multipliers, norms, residual stream, Mamba, attention, router weights,
+    experts) lose no more than transformers' bfloat16 run does, both against transformers float32,
+    routed as float32 (``bf16_errors_routed_as_float32``)."""
+    ids = np.random.default_rng(2).integers(3, 256, 41).tolist()
+    ours, theirs = bf16_errors_routed_as_float32(make("main"), ids)
+    assert 0 < theirs < 0.05 and ours <= 1.5 * theirs + 0.002, (ours, theirs)
 
 
 def test_expert_load_is_counted(make):
