@@ -4,14 +4,16 @@
 #   bash tests/gpu/run_all.sh default    # one tier (default | cuda | slow), or several
 # Tiers:
 #   default  python -m pytest -m "gpu and not slow" tests/gpu      kernels, graphs, no-sync checks
-#            (run as HYBRID_ENGINE_GPU_JOBS=3 shards in parallel on the one GPU; logs default.<i>.log)
 #   cuda     HYBRID_ENGINE_TEST_DEVICE=cuda python -m pytest -m "not gpu"   the CPU suite on CUDA
 #   slow     python -m pytest -m "gpu and slow" tests/gpu          the exhaustive kernel sweeps
-# The slow tier takes about 35 min on one H100 (161 of its tests ran in 570 s on 2026-11-24); split it
-# over several calls with HYBRID_ENGINE_GPU_SHARD=i/n (keeps every n-th test from the i-th, 0 <= i < n):
-#   HYBRID_ENGINE_GPU_SHARD=0/4 bash tests/gpu/run_all.sh slow   ...   HYBRID_ENGINE_GPU_SHARD=3/4 ...
-# The default tier's shards list their 15 slowest tests each, the slow tier its 40 slowest (what to
-# move out of the default tier); HYBRID_ENGINE_TEST_TIMES=file also logs every test's time as it ends.
+# The default and slow tiers run as HYBRID_ENGINE_GPU_JOBS (3) pytest processes in parallel on the
+# one GPU (logs <tier>.<j>.log): the default tier took 5 min 5 s on a fresh H100 (2026-11-25), its
+# tests ~13 min one after another. The slow tier's tests take ~35-40 min one after another; split it
+# over several calls with HYBRID_ENGINE_GPU_SHARD=i/n (every n-th test from the i-th, 0 <= i < n;
+# it composes with the parallel processes):
+#   HYBRID_ENGINE_GPU_SHARD=0/2 bash tests/gpu/run_all.sh slow   then   HYBRID_ENGINE_GPU_SHARD=1/2 ...
+# Each process lists its 15 slowest tests; HYBRID_ENGINE_TEST_TIMES=file also logs every test's time
+# as it ends (what to move out of the default tier, even from a run stopped by a time limit).
 # tests/gpu/test_tensor_parallel_cuda.py needs 2 GPUs (skipped on one; ~6 min on nvidia-h100-x2).
 # Logs go to ${LOG_DIR:-/tmp/hybrid-engine-gpu-tests}/<tier>.log; exit status is non-zero if any
 # tier failed. CI runs the CPU suite only (python -m pytest -m "not gpu").
@@ -21,46 +23,51 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG_DIR=${LOG_DIR:-/tmp/hybrid-engine-gpu-tests}
 JOBS=${HYBRID_ENGINE_GPU_JOBS:-3}
 mkdir -p "$LOG_DIR"
-rm -f "$LOG_DIR"/default.*.log
+rm -f "$LOG_DIR"/default.[0-9]*.log "$LOG_DIR"/slow.[0-9]*.log
 tiers=("$@")
 [ ${#tiers[@]} -eq 0 ] && tiers=(default cuda slow)
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: the GPU tiers need one')" || exit 2
 summary=()
 status=0
-run_default_in_parallel() {
-  # the default tier as $JOBS pytest processes on the one GPU (HYBRID_ENGINE_GPU_SHARD=i/JOBS each):
-  # most of its time is Triton compiling and engines capturing graphs, which is host work
-  local pids=() i rc=0
-  for ((i = 0; i < JOBS; i++)); do
-    HYBRID_ENGINE_GPU_SHARD=$i/$JOBS python -m pytest -q -p no:cacheprovider --durations=15 \
-      -m "gpu and not slow" tests/gpu > "$LOG_DIR/default.$i.log" 2>&1 &
+run_in_parallel() {
+  # run_in_parallel TIER MARKEXPR: the tier as $JOBS pytest processes on the one GPU, each with its
+  # own HYBRID_ENGINE_GPU_SHARD (most of a GPU tier's time is Triton compiling and engines capturing
+  # graphs: host work). An outer HYBRID_ENGINE_GPU_SHARD=i/n (a tier split over several calls)
+  # composes: process j runs shard (i + n*j)/(n*JOBS), so the JOBS processes together run shard i/n.
+  local tier=$1 marks=$2 pids=() j rc=0 outer_i=0 outer_n=1
+  if [ -n "${HYBRID_ENGINE_GPU_SHARD:-}" ]; then
+    outer_i=${HYBRID_ENGINE_GPU_SHARD%/*}; outer_n=${HYBRID_ENGINE_GPU_SHARD#*/}
+  fi
+  for ((j = 0; j < JOBS; j++)); do
+    HYBRID_ENGINE_GPU_SHARD=$((outer_i + outer_n * j))/$((outer_n * JOBS)) \
+      python -m pytest -q -p no:cacheprovider --durations=15 -m "$marks" tests/gpu > "$LOG_DIR/$tier.$j.log" 2>&1 &
     pids+=($!)
   done
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || rc=1
-    echo "-- default shard $i/$JOBS: $(grep -E '(passed|failed|error)' "$LOG_DIR/default.$i.log" | tail -1)"
+  for j in "${!pids[@]}"; do
+    wait "${pids[$j]}" || rc=1
+    echo "-- $tier process $j/$JOBS: $(grep -E ' in [0-9.]+s' "$LOG_DIR/$tier.$j.log" | tail -1)"
   done
-  cat "$LOG_DIR"/default.*.log > "$LOG_DIR/default.log"
-  grep -E '^(FAILED|ERROR) ' "$LOG_DIR/default.log"
+  cat "$LOG_DIR/$tier".[0-9]*.log > "$LOG_DIR/$tier.log"
+  grep -E '^(FAILED|ERROR) ' "$LOG_DIR/$tier.log"
   return $rc
 }
 
 for tier in "${tiers[@]}"; do
   case "$tier" in
-    default) cmd=(run_default_in_parallel) ;;
+    default) cmd=(run_in_parallel default "gpu and not slow") ;;
     cuda)    cmd=(env HYBRID_ENGINE_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -m "not gpu") ;;
-    slow)    cmd=(python -m pytest -q -p no:cacheprovider --durations=40 -m "gpu and slow" tests/gpu) ;;
+    slow)    cmd=(run_in_parallel slow "gpu and slow") ;;
     *) echo "unknown tier '$tier' (default | cuda | slow)" >&2; exit 2 ;;
   esac
   echo "== $tier: ${cmd[*]}"
   t0=$(date +%s)
-  if [ "$tier" = default ]; then
+  if [ "$tier" != cuda ]; then
     "${cmd[@]}"; rc=$?
-    totals=$(python - "$LOG_DIR" <<'PY'
+    totals=$(python - "$LOG_DIR" "$tier" <<'PY'
 import re, sys, pathlib
 n = {}
-for f in sorted(pathlib.Path(sys.argv[1]).glob("default.[0-9]*.log")):
-    lines = [l for l in f.read_text().splitlines() if re.search(r"(passed|failed|error)", l)]
+for f in sorted(pathlib.Path(sys.argv[1]).glob(f"{sys.argv[2]}.[0-9]*.log")):
+    lines = [l for l in f.read_text().splitlines() if re.search(r" in [0-9.]+s", l)]
     for k, v in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", lines[-1] if lines else ""):
         n[v] = n.get(v, 0) + int(k)
 print(", ".join(f"{v} {k}" for k, v in n.items()) or "no result")
