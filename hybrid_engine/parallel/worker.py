@@ -165,7 +165,7 @@ class ParallelRunner:
 
     def execute(self, sched):
         ops, self._ops = tuple(self._ops), []
-        self.tp.send(StepMessage(ops=ops, sched=sched))
+        self.tp.send(StepMessage(ops=ops, sched=sched.for_workers()))
         try:
             handle = self.local.execute(sched)
         except Exception as e:

@@ -1,7 +1,7 @@
 """Typed hand-offs between the scheduler and the runner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -59,7 +59,9 @@ class DecodeRows:
     epochs: np.ndarray               # [n] int64
     start_pos: np.ndarray            # [n] int64 upper bounds (as ScheduledRow.start_pos)
     num_tokens: int                  # 1 + K
-    block_ids: tuple[list[int], ...] # each request's live block list (only grows while it runs)
+    block_ids: tuple[list[int], ...] # each request's live block list (only grows while it runs); in a
+                                     # tensor-parallel worker's copy of a steady step, None for rows
+                                     # not in ``grown`` (SchedulerOutput.for_workers)
     grown: tuple[int, ...]           # rows (indices into req_ids) whose blocks grew this step
     table_rows: np.ndarray           # [n] int64 rows of the scheduler's RunningTable
     table_version: int               # RunningTable.version when scheduled (rows valid while equal)
@@ -88,6 +90,18 @@ class SchedulerOutput:
         state = dict(self.__dict__)
         state.pop("rows", None)
         return state
+
+    def for_workers(self) -> SchedulerOutput:
+        """This step as the other tensor-parallel ranks need it. A steady step's runner reads only
+        the block lists of the ``grown`` rows (``ModelRunner._update_batch``), so the others are
+        sent as None: at 256 rows of 128k tokens the whole lists are ~2M ids (~10 MB pickled) per
+        step, the grown ones ~1/16 of that. Other steps go whole."""
+        d = self.decode
+        if d is None or self.other_rows or self.new_requests or self.removed_req_ids:
+            return self
+        grown = set(d.grown)
+        blocks = tuple(b if i in grown else None for i, b in enumerate(d.block_ids))
+        return replace(self, decode=replace(d, block_ids=blocks))
 
     @cached_property
     def rows(self) -> tuple[ScheduledRow, ...]:

@@ -123,12 +123,17 @@ class InputBatch:
         self.req_id_to_row[req_id] = dst
         self.layout_version += 1
 
-    def set_blocks(self, row: int, block_ids: tuple[int, ...]) -> None:
-        n = len(block_ids)
-        if n != self.num_blocks[row]:
+    def set_blocks(self, row: int, block_ids) -> None:
+        """The row's block list is now ``block_ids`` (a sequence of n ids). A running request's list
+        only grows (blocks are appended; a preempted request comes back in a fresh row), so only
+        the ids past the ``num_blocks[row]`` already written are copied: a long-context row would
+        otherwise rewrite its whole list (8192 ids at 128k tokens: ~180 us) each time it grows."""
+        n, old = len(block_ids), int(self.num_blocks[row])
+        if n != old:
             if n > self.block_table.shape[1]:
                 raise RuntimeError(f"request needs {n} blocks > table width {self.block_table.shape[1]}")
-            self.block_table[row, :n] = block_ids
+            start = old if n > old else 0            # (a shorter list: written whole)
+            self.block_table[row, start:n] = block_ids[start:n]
             self.num_blocks[row] = n
 
     def rows_of(self, req_ids: tuple[str, ...]) -> np.ndarray:

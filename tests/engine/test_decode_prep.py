@@ -105,3 +105,31 @@ def test_stage_decode_layout_with_and_without_header():
     assert w == 2 and host.tolist() == [1, 0, 7, 5, 31, 32, 11, 0]
     hdr, w2 = b.stage_decode(rows, prev, header=True)
     assert w2 == 2 and hdr.tolist() == [2, 2] + host.tolist()
+
+
+def test_set_blocks_writes_only_the_new_tail_and_a_reused_row_starts_clean():
+    """InputBatch.set_blocks copies only the ids past those already written (a running request's
+    list only grows): the table row equals the whole list through growth, a shorter list is written
+    whole, and a row given to another request starts clean."""
+    from hybrid_engine.sampling_params import SamplingParams
+    from hybrid_engine.scheduling.scheduler_output import NewRequestData
+    from hybrid_engine.step.input_batch import InputBatch
+
+    def new(rid):
+        return NewRequestData(req_id=rid, epoch=0, token_ids=(5, 6, 7), slot=1, params=SamplingParams(), seed=0)
+    b = InputBatch(2, 64, 8)
+    row = b.add_request(new("a"))
+    blocks = []
+    for extra in ([3], [9], [4, 11], []):
+        blocks += extra
+        b.set_blocks(row, tuple(blocks))
+        assert b.block_table[row, :len(blocks)].tolist() == blocks and b.num_blocks[row] == len(blocks)
+    b.block_table[row, 0] = 99                     # ids already written are not copied again
+    b.set_blocks(row, tuple(blocks + [5]))
+    assert b.block_table[row, :5].tolist() == [99, 9, 4, 11, 5]
+    b.set_blocks(row, (8, 2))                      # shorter: written whole
+    assert b.block_table[row, :2].tolist() == [8, 2] and b.num_blocks[row] == 2
+    b.remove_request("a")
+    row2 = b.add_request(new("b"))
+    b.set_blocks(row2, (6,))
+    assert b.block_table[row2, :1].tolist() == [6] and b.num_blocks[row2] == 1

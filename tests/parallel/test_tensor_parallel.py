@@ -34,11 +34,12 @@ def _tokens(llm, prompts, n=NEW):
 
 def test_tp2_dense_and_moe_equal_transformers(model_dirs, prompts):
     """Mamba, attention, MLP and MoE blocks; an odd vocabulary (padded rows on rank 1); chunked
-    prefill (a 16-token budget splits the long prompts); async scheduling."""
+    prefill (a 16-token budget splits the long prompts); async scheduling; 4-token blocks, so rows
+    grow their block lists during steady decode (whose step messages carry only the grown lists)."""
     d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
     want = hf_greedy(d, prompts, NEW)
     with LLM(str(d), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16,
-             max_num_seqs=4) as llm:
+             max_num_seqs=4, block_size=4) as llm:
         assert _tokens(llm, prompts) == want
         assert llm.engine.runner.local.model.lm_head.weight.shape[0] == 126      # ceil(251 / 2) rows
         assert llm.engine.tp.group.channel is not None                           # messages via shared memory
@@ -266,3 +267,40 @@ def test_tp2_fp8_quantized_at_load(model_dirs, prompts):
         assert deq.shape == mine.shape
         assert torch.allclose(deq, mine, rtol=0.07, atol=1e-3 * float(mine.abs().max()))
         assert all(len(t) == 8 for t in _tokens(llm, prompts[:2], 8))
+
+
+def test_steady_step_messages_carry_only_the_grown_block_lists(model_dirs):
+    """SchedulerOutput.for_workers: a steady decode step sends the block lists of the rows that grew
+    (all a worker's runner reads), None for the others; any other step goes whole. Checked on the
+    steps a real engine schedules (4-token blocks: rows grow every few steps)."""
+    import pickle
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    llm = LLM(str(d), device="cpu", max_num_seqs=4, block_size=4, async_scheduling=False)
+    eng = llm.engine
+    sent = []
+    execute = eng.runner.execute
+
+    def spy(sched):
+        sent.append((sched, sched.for_workers()))
+        return execute(sched)
+    eng.runner.execute = spy
+    rng = np.random.default_rng(4)
+    for n in (30, 9, 17):
+        eng.add_request(eng.make_request(rng.integers(3, 250, n).tolist(),
+                                         SamplingParams(max_tokens=24, ignore_eos=True)))
+    while eng.has_work():
+        eng.step()
+    steady = [(s, w) for s, w in sent if s.decode is not None and not (s.other_rows or s.new_requests
+                                                                       or s.removed_req_ids)]
+    assert len(steady) >= 10 and any(s.decode.grown for s, _ in steady)
+    assert any(not s.decode.grown for s, _ in steady)        # most steps grow no row
+    for s, w in sent:
+        if (s, w) not in steady:
+            assert w is s
+    for s, w in steady:
+        grown = set(s.decode.grown)
+        assert w.decode.req_ids == s.decode.req_ids and w.step_id == s.step_id
+        for i, (full, got) in enumerate(zip(s.decode.block_ids, w.decode.block_ids)):
+            assert (got == full) if i in grown else got is None
+        if len(grown) < len(s.decode):
+            assert len(pickle.dumps(w)) < len(pickle.dumps(s))
