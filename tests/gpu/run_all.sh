@@ -14,7 +14,8 @@
 #   HYBRID_ENGINE_GPU_SHARD=0/2 bash tests/gpu/run_all.sh slow   then   HYBRID_ENGINE_GPU_SHARD=1/2 ...
 # Each process lists its 15 slowest tests; HYBRID_ENGINE_TEST_TIMES=file also logs every test's time
 # as it ends (what to move out of the default tier, even from a run stopped by a time limit).
-# tests/gpu/test_tensor_parallel_cuda.py needs 2 GPUs (skipped on one; ~6 min on nvidia-h100-x2).
+# tests/gpu/test_tensor_parallel_cuda.py needs 2 GPUs (skipped on one; its [ngram] case and the no-sync test took
+# 85 s together on nvidia-h100-x2, each engine in its own process).
 # Logs go to ${LOG_DIR:-/tmp/hybrid-engine-gpu-tests}/<tier>.log; exit status is non-zero if any
 # tier failed. CI runs the CPU suite only (python -m pytest -m "not gpu").
 set -uo pipefail
