@@ -39,6 +39,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size
 from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
@@ -259,7 +260,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            emit_at=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
-    (``_emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
+    (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
     own dt / cumulative decay; no second pass over the sequence).
 
     lowp: 16-bit dot operands (the model dtype) for the dots whose operands are float32 values
@@ -386,36 +387,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     if emit_at is None:
         return y, final
     # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S)
-    return y, final, _emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs)
-
-
-def _emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int) -> torch.Tensor:
-    """States after the packed tokens ``emit_at`` [M] -> [M, H, P, N] float32 (device ops, no
-    sync): with c the token's chunk and i its offset there,
-    h = exp(cuma[c, i]) h_in[c] + sum_{j<=i} exp(cuma[c, i] - cuma[c, j]) dt[c, j] x_j B_j^T.
-    Reads only the emitting chunks' tokens (at most a chunk each)."""
-    M = emit_at.numel()
-    T, H, P = x.shape
-    G, N = B.shape[-2:]
-    BL = cuma.shape[-1]
-    t = emit_at.long()
-    q = qsl.long()
-    seq = torch.searchsorted(q[1:].contiguous(), t, right=True)             # [M]
-    pos = t - q[seq]
-    cum64 = cum.long()
-    first = cum64[seq] - (q[seq + 1] - q[seq] + cs - 1) // cs               # first chunk of the sequence
-    c = first + pos // cs                                                   # [M] chunk
-    i = pos % cs                                                            # [M] offset in it
-    j = torch.arange(BL, device=x.device)
-    tok = (meta[c, 0].long()[:, None] + j).clamp(max=T - 1)                 # [M, BL] packed tokens
-    live = j[None, :] <= i[:, None]                                         # [M, BL]
-    cum_i = cuma[c, :, i]                                                   # [M, H]
-    w = torch.exp(cum_i[:, :, None] - cuma[c]) * dtc[c]                     # [M, H, BL]
-    w = torch.where(live[:, None, :], w, 0.0)
-    xs = torch.where(live[:, :, None, None], x[tok].float() * w.transpose(1, 2)[..., None], 0.0)  # [M, BL, H, P]
-    Bs = B[tok].float().repeat_interleave(H // G, dim=2)                    # [M, BL, H, N]
-    S_e = torch.einsum("mjhp,mjhn->mhpn", xs, Bs)
-    return torch.exp(cum_i)[:, :, None, None] * h_in[c] + S_e
+    return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs)
 
 
 # Defaults.  16-bit dot operands (lowp: bf16 / fp16 models) with more than one head per group:

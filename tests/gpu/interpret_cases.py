@@ -19,6 +19,7 @@ from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varle
 from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
 from hybrid_engine.mamba_cache.ops import selective_state_update_gated  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_state_update import (triton_selective_state_update,  # noqa: E402
@@ -63,6 +64,11 @@ def check_ssd_emit(dtype, lens, emit, chunk_size=16, H=4, G=2, P=16, N=16, seed=
 
 
 CASES = {
+    "emit_kernel": lambda: kc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1],
+                                         [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], 16),
+    "emit_kernel_long_chunks": lambda: kc.check_emit(emit_states, "cpu", F32, [70, 5],
+                                                     [0, 31, 32, 47, 48, 69, 74], 48, seed=1),
+    "emit_kernel_one_seq": lambda: kc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
     "ssd_emit": lambda: check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44]),
     "ssd_emit_lowp_f16": lambda: check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48],
                                                  chunk_size=16, seed=1, lowp=True),

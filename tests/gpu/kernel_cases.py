@@ -377,3 +377,34 @@ def check_linear(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     # float32 accumulation, one rounding to dtype at the end
     tol = tol or {F32: 1e-5, BF16: 1e-2, F16: 2e-3}[dtype]
     return {"y": assert_close(y.cpu().double(), ref, tol, "skinny linear")}
+
+
+def check_emit(impl, device, dtype, lens, emit, cs, H=4, G=2, P=20, N=10, seed=0, tol=None):
+    """``impl`` (triton_ssd_emit.emit_states) against ``emit_states_ref`` on random chunk
+    quantities laid out as the SSD scan lays them out (a spare empty chunk row, as its T-bound
+    grid has); the output is poisoned with NaN first. P, N off powers of two (masked tiles) and
+    chunks longer than one dot step are the interesting cases."""
+    from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+    from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states_ref
+    g = _gen(seed)
+    T, BL = sum(lens), max(16, next_pow2(cs))
+    x = torch.randn(T, H, P, generator=g).to(dtype).to(device)
+    B = torch.randn(T, G, N, generator=g).to(dtype).to(device)
+    qsl = _qsl(lens).to(device)
+    counts = [-(-n // cs) for n in lens]
+    cum = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    starts, q = [], 0
+    for n, c in zip(lens, counts):
+        starts += [(q + k * cs, min(cs, n - k * cs)) for k in range(c)]
+        q += n
+    NC = len(starts) + 1
+    meta = torch.tensor(starts + [(T, 0)], dtype=torch.int32).to(device)
+    dtc = (torch.rand(NC, H, BL, generator=g) * 0.5).to(device)
+    cuma = torch.cumsum(-torch.rand(NC, H, BL, generator=g) * 0.2, -1).to(device)
+    h_in = torch.randn(NC, H, P, N, generator=g).to(device)
+    e = torch.tensor(emit, dtype=torch.int64).to(device)
+    want = emit_states_ref(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs)
+    out = torch.full((len(emit), H, P, N), float("nan"), device=device)
+    got = impl(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs, out=out)
+    assert got is out
+    return {"emit": assert_close(got, want, tol or 1e-5, "emit")}

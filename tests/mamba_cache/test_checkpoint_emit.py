@@ -114,11 +114,11 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
         ck.save(0, torch.tensor([0, 2, 3]), win, torch.randn(3, H, P, N))
         ck.restore(0, conv_state, ssm_state, torch.tensor([1, 2]), torch.tensor([2, 0]))
     assert torch.equal(conv_state[1, :, :W - 1], win[1]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
-    triton_ssd = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd")
+    emit_mod = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd_emit")
     NC, BL = 4, 16
     meta = torch.tensor([[0, 8], [8, 4], [12, 7], [19, 0]], dtype=torch.int32)
     cum = torch.tensor([2, 3], dtype=torch.int32)
     with NoHostSync():
-        out = triton_ssd._emit_states(x, B, qsl, cum, meta, torch.rand(NC, H, BL), -torch.rand(NC, H, BL),
-                                      torch.randn(NC, H, P, N), emit, cs)
+        out = emit_mod.emit_states_ref(x, B, qsl, cum, meta, torch.rand(NC, H, BL), -torch.rand(NC, H, BL),
+                                       torch.randn(NC, H, P, N), emit, cs)
     assert out.shape == (3, H, P, N) and torch.isfinite(out).all()
