@@ -121,14 +121,16 @@ class Mamba2Mixer(nn.Module):
                 ckpts.restore(self.ordinal, conv_state, ssm_state, md.prefill_slots[md.restore_seq],
                               md.restore_rows)
             saving = md.ckpt_rows is not None and ckpts is not None
-            if saving:                            # windows the saved chunks start from (read before the conv)
-                win0 = conv_state[md.prefill_slots[md.ckpt_seq], :, :weight.shape[-1] - 1]
-                win0 = win0 * md.has_initial_state[md.ckpt_seq].view(-1, 1, 1).to(win0.dtype)
+            if saving:                            # conv windows after the saved boundaries: they read
+                windows = mops.conv_windows_before(  # the pool's old windows, so before the conv
+                    xbc[nd:], conv_state, weight.shape[-1], md.prefill_query_start_loc, md.prefill_slots,
+                    md.has_initial_state, md.ckpt_seq, md.ckpt_token)
             xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,
                                               md.prefill_query_start_loc, md.prefill_slots,
                                               md.has_initial_state)
             xp, bp, cp = xbc_p.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
-            init = ssm_state[md.prefill_slots, 0] * md.has_initial_state.view(-1, 1, 1, 1)
+            # a row that starts fresh reads zeros, whatever its slot holds (a stale NaN times 0 is NaN)
+            init = torch.where(md.has_initial_state.view(-1, 1, 1, 1), ssm_state[md.prefill_slots, 0], 0.0)
             out = mops.ssd_scan_varlen(
                 xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
                 cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, init, self.chunk_size,
@@ -137,8 +139,6 @@ class Mamba2Mixer(nn.Module):
             y, final = out[0], out[1]
             ssm_state[md.prefill_slots, 0] = final
             if saving:                            # the states after the block boundaries the chunks crossed
-                windows = mops.conv_windows_at(xbc[nd:], win0, md.prefill_query_start_loc, md.ckpt_seq,
-                                               md.ckpt_token)
                 ckpts.save(self.ordinal, md.ckpt_rows, windows, out[2])
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)

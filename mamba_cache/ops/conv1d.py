@@ -170,3 +170,32 @@ def causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_accepte
         return triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices,
                                            num_accepted)
     return causal_conv1d_update_ref(x, weight, bias, conv_state, state_indices, num_accepted)
+
+
+def conv_windows_before_ref(
+    x: torch.Tensor,                    # [T, C] packed conv inputs of the step's prefill rows
+    conv_state: torch.Tensor,           # [S, C, W-1+K] pool, before the varlen conv updates it
+    width: int,                         # W, the conv kernel width
+    query_start_loc: torch.Tensor,      # [B+1] prefill rows' token offsets
+    state_indices: torch.Tensor,        # [B] pool slots of the prefill rows
+    has_initial_state: torch.Tensor,    # [B] bool: the row continues the window in its slot
+    seq: torch.Tensor,                  # [M] int64 prefill row of each emit
+    token: torch.Tensor,                # [M] int64 packed index of the last token before the boundary
+) -> torch.Tensor:                      # [M, C, W-1] in conv_state.dtype
+    """``conv_windows_at`` with each emit's initial window read from the pool (zeros where its
+    row starts fresh). Call it before ``causal_conv1d_varlen``, which rewrites those windows."""
+    win0 = conv_state[state_indices[seq], :, :width - 1]
+    win0 = torch.where(has_initial_state[seq].view(-1, 1, 1), win0, 0.0)   # stale NaN * 0 would be NaN
+    return conv_windows_at(x, win0, query_start_loc, seq, token)
+
+
+def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, has_initial_state, seq, token):
+    """Public entry point (CONTRACT item 3, prefix-cache windows): Triton kernel on CUDA, torch
+    reference elsewhere."""
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("conv_windows_before", x.device) == "triton":
+        from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before
+        return triton_conv_windows_before(x, conv_state, width, query_start_loc, state_indices,
+                                          has_initial_state, seq, token)
+    return conv_windows_before_ref(x, conv_state, width, query_start_loc, state_indices, has_initial_state,
+                                   seq, token)

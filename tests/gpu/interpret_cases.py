@@ -17,6 +17,7 @@ from hybrid_engine.attention.triton_attention import triton_paged_attention  # n
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states  # noqa: E402
@@ -68,6 +69,11 @@ CASES = {
                                          [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], 16),
     "emit_kernel_long_chunks": lambda: kc.check_emit(emit_states, "cpu", F32, [70, 5],
                                                      [0, 31, 32, 47, 48, 69, 74], 48, seed=1),
+    "conv_windows": lambda: kc.check_conv_windows(
+        triton_conv_windows_before, "cpu", F32, [5, 1, 9, 2],
+        [(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (2, 0), (2, 1), (2, 8), (3, 1)]),
+    "conv_windows_w2_channel_major": lambda: kc.check_conv_windows(
+        triton_conv_windows_before, "cpu", F32, [3, 4], [(0, 0), (1, 3)], W=2, K=0, token_major=False, seed=1),
     "emit_kernel_one_seq": lambda: kc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
     "ssd_emit": lambda: check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44]),
     "ssd_emit_lowp_f16": lambda: check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48],

@@ -408,3 +408,33 @@ def check_emit(impl, device, dtype, lens, emit, cs, H=4, G=2, P=20, N=10, seed=0
     got = impl(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs, out=out)
     assert got is out
     return {"emit": assert_close(got, want, tol or 1e-5, "emit")}
+
+
+def check_conv_windows(impl, device, dtype, lens, emits, C=24, W=4, K=3, seed=0, token_major=True):
+    """``impl`` (triton_conv_windows_before) against ``conv_windows_before_ref``: the conv window
+    after each emit token, reading the pool's old window where the token is within W-2 of its
+    chunk's start (rows with and without an initial state). The pool is NaN outside the rows'
+    windows (a read of anything else shows), must stay untouched, and the output starts as NaN.
+    ``emits``: (row, position in the row's chunk) pairs."""
+    from hybrid_engine.mamba_cache.ops import conv_windows_before_ref
+    g = _gen(seed)
+    S = len(lens) + 3
+    x = torch.randn(sum(lens), C, generator=g).to(dtype)
+    pool = _conv_pool(S, C, W - 1 + K, dtype, token_major)
+    slots = _slots(len(lens), S, g)
+    init = torch.tensor([i % 2 == 0 for i in range(len(lens))])
+    for r, s in enumerate(slots.tolist()):
+        if init[r]:
+            pool[s, :, :W - 1] = torch.randn(C, W - 1, generator=g).to(dtype)
+    qsl = _qsl(lens, torch.int64)
+    seq = torch.tensor([r for r, _ in emits], dtype=torch.int64)
+    tok = torch.tensor([qsl[r].item() + p for r, p in emits], dtype=torch.int64)
+    pool, x, qsl, slots, init, seq, tok = (t.to(device) for t in (pool, x, qsl, slots, init, seq, tok))
+    want = conv_windows_before_ref(x, pool, W, qsl, slots, init, seq, tok)
+    before = _clone_like(pool)
+    out = torch.full((len(emits), C, W - 1), math.nan, dtype=dtype, device=device)
+    got = impl(x, pool, W, qsl, slots, init, seq, tok, out=out)
+    assert got is out
+    assert torch.equal(got, want), "conv windows differ (a copy: must be bit-exact)"
+    assert_pool(pool, before, None, "conv pool")
+    return {"windows": 0.0}
