@@ -6,6 +6,7 @@ import torch
 from hybrid_engine.mamba_cache.ops import (
     causal_conv1d_varlen_ref,
     conv_windows_at,
+    conv_windows_before_ref,
     ssd_scan_varlen,
     ssd_scan_varlen_ref,
 )
@@ -111,6 +112,8 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
     ssm_state = torch.zeros(3, 3, H, P, N)
     with NoHostSync():
         win = conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
+        conv_windows_before_ref(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl,
+                                torch.tensor([1, 2]), torch.tensor([True, False]), seq, emit)
         ck.save(0, torch.tensor([0, 2, 3]), win, torch.randn(3, H, P, N))
         ck.restore(0, conv_state, ssm_state, torch.tensor([1, 2]), torch.tensor([2, 0]))
     assert torch.equal(conv_state[1, :, :W - 1], win[1]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
