@@ -122,3 +122,22 @@ def test_c_backup_token_is_the_last_committed_token(hybrid_dir, prompts, hf12, o
     assert n_partial > 0 and n_resumed > 0             # partial chunks, also of resumed requests
     for i, (_, rid, p, sp) in enumerate(plan):
         assert reqs[rid].output_token_ids == hf12[i]
+
+
+@pytest.mark.parametrize("pool_part", ["ssm_state", "conv_state"])
+def test_a_slot_left_non_finite_does_not_reach_the_next_request(hybrid_dir, pool_part):
+    """A request whose Mamba state went non-finite leaves it in its slot; the next request given
+    that slot starts fresh and must read zeros, not the stale values (NaN * 0 is NaN: the initial
+    state is selected, not multiplied by the has-initial-state flag). Every slot of the pool part
+    is filled with NaN, then the same prompts run again and equal their clean run."""
+    from chaos_harness import assert_idle_and_clean
+    llm = make_llm(hybrid_dir, max_num_seqs=2, async_scheduling=False)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for t in getattr(llm.engine.caches.mamba, pool_part):
+        t.fill_(float("nan"))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.error for o in outs] == [None, None]
+    assert [o.outputs[0].token_ids for o in outs] == clean
+    assert_idle_and_clean(llm.engine)

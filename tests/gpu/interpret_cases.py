@@ -12,6 +12,7 @@ from triton_interpret import case_main
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting"
 torch.set_num_threads(1)
 
+import checkpoint_cases as cc  # noqa: E402
 import kernel_cases as kc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
@@ -65,16 +66,16 @@ def check_ssd_emit(dtype, lens, emit, chunk_size=16, H=4, G=2, P=16, N=16, seed=
 
 
 CASES = {
-    "emit_kernel": lambda: kc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1],
+    "emit_kernel": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1],
                                          [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], 16),
-    "emit_kernel_long_chunks": lambda: kc.check_emit(emit_states, "cpu", F32, [70, 5],
+    "emit_kernel_long_chunks": lambda: cc.check_emit(emit_states, "cpu", F32, [70, 5],
                                                      [0, 31, 32, 47, 48, 69, 74], 48, seed=1),
-    "conv_windows": lambda: kc.check_conv_windows(
+    "conv_windows": lambda: cc.check_conv_windows(
         triton_conv_windows_before, "cpu", F32, [5, 1, 9, 2],
         [(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (2, 0), (2, 1), (2, 8), (3, 1)]),
-    "conv_windows_w2_channel_major": lambda: kc.check_conv_windows(
+    "conv_windows_w2_channel_major": lambda: cc.check_conv_windows(
         triton_conv_windows_before, "cpu", F32, [3, 4], [(0, 0), (1, 3)], W=2, K=0, token_major=False, seed=1),
-    "emit_kernel_one_seq": lambda: kc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
+    "emit_kernel_one_seq": lambda: cc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
     "ssd_emit": lambda: check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44]),
     "ssd_emit_lowp_f16": lambda: check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48],
                                                  chunk_size=16, seed=1, lowp=True),

@@ -8,7 +8,7 @@ test_prefix_cache_cuda.py (engine, caching on == off)."""
 import pytest
 import torch
 
-import kernel_cases as kc
+import checkpoint_cases as cc
 from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 
@@ -23,12 +23,12 @@ pytestmark = pytest.mark.gpu
     dict(lens=[300, 129, 5], emit=[127, 128, 255, 299, 300, 428, 433], cs=128, H=16, G=2, P=64, N=128),
 ])
 def test_emit_kernel_matches_ref(case, dtype):
-    kc.check_emit(emit_states, "cuda", dtype, seed=3, **case)
+    cc.check_emit(emit_states, "cuda", dtype, seed=3, **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_major", [True, False])
 def test_conv_windows_kernel_matches_ref(dtype, token_major):
-    kc.check_conv_windows(triton_conv_windows_before, "cuda", dtype, [5, 1, 9, 2, 300],
+    cc.check_conv_windows(triton_conv_windows_before, "cuda", dtype, [5, 1, 9, 2, 300],
                           [(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (2, 0), (2, 1), (2, 8), (3, 1), (4, 299)],
                           C=1536, seed=4, token_major=token_major)
