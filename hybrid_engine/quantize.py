@@ -109,7 +109,7 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
     """Write the quantized copy of ``src`` to ``dst`` (module docstring); returns its QuantConfig."""
     from ._config_parse import read_config_json
     from .config import ModelConfig
-    from .models.loader import _open, canonical_names, weight_files
+    from .models.checkpoint_files import canonical_names, open_safetensors, weight_files
     src, dst = Path(src), Path(dst)
     cfg = ModelConfig.from_json(src)
     if cfg.quantization is not None:
@@ -130,7 +130,7 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
     out: dict[str, torch.Tensor] = {}
     n_quant = 0
     for disk, path in sorted(files.items()):
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             t = f.get_tensor(disk)
         mod, _, suffix = renamed[disk].rpartition(".")
         if experts and mod in expert_mods and suffix in ("up_proj", "down_proj"):

@@ -1,5 +1,6 @@
 """Load a safetensors checkpoint into a model whose parameter names are the on-disk names.
 
+Which file holds which tensor, and how disk names map to the model's, is ``checkpoint_files.py``.
 Layout read: ``model.safetensors``; or ``model.safetensors.index.json`` + the shards it names; or,
 without an index, every ``*.safetensors`` in the folder. Tensors are read one at a time with
 ``safetensors.safe_open`` and copied into the model's tensors, so peak memory stays about one
@@ -47,12 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from .checkpoint_files import MAX_LISTED, canonical_names, listing, open_safetensors, weight_files
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
 LM_HEAD, DEFAULT_EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
@@ -60,84 +60,9 @@ _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_p
 # per-expert weight scales of quantized experts -> the merged [E] tensor "<p>.experts.<w>_weight_scale"
 _PER_EXPERT_SCALE = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight_scale$")
 _MERGED_SCALE = re.compile(r"^.*\.experts\.(up_proj|down_proj)_weight_scale$")
-_MAX_LISTED = 10
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
 # quantized storage, read only into a model tensor of the same dtype (a quantized layer's)
 _CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
-BACKBONE = "backbone."
-_ALT_BACKBONE = "model."
-_NEVER_RENAMED = ("lm_head.", "mtp.")
-
-
-def _listing(names) -> str:
-    names = sorted(names)
-    shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
-
-
-def weight_files(model_dir) -> dict[str, Path]:
-    """Map every tensor name in the checkpoint to the file holding it."""
-    folder = Path(model_dir).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"model folder {folder} does not exist or is not a folder")
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
-        files = {name: folder / fname for name, fname in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise ValueError(f"{index} names shard {f.name}, which is missing from {folder}")
-        return files
-    single = folder / SINGLE_FILE
-    paths = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
-    if not paths:
-        extra = " (found PyTorch *.bin weights: convert them to safetensors)" if any(folder.glob("*.bin")) else ""
-        raise ValueError(f"no *.safetensors weight files in {folder}{extra}")
-    files: dict[str, Path] = {}
-    for p in paths:
-        with _open(p) as f:
-            for name in f.keys():
-                if name in files:
-                    raise ValueError(f"tensor {name} is stored twice: in {files[name].name} and {p.name}")
-                files[name] = p
-    return files
-
-
-def _open(path: Path):
-    """``safe_open`` with a ValueError naming the file when it is not valid safetensors."""
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:          # SafetensorError, OSError: truncated, garbage, unreadable
-        raise ValueError(f"{path} is not a valid safetensors file (truncated or corrupt?): {e}") from None
-
-
-def canonical_names(disk_names, model_names) -> dict[str, str]:
-    """Map each on-disk tensor name to the name the model uses (see the module docstring:
-    ``model.X`` or an unprefixed ``X`` -> ``backbone.X`` when the model's names carry ``backbone.``
-    and the checkpoint's do not). Returns {disk name: model name}."""
-    disk_names = list(disk_names)
-    if not any(n.startswith(BACKBONE) for n in model_names):
-        return {n: n for n in disk_names}
-    own = [n for n in disk_names if not n.startswith(_NEVER_RENAMED)]
-    if any(n.startswith(BACKBONE) for n in own):
-        alt = [n for n in own if n.startswith(_ALT_BACKBONE)]
-        if alt:
-            raise ValueError(f"checkpoint mixes backbone.* and model.* tensor names (e.g. {alt[0]}); "
-                             "a checkpoint uses one prefix for its backbone")
-        return {n: n for n in disk_names}
-    if any(n.startswith(_ALT_BACKBONE) for n in own):
-        bare = [n for n in own if not n.startswith(_ALT_BACKBONE)]
-        if bare:
-            raise ValueError(f"checkpoint mixes model.* and unprefixed tensor names (e.g. {bare[0]}); "
-                             "a checkpoint uses one prefix for its backbone")
-        logger.info("checkpoint names its backbone tensors model.*: reading them as backbone.*")
-        return {n: (BACKBONE + n[len(_ALT_BACKBONE):] if n in own else n) for n in disk_names}
-    if own:
-        logger.info("checkpoint's backbone tensors have no prefix: reading them as backbone.*")
-    return {n: (BACKBONE + n if n in own else n) for n in disk_names}
 
 
 @dataclass
@@ -237,7 +162,7 @@ def _target_dtype(name: str, targets: dict) -> torch.dtype | None:
 
 
 def _read(path: Path, name: str) -> torch.Tensor:
-    with _open(path) as f:
+    with open_safetensors(path) as f:
         return f.get_tensor(name)
 
 
@@ -314,7 +239,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         by_file.setdefault(path, []).append(name)
     not_float: list[str] = []
     for path, names in by_file.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             for name in names:
                 sl = f.get_slice(disk_name[name])
                 shapes[name] = tuple(sl.get_shape())
@@ -330,7 +255,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         raise ValueError(f"checkpoint {folder} stores {len(not_float)} tensor(s) in a dtype this engine "
                          f"does not load (allowed: float16, bfloat16, float32, float64; quantized "
                          f"float8 / FP4 tensors are read only into the quantized layers of a "
-                         f"ModelOpt FP8 / NVFP4 checkpoint): {_listing(not_float)}")
+                         f"ModelOpt FP8 / NVFP4 checkpoint): {listing(not_float)}")
 
     plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in deq_scales}
     copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
@@ -344,15 +269,15 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                          f"{list(lm_full_shape)}, found {list(shapes[LM_HEAD])}")
     if unexpected:
         raise ValueError(f"checkpoint {folder} has {len(unexpected)} tensor(s) the model does not have: "
-                         f"{_listing(unexpected)}")
+                         f"{listing(unexpected)}")
     missing = [t for t in targets if t not in covered]
     if missing:
         raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensor(s) the model needs: "
-                         f"{_listing(missing)}")
+                         f"{listing(missing)}")
     bad = [f"{c.disk}: expected {list(_expected_shape(c, targets, shards))}, found {list(_found_shape(c, shapes))}"
            for c in copies if _expected_shape(c, targets, shards) != _found_shape(c, shapes)]
     if bad:
-        raise ValueError(f"shape mismatch in checkpoint {folder}: " + "; ".join(sorted(set(bad))[:_MAX_LISTED]))
+        raise ValueError(f"shape mismatch in checkpoint {folder}: " + "; ".join(sorted(set(bad))[:MAX_LISTED]))
 
     # Materialise / convert the targets: meta tensors, wrong device, or wrong floating dtype.
     for name, t in targets.items():
@@ -380,7 +305,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
         paths = tqdm(paths, desc="Loading weights", unit="file")
     with torch.no_grad():
         for path in paths:
-            with _open(path) as f:
+            with open_safetensors(path) as f:
                 for name, group in by_disk_file[path].items():
                     src = f.get_tensor(disk_name[name])
                     if name in deq:
@@ -405,7 +330,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if shared_on_disk:
         emb = model.get_parameter(EMBED)
         lm.weight = emb      # materialisation above may have replaced the embedding parameter
-        with _open(files[LM_HEAD]) as f:
+        with open_safetensors(files[LM_HEAD]) as f:
             stored = f.get_tensor(disk_name[LM_HEAD])
             if LM_HEAD in shards:
                 stored = shards[LM_HEAD].take(stored)
@@ -442,4 +367,4 @@ def check_finite(model: torch.nn.Module, names: dict[str, str], folder) -> None:
                 bad.append(names[n])
     if bad:
         raise ValueError(f"checkpoint {folder} has NaN or inf values in {len(set(bad))} tensor(s): "
-                         f"{_listing(set(bad))}")
+                         f"{listing(set(bad))}")

@@ -11,7 +11,7 @@ def stored_quantized(model_dir, model, q: QuantConfig) -> dict[str, dict[str, tu
     """{module name (model naming): {"weight" | scale suffix: stored shape}} for every module whose
     ``weight`` is stored in a quantized dtype. ValueError when a weight's dtype is not the one
     ``q.method`` stores (e.g. uint8 in an FP8 checkpoint)."""
-    from ..models.loader import _open, canonical_names, weight_files
+    from ..models.checkpoint_files import canonical_names, open_safetensors, weight_files
     from .linear import STORED_WEIGHT_DTYPE
     files = weight_files(model_dir)
     renamed = canonical_names(files, model.state_dict(keep_vars=True))
@@ -22,7 +22,7 @@ def stored_quantized(model_dir, model, q: QuantConfig) -> dict[str, dict[str, tu
     tensors: dict[str, dict[str, tuple]] = {}
     quantized: set[str] = set()
     for path, names in by_file.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             for disk in names:
                 mod, _, suffix = renamed[disk].rpartition(".")
                 if suffix not in ("weight",) + SCALE_SUFFIXES:
