@@ -10,7 +10,6 @@ The split lives in one table, ``DEFAULT_TIER`` below, instead of marks spread ov
 sweep's case stays in the default tier when its rule says so, and is marked ``slow`` otherwise.
 Tests not named in the table are default-tier unless they mark themselves slow.
 """
-import gc
 import os
 import sys
 import time
@@ -92,33 +91,6 @@ def pytest_collection_modifyitems(config, items):
         keep = [it for k, it in enumerate(items) if k % n == i]
         config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
         items[:] = keep
-
-
-# An engine sizes its KV cache as a fraction of the device's free memory (half, by default): with
-# several pytest processes on one GPU (run_all.sh) the first engine would take ~40 GB and a later
-# one in another process could run out of memory. The test models are tiny: cap each engine's KV
-# budget instead (it also spares every engine of zeroing tens of GB).
-KV_BUDGET_CAP_BYTES = 4 << 30
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _capped_kv_budget():
-    from hybrid_engine import device_side
-    uncapped = device_side._kv_budget
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device_side, "_kv_budget", lambda cfg: min(uncapped(cfg), KV_BUDGET_CAP_BYTES))
-        yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_gpu_memory_after_module():
-    """``run_all.sh`` runs the default tier as several pytest processes on one GPU, and an engine
-    sizes its KV cache from the device's free memory: hand each module's cached blocks back so the
-    other processes see them (and every module starts from the same free memory)."""
-    yield
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def pytest_runtest_logreport(report):

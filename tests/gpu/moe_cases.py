@@ -110,8 +110,11 @@ def check_experts(experts_fn, device, dtype, T: int, E: int, k: int, D: int, F: 
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(T, D, generator=gen).to(device, dtype)
     up_rows = 2 * F if activation == "swiglu" else F
-    w_up = (torch.randn(E, up_rows, D, generator=gen) / D ** 0.5).to(device, dtype)
-    w_down = (torch.randn(E, D_out, F, generator=gen) / F ** 0.5).to(device, dtype)
+    # the expert weights are drawn where they live: on the CPU a 512-expert Super-like case's
+    # 2.8 G draws took ~30 s per test and made the slow sweep a three-hour run
+    wgen = torch.Generator(device=device).manual_seed(seed)
+    w_up = (torch.randn(E, up_rows, D, generator=wgen, device=device) / D ** 0.5).to(dtype)
+    w_down = (torch.randn(E, D_out, F, generator=wgen, device=device) / F ** 0.5).to(dtype)
     ids = make_ids(T, E, k, load, gen).to(device, torch.int32)
     weights = (torch.rand(T, k, generator=gen) * 2.0 / k).to(device)
     extra = torch.randn(T, D_out, generator=gen).to(device, dtype) if add else None
