@@ -89,9 +89,18 @@ def bf16_errors_routed_as_float32(model_dir, ids: list[int], device: str = "cpu"
     from hybrid_engine import LLM
     from hybrid_engine.models.synthetic import _quiet_transformers
 
+    def roles(out) -> tuple[int, int, int]:
+        """Positions of (router logits [T, E], top-k weights [T, k], top-k index [T, k]) in the
+        router's output: transformers 5.24 returns them in that order, 5.17 as (index, weights,
+        logits)."""
+        index = next(i for i, t in enumerate(out) if not t.is_floating_point())
+        floats = [i for i, t in enumerate(out) if t.is_floating_point()]
+        logits = max(floats, key=lambda i: out[i].shape[-1])
+        return logits, next(i for i in floats if i != logits), index
+
     choices: list[torch.Tensor] = []                    # [T, k] experts of each layer, float32 run
-    hooks = [layer.block_sparse_moe.router.register_forward_hook(lambda _m, _a, out: choices.append(out[2]))
-             for layer in load_hf(model_dir).model.layers]
+    hooks = [layer.block_sparse_moe.router.register_forward_hook(
+        lambda _m, _a, out: choices.append(out[roles(out)[2]])) for layer in load_hf(model_dir).model.layers]
     try:
         ref = hf_logits(model_dir, ids)
     finally:
@@ -99,8 +108,12 @@ def bf16_errors_routed_as_float32(model_dir, ids: list[int], device: str = "cpu"
             h.remove()
 
     def hf_router(_m, args, out):                      # transformers' router with the experts given
-        logits, idx = out[0], next(hf_forced).to(out[0].device)
-        return logits, torch.softmax(logits.gather(1, idx), dim=-1).type_as(args[0]), idx
+        i_logits, i_weights, i_index = roles(out)
+        idx = next(hf_forced).to(out[i_logits].device, out[i_index].dtype)
+        forced = list(out)
+        forced[i_index] = idx
+        forced[i_weights] = torch.softmax(out[i_logits].gather(1, idx.long()), dim=-1).type_as(args[0])
+        return tuple(forced)
 
     def our_route(logits, bias, spec, counts=None, valid=None):   # moe_ops.route with the experts given
         idx = next(our_forced).to(logits.device)

@@ -257,7 +257,12 @@ def no_spec(hybrid_dir):
 
 
 def record_steps(llm: LLM) -> list[dict]:
-    """Instrument the engine's drafter: per propose call, the rows' a, kind and proposed draft count."""
+    """Instrument the engine's drafter: per propose call, the rows' a, kind and proposed draft count.
+    On CUDA the fused step graphs propose inside their replay (and zero-draft steps replay the
+    greedy graphs, the drafter following them there): the spy would see only the steps they
+    decline, so they are dropped and every step proposes through the drafter. Their own equality
+    with these general-path steps is tests/gpu/test_ngram_cuda.py's and test_greedy_graphs.py's."""
+    llm.engine.runner.drop_greedy_graphs()
     drafter = llm.engine.drafter
     orig = drafter.propose
     log: list[dict] = []

@@ -215,9 +215,17 @@ def test_draft_with_other_vocab_and_mtp_without_weights(target, model_dirs):
         LLM(plain, speculative_config=SpeculativeConfig("mtp", 2))
 
 
-def test_kv_budget_leaves_room_for_the_draft_model(target, random_draft):
+def _budget_is_kv_cache_bytes(monkeypatch):
+    """The budget is ``kv_cache_bytes`` on every device (on CUDA an engine takes a fraction of the
+    free memory instead): these tests are about what the drafter's share takes from it."""
+    from hybrid_engine import device_side
+    monkeypatch.setattr(device_side, "_kv_budget", lambda cfg: cfg.cache.kv_cache_bytes)
+
+
+def test_kv_budget_leaves_room_for_the_draft_model(target, random_draft, monkeypatch):
     """The KV budget covers target + draft together (the draft model's weights, Mamba pool and its
     own KV per block id), so a draft model never runs out of memory after the target sized its cache."""
+    _budget_is_kv_cache_bytes(monkeypatch)
     budget = 3 * 2**20
     common = dict(dtype="float32", device=DEV, max_num_seqs=4, block_size=4, kv_cache_bytes=budget)
     alone = LLM(target, **common).engine
@@ -234,8 +242,9 @@ def test_kv_budget_leaves_room_for_the_draft_model(target, random_draft):
     assert drafter.kv.num_blocks == spec.caches.kv.num_blocks
 
 
-def test_kv_budget_covers_the_mtp_blocks_own_kv(target):
+def test_kv_budget_covers_the_mtp_blocks_own_kv(target, monkeypatch):
     """An MTP block with attention keeps its own KV per block id: target + MTP KV fit the budget."""
+    _budget_is_kv_cache_bytes(monkeypatch)
     budget = 3 * 2**20
     llm = LLM(target, dtype="float32", device=DEV, max_num_seqs=4, block_size=4, kv_cache_bytes=budget,
               speculative_config=SpeculativeConfig("mtp", 2))
