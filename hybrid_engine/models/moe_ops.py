@@ -125,11 +125,13 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
     """The shared relu² MLP (``layers.MLP``); on CUDA decode batches without biases two kernels
-    (up with relu² in its epilogue, down) instead of three."""
-    if mlp.up_proj.bias is None and mlp.down_proj.bias is None and _rowwise_ok(x, mlp.up_proj.weight,
-                                                                              mlp.down_proj.weight):
+    (up with relu² in its epilogue, down) instead of three. Those kernels read the weights as
+    values: quantized projections (FP8 / NVFP4 weights with scales) go through their own modules."""
+    up, down = mlp.up_proj.weight, mlp.down_proj.weight
+    if (up.dtype == down.dtype == x.dtype and mlp.up_proj.bias is None and mlp.down_proj.bias is None
+            and _rowwise_ok(x, up, down)):
         from .triton_moe import rowwise_linear_triton
-        return rowwise_linear_triton(rowwise_linear_triton(x, mlp.up_proj.weight, relu2=True), mlp.down_proj.weight)
+        return rowwise_linear_triton(rowwise_linear_triton(x, up, relu2=True), down)
     return mlp(x)
 
 

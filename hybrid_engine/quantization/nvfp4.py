@@ -62,9 +62,12 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] uint8 -> [N, K] float32 e2m1 values (low nibble first)."""
-    table = torch.tensor(E2M1_VALUES, device=packed.device)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()          # [N, K]
-    mag = table[codes & 7]
+    # the magnitude from the code's bits (exponent e = bits 2..1, mantissa m = bit 0): m / 2 where
+    # e = 0 (subnormal), else 2^(e-1) * (1 + m / 2); exact in float32 and E2M1_VALUES in order. No
+    # host-built table: this runs inside CUDA graph capture (the torch fallback for float32 models)
+    e, m = ((codes & 7) >> 1).float(), (codes & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1.0 + 0.5 * m))
     return torch.where(codes >= 8, -mag, mag)
 
 

@@ -80,6 +80,39 @@ def test_decode_dispatch_uses_the_kernels():
     assert torch.equal(nvfp4_linear(x, p, bs, gs), nvfp4_skinny_linear(x, p, bs, gs))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("method", ["fp8", "nvfp4"])
+def test_quantized_shared_expert_on_decode_batches(method, dtype):
+    """The MoE's shared expert with quantized projections, on decode-sized batches (where the
+    plain model takes two fused row-wise kernels) equals the MLP on the dequantized weights. The
+    fused kernels once read the FP8 codes as values, unscaled: an FP8 MoE model's tokens then
+    changed with how many tokens shared a step (seen as chunked prefill != unchunked on CUDA)."""
+    from hybrid_engine.models.layers import MLP
+    from hybrid_engine.models.moe_ops import shared_expert
+    from hybrid_engine.quantization.fp8 import dequantize_fp8
+    from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
+    from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4
+    g = torch.Generator().manual_seed(3)
+    mlp = MLP(256, 384)
+    with torch.no_grad():
+        for lin in (mlp.up_proj, mlp.down_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features ** 0.5)
+    mlp = mlp.to(DEV, dtype)
+    quant = Fp8Linear if method == "fp8" else Nvfp4Linear
+    mlp.up_proj, mlp.down_proj = quant.quantized_from(mlp.up_proj), quant.quantized_from(mlp.down_proj)
+    if method == "fp8":
+        deq = [dequantize_fp8(m.weight, m.weight_scale) for m in (mlp.up_proj, mlp.down_proj)]
+    else:
+        deq = [dequantize_nvfp4(m.weight, m.weight_scale, m.weight_scale_2) for m in (mlp.up_proj, mlp.down_proj)]
+    for T in (1, 3, 8):
+        x = torch.randn(T, 256, generator=g).to(DEV, dtype)
+        got = shared_expert(x, mlp).float()
+        want = torch.nn.functional.linear(torch.relu(x.float() @ deq[0].T).square(), deq[1])
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        err = (got - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), (T, err)
+
+
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
 def test_engine_graphs_equal_eager(model_dirs, method):
     from hybrid_engine import LLM, SamplingParams
