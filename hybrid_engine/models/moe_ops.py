@@ -228,7 +228,10 @@ def align_block_size(num_pairs: int, num_experts: int) -> int:
     """Rows per grouped-GEMM tile: small tiles when experts get few tokens (decode batches), large
     for prefill. A function of static shapes only, so each CUDA-graph bucket fixes its own."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64
+    # 128-row tiles from 64 pairs per expert up: on the Nano widths a 2048-token prefill (96 per
+    # expert) ran its routed experts 1.11x faster than with 64-row tiles, an 8192-token one (384)
+    # 1.27x (benchmarks/moe_gemm_sweep.py, H200, 2026-11-25)
+    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
 
 
 @dataclass(frozen=True)

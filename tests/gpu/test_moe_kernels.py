@@ -70,7 +70,8 @@ def _auto(*a, **kw):
 # (latent 1024 -> 2688) shapes shrunk only where the sweep would be slow
 FAST = [(1, 128, 6, 512, 256, None, "uniform", True), (8, 128, 6, 512, 256, None, "ragged", False),
         (33, 128, 6, 256, 128, None, "ragged", True), (1024, 128, 6, 256, 128, None, "ragged", False),
-        (4, 512, 22, 256, 384, None, "uniform", False), (300, 512, 22, 128, 256, None, "one", False)]
+        (4, 512, 22, 256, 384, None, "uniform", False), (300, 512, 22, 128, 256, None, "one", False),
+        (2800, 128, 6, 256, 128, None, "ragged", True)]          # 131 pairs per expert: 128-row tiles
 SWEEP = [(T, E, k, D, F, None, load, add)
          for T in (1, 2, 5, 8, 31, 1200) for (E, k, D, F) in ((128, 6, 2688, 1856), (512, 22, 1024, 2688))
          for load in ("uniform", "ragged", "few", "one") for add in (False, True)]
