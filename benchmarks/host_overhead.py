@@ -114,7 +114,7 @@ class PhaseTimer:
               ("step.step_io", "StepHandle._output"), ("step.input_batch", "InputBatch.append_placeholders"),
               ("engine", "EngineCore.launch"), ("engine", "EngineCore.finish_step"),
               ("step.greedy_graphs", "GreedyStepGraphs.applies"), ("step.greedy_graphs", "GreedyStepGraphs.replay"),
-              ("step.ngram_graphs", "NgramStepGraphs.applies"), ("step.ngram_graphs", "NgramStepGraphs.replay"),
+              ("step.spec_graphs", "SpecStepGraphs.applies"), ("step.spec_graphs", "SpecStepGraphs.replay"),
               ("step.runner", "ModelRunner._finish_fused_spec"), ("step.runner", "ModelRunner._finish")]
     IMPORTERS = ("step.plans.decode_only",)     # modules that import a patched module function by name
 

@@ -42,7 +42,9 @@ import torch  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 logger = logging.getLogger("spec_real")
-METHODS = ("none", "ngram", "draft_model", "mtp")
+# "<method>-general": the same engine with its fused verify-step graphs dropped (every verify step
+# on the general path), to measure what the fused plan saves in the same run
+METHODS = ("none", "ngram", "draft_model", "mtp", "ngram-general", "mtp-general")
 WORKLOADS = ("completion", "edit", "sample")
 EDIT_SEPARATOR = "\n\n# ---- the same code, edited ----\n\n"
 
@@ -164,7 +166,11 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
     # none first: its outputs are the reference of every greedy cell
     for method in ["none"] + [m for m in methods if m != "none"]:
         for k in ([0] if method == "none" else ks):
-            llm = LLM(target, speculative_config=spec_config(method, k, args, draft_dir), **engine_kw)
+            llm = LLM(target, speculative_config=spec_config(method.removesuffix("-general"), k, args, draft_dir),
+                      **engine_kw)
+            if method.endswith("-general"):
+                runner = llm.engine.runner
+                runner.plans = tuple(p for p in runner.plans if not getattr(p, "proposes", False))
             if tok is None:
                 tok = llm.tokenizer
                 prompts = build_prompts(tok, heldout_files(args), max(batches), args.prompt_tokens, args.max_tokens)
@@ -329,7 +335,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", help="target folder (default: <run>/target, else the embedded default model)")
     ap.add_argument("--draft-model", help="draft folder (default: <run>/draft, else the target itself)")
     ap.add_argument("--files", help="folder of held-out text files when there is no --run (default: the stdlib)")
-    ap.add_argument("--methods", type=words, default=list(METHODS), help="comma list of none,ngram,draft_model,mtp")
+    ap.add_argument("--methods", type=words, default=list(METHODS), help="comma list of none,ngram,draft_model,mtp (and ngram-general, mtp-general: fused step graphs off)")
     ap.add_argument("--ks", type=ints, default=[1, 2, 3, 4, 5], help="comma list of K")
     ap.add_argument("--batches", type=ints, default=[1, 8, 32], help="comma list of batch sizes")
     ap.add_argument("--workloads", type=words, default=list(WORKLOADS), help="comma list of completion,edit,sample")

@@ -15,7 +15,7 @@ from .models import build_model
 from .models.nemotron_h import Caches
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
-from .step.ngram_graphs import make_ngram_graphs
+from .step.spec_graphs import make_spec_graphs
 from .step.runner import ModelRunner
 from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
@@ -101,9 +101,10 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
                                        drafter_follows_fused=not drafter.full_context)
     forced = forced_acceptance(cfg)
-    # greedy n-gram verify steps replayed whole (prepare + forward + verify + propose)
-    spec_graphs = None if forced is not None else make_ngram_graphs(
-        executor, drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks)
+    # greedy n-gram and MTP verify steps replayed whole (prepare + forward + verify + propose)
+    spec_graphs = None if forced is not None else make_spec_graphs(
+        executor, drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks,
+        max_model_len=max_model_len)
     if forced is not None and (tp is None or tp.rank == 0):
         logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
                        "without verification; outputs are NOT the model's and differ from greedy", forced)

@@ -1,213 +1,48 @@
-"""A greedy n-gram verify step as one CUDA graph replay: input preparation, forward, verification,
-the step's advance, the n-gram proposal and the D2H payload.
-
-A K > 0 step on the general path is ~20 host calls (staging, ``prepare_decode``, the forward
-replay, the greedy verification, the valid counts and next starts, the non-finite check, the
-n-gram kernel, the payload, the copy), about twice the host time of a fused greedy step
-(``greedy_graphs.py``). On a small model the step is host-bound, so that is the spec step's cost.
-``NgramStepGraphs`` captures, per bucket B, step width k (drafts per row: the executor's captured
-widths, K and, with adaptive speculation, the narrower ones) and parity q:
-
-    prepare_decode(header mode; previous outputs from the parity 1-q buffers, accepted counts
-    gathered) -> the forward graph body of width 1+k -> greedy verification -> num_valid, next
-    starts -> non-finite rows -> the n-gram kernel (appends the tokens to the slots' histories,
-    drafts K for the next step) -> tokens, counts, starts, drafts into the parity q buffers, the
-    payload [tokens | verified drafts] with non-finite rows marked
-
-so the host's calls are the drafter's pending resets (usually none), one H2D of the staged array,
-one replay and the D2H of the payload, as for a greedy step. Parities, waits on the D2H of a
-parity's payload and the copy-in of a previous step that did not come from these graphs work as
-in ``greedy_graphs.py``. Taken only for decode-only steps whose rows are all greedy, with the
-n-gram drafter on its Triton kernel, and a width this plan captured.
-"""
+"""The n-gram drafter's whole greedy verify step as one CUDA graph replay (``spec_graphs.py``):
+the proposal is the n-gram Triton kernel, which appends the step's tokens to the slots' histories
+and drafts K for the next step. The pad rows' appends go to the null slot's history (never a
+request's). Before a replay the drafter's pending slot resets are flushed (they are host writes
+the graph then reads)."""
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from hybrid_engine.spec.rejection import _greedy
-
-from ..sampling.sampler import nonfinite_rows
-from .decode_prep import DecodeDest, PrevOutputs
-from .graphs import CudaGraphExecutor, EagerExecutor
-from .input_batch import InputBatch
-from .step_io import NONFINITE, StepRows
-from .transfer import H2D, CurrentStream
+from .graphs import CudaGraphExecutor
+from .spec_graphs import SpecStepGraphs
 
 logger = logging.getLogger("hybrid_engine")
 
 
-class FusedSpecStep:
-    """What one replay produced, in its step rows (views of the parity's buffers)."""
-    __slots__ = ("sampled", "num_valid", "next_start", "drafts", "rows", "payload", "width")
-
-    def __init__(self, *, sampled, num_valid, next_start, drafts, rows, payload, width):
-        self.sampled = sampled          # [N, 1+k] int64, -1 after the last valid token
-        self.num_valid = num_valid      # [N] int64
-        self.next_start = next_start    # [N] int64
-        self.drafts = drafts            # [N, K] int64 n-gram drafts for the next step (-1 = none)
-        self.rows = rows                # [N] batch rows (host)
-        self.payload = payload          # [N, 1+2k] tokens, then the verified drafts; NONFINITE rows marked
-        self.width = width              # k: drafts each row verified (the runner's "width": drafts, not tokens)
-
-
-class NgramStepGraphs:
-    fused = True          # replay() runs the whole step
-    proposes = True       # ... the drafter's proposal included: the runner only finishes it
+class NgramStepGraphs(SpecStepGraphs):
+    name = "n-gram"
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int):
-        """``widths``: the draft counts a step may verify (``adaptive.draft_counts``; a count k
-        runs the executor's forward of 1 + k tokens per row). Counts 0 and those without a
-        captured forward are left to other plans."""
         kernel = getattr(drafter, "_kernel", None)
         if kernel is None:
             raise ValueError("n-gram step graphs need the n-gram drafter on its Triton kernel")
-        self.ex, self.drafter, self.kernel, self.block_size = executor, drafter, kernel, block_size
-        self.num_spec = K = num_spec
-        self.draft_counts = tuple(k for k in widths if k > 0 and 1 + k in executor.graphs_by_width)
-        if not self.draft_counts:
-            raise ValueError(f"no captured forward width among {widths}")
-        self.batch: InputBatch | None = None
-        self._rows = self._prev_idx = None
-        dev = executor.device
-        self.max_rows = bmax = executor.buckets[-1]
-        e64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
-        # per parity (steps alternate between the two buffers of each list)
-        self.tokens = [e64(bmax, 1 + K), e64(bmax, 1 + K)]   # [Bmax, 1+K] sampled tokens
-        self.num_valid = [e64(bmax), e64(bmax)]              # [Bmax] valid tokens per row
-        self.next_start = [e64(bmax), e64(bmax)]             # [Bmax] next start positions
-        self.drafts = [e64(bmax, K), e64(bmax, K)]           # [Bmax, K] drafts for the next step
-        # per draft count k: [Bmax, k] drafts verified (prepare_decode's output); per (k, parity):
-        # [Bmax, 1+2k] D2H payloads
-        self.verified_drafts = {k: e64(bmax, k) for k in self.draft_counts}
-        self.payload = {(k, parity): e64(bmax, 1 + 2 * k) for k in self.draft_counts for parity in (0, 1)}
-        self._start = e64(bmax)                              # [Bmax] prepare_decode's start output
-        self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}   # (bucket, k, parity)
-        self._views: dict[tuple, FusedSpecStep] = {}                         # (parity, N, k)
-        self.parity = 0                                      # parity of the next graph step
-        self._read_ev: list = [None, None]                   # last D2H of a parity's payload (an Event)
-        self._main = CurrentStream(dev)
+        super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
+                         max_blocks=max_blocks)
+        self.kernel = kernel
         self._capture_all()
 
-    # ---- start-up ----------------------------------------------------------------------------
-    def _body(self, bucket: int, num_drafts: int, parity: int) -> None:
-        from .triton_decode_prep import triton_prepare_decode
-        k, tokens_per_row = num_drafts, 1 + num_drafts
-        g = self.ex.graphs_by_width[tokens_per_row][bucket]
-        a, m = g.fb.attn, g.fb.mamba
-        dest = DecodeDest(g.fb.input_ids, g.fb.positions, a.slot_mapping, a.seq_lens, a.block_tables,
-                          m.decode_slots, m.num_accepted)
-        # the previous tokens have 1+K columns: prepare_decode gathers the accepted counts
-        other = 1 - parity
-        prev = PrevOutputs(self.tokens[other], self.num_valid[other], self.next_start[other],
-                           self.drafts[other][:, :k])
-        verified = self.verified_drafts[k]                                   # [Bmax, k]
-        triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=k,
-                              start_out=self._start, drafts_out=verified, next_start_out=None, header=True)
-        _, logits = EagerExecutor.forward(self.ex, g.fb)                     # [B * tokens_per_row, V]
-        sampled = _greedy(logits.view(bucket, tokens_per_row, -1), verified[:bucket])   # [B, tokens_per_row]
-        num_valid = (sampled != -1).sum(1)                                   # docs/design.md invariant 7
-        next_start = self._start[:bucket] + num_valid
-        bad = nonfinite_rows(logits).view(bucket, tokens_per_row).any(1)     # [B]
-        drafts = self.kernel(self.drafter._store, self.drafter.length, m.decode_slots[:bucket], sampled,
-                             num_valid, next_start)                          # [B, K]
-        self.tokens[parity][:bucket, :tokens_per_row].copy_(sampled)
-        self.num_valid[parity][:bucket].copy_(num_valid)
-        self.next_start[parity][:bucket].copy_(next_start)
-        self.drafts[parity][:bucket].copy_(drafts)
-        payload = torch.cat([sampled, verified[:bucket]], 1)                 # [B, 1+2k]
-        self.payload[(k, parity)][:bucket].copy_(payload.masked_fill(bad[:, None], NONFINITE))
+    def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
+        return self.kernel(self.drafter._store, self.drafter.length, g.fb.mamba.decode_slots[:bucket], sampled,
+                           num_valid, next_start)                              # [B, K]
 
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        t0 = time.perf_counter()
-        dev = self.ex.device
-        free0 = torch.cuda.mem_get_info(dev)[0]
-        self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
-        for num_drafts in sorted(self.draft_counts, reverse=True):
-            for bucket in sorted(self.ex.buckets, reverse=True):
-                for parity in (0, 1):
-                    self._body(bucket, num_drafts, parity)     # warm-up (compiles the kernels)
-                    torch.cuda.synchronize(dev)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.ex.pool):
-                        self._body(bucket, num_drafts, parity)
-                    self.graphs[(bucket, num_drafts, parity)] = g
-        # the pad rows' n-gram appends went to the null slot's history (never a request's)
-        torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0]
-        logger.info("captured %d n-gram step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
-                    "2 parities) in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets),
-                    list(self.draft_counts), time.perf_counter() - t0, used / 2**20)
-
-    # ---- the step ---------------------------------------------------------------------------
-    def applies(self, step: StepRows, prev) -> bool:
-        """A decode-only step of greedy rows (at most max_rows, each with a previous output) that
-        verifies a draft count captured here."""
-        if not step.decode_only or prev is None:
-            return False
-        req_ids = step.req_ids
-        n = len(req_ids)
-        if not 0 < n <= self.max_rows or prev.drafts.shape[1] not in self.verified_drafts:
-            return False
-        batch = self.batch
-        rows = batch.rows_of(req_ids)
-        if batch.temperature[rows].any() or batch.processed[rows].any() or (
-                batch.num_logprob_rows and (batch.logprobs[rows] >= 0).any()):
-            return False                                   # a row samples, processes or wants logprobs
-        prev_idx = batch.prev_positions(req_ids)
-        if (prev_idx < 0).any():
-            return False
-        self._rows, self._prev_idx = rows, prev_idx
-        return True
-
-    def replay(self, step: StepRows, prev, h2d: H2D) -> FusedSpecStep:
-        n, num_drafts = len(step.req_ids), prev.drafts.shape[1]
-        rows, batch = self._rows, self.batch
-        host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
+    def _before_replay(self) -> None:
         self.drafter.flush()                               # pending slot resets, before the graph reads them
-        parity, other = self.parity, 1 - self.parity
-        main = self._main()
-        if self._read_ev[parity] is not None:              # payload[., parity] is written below
-            main.wait_event(self._read_ev[parity])
-        if prev.sampled.data_ptr() != self.tokens[other].data_ptr():
-            prev_rows, prev_cols = prev.sampled.shape      # not this family's output: copy it in
-            self.tokens[other][:prev_rows, :prev_cols].copy_(prev.sampled)
-            self.num_valid[other][:prev_rows].copy_(prev.num_valid)
-            self.next_start[other][:prev_rows].copy_(prev.next_start)
-            self.drafts[other][:prev_rows, :num_drafts].copy_(prev.drafts)
-        h2d.begin_step()
-        h2d.put_raw(host, out=self.staged)
-        bucket = next(x for x in self.ex.buckets if x >= n)
-        self.graphs[(bucket, num_drafts, parity)].replay()
-        self.parity = other
-        key = (parity, n, num_drafts)
-        out = self._views.get(key)
-        if out is None:
-            out = self._views[key] = FusedSpecStep(
-                sampled=self.tokens[parity][:n, :1 + num_drafts], num_valid=self.num_valid[parity][:n],
-                next_start=self.next_start[parity][:n], drafts=self.drafts[parity][:n], rows=None,
-                payload=self.payload[(num_drafts, parity)][:n], width=num_drafts)
-        out.rows = rows
-        return out
-
-    def bind(self, batch: InputBatch) -> None:
-        self.batch = batch
-
-    def read_by(self, event) -> None:
-        """The D2H of the last replay's payload finishes at ``event``; that parity's next write waits."""
-        self._read_ev[1 - self.parity] = event
 
 
 def make_ngram_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,
-                      max_blocks: int) -> NgramStepGraphs | None:
+                      max_blocks: int, max_model_len: int = 0) -> NgramStepGraphs | None:
     """N-gram step graphs where they apply (CUDA graphs on, the n-gram drafter on Triton, the
-    Triton input preparation); the choice is logged either way."""
-    if not isinstance(executor, CudaGraphExecutor) or not num_spec or getattr(drafter, "_kernel", None) is None:
+    Triton input preparation); the choice is logged either way. (``max_model_len``: unused, the
+    factories' common signature.)"""
+    if getattr(drafter, "_kernel", None) is None:
+        logger.info("n-gram step graphs: off (the n-gram drafter is not on its Triton kernel)")
         return None
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", executor.device) != "triton":

@@ -41,7 +41,7 @@ class ModelRunner:
         GreedyStepGraphs (CUDA graphs on, K = 0) or None; ``draft_policy``: how many drafts the
         next step verifies (``spec/adaptive.py``; default: always ``num_spec``);
         ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``);
-        ``spec_graphs``: a fused plan of whole greedy verify steps (``NgramStepGraphs``) or None."""
+        ``spec_graphs``: a fused plan of whole greedy verify steps (``spec_graphs.SpecStepGraphs``: n-gram, MTP) or None."""
         self.model, self.caches, self.drafter = model, caches, drafter
         self.executor = executor
         self.device, self.block_size, self.num_spec = device, block_size, num_spec
@@ -197,7 +197,7 @@ class ModelRunner:
         return handle
 
     def _finish_fused_spec(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
-        """A verify step replayed whole (``NgramStepGraphs``): the policy picks the next width (the
+        """A verify step replayed whole (``SpecStepGraphs``): the policy picks the next width (the
         graph drafted K) and is told this step's counts later, as on the general path."""
         out = plan.replay(step, self.prev, self.h2d)
         num_drafts, observe = self.num_spec, None

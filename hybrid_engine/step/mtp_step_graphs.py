@@ -1,0 +1,85 @@
+"""The MTP drafter's whole greedy verify step as one CUDA graph replay (``spec_graphs.py``).
+
+On the general path an MTP step adds to the target's verify step the drafter's own host work:
+the shifted tokens and newest-sample indices, copies into the MTP verify graph's buffers and its
+replay, then K-1 single-token steps, each with its copies, its replay and a greedy draw. On the
+trained 5 M default model a K = 3 MTP step cost ~3 ms against ~0.4 ms for a greedy step (H100,
+2026-11-24): host-bound. Here the proposal is captured after verification in the step's graph:
+
+    the MTP layers over the step's tokens, each paired with the next token (this step's samples;
+    placeholders -1 clamped to 0 as on the general path) and the target's hidden state, on the
+    target's forward batch (its attention metadata: the MTP KV follows every computed position)
+    -> hidden state and logits at each row's newest sample -> draft 1 = argmax -> for drafts
+    2..K, one token per row: the previous draft and MTP hidden state at position
+    next_start + j - 1 -> argmax
+
+the same ops, in the same order, as ``MTPDrafter.propose`` for greedy decode rows, so the drafts
+(and with them the tokens, which greedy verification makes independent of the drafts anyway)
+equal the general path's. It always drafts K: the runner keeps the width its policy picks, and
+MTP KV written for drafts that are not verified is rewritten by the next verify pass before any
+step reads it (as for rejected drafts). Pad rows (rows >= N of the bucket) have zeroed block
+tables and slot mappings: their MTP KV goes to the null block.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybrid_engine.spec.drafters.common import single_token_batch
+
+from .graphs import CudaGraphExecutor
+from .spec_graphs import SpecStepGraphs
+
+logger = logging.getLogger("hybrid_engine")
+
+
+class MTPStepGraphs(SpecStepGraphs):
+    name = "MTP"
+
+    def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
+                 block_size: int, max_blocks: int, max_model_len: int):
+        super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
+                         max_blocks=max_blocks)
+        # host bound of every row's length in a single-token step (as MTPGraphs)
+        self.max_seq = max_model_len + 2 * (1 + num_spec) + 1
+        self._capture_all()
+
+    def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
+        d, fb = self.drafter, g.fb
+        tokens_per_row = sampled.shape[1]
+        shifted = sampled.reshape(-1).clamp(min=0)                            # [B * tokens_per_row]
+        last_idx = (num_valid - 1).clamp(min=0)
+        idx = torch.arange(bucket, device=last_idx.device) * tokens_per_row + last_idx   # [B] newest sample's token
+        h, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb)
+        mtp_hidden = h[idx]                                                   # [B, D]
+        tok = d.target.compute_logits(normed[idx]).argmax(-1)                 # [B] draft 1
+        drafts = [tok]
+        valid = num_valid > 0
+        block_tables = fb.attn.block_tables[:bucket]
+        for j in range(1, self.num_spec):
+            # pair index next_start + j - 1: the previous MTP hidden stands in for the target's
+            sfb = single_token_batch(tok, next_start + j - 1, block_tables, self.block_size,
+                                     torch.zeros_like(next_start), valid, self.max_seq)
+            mtp_hidden, normed = d._step(tok, mtp_hidden, sfb)
+            tok = d.target.compute_logits(normed).argmax(-1)
+            drafts.append(tok)
+        return torch.where(valid[:, None], torch.stack(drafts, 1), -1)        # [B, K]
+
+
+def make_mtp_step_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,
+                         max_blocks: int, max_model_len: int) -> MTPStepGraphs | None:
+    """MTP step graphs where they apply (CUDA graphs on, the Triton input preparation); the
+    choice is logged either way."""
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("prepare_decode", executor.device) != "triton":
+        logger.warning("MTP step graphs: off (the Triton prepare_decode kernel is unavailable)")
+        return None
+    try:
+        return MTPStepGraphs(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
+                             max_blocks=max_blocks, max_model_len=max_model_len)
+    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
+        logger.warning("MTP step graphs: off (%s: %s); MTP verify steps take the general path",
+                       type(exc).__name__, exc)
+        torch.cuda.empty_cache()
+        return None

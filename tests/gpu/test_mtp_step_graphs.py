@@ -1,0 +1,104 @@
+"""MTP verify steps replayed whole (``step/mtp_step_graphs.py``: prepare + forward + verify + the
+MTP layers' K drafts + payload in one replay) against the eager engine: the same tokens through
+arrivals, a sampling row (general path while it runs) and finishing rows, with and without
+adaptive speculation; the fused path taken on most steps at fixed K, and no host sync on it."""
+import numpy as np
+import pytest
+
+from engine_steps import launch_steps_without_sync
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hybrid_engine.step import runner as runner_mod
+from hybrid_engine.step import spec_graphs as sg_mod
+from test_greedy_graphs import drive
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def mtp_target(model_dirs):
+    # attention in the MTP block: its KV follows every step (written inside the fused replay)
+    return model_dirs("gpu_mtp_steps", pattern="M-M*-M-", seed=6, num_nextn_predict_layers=1, mtp_pattern="*-")
+
+
+@pytest.fixture
+def fused_log(monkeypatch):
+    """Per executed step, whether a fused verify-step plan (SpecStepGraphs) replayed it."""
+    log, took = [], [False]
+    orig_replay, orig_exec = sg_mod.SpecStepGraphs.replay, runner_mod.ModelRunner.execute
+
+    def spy_replay(self, *a, **k):
+        took[0] = True
+        return orig_replay(self, *a, **k)
+
+    def spy_exec(self, sched):
+        took[0] = False
+        handle = orig_exec(self, sched)
+        log.append(took[0])
+        return handle
+    monkeypatch.setattr(sg_mod.SpecStepGraphs, "replay", spy_replay)
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
+    return log
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, fused_log):
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    spec = SpeculativeConfig("mtp", 3, adaptive=adaptive)
+    plain = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling), prompts)
+    eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
+    fused_log.clear()
+    llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=spec)
+    assert any(type(p).__name__ == "MTPStepGraphs" for p in llm.engine.runner.plans)
+    fused = drive(llm, prompts)
+    assert fused == eager
+    # request 5 samples (temperature 0.9): speculation keeps its distribution, not its draws
+    assert {i: t for i, t in fused.items() if i != 5} == {i: t for i, t in plain.items() if i != 5}
+    if not adaptive:
+        assert sum(fused_log) >= 10, sum(fused_log)
+
+
+def test_mtp_step_graphs_propose_the_general_paths_drafts():
+    """The drafts themselves (not only the tokens, which greedy verification fixes whatever the
+    drafts are) equal the general path's, on the trained default model, where most drafts are
+    accepted: the same tokens and the same accepted count, with the fused plan and without it."""
+    import inspect
+    import json
+    from hybrid_engine.default_model import default_model_dir
+    text = inspect.getsource(json.JSONEncoder)      # code the model completes well
+    spec = SpeculativeConfig("mtp", 3, adaptive=False)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(default_model_dir(), dtype="float32", device="cuda", max_num_seqs=4, speculative_config=spec)
+        tok = llm.tokenizer
+        prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
+        runner = llm.engine.runner
+        if not fused:
+            runner.plans = tuple(p for p in runner.plans if type(p).__name__ != "MTPStepGraphs")
+        assert any(type(p).__name__ == "MTPStepGraphs" for p in runner.plans) == fused
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        st = llm.stats()
+        runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))
+        del llm
+    assert runs[0] == runs[1]
+    assert runs[0][2] > 0.3 * runs[0][1], runs[0][1:]      # a real test of the drafts (47% accepted on CPU)
+
+
+def test_mtp_step_graphs_never_sync_the_host(mtp_target, fused_log):
+    llm = LLM(mtp_target, dtype="bfloat16", device="cuda", max_num_seqs=4,
+              speculative_config=SpeculativeConfig("mtp", 3, adaptive=False))
+    eng = llm.engine
+    rng = np.random.default_rng(2)
+    for n in (5, 9, 13):
+        eng.add_request(eng.make_request(rng.integers(3, 256, n).tolist(),
+                                         SamplingParams(max_tokens=400, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    fused_log.clear()
+    launch_steps_without_sync(eng, 30)
+    assert all(fused_log) and len(fused_log) == 30
