@@ -93,6 +93,41 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+def replay_log(monkeypatch, plan_cls) -> list[bool]:
+    """Per step the runner executes, whether a fused plan of ``plan_cls`` replayed it (the spy
+    sits on the runner's ``execute`` and on the plan's ``replay``)."""
+    from hybrid_engine.step import runner as runner_mod
+    log, took = [], [False]
+    orig_replay, orig_exec = plan_cls.replay, runner_mod.ModelRunner.execute
+
+    def spy_replay(self, *a, **k):
+        took[0] = True
+        return orig_replay(self, *a, **k)
+
+    def spy_exec(self, sched):
+        took[0] = False
+        handle = orig_exec(self, sched)
+        log.append(took[0])
+        return handle
+    monkeypatch.setattr(plan_cls, "replay", spy_replay)
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
+    return log
+
+
+@pytest.fixture
+def spec_step_log(monkeypatch):
+    """``replay_log`` of the fused verify-step plans (``SpecStepGraphs``: n-gram or MTP)."""
+    from hybrid_engine.step.spec_graphs import SpecStepGraphs
+    return replay_log(monkeypatch, SpecStepGraphs)
+
+
+@pytest.fixture
+def graph_path_log(monkeypatch):
+    """``replay_log`` of the fused greedy step plan (``GreedyStepGraphs``)."""
+    from hybrid_engine.step.greedy_graphs import GreedyStepGraphs
+    return replay_log(monkeypatch, GreedyStepGraphs)
+
+
 def pytest_runtest_logreport(report):
     """``HYBRID_ENGINE_TEST_TIMES=path``: append "seconds phase:outcome nodeid" per test as it ends
     (and per slow or failed setup/teardown),

@@ -134,7 +134,7 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
                   speculative_config=SpeculativeConfig("mtp", 3, adaptive=False), async_scheduling=True)
         assert (llm.engine.drafter.graphs is None) == eager
         # the drafter's own graphs serve the general path: greedy decode steps would otherwise
-        # replay whole (MTPStepGraphs, tests/gpu/test_mtp_step_graphs.py) and never call them
+        # replay whole (MTPStepGraphs, tests/gpu/test_spec_step_graphs.py) and never call them
         runner = llm.engine.runner
         runner.plans = tuple(p for p in runner.plans if not getattr(p, "proposes", False))
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -7,7 +7,6 @@ import pytest
 
 from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.step import greedy_graphs as gg_mod
 from hybrid_engine.step import runner as runner_mod
 
 pytestmark = pytest.mark.gpu
@@ -16,28 +15,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def target(model_dirs):
     return model_dirs("gpu_greedy", pattern="M-M*-M-", seed=5)
-
-
-@pytest.fixture
-def graph_path_log(monkeypatch):
-    """Per step the runner executes, whether it took the graph path (True: the greedy graph plan
-    replayed it) or not (the spy sits on ``execute`` and on the plan's ``replay``)."""
-    log, took = [], [False]
-    orig_replay, orig_exec = gg_mod.GreedyStepGraphs.replay, runner_mod.ModelRunner.execute
-
-    def spy_replay(self, *a, **k):
-        out = orig_replay(self, *a, **k)
-        took[0] = True
-        return out
-
-    def spy_exec(self, sched):
-        took[0] = False
-        handle = orig_exec(self, sched)
-        log.append(took[0])
-        return handle
-    monkeypatch.setattr(gg_mod.GreedyStepGraphs, "replay", spy_replay)
-    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
-    return log
 
 
 def drive(llm, prompts):
@@ -148,27 +125,6 @@ def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, gra
     assert sum(took) >= max(8, sum(could) - 2), (sum(took), sum(could))
 
 
-@pytest.fixture
-def spec_graph_log(monkeypatch):
-    """Per executed step, whether the n-gram step graphs replayed it."""
-    from hybrid_engine.step import ngram_graphs as ng_mod
-    log, took = [], [False]
-    orig_replay, orig_exec = ng_mod.NgramStepGraphs.replay, runner_mod.ModelRunner.execute
-
-    def spy_replay(self, *a, **k):
-        took[0] = True
-        return orig_replay(self, *a, **k)
-
-    def spy_exec(self, sched):
-        took[0] = False
-        handle = orig_exec(self, sched)
-        log.append(took[0])
-        return handle
-    monkeypatch.setattr(ng_mod.NgramStepGraphs, "replay", spy_replay)
-    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
-    return log
-
-
 def _self_repeating_prompts(rng):
     """Prompts that repeat a phrase: the n-gram drafter proposes on them (mixed acceptance)."""
     out = []
@@ -180,7 +136,7 @@ def _self_repeating_prompts(rng):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_graph_log):
+def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_step_log):
     """Greedy n-gram verify steps replayed whole (NgramStepGraphs) give the eager tokens through
     arrivals, a sampling row and finishing rows, and take most decode steps."""
     from hybrid_engine import SpeculativeConfig
@@ -190,26 +146,10 @@ def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_
                       async_scheduling=async_scheduling, speculative_config=spec), prompts)
     plain = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
                       async_scheduling=async_scheduling), prompts)
-    spec_graph_log.clear()
+    spec_step_log.clear()
     llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
     assert any(getattr(p, "proposes", False) for p in llm.engine.runner.plans)
     assert drive(llm, prompts) == eager == plain
     if not adaptive:
-        assert sum(spec_graph_log) >= 10, sum(spec_graph_log)
-
-
-def test_ngram_step_graphs_never_sync_the_host(target, spec_graph_log):
-    from hybrid_engine import SpeculativeConfig
-    llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4,
-              speculative_config=SpeculativeConfig("ngram", 3, adaptive=False))
-    eng = llm.engine
-    rng = np.random.default_rng(2)
-    for n in (5, 9, 13):
-        eng.add_request(eng.make_request(rng.integers(3, 256, n).tolist(),
-                                         SamplingParams(max_tokens=400, ignore_eos=True)))
-    for _ in range(4):
-        eng.step()
-    spec_graph_log.clear()
-    launch_steps_without_sync(eng, 30)
-    assert all(spec_graph_log) and len(spec_graph_log) == 30
+        assert sum(spec_step_log) >= 10, sum(spec_step_log)

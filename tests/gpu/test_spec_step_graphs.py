@@ -1,14 +1,13 @@
-"""MTP verify steps replayed whole (``step/mtp_step_graphs.py``: prepare + forward + verify + the
-MTP layers' K drafts + payload in one replay) against the eager engine: the same tokens through
+"""Verify steps replayed whole (``step/spec_graphs.py``; the MTP subclass here, the n-gram one's
+equality tests are in test_greedy_graphs.py): the same tokens as the eager engine through
 arrivals, a sampling row (general path while it runs) and finishing rows, with and without
-adaptive speculation; the fused path taken on most steps at fixed K, and no host sync on it."""
+adaptive speculation; the fused path taken on most steps at fixed K; the MTP drafts equal the
+general path's; no host sync on either subclass."""
 import numpy as np
 import pytest
 
 from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.step import runner as runner_mod
-from hybrid_engine.step import spec_graphs as sg_mod
 from test_greedy_graphs import drive
 
 pytestmark = pytest.mark.gpu
@@ -20,29 +19,9 @@ def mtp_target(model_dirs):
     return model_dirs("gpu_mtp_steps", pattern="M-M*-M-", seed=6, num_nextn_predict_layers=1, mtp_pattern="*-")
 
 
-@pytest.fixture
-def fused_log(monkeypatch):
-    """Per executed step, whether a fused verify-step plan (SpecStepGraphs) replayed it."""
-    log, took = [], [False]
-    orig_replay, orig_exec = sg_mod.SpecStepGraphs.replay, runner_mod.ModelRunner.execute
-
-    def spy_replay(self, *a, **k):
-        took[0] = True
-        return orig_replay(self, *a, **k)
-
-    def spy_exec(self, sched):
-        took[0] = False
-        handle = orig_exec(self, sched)
-        log.append(took[0])
-        return handle
-    monkeypatch.setattr(sg_mod.SpecStepGraphs, "replay", spy_replay)
-    monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
-    return log
-
-
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, fused_log):
+def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, spec_step_log):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
     spec = SpeculativeConfig("mtp", 3, adaptive=adaptive)
@@ -50,7 +29,7 @@ def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, fus
                       async_scheduling=async_scheduling), prompts)
     eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
                       async_scheduling=async_scheduling, speculative_config=spec), prompts)
-    fused_log.clear()
+    spec_step_log.clear()
     llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
     assert any(type(p).__name__ == "MTPStepGraphs" for p in llm.engine.runner.plans)
@@ -59,7 +38,7 @@ def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, fus
     # request 5 samples (temperature 0.9): speculation keeps its distribution, not its draws
     assert {i: t for i, t in fused.items() if i != 5} == {i: t for i, t in plain.items() if i != 5}
     if not adaptive:
-        assert sum(fused_log) >= 10, sum(fused_log)
+        assert sum(spec_step_log) >= 10, sum(spec_step_log)
 
 
 def test_mtp_step_graphs_propose_the_general_paths_drafts():
@@ -89,9 +68,10 @@ def test_mtp_step_graphs_propose_the_general_paths_drafts():
     assert runs[0][2] > 0.3 * runs[0][1], runs[0][1:]      # a real test of the drafts (47% accepted on CPU)
 
 
-def test_mtp_step_graphs_never_sync_the_host(mtp_target, fused_log):
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_spec_step_graphs_never_sync_the_host(mtp_target, spec_step_log, method):
     llm = LLM(mtp_target, dtype="bfloat16", device="cuda", max_num_seqs=4,
-              speculative_config=SpeculativeConfig("mtp", 3, adaptive=False))
+              speculative_config=SpeculativeConfig(method, 3, adaptive=False))
     eng = llm.engine
     rng = np.random.default_rng(2)
     for n in (5, 9, 13):
@@ -99,6 +79,6 @@ def test_mtp_step_graphs_never_sync_the_host(mtp_target, fused_log):
                                          SamplingParams(max_tokens=400, ignore_eos=True)))
     for _ in range(4):
         eng.step()
-    fused_log.clear()
+    spec_step_log.clear()
     launch_steps_without_sync(eng, 30)
-    assert all(fused_log) and len(fused_log) == 30
+    assert all(spec_step_log) and len(spec_step_log) == 30
