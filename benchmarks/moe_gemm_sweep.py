@@ -66,9 +66,9 @@ def inputs(T: int):
 
 def run_case(T, bm, cfg, iters, data):
     h, w_up, w_down, ids, weights = data
-    old_bm, old_cfg = triton_moe.align_block_size, triton_moe._gemm_config
+    old_bm, old_cfg = triton_moe.align_block_size, triton_moe.gemm_config
     triton_moe.align_block_size = lambda P, E_: bm
-    triton_moe._gemm_config = (lambda bm_, dtype: dict(cfg)) if cfg is not None else old_cfg
+    triton_moe.gemm_config = (lambda bm_, dtype, swiglu=False: dict(cfg)) if cfg is not None else old_cfg
     out = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
     try:
         fn = lambda: triton_moe.routed_experts_triton(h, w_up, w_down, ids, weights, force_grouped=True,  # noqa: E731
@@ -80,7 +80,7 @@ def run_case(T, bm, cfg, iters, data):
             raise AssertionError(f"wrong result (relative error {err:.3g})")
         return sec
     finally:
-        triton_moe.align_block_size, triton_moe._gemm_config = old_bm, old_cfg
+        triton_moe.align_block_size, triton_moe.gemm_config = old_bm, old_cfg
 
 
 def main() -> int:
@@ -102,7 +102,7 @@ def main() -> int:
         flops = 4 * T * K_TOP * D * F
         bm_today = moe_ops.align_block_size(T * K_TOP, E)
         sec = run_case(T, bm_today, None, args.iters, data)
-        today[T] = (bm_today, triton_moe._gemm_config(bm_today, torch.bfloat16), sec)
+        today[T] = (bm_today, triton_moe.gemm_config(bm_today, torch.bfloat16), sec)
         print(f"T={T} today BLOCK_M={bm_today} {today[T][1]}: {sec * 1e3:.3f} ms "
               f"{flops / sec / 1e12:.1f} TFLOP/s", flush=True)
         grid = itertools.product(args.block_m, [64, 128, 256], [32, 64, 128], [4, 8], [3, 4])

@@ -29,6 +29,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
 from .moe_ops import DECODE_MAX_TOKENS, RouteSpec, align_block_size, align_pairs
+from .moe_tiles import gemm_config, gemv_tiles
 
 
 # ------------------------------------------------------------------------------------ routing
@@ -234,25 +235,6 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
-def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of ``_pair_gemv_kernel`` for ``role`` ("rowwise": one weight
-    matrix, the router and the shared expert; "up" / "down": the routed experts) at ``tokens`` rows.
-    From the H100 tile sweep on the Nano-30B-A3B widths (benchmarks/moe_gemv_sweep.py, results in
-    benchmarks/results/2026-11-24-moe-gemv-sweep-h100.md): at one token, wide K tiles and few output
-    rows per program, so that the float32 router ([128, D]: 8 programs with 16 rows each) and the
-    shared expert spread over enough SMs; at several tokens the old 16 x 128 tiles are as good."""
-    wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
-    if role == "rowwise":
-        if wide:
-            return 4, 256, 8
-        return (8, 512, 4) if tokens == 1 else (16, 128, 2)
-    if wide:
-        return 8, 128, 4
-    if tokens == 1:
-        return (16, 256, 4) if role == "up" else (4, 256, 2)
-    return 8, 512, 4
-
-
 def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = False,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T for a few rows in one launch (the decode path's shared expert and
@@ -352,26 +334,6 @@ def _combine_kernel(pair_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr,
     tl.store(out_ptr + t * N + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = False) -> dict:
-    """Tile sizes for the grouped GEMM (by BLOCK_M, which align_block_size picks from the load).
-    SwiGLU loads two weight tiles per step (gate and up rows): 128-row tiles keep BLOCK_N at 128
-    and three stages there, within the SM's shared memory."""
-    bm = rows_per_expert_tile
-    if bm <= 16:
-        cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    elif bm <= 32:
-        cfg = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
-    elif bm <= 64:
-        cfg = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    elif swiglu:
-        cfg = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    else:                             # the best of benchmarks/moe_gemm_sweep.py at 2048 and 8192 tokens
-        cfg = dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
-    if dtype == torch.float32:        # double the bytes per element: halve K tiles
-        cfg.update(BLOCK_K=32, num_stages=2)
-    return cfg
-
-
 def _check(h, w_up, w_down, ids, weights, swiglu: bool = False):
     E, F, D_in = w_up.shape
     F = F // 2 if swiglu else F
@@ -422,7 +384,7 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         bm = align_block_size(P, E)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
               else align_pairs(ids, E, bm))
-        cfg = _gemm_config(bm, h.dtype, swiglu)
+        cfg = gemm_config(bm, h.dtype, swiglu)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         ieee = h.dtype == torch.float32
         _grouped_gemm_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](

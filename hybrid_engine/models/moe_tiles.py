@@ -1,0 +1,45 @@
+"""Tile choices of the fused MoE kernels (``triton_moe.py``), each from a sweep on the H100 / H200
+with its benchmark named: the decode GEMV (``gemv_tiles``) and the prefill grouped GEMM
+(``gemm_config``, by the rows per expert tile that ``moe_ops.align_block_size`` picks)."""
+from __future__ import annotations
+
+import torch
+
+
+def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of ``_pair_gemv_kernel`` for ``role`` ("rowwise": one weight
+    matrix, the router and the shared expert; "up" / "down": the routed experts) at ``tokens`` rows.
+    From the H100 tile sweep on the Nano-30B-A3B widths (benchmarks/moe_gemv_sweep.py, results in
+    benchmarks/results/2026-11-24-moe-gemv-sweep-h100.md): at one token, wide K tiles and few output
+    rows per program, so that the float32 router ([128, D]: 8 programs with 16 rows each) and the
+    shared expert spread over enough SMs; at several tokens the old 16 x 128 tiles are as good."""
+    wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
+    if role == "rowwise":
+        if wide:
+            return 4, 256, 8
+        return (8, 512, 4) if tokens == 1 else (16, 128, 2)
+    if wide:
+        return 8, 128, 4
+    if tokens == 1:
+        return (16, 256, 4) if role == "up" else (4, 256, 2)
+    return 8, 512, 4
+
+
+def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = False) -> dict:
+    """Tile sizes for the grouped GEMM (by BLOCK_M, which align_block_size picks from the load).
+    SwiGLU loads two weight tiles per step (gate and up rows): 128-row tiles keep BLOCK_N at 128
+    and three stages there, within the SM's shared memory."""
+    bm = rows_per_expert_tile
+    if bm <= 16:
+        cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif bm <= 32:
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    elif bm <= 64:
+        cfg = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    elif swiglu:
+        cfg = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    else:                             # the best of benchmarks/moe_gemm_sweep.py at 2048 and 8192 tokens
+        cfg = dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
+    if dtype == torch.float32:        # double the bytes per element: halve K tiles
+        cfg.update(BLOCK_K=32, num_stages=2)
+    return cfg
