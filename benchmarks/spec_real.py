@@ -169,8 +169,7 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
             llm = LLM(target, speculative_config=spec_config(method.removesuffix("-general"), k, args, draft_dir),
                       **engine_kw)
             if method.endswith("-general"):
-                runner = llm.engine.runner
-                runner.plans = tuple(p for p in runner.plans if not getattr(p, "proposes", False))
+                llm.engine.runner.drop_fused_plans(proposing_only=True)
             if tok is None:
                 tok = llm.tokenizer
                 prompts = build_prompts(tok, heldout_files(args), max(batches), args.prompt_tokens, args.max_tokens)

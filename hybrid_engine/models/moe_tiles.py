@@ -3,6 +3,8 @@ with its benchmark named: the decode GEMV (``gemv_tiles``) and the prefill group
 (``gemm_config``, by the rows per expert tile that ``moe_ops.align_block_size`` picks)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -25,10 +27,13 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
     return 8, 512, 4
 
 
-def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = False) -> dict:
+def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = False,
+                smem_bytes: int | None = None) -> dict:
     """Tile sizes for the grouped GEMM (by BLOCK_M, which align_block_size picks from the load).
     SwiGLU loads two weight tiles per step (gate and up rows): 128-row tiles keep BLOCK_N at 128
-    and three stages there, within the SM's shared memory."""
+    and three stages there. ``smem_bytes``: the device's shared memory per block (None: no
+    limit); a config whose pipelined tiles would not fit (the H100-tuned 128-row tiles need
+    ~192 KiB: more than an A100 or an Ada card has) falls back to narrow tiles and two stages."""
     bm = rows_per_expert_tile
     if bm <= 16:
         cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -42,4 +47,22 @@ def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = Fa
         cfg = dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
     if dtype == torch.float32:        # double the bytes per element: halve K tiles
         cfg.update(BLOCK_K=32, num_stages=2)
+    if smem_bytes is not None and gemm_smem_bytes(bm, cfg, dtype, swiglu) > smem_bytes:
+        cfg.update(BLOCK_N=64, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
     return cfg
+
+
+def gemm_smem_bytes(rows_per_expert_tile: int, cfg: dict, dtype: torch.dtype, swiglu: bool = False) -> int:
+    """Shared memory the grouped GEMM's pipelined tiles take: per stage an activation tile
+    [BLOCK_M, BLOCK_K] and one weight tile [BLOCK_K, BLOCK_N] (two with SwiGLU) in the
+    activations' dtype (FP8 weights are converted to it)."""
+    elem = torch.finfo(dtype).bits // 8
+    per_stage = rows_per_expert_tile * cfg["BLOCK_K"] + cfg["BLOCK_K"] * cfg["BLOCK_N"] * (2 if swiglu else 1)
+    return cfg["num_stages"] * per_stage * elem
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_mem(device_index: int) -> int:
+    """Shared memory per block the device allows a kernel (opt-in maximum), from Triton's driver."""
+    import triton
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])

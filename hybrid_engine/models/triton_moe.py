@@ -29,7 +29,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
 from .moe_ops import DECODE_MAX_TOKENS, RouteSpec, align_block_size, align_pairs
-from .moe_tiles import gemm_config, gemv_tiles
+from .moe_tiles import gemm_config, gemv_tiles, max_shared_mem
 
 
 # ------------------------------------------------------------------------------------ routing
@@ -384,7 +384,9 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         bm = align_block_size(P, E)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
               else align_pairs(ids, E, bm))
-        cfg = gemm_config(bm, h.dtype, swiglu)
+        smem = None if dev.type != "cuda" else max_shared_mem(
+            dev.index if dev.index is not None else torch.cuda.current_device())
+        cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         ieee = h.dtype == torch.float32
         _grouped_gemm_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](

@@ -180,8 +180,8 @@ class ParallelRunner:
     def read(self, step_id: int) -> None:
         self._ops.append(("read", step_id))
 
-    def drop_greedy_graphs(self) -> None:
-        raise RuntimeError("drop_greedy_graphs would change rank 0's plans only: not available under "
+    def drop_fused_plans(self, *, proposing_only: bool = False) -> None:
+        raise RuntimeError("drop_fused_plans would change rank 0's plans only: not available under "
                            "tensor parallelism")
 
     def __getattr__(self, name):            # read access to the local runner (tests, benchmarks)

@@ -18,11 +18,13 @@ the same ops, in the same order, as ``MTPDrafter.propose`` for greedy decode row
 equal the general path's. It always drafts K: the runner keeps the width its policy picks, and
 MTP KV written for drafts that are not verified is rewritten by the next verify pass before any
 step reads it (as for rejected drafts). Pad rows (rows >= N of the bucket) have zeroed block
-tables and slot mappings: their MTP KV goes to the null block.
+tables and slot mappings, and their single-token steps are invalid at position 0: their MTP KV
+goes to the null block and they add nothing to the MoE load counters.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -46,21 +48,29 @@ class MTPStepGraphs(SpecStepGraphs):
         self._capture_all()
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
-        d, fb = self.drafter, g.fb
+        d = self.drafter
+        # the verify pass reads the target's batch with the MTP graphs' length bound: the
+        # attention's split count follows it, so the drafts round as on the general path
+        fb = replace(g.fb, attn=replace(g.fb.attn, max_seq_len=self.max_seq))
         tokens_per_row = sampled.shape[1]
         shifted = sampled.reshape(-1).clamp(min=0)                            # [B * tokens_per_row]
         last_idx = (num_valid - 1).clamp(min=0)
-        idx = torch.arange(bucket, device=last_idx.device) * tokens_per_row + last_idx   # [B] newest sample's token
+        rows = torch.arange(bucket, device=last_idx.device)
+        idx = rows * tokens_per_row + last_idx                                # [B] newest sample's token
         h, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb)
         mtp_hidden = h[idx]                                                   # [B, D]
         tok = d.target.compute_logits(normed[idx]).argmax(-1)                 # [B] draft 1
         drafts = [tok]
-        valid = num_valid > 0
+        # pad rows (>= N, the staged header) write nothing and read at most the null block's
+        # first positions, as the MTP graphs' pads: their next_start is a stale buffer value
+        real = rows < self.staged[0]
+        valid = (num_valid > 0) & real
         block_tables = fb.attn.block_tables[:bucket]
         for j in range(1, self.num_spec):
             # pair index next_start + j - 1: the previous MTP hidden stands in for the target's
-            sfb = single_token_batch(tok, next_start + j - 1, block_tables, self.block_size,
-                                     torch.zeros_like(next_start), valid, self.max_seq)
+            pos = torch.where(real, next_start + (j - 1), 0)                  # pads at position 0: slot 0
+            sfb = single_token_batch(tok, pos, block_tables, self.block_size, torch.zeros_like(pos), valid,
+                                     self.max_seq)
             mtp_hidden, normed = d._step(tok, mtp_hidden, sfb)
             tok = d.target.compute_logits(normed).argmax(-1)
             drafts.append(tok)

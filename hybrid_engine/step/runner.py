@@ -71,10 +71,14 @@ class ModelRunner:
         """Forget the previous step's outputs (its step was dropped: nothing may read them)."""
         self.prev = None
 
-    def drop_greedy_graphs(self) -> None:
-        """Serve greedy decode steps through the executor's graphs only (tests compare the two)."""
-        self.greedy_graphs = None
-        self.plans = tuple(p for p in self.plans if not p.fused)
+    def drop_fused_plans(self, *, proposing_only: bool = False) -> None:
+        """Serve decode steps without the fused whole-step plans (tests and benchmarks compare the
+        paths): all of them (greedy step graphs and verify-step graphs), or with
+        ``proposing_only`` the verify-step graphs (``SpecStepGraphs``) only."""
+        if not proposing_only:
+            self.greedy_graphs = None
+        self.plans = tuple(p for p in self.plans
+                           if not (p.fused and (not proposing_only or getattr(p, "proposes", False))))
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()

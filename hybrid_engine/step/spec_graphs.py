@@ -49,7 +49,7 @@ class FusedSpecStep:
         self.sampled = sampled          # [N, 1+k] int64, -1 after the last valid token
         self.num_valid = num_valid      # [N] int64
         self.next_start = next_start    # [N] int64
-        self.drafts = drafts            # [N, K] int64 n-gram drafts for the next step (-1 = none)
+        self.drafts = drafts            # [N, K] int64 the drafter's drafts for the next step (-1 = none)
         self.rows = rows                # [N] batch rows (host)
         self.payload = payload          # [N, 1+2k] tokens, then the verified drafts; NONFINITE rows marked
         self.width = width              # k: drafts each row verified (the runner's "width": drafts, not tokens)
@@ -218,9 +218,10 @@ def make_spec_graphs(executor, drafter, **kw) -> SpecStepGraphs | None:
     for the others (draft model, no speculation) or without CUDA graphs."""
     if not isinstance(executor, CudaGraphExecutor) or not kw.get("num_spec"):
         return None
+    from hybrid_engine.spec.drafters.mtp import MTPDrafter
+    from hybrid_engine.spec.drafters.ngram import NgramDrafter
+
     from .mtp_step_graphs import make_mtp_step_graphs
     from .ngram_graphs import make_ngram_graphs
-    factories = {"NgramDrafter": lambda: make_ngram_graphs(executor, drafter, **kw),
-                 "MTPDrafter": lambda: make_mtp_step_graphs(executor, drafter, **kw)}
-    factory = factories.get(type(drafter).__name__)
-    return None if factory is None else factory()
+    factory = {NgramDrafter: make_ngram_graphs, MTPDrafter: make_mtp_step_graphs}.get(type(drafter))
+    return None if factory is None else factory(executor, drafter, **kw)

@@ -135,8 +135,7 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
         assert (llm.engine.drafter.graphs is None) == eager
         # the drafter's own graphs serve the general path: greedy decode steps would otherwise
         # replay whole (MTPStepGraphs, tests/gpu/test_spec_step_graphs.py) and never call them
-        runner = llm.engine.runner
-        runner.plans = tuple(p for p in runner.plans if not getattr(p, "proposes", False))
+        llm.engine.runner.drop_fused_plans(proposing_only=True)
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[True] == outs[False]
     assert calls["verify"] >= 5 and calls["step"] >= 10, calls

@@ -60,7 +60,7 @@ def test_greedy_graphs_equal_eager_through_transitions(target, async_scheduling,
                   async_scheduling=async_scheduling)
         assert (llm.engine.runner.greedy_graphs is None) == (mode == "eager")
         if mode == "graphs":
-            llm.engine.runner.drop_greedy_graphs()           # the executor's graphs only
+            llm.engine.runner.drop_fused_plans()           # the executor's graphs only
         outs[mode] = drive(llm, prompts)
     assert outs["greedy"] == outs["graphs"] == outs["eager"]
     assert all(len(v) > 0 for v in outs["greedy"].values())

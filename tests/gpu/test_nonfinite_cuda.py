@@ -23,7 +23,7 @@ def test_nonfinite_logits_on_every_cuda_path(target, mode, async_scheduling, mon
     llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4, enforce_eager=mode == "eager",
               async_scheduling=async_scheduling)
     if mode == "graphs":
-        llm.engine.runner.drop_greedy_graphs()
+        llm.engine.runner.drop_fused_plans()
     took = []                   # one entry per step the greedy graphs were asked about: True = replayed
     orig = gg_mod.GreedyStepGraphs.applies
 

@@ -56,10 +56,9 @@ def test_mtp_step_graphs_propose_the_general_paths_drafts():
         llm = LLM(default_model_dir(), dtype="float32", device="cuda", max_num_seqs=4, speculative_config=spec)
         tok = llm.tokenizer
         prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
-        runner = llm.engine.runner
         if not fused:
-            runner.plans = tuple(p for p in runner.plans if type(p).__name__ != "MTPStepGraphs")
-        assert any(type(p).__name__ == "MTPStepGraphs" for p in runner.plans) == fused
+            llm.engine.runner.drop_fused_plans(proposing_only=True)
+        assert any(type(p).__name__ == "MTPStepGraphs" for p in llm.engine.runner.plans) == fused
         outs = llm.generate(prompts, sp, use_tqdm=False)
         st = llm.stats()
         runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))

@@ -41,6 +41,17 @@ def test_e2m1_table_and_nibble_order():
     assert unpack_e2m1(packed).tolist() == [[-6.0, 1.0, -1.5, -0.5, 0.0, 6.0]]
 
 
+def test_e2m1_every_byte_value_with_the_sign_of_zero():
+    """All 256 bytes, both nibbles, against the format's table written out here: value and sign
+    bit (code 8 is -0.0; a list comparison alone would take 0.0 for it)."""
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8)[None]      # [1, 256]
+    got = unpack_e2m1(packed)[0]                                             # [512]
+    want = torch.tensor([table[b & 0xF] if i == 0 else table[b >> 4] for b in range(256) for i in (0, 1)])
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 def test_nvfp4_dequantize_by_hand():
     # 32 inputs = 2 blocks; block scales 0.5 and 3.0 (exact in e4m3), global scale 0.25
     codes = torch.arange(32) % 16                       # every code twice

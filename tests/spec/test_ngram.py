@@ -262,7 +262,7 @@ def record_steps(llm: LLM) -> list[dict]:
     greedy graphs, the drafter following them there): the spy would see only the steps they
     decline, so they are dropped and every step proposes through the drafter. Their own equality
     with these general-path steps is tests/gpu/test_ngram_cuda.py's and test_greedy_graphs.py's."""
-    llm.engine.runner.drop_greedy_graphs()
+    llm.engine.runner.drop_fused_plans()
     drafter = llm.engine.drafter
     orig = drafter.propose
     log: list[dict] = []
