@@ -163,9 +163,16 @@ class ParallelRunner:
         self.local, self.tp = local, tp
         self._ops: list[tuple[str, int]] = []
 
+    def _held_blocks(self, req_id: str) -> int | None:
+        """Block ids of the request's row the workers hold: rank 0's own batch before this step
+        (every rank applies the same updates), None for a request it has no row for."""
+        batch = self.local.batch
+        row = batch.req_id_to_row.get(req_id)
+        return None if row is None else int(batch.num_blocks[row])
+
     def execute(self, sched):
         ops, self._ops = tuple(self._ops), []
-        self.tp.send(StepMessage(ops=ops, sched=sched.for_workers()))
+        self.tp.send(StepMessage(ops=ops, sched=sched.for_workers(self._held_blocks)))
         try:
             handle = self.local.execute(sched)
         except Exception as e:

@@ -10,6 +10,32 @@ import numpy as np
 from ..sampling_params import SamplingParams
 
 
+class BlockTail:
+    """The end of a block list whose first ``start`` ids the receiver already holds (a
+    tensor-parallel worker's copy of a steady step): ``len`` is the whole list's, and slices from
+    ``start`` on return its ids. ``InputBatch.set_blocks`` copies exactly such a slice (the ids past
+    those it wrote); a slice reaching before ``start`` is an IndexError, never stale ids."""
+    __slots__ = ("start", "ids")
+
+    def __init__(self, start: int, ids: tuple[int, ...]):
+        self.start, self.ids = start, ids
+
+    def __len__(self) -> int:
+        return self.start + len(self.ids)
+
+    def __getitem__(self, key: slice) -> tuple[int, ...]:
+        a, b, step = key.indices(len(self))
+        if step != 1 or (a < self.start and b > a):
+            raise IndexError(f"block ids [{a}:{b}] of a tail that starts at {self.start}")
+        return self.ids[a - self.start:b - self.start]
+
+    def __getstate__(self):
+        return self.start, self.ids
+
+    def __setstate__(self, state):
+        self.start, self.ids = state
+
+
 @dataclass(frozen=True)
 class ForkSource:
     """A request of an ``n > 1`` group that starts from its leader's prefill: the runner copies the
@@ -60,8 +86,8 @@ class DecodeRows:
     start_pos: np.ndarray            # [n] int64 upper bounds (as ScheduledRow.start_pos)
     num_tokens: int                  # 1 + K
     block_ids: tuple[list[int], ...] # each request's live block list (only grows while it runs); in a
-                                     # tensor-parallel worker's copy of a steady step, None for rows
-                                     # not in ``grown`` (SchedulerOutput.for_workers)
+                                     # tensor-parallel worker's copy of a steady step, a BlockTail for
+                                     # rows in ``grown``, None for the others (SchedulerOutput.for_workers)
     grown: tuple[int, ...]           # rows (indices into req_ids) whose blocks grew this step
     table_rows: np.ndarray           # [n] int64 rows of the scheduler's RunningTable
     table_version: int               # RunningTable.version when scheduled (rows valid while equal)
@@ -91,16 +117,27 @@ class SchedulerOutput:
         state.pop("rows", None)
         return state
 
-    def for_workers(self) -> SchedulerOutput:
+    def for_workers(self, held_blocks=None) -> SchedulerOutput:
         """This step as the other tensor-parallel ranks need it. A steady step's runner reads only
         the block lists of the ``grown`` rows (``ModelRunner._update_batch``), so the others are
         sent as None: at 256 rows of 128k tokens the whole lists are ~2M ids (~10 MB pickled) per
-        step, the grown ones ~1/16 of that. Other steps go whole."""
+        step. ``held_blocks(req_id)``: how many ids of a row's list the workers already hold
+        (rank 0's own runner, before it applies this step: the ranks' batches are mirrors); a
+        grown row is then sent as a ``BlockTail`` of the ids past those, usually one. Without it
+        grown rows go whole. Other steps go whole."""
         d = self.decode
         if d is None or self.other_rows or self.new_requests or self.removed_req_ids:
             return self
         grown = set(d.grown)
-        blocks = tuple(b if i in grown else None for i, b in enumerate(d.block_ids))
+
+        def sent(i: int, ids):
+            if i not in grown:
+                return None
+            held = None if held_blocks is None else held_blocks(d.req_ids[i])
+            if held is None or not 0 <= held <= len(ids):
+                return ids
+            return BlockTail(held, tuple(ids[held:]))
+        blocks = tuple(sent(i, b) for i, b in enumerate(d.block_ids))
         return replace(self, decode=replace(d, block_ids=blocks))
 
     @cached_property

@@ -270,18 +270,28 @@ def test_tp2_fp8_quantized_at_load(model_dirs, prompts):
 
 
 def test_steady_step_messages_carry_only_the_grown_block_lists(model_dirs):
-    """SchedulerOutput.for_workers: a steady decode step sends the block lists of the rows that grew
-    (all a worker's runner reads), None for the others; any other step goes whole. Checked on the
-    steps a real engine schedules (4-token blocks: rows grow every few steps)."""
+    """SchedulerOutput.for_workers: a steady decode step sends the new ids of the rows that grew
+    (all a worker's runner reads: a BlockTail past the ids the ranks' batches already hold), None
+    for the others; any other step goes whole. Checked on the steps a real engine schedules
+    (4-token blocks: rows grow every few steps), with the held counts from the engine's own
+    runner as rank 0's ParallelRunner reads them."""
     import pickle
+
+    from hybrid_engine.parallel.worker import ParallelRunner
+    from hybrid_engine.scheduling.scheduler_output import BlockTail
     d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
     llm = LLM(str(d), device="cpu", max_num_seqs=4, block_size=4, async_scheduling=False)
     eng = llm.engine
     sent = []
     execute = eng.runner.execute
+    held_blocks = ParallelRunner(eng.runner, tp=None)._held_blocks
 
     def spy(sched):
-        sent.append((sched, sched.for_workers()))
+        # the block lists are the scheduler's live lists (they keep growing): copied as sent
+        ids = sched.decode.req_ids if sched.decode else ()
+        held = {rid: (held_blocks(rid), list(b)) for rid, b in zip(ids, sched.decode.block_ids if ids else ())}
+        w = sched.for_workers(held_blocks)
+        sent.append((sched, w, held, pickle.loads(pickle.dumps(w))))      # the last: as a worker gets it
         return execute(sched)
     eng.runner.execute = spy
     rng = np.random.default_rng(4)
@@ -290,17 +300,24 @@ def test_steady_step_messages_carry_only_the_grown_block_lists(model_dirs):
                                          SamplingParams(max_tokens=24, ignore_eos=True)))
     while eng.has_work():
         eng.step()
-    steady = [(s, w) for s, w in sent if s.decode is not None and not (s.other_rows or s.new_requests
-                                                                       or s.removed_req_ids)]
-    assert len(steady) >= 10 and any(s.decode.grown for s, _ in steady)
-    assert any(not s.decode.grown for s, _ in steady)        # most steps grow no row
-    for s, w in sent:
-        if (s, w) not in steady:
+    steady = [(s, w, h, r) for s, w, h, r in sent if s.decode is not None and not (s.other_rows or s.new_requests
+                                                                                   or s.removed_req_ids)]
+    assert len(steady) >= 10 and any(s.decode.grown for s, _, _, _ in steady)
+    assert any(not s.decode.grown for s, _, _, _ in steady)        # most steps grow no row
+    for s, w, _, _ in sent:
+        if not any(s is t for t, _, _, _ in steady):
             assert w is s
-    for s, w in steady:
+    for s, _, held, w in steady:
         grown = set(s.decode.grown)
         assert w.decode.req_ids == s.decode.req_ids and w.step_id == s.step_id
-        for i, (full, got) in enumerate(zip(s.decode.block_ids, w.decode.block_ids)):
-            assert (got == full) if i in grown else got is None
-        if len(grown) < len(s.decode):
+        for i, (rid, got) in enumerate(zip(s.decode.req_ids, w.decode.block_ids)):
+            if i not in grown:
+                assert got is None
+                continue
+            had, full = held[rid]                                # as the workers held it, as sent
+            assert isinstance(got, BlockTail) and got.start == had < len(full) == len(got)
+            assert list(got[had:len(got)]) == full[had:]
+            with pytest.raises(IndexError):
+                got[0:len(got)]                                  # never stale ids before the tail
+        if grown:
             assert len(pickle.dumps(w)) < len(pickle.dumps(s))
