@@ -177,6 +177,18 @@ class CudaGraphExecutor(EagerExecutor):
         dm.num_accepted[n:].fill_(1)
 
 
+def capture_step_graph(body, *, device: torch.device, pool) -> torch.cuda.CUDAGraph:
+    """A fused step plan's graph of ``body()`` on ``pool`` (the executor's: the plans' graphs and
+    the forward graphs they contain share it): one eager run first (Triton compiles there), a
+    sync, then the capture."""
+    body()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        body()
+    return g
+
+
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
     return tuple(x for x in sizes if x < max_num_seqs) + (max_num_seqs,)

@@ -31,7 +31,7 @@ import time
 import torch
 
 from .decode_prep import DecodeDest, PrevOutputs
-from .graphs import CudaGraphExecutor, EagerExecutor
+from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graph
 from .input_batch import InputBatch
 from .step_io import NONFINITE, StepRows
 from .transfer import H2D, CurrentStream
@@ -92,12 +92,8 @@ class GreedyStepGraphs:
         self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
         for bucket in sorted(self.ex.buckets, reverse=True):
             for parity in (0, 1):
-                self._body(bucket, parity)                 # warm-up (compiles the header kernel)
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.ex.pool):
-                    self._body(bucket, parity)
-                self.graphs[(bucket, parity)] = g
+                self.graphs[(bucket, parity)] = capture_step_graph(
+                    lambda: self._body(bucket, parity), device=dev, pool=self.ex.pool)
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
         logger.info("captured %d greedy step graphs (prepare + forward + argmax; B in %s, 2 parities) "

@@ -33,7 +33,7 @@ from hybrid_engine.spec.rejection import _greedy
 
 from ..sampling.sampler import nonfinite_rows
 from .decode_prep import DecodeDest, PrevOutputs
-from .graphs import CudaGraphExecutor, EagerExecutor
+from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graph
 from .input_batch import InputBatch
 from .step_io import NONFINITE, StepRows
 from .transfer import H2D, CurrentStream
@@ -142,12 +142,8 @@ class SpecStepGraphs:
         for num_drafts in sorted(self.draft_counts, reverse=True):
             for bucket in sorted(self.ex.buckets, reverse=True):
                 for parity in (0, 1):
-                    self._body(bucket, num_drafts, parity)     # warm-up (compiles the kernels)
-                    torch.cuda.synchronize(dev)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.ex.pool):
-                        self._body(bucket, num_drafts, parity)
-                    self.graphs[(bucket, num_drafts, parity)] = g
+                    self.graphs[(bucket, num_drafts, parity)] = capture_step_graph(
+                        lambda: self._body(bucket, num_drafts, parity), device=dev, pool=self.ex.pool)
         torch.cuda.synchronize(dev)
         used = free0 - torch.cuda.mem_get_info(dev)[0]
         logger.info("captured %d %s step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
