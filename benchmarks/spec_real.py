@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.spec_report import markdown, plot  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 logger = logging.getLogger("spec_real")
@@ -281,51 +282,6 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
     return rows
 
 
-# ---- output ---------------------------------------------------------------------------------------
-def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
-    lines = [f"# spec_real ({meta['device']}, {meta['target']})", "",
-             f"adaptive={meta['adaptive']}, prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens, "
-             f"median of {meta['repeats']} after a warm-up", "",
-             "| workload | method | K | batch | tok/s | speed-up | AL | per-position acceptance | greedy == none |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in real:
-        per = " ".join(f"{x:.2f}" for x in r["per_position"]) or "-"
-        eq = {True: "yes", False: "NO"}.get(r.get("greedy_equal"), "-")
-        lines.append(f"| {r['workload']} | {r['method']} | {r['k']} | {r['batch']} | {r['tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} | {per} | {eq} |")
-    if forced:
-        lines += ["", "## Forced acceptance on random-weight shapes (outputs are not the model's)", "",
-                  "| shape | method | K | batch | forced p | tok/s | speed-up | AL |", "|---|---|---|---|---|---|---|---|"]
-        for r in forced:
-            p = "-" if r["forced_rate"] is None else f"{r['forced_rate']:.2f}"
-            lines.append(f"| {r['shape']} | {r['method']} | {r['k']} | {r['batch']} | {p} | {r['tok_s']:.1f} | "
-                         f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(real: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    workloads = sorted({r["workload"] for r in real}, key=WORKLOADS.index)
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, wl in zip(axes[0], workloads):
-        for (m, b) in sorted({(r["method"], r["batch"]) for r in real if r["method"] != "none"}):
-            pts = sorted((r["k"], r["speedup"]) for r in real if r["workload"] == wl and r["method"] == m
-                         and r["batch"] == b)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} B={b}")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set(title=wl, xlabel="K", ylabel="speed-up over none")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def parse_args(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]          # noqa: E731
     words = lambda s: [x for x in s.split(",") if x]              # noqa: E731
@@ -395,7 +351,7 @@ def main(argv=None) -> int:
     (out / "spec_real.json").write_text(json.dumps(dict(meta=meta, real=real, forced=forced), indent=2))
     md = markdown(real, forced, meta)
     (out / "spec_real.md").write_text(md)
-    plotted = plot(real, out / "spec_real.png")
+    plotted = plot(real, out / "spec_real.png", WORKLOADS)
     print(md)
     print(f"wrote {out / 'spec_real.json'}, spec_real.md{', spec_real.png' if plotted else ''} "
           f"in {meta['seconds']:.0f}s")
