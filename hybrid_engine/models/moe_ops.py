@@ -96,7 +96,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, counts: tor
     """-> (ids [T, k], weights [T, k] float32); see the module docstring. ``valid`` [T]: tokens
     whose value is 0 are padding and are not counted (their routing is still computed)."""
     if kernel_backend("moe_route", logits.device) == "triton" and logits.shape[0]:
-        from .triton_moe import route_triton
+        from .triton_moe_route import route_triton
         return route_triton(logits, bias, spec, counts, valid)
     ids, w = route_ref(logits, bias, spec)
     if counts is not None:

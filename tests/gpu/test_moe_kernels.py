@@ -116,7 +116,7 @@ def test_experts_swiglu_cuda(case, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k", [(1, 64, 8), (8, 62, 6), (1500, 64, 8)])
 def test_route_softmax_cuda(T, E, k):
-    from hybrid_engine.models.triton_moe import route_triton
+    from hybrid_engine.models.triton_moe_route import route_triton
     _poison_cuda()
     mc.check_route(route_triton, "cuda", T, E, k, scale=1.0, scoring="softmax")
 
@@ -126,7 +126,7 @@ def test_route_softmax_cuda(T, E, k):
                                                       (3, 512, 22, 1, 1), (1200, 512, 22, 1, 1),
                                                       (64, 256, 8, 8, 4)])
 def test_route_cuda(T, E, k, n_group, topk_group):
-    from hybrid_engine.models.triton_moe import route_triton
+    from hybrid_engine.models.triton_moe_route import route_triton
     _poison_cuda()
     mc.check_route(route_triton, "cuda", T, E, k, n_group, topk_group)
 

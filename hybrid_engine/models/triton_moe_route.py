@@ -1,0 +1,101 @@
+"""Triton router of the MoE block (CUDA; the torch twin is ``moe_ops.route_ref``).
+
+``_route_kernel``: one program per token: sigmoid of the router logits, correction bias for the
+choice only, group-limited top-k by repeated argmax, renormalisation and scaling (SOFTMAX: top-k
+of the logits themselves, weights the softmax of the k chosen logits); optionally adds the
+token's choices to the per-expert counters (atomics, padding tokens skipped). Fixed-size outputs
+[T, k]: no host sync, safe inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+
+from .moe_ops import RouteSpec
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, valid_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr = False):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    me = offs < E
+    lg = tl.load(logits_ptr + t.to(tl.int64) * s_l + offs, mask=me, other=0.0).to(tl.float32)
+    if SOFTMAX:                         # choose by the logits; weights come from them below
+        score = lg
+    else:
+        score = 1.0 / (1.0 + tl.exp(-lg))
+    bias = tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
+    choice = tl.where(me, score + bias, float("-inf"))
+    if N_GROUP > 1:                     # keep the TOPK_GROUP groups with the best top-2 sums
+        grp = offs // PER_GROUP
+        g_offs = tl.arange(0, BLOCK_G)
+        g_score = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where(grp == g, choice, float("-inf"))
+            m1 = tl.max(v, axis=0)
+            s = m1
+            if PER_GROUP > 1:
+                i1 = tl.argmax(v, axis=0)
+                s = m1 + tl.max(tl.where(offs == i1, float("-inf"), v), axis=0)
+            g_score = tl.where(g_offs == g, s, g_score)
+        keep = offs < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(g_score, axis=0)
+            keep = keep | (grp == gi)
+            g_score = tl.where(g_offs == gi, float("-inf"), g_score)
+        choice = tl.where(keep, choice, float("-inf"))
+    k_offs = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    wts = tl.zeros([BLOCK_K], tl.float32)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(choice, axis=0)
+        s = tl.sum(tl.where(offs == i, score, 0.0), axis=0)
+        ids = tl.where(k_offs == j, i, ids)
+        wts = tl.where(k_offs == j, s, wts)
+        choice = tl.where(offs == i, float("-inf"), choice)
+    mk = k_offs < TOP_K
+    if SOFTMAX:                         # softmax over the k chosen logits
+        wts = tl.where(mk, tl.exp(wts - tl.max(tl.where(mk, wts, float("-inf")), axis=0)), 0.0)
+        wts = wts / tl.sum(wts, axis=0)
+    elif RENORM:
+        wts = wts / (tl.sum(wts, axis=0) + 1e-20)
+    wts = wts * scale
+    tl.store(ids_ptr + t * TOP_K + k_offs, ids, mask=mk)
+    tl.store(w_ptr + t * TOP_K + k_offs, wts, mask=mk)
+    if COUNT:
+        one = tl.full([BLOCK_K], 1, tl.int32)
+        if HAS_VALID:         # padding tokens add 0 (a value, not a mask: one atomic per choice)
+            one = one * (tl.load(valid_ptr + t) != 0).to(tl.int32)
+        tl.atomic_add(cnt_ptr + tl.where(mk, ids, 0), tl.where(mk, one, 0))
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, counts: torch.Tensor | None,
+                 valid: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``moe_ops.route`` (ids int32); ``out`` = (ids, weights) to write into."""
+    T, E = logits.shape
+    k = spec.top_k
+    if logits.stride(1) != 1 or E != spec.num_experts:
+        raise ValueError(f"logits must be [T, {spec.num_experts}] with a unit inner stride, got "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    if out is None:
+        out = (torch.empty(T, k, dtype=torch.int32, device=logits.device),
+               torch.empty(T, k, dtype=torch.float32, device=logits.device))
+    ids, w = out
+    if counts is not None and counts.dtype != torch.int32:
+        raise TypeError(f"counts must be int32, got {counts.dtype}")
+    _route_kernel[(T,)](
+        logits, bias, ids, w, counts if counts is not None else ids, valid if valid is not None else ids,
+        E, logits.stride(0), float(spec.scale), TOP_K=k, N_GROUP=spec.n_group,
+        PER_GROUP=E // spec.n_group, TOPK_GROUP=spec.topk_group, RENORM=bool(spec.norm_topk_prob),
+        COUNT=counts is not None, HAS_VALID=valid is not None, BLOCK_E=next_pow2(E),
+        BLOCK_K=max(2, next_pow2(k)), BLOCK_G=max(2, next_pow2(spec.n_group)),
+        SOFTMAX=spec.scoring == "softmax", num_warps=4)
+    return ids, w
