@@ -248,11 +248,15 @@ def main() -> int:
     ap.add_argument("--phases", action="store_true", help="mean us per step inside selected methods")
     ap.add_argument("--shape", choices=["tiny", "small"], default="tiny",
                     help="tiny (default) or the small e2e shape (benchmarks.common.SHAPE_SMALL)")
+    ap.add_argument("--pattern", default="", help="layer pattern override (e.g. the 52 layers of the 8B shape, "
+                    "to see host work that grows with depth)")
     ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"], help="cProfile order")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     shape = SHAPE_TINY if args.shape == "tiny" else SHAPE_SMALL
+    if args.pattern:
+        shape = dict(shape, pattern=args.pattern)
     model_dir = write_config(Path(tempfile.mkdtemp()) / args.shape, shape)
     results = [run_variant(v, model_dir, args, dtype) for v in args.variants.split(",")]
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -3,13 +3,15 @@ step spends, and the scaling efficiency (speed-up / N).
 
     python benchmarks/tensor_parallel.py --shape 8b --out $OUT         # Nemotron-H-8B shape
     python benchmarks/tensor_parallel.py --shape nano6 --out $OUT      # 6 layers of the Nano-30B-A3B shape
+    python benchmarks/tensor_parallel.py --shape nano --out $OUT       # all 52 layers (~63 GB in bf16)
     torchrun --nproc-per-node 2 benchmarks/tensor_parallel.py --allreduce --out $OUT
     python benchmarks/tensor_parallel.py --channel --out $OUT           # CPU: step-message latency
 
 The workers of a TP engine are separate processes that read the checkpoint, so the random bf16
 weights (std 0.02; A_log, D, dt_bias and norms as in benchmarks/common.random_weights) are written
 to a real safetensors folder first (``--ckpt``, reused when present). Decode time per step is
-(t(gen tokens) - t(1 token)) / (gen - 1), medians of 3 after a warm-up, as in e2e.py.
+the median interval between rank 0's launches of consecutive decode-only steps (``StepClock``), the
+median of 3 runs after a warm-up; ``--profile-batch`` adds rank 0's GPU time per step by kernel kind.
 ``--allreduce`` (under torchrun) times one NCCL all-reduce of [b, hidden] bf16 replayed from a CUDA
 graph, the collective each mixer adds to a TP step. ``--channel`` (CPU, no GPU needed) times how
 long a step message (a pickled 64-row steady-decode SchedulerOutput-sized object, ~5 KB) takes from
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import SHAPE_8B, cuda_time, save_json, write_config  # noqa: E402
 from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
-SHAPES = {"8b": SHAPE_8B, "nano6": dict(SHAPE_NANO, pattern="MEM*EM")}
+SHAPES = {"8b": SHAPE_8B, "nano6": dict(SHAPE_NANO, pattern="MEM*EM"), "nano": SHAPE_NANO}
 SHARD_BYTES = 4 << 30
 
 
@@ -79,22 +81,94 @@ def write_checkpoint(folder: Path, shape: dict) -> Path:
     return folder
 
 
-def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fraction: float) -> list[dict]:
+class StepClock:
+    """Rank 0's launch times of decode-only steps (no prefill rows): a steady decode step's time is
+    the median interval between consecutive ones. ((t(n tokens) - t(1 token)) / (n - 1) misleads
+    here: how a batch's prompts split into prefill chunks differs between the two runs, and a TP
+    prefill chunk costs tens of ms.) With ``profile=(first, count)`` it also runs the torch
+    profiler over decode steps ``first .. first+count-1`` of the next ``run`` (synchronised at both
+    ends, so exactly those steps' kernels are caught)."""
+
+    def __init__(self, engine):
+        self.times: list[float] = []
+        self.profile: tuple[int, int] | None = None
+        self.prof = None
+        inner = engine.runner.execute
+
+        def execute(sched):
+            if sched.decode is not None and not sched.new_requests and not sched.other_rows:
+                self._at_step(len(self.times))
+                self.times.append(time.perf_counter())
+            return inner(sched)
+        engine.runner.execute = execute       # an instance attribute: dropped with the engine
+
+    def _at_step(self, i: int) -> None:
+        if self.profile is None:
+            return
+        first, count = self.profile
+        if i in (first, first + count):
+            torch.cuda.synchronize()
+        if i == first:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif i == first + count:
+            self.prof.__exit__(None, None, None)
+            self.profile = None
+
+    def run(self, fn) -> float:
+        """Median seconds between consecutive decode-only step launches during ``fn()``."""
+        self.times = []
+        fn()
+        gaps = np.diff(self.times)
+        return float(np.median(gaps)) if len(gaps) else float("nan")
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("state update (SSU)", ("_ssu",)),
+                ("linear / GEMV", ("linear", "gemv", "nvjet", "gemm", "cutlass", "splitk")),
+                ("norm", ("norm",)), ("conv", ("conv",)), ("attention", ("attn",)),
+                ("argmax / sampling", ("argmax", "reduce", "sample", "topk")))
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """GPU ms per decode step by kernel kind (kernels replayed from CUDA graphs included)."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3 / steps
+    out["total"] = sum(out.values())
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fraction: float,
+                profile_batch: int | None = None) -> list[dict]:
     from hybrid_engine import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(str(folder), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_num_seqs=max(batches),
               kv_cache_memory_fraction=kv_fraction, max_model_len=prompt_len + gen + 64)
     build_s = time.perf_counter() - t0
+    clock = StepClock(llm.engine)
     rng = np.random.default_rng(0)
     vocab = llm.engine.cfg.model.vocab_size
     rows = []
     for b in batches:
         prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(b)]
-        run = lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)  # noqa: E731
-        t_all, t_one = cuda_time(lambda: run(gen)), cuda_time(lambda: run(1))
-        step = (t_all - t_one) / (gen - 1)
-        rows.append(dict(tp=tp, batch=b, step_ms=step * 1e3, tok_s=b / step, build_s=build_s))
+        run = lambda: llm.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True), use_tqdm=False)  # noqa: E731
+        run()                                                       # warm-up
+        runs = sorted(clock.run(run) for _ in range(3))
+        step = runs[1]                                              # the median run's median step
+        rows.append(dict(tp=tp, batch=b, step_ms=step * 1e3, tok_s=b / step, build_s=build_s,
+                         step_ms_runs=[round(x * 1e3, 4) for x in runs]))
         print(f"TP={tp} batch {b}: {step * 1e3:.3f} ms/step, {b / step:.1f} tok/s", flush=True)
+        if b == profile_batch:
+            steps = min(8, gen - 6)
+            clock.profile = (4, steps)
+            clock.run(run)
+            rows[-1]["gpu_ms_per_step_rank0"] = kernel_breakdown(clock.prof, steps)
+            print(f"TP={tp} batch {b}, rank 0, GPU ms per step by kernel kind: {rows[-1]['gpu_ms_per_step_rank0']}",
+                  flush=True)
     llm.shutdown()
     return rows
 
@@ -222,6 +296,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--kv-fraction", type=float, default=0.3)
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/hybrid-engine-tp-bench"))
+    ap.add_argument("--profile-batch", type=int, default=1,
+                    help="also break rank 0's GPU time per decode step down by kernel kind at this batch")
     ap.add_argument("--allreduce", action="store_true")
     ap.add_argument("--channel", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -238,7 +314,7 @@ def main() -> int:
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s: {folder}", flush=True)
     rows = []
     for tp in args.tp:
-        rows += decode_rows(folder, tp, args.batches, args.prompt_len, args.gen, args.kv_fraction)
+        rows += decode_rows(folder, tp, args.batches, args.prompt_len, args.gen, args.kv_fraction, args.profile_batch)
         gc.collect()                      # the engine is gone: give its memory back before the next
         torch.cuda.empty_cache()
     base = {r["batch"]: r["tok_s"] for r in rows if r["tp"] == 1}

@@ -1,0 +1,28 @@
+"""The TP benchmark's step clock (benchmarks/tensor_parallel.py) counts decode-only launches: a
+generate of n tokens per row is one prefill launch and n - 1 decode launches, and prefill
+launches (which take tens of ms under TP) never enter the median."""
+import pytest
+
+from benchmarks.tensor_parallel import StepClock
+from hybrid_engine import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_step_clock_times_only_decode_launches(chunk):
+    kw = {} if chunk is None else dict(max_num_batched_tokens=chunk)
+    llm = LLM(device="cpu", max_num_seqs=4, **kw)
+    clock = StepClock(llm.engine)
+    launches = []
+    inner = llm.engine.runner.execute                   # the clock's wrapper: counted from outside it
+
+    def counting(sched):
+        launches.append(sched.decode is not None and not sched.new_requests and not sched.other_rows)
+        return inner(sched)
+    llm.engine.runner.execute = counting
+    prompts = [[5 + i] * 30 for i in range(3)]          # 90 prompt tokens: several chunks at 16
+    step_s = clock.run(lambda: llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True),
+                                            use_tqdm=False))
+    assert len(clock.times) == 11 == sum(launches)      # the first token of each row comes from prefill
+    assert len(launches) > 11                           # prefill launches happened and were not timed
+    gaps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    assert min(gaps) <= step_s <= max(gaps)
