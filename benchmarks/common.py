@@ -5,8 +5,10 @@ import contextlib
 import json
 import statistics
 import time
+import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SHAPE_8B = dict(pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")  # NemotronHConfig defaults
@@ -131,3 +133,91 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def save_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2))
+
+
+class StepClock:
+    """The launch times of an engine's decode-only steps (no prefill rows; rank 0's under tensor
+    parallelism): a steady decode step's time is the median interval between consecutive ones.
+    (t(n tokens) - t(1 token)) / (n - 1) misleads once a batch's prompts take more than one
+    prefill chunk: the two generates split them differently (a mixed chunk with decode rows in
+    the long one), so the difference carries part of a prefill, 20-60 ms on the 8B shape. With ``profile=(first, count)`` it also runs the torch
+    profiler over decode steps ``first .. first+count-1`` of the next ``run`` (synchronised at both
+    ends, so exactly those steps' kernels are caught)."""
+
+    def __init__(self, engine):
+        self.times: list[float] = []
+        self.profile: tuple[int, int] | None = None
+        self.prof = None
+        self.profiled_steps = 0
+        inner = engine.runner.execute
+
+        def execute(sched):
+            if sched.decode is not None and not sched.new_requests and not sched.other_rows:
+                self._at_step(len(self.times))
+                self.times.append(time.perf_counter())
+            return inner(sched)
+        engine.runner.execute = execute       # an instance attribute: dropped with the engine
+
+    def _at_step(self, i: int) -> None:
+        if self.profile is None:
+            return
+        first, count = self.profile
+        if i == first:
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif i == first + count:
+            self._stop(count)
+
+    def _stop(self, steps: int) -> None:
+        torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        self.profile, self.profiled_steps = None, steps
+
+    def run(self, fn) -> float:
+        """Median seconds between consecutive decode-only step launches during ``fn()`` (a profile
+        window still open when ``fn`` returns ends there: ``profiled_steps`` says how many)."""
+        self.times = []
+        fn()
+        if self.profile is not None and self.prof is not None and len(self.times) > self.profile[0]:
+            self._stop(len(self.times) - self.profile[0])
+        gaps = np.diff(self.times)
+        return float(np.median(gaps)) if len(gaps) else float("nan")
+
+    def step_time(self, fn, runs: int = 3, warmup: int = 1) -> float:
+        """A steady decode step's seconds: the median over ``runs`` calls of ``fn`` (a generate of
+        several tokens per row) of each call's median launch interval, after ``warmup`` calls."""
+        for _ in range(warmup):
+            fn()
+        return float(np.median([self.run(fn) for _ in range(runs)]))
+
+
+_CLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def step_clock(llm) -> StepClock:
+    """The one ``StepClock`` of ``llm``'s engine (made on first use: wrapping the runner twice
+    would count every launch twice)."""
+    eng = llm.engine
+    if eng not in _CLOCKS:
+        _CLOCKS[eng] = StepClock(eng)
+    return _CLOCKS[eng]
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("state update (SSU)", ("_ssu",)),
+                ("linear / GEMV", ("linear", "gemv", "nvjet", "gemm", "cutlass", "splitk")),
+                ("norm", ("norm",)), ("conv", ("conv",)), ("attention", ("attn",)),
+                ("argmax / sampling", ("argmax", "reduce", "sample", "topk")))
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """GPU ms per decode step by kernel kind (kernels replayed from CUDA graphs included)."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3 / steps
+    out["total"] = sum(out.values())
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}

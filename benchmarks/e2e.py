@@ -22,7 +22,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (SHAPE_8B, SHAPE_SMALL, copy_bandwidth, cuda_time, hf_twin,  # noqa: E402
-                               random_weights, save_json, write_config)
+                               random_weights, save_json, step_clock, write_config)
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 
@@ -47,9 +47,8 @@ def bench_decode(llm, hf, mc, batches, prompt_len, gen, bw, weight_bytes, hf_bat
     rows = []
     for b in tqdm(batches, desc="decode"):
         prompts = [rng.integers(3, mc.vocab_size, prompt_len).tolist() for _ in range(b)]
-        t_all = timed_generate(llm, prompts, gen)
-        t_pre = timed_generate(llm, prompts, 1)
-        step = (t_all - t_pre) / (gen - 1)
+        params = SamplingParams(max_tokens=gen, ignore_eos=True)
+        step = step_clock(llm).step_time(lambda: llm.generate(prompts, params, use_tqdm=False))
         ours = b / step
         ctx = prompt_len + gen // 2
         step_bytes = weight_bytes + b * (state_bytes_per_row(mc, 1) + kv_bytes_per_row(mc, ctx))

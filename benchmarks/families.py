@@ -2,8 +2,8 @@
 Falcon-H1) next to Nemotron-H at one comparable shape, on random weights (transformers' own
 classes, ``make_family_model`` / ``make_hf_model``): where a family's extra work (RoPE as torch
 ops, Granite's softmax router and SwiGLU experts, Falcon-H1's parallel attention and multipliers)
-costs time. Median of 3 timed runs after a warm-up; decode step time = (generate(gen) -
-generate(1)) / (gen - 1).
+costs time. Median of 3 timed runs after a warm-up; decode step time = the median interval
+between consecutive decode-only step launches (``benchmarks.common.StepClock``).
 
     python benchmarks/families.py --out $OUT                           # CUDA, bf16, ~1B-class widths
     python benchmarks/families.py --device cpu --tiny --out /tmp/fam   # CPU smoke test of the script
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import median_time, save_json  # noqa: E402
+from benchmarks.common import median_time, save_json, step_clock  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models.synthetic import make_family_model, make_hf_model  # noqa: E402
 
@@ -77,8 +77,8 @@ def bench(model_dir: Path, device: str, dtype: str, batches, prompt_len: int, ge
     for b in batches:
         prompts = [rng.integers(3, vocab, prompt_len).tolist() for _ in range(b)]
         run = lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)  # noqa: E731
-        t_all, t_pre = timed(lambda: run(gen), device), timed(lambda: run(1), device)
-        step = (t_all - t_pre) / (gen - 1)
+        t_pre = timed(lambda: run(1), device)
+        step = step_clock(llm).step_time(lambda: run(gen))
         rows.append(dict(batch=b, decode_tok_s=b / step, step_ms=step * 1e3, prefill_tok_s=b * prompt_len / t_pre))
     del llm
     gc.collect()

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save_json, write_config  # noqa: E402
+from benchmarks.common import save_json, step_clock, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models import moe_ops  # noqa: E402
 
@@ -202,11 +202,9 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
     for b in batches:
         prompts = [rng.integers(3, mc.vocab_size, prompt_len).tolist() for _ in range(b)]
         llm.generate(prompts, params(2), use_tqdm=False)                               # warm-up
-        t_pre = timeit(lambda: llm.generate(prompts, params(1), use_tqdm=False), dev, warmup=0, iters=2)
         llm.stats()                                                                      # clear counters
-        t_all = timeit(lambda: llm.generate(prompts, params(gen), use_tqdm=False), dev, warmup=0, iters=2)
+        step = step_clock(llm).step_time(lambda: llm.generate(prompts, params(gen), use_tqdm=False), runs=2, warmup=0)
         load = llm.stats().get("moe_expert_tokens", {})
-        step = (t_all - t_pre) / (gen - 1)
         uniq = []
         for counts in load.values():       # p[e]: chance a token picks e (sums to k)
             c = np.asarray(counts, dtype=np.float64)

@@ -7,8 +7,8 @@ the same run.
 
 Weights are random (``benchmarks.common.random_weights``); FP8 / NVFP4 are ``LLM(quantization=...)``
 quantizing them at load (FP8 per-channel scales). Each mode is built, measured and freed before
-the next. Decode: ``(t(gen tokens) - t(1 token)) / (gen - 1)`` per step (median of 3), as
-benchmarks/e2e.py. Roofline: (parameter bytes as stored + per-row Mamba state and KV bytes) /
+the next. Decode: the median interval between consecutive decode-only step launches
+(``benchmarks.common.StepClock``, median of 3 runs), as benchmarks/e2e.py. Roofline: (parameter bytes as stored + per-row Mamba state and KV bytes) /
 measured copy bandwidth. Paths: FP8 decode <= 8 rows runs the Triton FP8 skinny kernels and larger
 batches ``torch._scaled_mm`` W8A8; NVFP4 <= 128 rows runs the Triton NVFP4 kernel.
 Writes ``quant-<shape>.json`` to --out and prints a table.
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (SHAPE_8B, SHAPE_SMALL, median_time, random_weights, save_json,  # noqa: E402
-                               write_config)
+                               step_clock, write_config)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
 SHAPE_TINY = dict(pattern="M-M*-", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -105,9 +105,7 @@ def main() -> int:
         for b in batches:
             prompts = [rng.integers(3, mc.vocab_size, args.prompt_len).tolist() for _ in range(b)]
             run = lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)  # noqa: E731
-            t_all = wall(lambda: run(gen), warmup, iters, sync)
-            t_pre = wall(lambda: run(1), warmup, iters, sync)
-            step = max(t_all - t_pre, 1e-9) / (gen - 1)
+            step = step_clock(llm).step_time(lambda: run(gen), runs=iters, warmup=warmup)
             ctx = args.prompt_len + gen // 2
             step_bytes = wbytes - gathered + b * (mc.hidden_size * emb.element_size() + state_bytes_per_row(mc)
                                                   + kv_bytes_per_row(mc, ctx))

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_8B, cuda_time, save_json, write_config  # noqa: E402
+from benchmarks.common import SHAPE_8B, StepClock, kernel_breakdown, save_json, write_config  # noqa: E402
 from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
 SHAPES = {"8b": SHAPE_8B, "nano6": dict(SHAPE_NANO, pattern="MEM*EM"), "nano": SHAPE_NANO}
@@ -81,67 +81,6 @@ def write_checkpoint(folder: Path, shape: dict) -> Path:
     return folder
 
 
-class StepClock:
-    """Rank 0's launch times of decode-only steps (no prefill rows): a steady decode step's time is
-    the median interval between consecutive ones. ((t(n tokens) - t(1 token)) / (n - 1) misleads
-    here: how a batch's prompts split into prefill chunks differs between the two runs, and a TP
-    prefill chunk costs tens of ms.) With ``profile=(first, count)`` it also runs the torch
-    profiler over decode steps ``first .. first+count-1`` of the next ``run`` (synchronised at both
-    ends, so exactly those steps' kernels are caught)."""
-
-    def __init__(self, engine):
-        self.times: list[float] = []
-        self.profile: tuple[int, int] | None = None
-        self.prof = None
-        inner = engine.runner.execute
-
-        def execute(sched):
-            if sched.decode is not None and not sched.new_requests and not sched.other_rows:
-                self._at_step(len(self.times))
-                self.times.append(time.perf_counter())
-            return inner(sched)
-        engine.runner.execute = execute       # an instance attribute: dropped with the engine
-
-    def _at_step(self, i: int) -> None:
-        if self.profile is None:
-            return
-        first, count = self.profile
-        if i in (first, first + count):
-            torch.cuda.synchronize()
-        if i == first:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            self.prof.__enter__()
-        elif i == first + count:
-            self.prof.__exit__(None, None, None)
-            self.profile = None
-
-    def run(self, fn) -> float:
-        """Median seconds between consecutive decode-only step launches during ``fn()``."""
-        self.times = []
-        fn()
-        gaps = np.diff(self.times)
-        return float(np.median(gaps)) if len(gaps) else float("nan")
-
-
-KERNEL_KINDS = (("nccl", ("nccl",)), ("state update (SSU)", ("_ssu",)),
-                ("linear / GEMV", ("linear", "gemv", "nvjet", "gemm", "cutlass", "splitk")),
-                ("norm", ("norm",)), ("conv", ("conv",)), ("attention", ("attn",)),
-                ("argmax / sampling", ("argmax", "reduce", "sample", "topk")))
-
-
-def kernel_breakdown(prof, steps: int) -> dict:
-    """GPU ms per decode step by kernel kind (kernels replayed from CUDA graphs included)."""
-    out: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = e.name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
-        out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3 / steps
-    out["total"] = sum(out.values())
-    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
-
-
 def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fraction: float,
                 profile_batch: int | None = None) -> list[dict]:
     from hybrid_engine import LLM, SamplingParams
@@ -166,7 +105,7 @@ def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fr
             steps = min(8, gen - 6)
             clock.profile = (4, steps)
             clock.run(run)
-            rows[-1]["gpu_ms_per_step_rank0"] = kernel_breakdown(clock.prof, steps)
+            rows[-1]["gpu_ms_per_step_rank0"] = kernel_breakdown(clock.prof, clock.profiled_steps)
             print(f"TP={tp} batch {b}, rank 0, GPU ms per step by kernel kind: {rows[-1]['gpu_ms_per_step_rank0']}",
                   flush=True)
     llm.shutdown()

@@ -1,9 +1,9 @@
-"""The TP benchmark's step clock (benchmarks/tensor_parallel.py) counts decode-only launches: a
+"""The benchmarks' step clock (benchmarks/common.py) counts decode-only launches: a
 generate of n tokens per row is one prefill launch and n - 1 decode launches, and prefill
 launches (which take tens of ms under TP) never enter the median."""
 import pytest
 
-from benchmarks.tensor_parallel import StepClock
+from benchmarks.common import StepClock
 from hybrid_engine import LLM, SamplingParams
 
 

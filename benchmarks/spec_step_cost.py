@@ -1,0 +1,138 @@
+"""What one decode step costs with and without speculation, at batch 1: the step interval (rank 0's
+launch cadence, ``benchmarks.common.StepClock``), the host time inside ``execute``, and the GPU
+time per step by kernel (torch profiler over steady steps, kernels replayed from CUDA graphs
+included). Answers "where does a K=3 verify step spend its time compared with a greedy step".
+
+    python benchmarks/spec_step_cost.py --out $OUT                    # the embedded trained default model
+    python benchmarks/spec_step_cost.py --model DIR --methods none,ngram,mtp --k 3 --out $OUT
+    python benchmarks/spec_step_cost.py --methods none,ngram,ngram+cublas --dtype float32 --out $OUT
+
+Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
+K-draft step whatever the acceptance.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import StepClock, save_json  # noqa: E402
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
+
+
+DRAFT_DIR: list = [None]          # --draft-model
+
+
+def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]:
+    """[(kernel name, GPU us per step, launches per step)] of the ``n`` costliest kernels."""
+    acc: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        a = acc.setdefault(e.name[:60], [0.0, 0.0])
+        a[0] += e.device_time_total / steps
+        a[1] += 1 / steps
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in acc.values())
+    return [("(all kernels)", round(total, 2), round(sum(v[1] for v in acc.values()), 1))] + \
+        [(k, round(v[0], 2), round(v[1], 2)) for k, v in rows[:n]]
+
+
+def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int) -> dict:
+    """``method`` none / ngram / mtp / draft_model; a "+cublas" suffix serves float32 verify rows
+    with F.linear (cuBLAS) instead of the skinny Triton kernels, for the same-run comparison."""
+    import hybrid_engine.models.linear as linear_mod
+    method, _, variant = method.partition("+")
+    saved = linear_mod._F32_MIN_ROWS
+    if variant == "cublas":
+        linear_mod._F32_MIN_ROWS = linear_mod._MAX_ROWS + 1
+    try:
+        row = _measure(model, method, k, dtype, prompt, tokens)
+    finally:
+        linear_mod._F32_MIN_ROWS = saved
+    row["method"] = method + (f"+{variant}" if variant else "")
+    return row
+
+
+def _measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int) -> dict:
+    draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
+    spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False)
+    llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec)
+    clock = StepClock(llm.engine)
+    host: list[float] = []
+    inner = llm.engine.runner.execute              # the clock's wrapper: its time is in host_ms too
+
+    def timed_execute(sched):
+        t0 = time.perf_counter()
+        h = inner(sched)
+        host.append(time.perf_counter() - t0)
+        return h
+    llm.engine.runner.execute = timed_execute
+    runner = llm.engine.runner                     # which plan takes each step (fused or general)
+    plans: dict[str, int] = {}
+    choose = runner._choose_plan
+
+    def counted_choose(step):
+        plan = choose(step)
+        plans[type(plan).__name__] = plans.get(type(plan).__name__, 0) + 1
+        return plan
+    runner._choose_plan = counted_choose
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    run = lambda: llm.generate([prompt], params, use_tqdm=False)  # noqa: E731
+    step = clock.step_time(run, runs=5)
+    host.clear()
+    plans.clear()
+    run()
+    steps_by_plan = dict(plans)
+    clock.profile = (6, 16)
+    clock.run(run)
+    row = dict(method=method, dtype=dtype, k=0 if spec is None else k, step_ms=step * 1e3,
+               host_execute_ms=float(np.median(host)) * 1e3, steps_by_plan=steps_by_plan,
+               profiled_steps=clock.profiled_steps,
+               kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps))
+    llm.shutdown()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="target folder (default: the embedded trained model)")
+    ap.add_argument("--draft-model", default=None, help="draft folder for method draft_model (default: the embedded draft)")
+    ap.add_argument("--methods", default="none,ngram,mtp,draft_model")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
+    args.model = args.model or str(default_model_dir())
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")   # the engine logs its paths once
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompt = [(7 * i) % 200 + 3 for i in range(48)] * 2          # repeats: n-gram finds drafts
+    rows = []
+    for method in args.methods.split(","):
+        rows.append(measure(args.model, method, args.k, args.dtype, prompt, args.tokens))
+        r = rows[-1]
+        print(f"\n{method} K={r['k']}: step {r['step_ms']:.3f} ms, host in execute {r['host_execute_ms']:.3f} ms, "
+              f"steps by plan {r['steps_by_plan']}", flush=True)
+        for name, us, n in r["kernels_us_per_step"]:
+            print(f"  {us:9.2f} us  {n:6.2f}x  {name}")
+    base = rows[0]["step_ms"] if rows and rows[0]["method"] == "none" else None
+    if base:
+        for r in rows:
+            r["step_vs_greedy"] = r["step_ms"] / base
+            print(f"{r['method']}: {r['step_vs_greedy']:.2f}x the greedy step")
+    save_json(args.out / "spec_step_cost.json", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
