@@ -20,7 +20,8 @@ array, one replay and the D2H of the payload, as for a greedy step. Parities, wa
 parity's payload and the copy-in of a previous step that did not come from these graphs work as
 in ``greedy_graphs.py``. Taken only for decode-only steps whose rows are all greedy and a width
 captured here. Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton kernel),
-``mtp_step_graphs.MTPStepGraphs`` (the MTP layers).
+``mtp_step_graphs.MTPStepGraphs`` (the MTP layers), ``draft_model_step_graphs.DraftModelStepGraphs``
+(the draft model's forwards).
 """
 from __future__ import annotations
 
@@ -210,14 +211,17 @@ class SpecStepGraphs:
 
 
 def make_spec_graphs(executor, drafter, **kw) -> SpecStepGraphs | None:
-    """The fused verify-step plan of the engine's drafter, where it has one (n-gram, MTP); None
-    for the others (draft model, no speculation) or without CUDA graphs."""
+    """The fused verify-step plan of the engine's drafter (n-gram, MTP, draft model); None
+    without speculation or CUDA graphs."""
     if not isinstance(executor, CudaGraphExecutor) or not kw.get("num_spec"):
         return None
+    from hybrid_engine.spec.drafters.draft_model import DraftModelDrafter
     from hybrid_engine.spec.drafters.mtp import MTPDrafter
     from hybrid_engine.spec.drafters.ngram import NgramDrafter
 
+    from .draft_model_step_graphs import make_draft_model_step_graphs
     from .mtp_step_graphs import make_mtp_step_graphs
     from .ngram_graphs import make_ngram_graphs
-    factory = {NgramDrafter: make_ngram_graphs, MTPDrafter: make_mtp_step_graphs}.get(type(drafter))
+    factory = {NgramDrafter: make_ngram_graphs, MTPDrafter: make_mtp_step_graphs,
+               DraftModelDrafter: make_draft_model_step_graphs}.get(type(drafter))
     return None if factory is None else factory(executor, drafter, **kw)

@@ -77,8 +77,8 @@ def test_decode_only_steps_equal_steps_mixed_with_prefill(hybrid_dir, spec, monk
     # the plan is chosen from the step's rows: decode-only steps take DecodeOnlyPlan, any step with
     # a prefill chunk MixedPlan; both runs really took the routes they compare
     # (on CUDA with graphs on, a greedy decode-only step takes a fused plan: GreedyStepGraphs, or
-    # NgramStepGraphs / MTPStepGraphs for a greedy verify step)
-    decode_only = ("DecodeOnlyPlan", "GreedyStepGraphs", "NgramStepGraphs", "MTPStepGraphs")
+    # NgramStepGraphs / MTPStepGraphs / DraftModelStepGraphs for a greedy verify step)
+    decode_only = ("DecodeOnlyPlan", "GreedyStepGraphs", "NgramStepGraphs", "MTPStepGraphs", "DraftModelStepGraphs")
     for plan, has_decode, has_prefill in alone_routes + routes:
         assert plan == "MixedPlan" if has_prefill else plan in decode_only
     assert sum(p in decode_only for p, _, _ in alone_routes) >= 4 * 5

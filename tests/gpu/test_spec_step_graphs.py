@@ -1,8 +1,8 @@
-"""Verify steps replayed whole (``step/spec_graphs.py``; the MTP subclass here, the n-gram one's
-equality tests are in test_greedy_graphs.py): the same tokens as the eager engine through
-arrivals, a sampling row (general path while it runs) and finishing rows, with and without
-adaptive speculation; the fused path taken on most steps at fixed K; the MTP drafts equal the
-general path's; no host sync on either subclass."""
+"""Verify steps replayed whole (``step/spec_graphs.py``; the MTP and draft-model subclasses here,
+the n-gram one's equality tests are in test_greedy_graphs.py): the same tokens as the eager engine
+through arrivals, a sampling row (general path while it runs) and finishing rows, with and without
+adaptive speculation; the fused path taken on most steps at fixed K; the MTP and draft-model
+drafts equal the general path's; no host sync on any subclass."""
 import numpy as np
 import pytest
 
@@ -67,10 +67,63 @@ def test_mtp_step_graphs_propose_the_general_paths_drafts():
     assert runs[0][2] > 0.3 * runs[0][1], runs[0][1:]      # a real test of the drafts (47% accepted on CPU)
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_spec_step_graphs_never_sync_the_host(mtp_target, spec_step_log, method):
+@pytest.fixture(scope="module")
+def small_draft(model_dirs):
+    # a different, smaller hybrid with the targets' vocabulary: drafts are often rejected
+    return model_dirs("gpu_draft_small", pattern="M*-", seed=8)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_draft_model_step_graphs_equal_eager(mtp_target, small_draft, async_scheduling, adaptive, spec_step_log):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    spec = SpeculativeConfig("draft_model", 3, model=str(small_draft), adaptive=adaptive)
+    eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
+    spec_step_log.clear()
+    llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=spec)
+    assert any(type(p).__name__ == "DraftModelStepGraphs" for p in llm.engine.runner.plans)
+    fused = drive(llm, prompts)
+    assert fused == eager
+    st = llm.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
+    if not adaptive:
+        assert sum(spec_step_log) >= 10, sum(spec_step_log)
+
+
+def test_draft_model_step_graphs_propose_the_general_paths_drafts():
+    """The drafts equal the general path's (same tokens, same proposed and accepted counts), on the
+    trained default target and draft, where many drafts are accepted: a wrong fork, position or
+    slot in the fused proposal shows as a lower acceptance."""
+    import inspect
+    import json
+    from hybrid_engine.default_model import default_draft_model_dir, default_model_dir
+    text = inspect.getsource(json.JSONEncoder)
+    spec = SpeculativeConfig("draft_model", 3, model=str(default_draft_model_dir()), adaptive=False)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(default_model_dir(), dtype="float32", device="cuda", max_num_seqs=4, speculative_config=spec)
+        tok = llm.tokenizer
+        prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
+        if not fused:
+            llm.engine.runner.drop_fused_plans(proposing_only=True)
+        assert any(type(p).__name__ == "DraftModelStepGraphs" for p in llm.engine.runner.plans) == fused
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        st = llm.stats()
+        runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))
+        del llm
+    assert runs[0] == runs[1]
+    assert runs[0][2] > 0.2 * runs[0][1], runs[0][1:]
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "draft_model"])
+def test_spec_step_graphs_never_sync_the_host(mtp_target, small_draft, spec_step_log, method):
+    draft = str(small_draft) if method == "draft_model" else None
     llm = LLM(mtp_target, dtype="bfloat16", device="cuda", max_num_seqs=4,
-              speculative_config=SpeculativeConfig(method, 3, adaptive=False))
+              speculative_config=SpeculativeConfig(method, 3, model=draft, adaptive=False))
     eng = llm.engine
     rng = np.random.default_rng(2)
     for n in (5, 9, 13):
