@@ -30,7 +30,7 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.spec.drafters.common import single_token_batch
 
 from .graphs import CudaGraphExecutor
-from .spec_graphs import SpecStepGraphs
+from .spec_graphs import SpecStepGraphs, build_step_graphs
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -69,19 +69,7 @@ class DraftModelStepGraphs(SpecStepGraphs):
         return torch.where(valid[:, None], torch.stack(drafts, 1), -1)                # [B, K]
 
 
-def make_draft_model_step_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,
-                                 max_blocks: int, max_model_len: int) -> DraftModelStepGraphs | None:
+def make_draft_model_step_graphs(executor, drafter, **kw) -> DraftModelStepGraphs | None:
     """Draft-model step graphs where they apply (CUDA graphs on, the Triton input preparation);
     the choice is logged either way."""
-    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
-    if kernel_backend("prepare_decode", executor.device) != "triton":
-        logger.warning("draft-model step graphs: off (the Triton prepare_decode kernel is unavailable)")
-        return None
-    try:
-        return DraftModelStepGraphs(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                                    max_blocks=max_blocks, max_model_len=max_model_len)
-    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
-        logger.warning("draft-model step graphs: off (%s: %s); draft-model verify steps take the general path",
-                       type(exc).__name__, exc)
-        torch.cuda.empty_cache()
-        return None
+    return build_step_graphs(DraftModelStepGraphs, "draft-model", executor, drafter, **kw)

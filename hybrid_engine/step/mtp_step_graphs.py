@@ -31,7 +31,7 @@ import torch
 from hybrid_engine.spec.drafters.common import single_token_batch
 
 from .graphs import CudaGraphExecutor
-from .spec_graphs import SpecStepGraphs
+from .spec_graphs import SpecStepGraphs, build_step_graphs
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -77,19 +77,7 @@ class MTPStepGraphs(SpecStepGraphs):
         return torch.where(valid[:, None], torch.stack(drafts, 1), -1)        # [B, K]
 
 
-def make_mtp_step_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,
-                         max_blocks: int, max_model_len: int) -> MTPStepGraphs | None:
+def make_mtp_step_graphs(executor, drafter, **kw) -> MTPStepGraphs | None:
     """MTP step graphs where they apply (CUDA graphs on, the Triton input preparation); the
     choice is logged either way."""
-    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
-    if kernel_backend("prepare_decode", executor.device) != "triton":
-        logger.warning("MTP step graphs: off (the Triton prepare_decode kernel is unavailable)")
-        return None
-    try:
-        return MTPStepGraphs(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                             max_blocks=max_blocks, max_model_len=max_model_len)
-    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
-        logger.warning("MTP step graphs: off (%s: %s); MTP verify steps take the general path",
-                       type(exc).__name__, exc)
-        torch.cuda.empty_cache()
-        return None
+    return build_step_graphs(MTPStepGraphs, "MTP", executor, drafter, **kw)

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from .graphs import CudaGraphExecutor
-from .spec_graphs import SpecStepGraphs
+from .spec_graphs import SpecStepGraphs, build_step_graphs
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -36,23 +36,11 @@ class NgramStepGraphs(SpecStepGraphs):
         self.drafter.flush()                               # pending slot resets, before the graph reads them
 
 
-def make_ngram_graphs(executor, drafter, *, num_spec: int, widths: tuple[int, ...], block_size: int,
-                      max_blocks: int, max_model_len: int = 0) -> NgramStepGraphs | None:
+def make_ngram_graphs(executor, drafter, *, max_model_len: int = 0, **kw) -> NgramStepGraphs | None:
     """N-gram step graphs where they apply (CUDA graphs on, the n-gram drafter on Triton, the
     Triton input preparation); the choice is logged either way. (``max_model_len``: unused, the
     factories' common signature.)"""
     if getattr(drafter, "_kernel", None) is None:
         logger.info("n-gram step graphs: off (the n-gram drafter is not on its Triton kernel)")
         return None
-    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
-    if kernel_backend("prepare_decode", executor.device) != "triton":
-        logger.warning("n-gram step graphs: off (the Triton prepare_decode kernel is unavailable)")
-        return None
-    try:
-        return NgramStepGraphs(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                               max_blocks=max_blocks)
-    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
-        logger.warning("n-gram step graphs: off (%s: %s); n-gram verify steps take the general path",
-                       type(exc).__name__, exc)
-        torch.cuda.empty_cache()
-        return None
+    return build_step_graphs(NgramStepGraphs, "n-gram", executor, drafter, **kw)

@@ -225,3 +225,20 @@ def make_spec_graphs(executor, drafter, **kw) -> SpecStepGraphs | None:
     factory = {NgramDrafter: make_ngram_graphs, MTPDrafter: make_mtp_step_graphs,
                DraftModelDrafter: make_draft_model_step_graphs}.get(type(drafter))
     return None if factory is None else factory(executor, drafter, **kw)
+
+
+def build_step_graphs(cls, label: str, executor, drafter, **kw) -> SpecStepGraphs | None:
+    """``cls(executor, drafter, **kw)`` (a subclass captures its graphs when built), or None with a
+    warning naming ``label`` where the Triton input preparation is unavailable or capture fails:
+    the drafter's verify steps then take the general path."""
+    from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+    if kernel_backend("prepare_decode", executor.device) != "triton":
+        logger.warning("%s step graphs: off (the Triton prepare_decode kernel is unavailable)", label)
+        return None
+    try:
+        return cls(executor, drafter, **kw)
+    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
+        logger.warning("%s step graphs: off (%s: %s); %s verify steps take the general path",
+                       label, type(exc).__name__, exc, label)
+        torch.cuda.empty_cache()
+        return None

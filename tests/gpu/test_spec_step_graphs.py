@@ -41,15 +41,13 @@ def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, spe
         assert sum(spec_step_log) >= 10, sum(spec_step_log)
 
 
-def test_mtp_step_graphs_propose_the_general_paths_drafts():
-    """The drafts themselves (not only the tokens, which greedy verification fixes whatever the
-    drafts are) equal the general path's, on the trained default model, where most drafts are
-    accepted: the same tokens and the same accepted count, with the fused plan and without it."""
+def _fused_and_general_runs(spec, plan_name: str):
+    """(tokens, drafts proposed, drafts accepted) of the trained default target on code prompts,
+    with the fused verify-step plan ``plan_name`` and with it dropped (the general path)."""
     import inspect
     import json
     from hybrid_engine.default_model import default_model_dir
     text = inspect.getsource(json.JSONEncoder)      # code the model completes well
-    spec = SpeculativeConfig("mtp", 3, adaptive=False)
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     runs = []
     for fused in (True, False):
@@ -58,11 +56,19 @@ def test_mtp_step_graphs_propose_the_general_paths_drafts():
         prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
         if not fused:
             llm.engine.runner.drop_fused_plans(proposing_only=True)
-        assert any(type(p).__name__ == "MTPStepGraphs" for p in llm.engine.runner.plans) == fused
+        assert any(type(p).__name__ == plan_name for p in llm.engine.runner.plans) == fused
         outs = llm.generate(prompts, sp, use_tqdm=False)
         st = llm.stats()
         runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))
         del llm
+    return runs
+
+
+def test_mtp_step_graphs_propose_the_general_paths_drafts():
+    """The drafts themselves (not only the tokens, which greedy verification fixes whatever the
+    drafts are) equal the general path's, on the trained default model, where most drafts are
+    accepted: the same tokens and the same accepted count, with the fused plan and without it."""
+    runs = _fused_and_general_runs(SpeculativeConfig("mtp", 3, adaptive=False), "MTPStepGraphs")
     assert runs[0] == runs[1]
     assert runs[0][2] > 0.3 * runs[0][1], runs[0][1:]      # a real test of the drafts (47% accepted on CPU)
 
@@ -97,24 +103,9 @@ def test_draft_model_step_graphs_propose_the_general_paths_drafts():
     """The drafts equal the general path's (same tokens, same proposed and accepted counts), on the
     trained default target and draft, where many drafts are accepted: a wrong fork, position or
     slot in the fused proposal shows as a lower acceptance."""
-    import inspect
-    import json
-    from hybrid_engine.default_model import default_draft_model_dir, default_model_dir
-    text = inspect.getsource(json.JSONEncoder)
+    from hybrid_engine.default_model import default_draft_model_dir
     spec = SpeculativeConfig("draft_model", 3, model=str(default_draft_model_dir()), adaptive=False)
-    sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    runs = []
-    for fused in (True, False):
-        llm = LLM(default_model_dir(), dtype="float32", device="cuda", max_num_seqs=4, speculative_config=spec)
-        tok = llm.tokenizer
-        prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
-        if not fused:
-            llm.engine.runner.drop_fused_plans(proposing_only=True)
-        assert any(type(p).__name__ == "DraftModelStepGraphs" for p in llm.engine.runner.plans) == fused
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        st = llm.stats()
-        runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))
-        del llm
+    runs = _fused_and_general_runs(spec, "DraftModelStepGraphs")
     assert runs[0] == runs[1]
     assert runs[0][2] > 0.2 * runs[0][1], runs[0][1:]
 
