@@ -140,7 +140,7 @@ class StepClock:
     parallelism): a steady decode step's time is the median interval between consecutive ones.
     (t(n tokens) - t(1 token)) / (n - 1) misleads once a batch's prompts take more than one
     prefill chunk: the two generates split them differently (a mixed chunk with decode rows in
-    the long one), so the difference carries part of a prefill, 20-60 ms on the 8B shape. With ``profile=(first, count)`` it also runs the torch
+    the long one), so the difference carries part of a prefill, 23-60 ms on the 8B shape. With ``profile=(first, count)`` it also runs the torch
     profiler over decode steps ``first .. first+count-1`` of the next ``run`` (synchronised at both
     ends, so exactly those steps' kernels are caught)."""
 
@@ -178,11 +178,17 @@ class StepClock:
         """Median seconds between consecutive decode-only step launches during ``fn()`` (a profile
         window still open when ``fn`` returns ends there: ``profiled_steps`` says how many)."""
         self.times = []
+        self.prof = None if self.profile is not None else self.prof
         fn()
-        if self.profile is not None and self.prof is not None and len(self.times) > self.profile[0]:
-            self._stop(len(self.times) - self.profile[0])
-        gaps = np.diff(self.times)
-        return float(np.median(gaps)) if len(gaps) else float("nan")
+        if self.profile is not None:
+            if self.prof is not None:                  # opened, still open: ends with fn
+                self._stop(len(self.times) - self.profile[0])
+            else:                                      # never opened: fewer decode steps than its start
+                self.profile = None
+                raise ValueError(f"profile window never opened: {len(self.times)} decode steps")
+        if len(self.times) < 2:
+            raise ValueError(f"{len(self.times)} decode-only launches: generate more tokens per row")
+        return float(np.median(np.diff(self.times)))
 
     def step_time(self, fn, runs: int = 3, warmup: int = 1) -> float:
         """A steady decode step's seconds: the median over ``runs`` calls of ``fn`` (a generate of

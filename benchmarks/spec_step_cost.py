@@ -5,7 +5,6 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
 
     python benchmarks/spec_step_cost.py --out $OUT                    # the embedded trained default model
     python benchmarks/spec_step_cost.py --model DIR --methods none,ngram,mtp --k 3 --out $OUT
-    python benchmarks/spec_step_cost.py --methods none,ngram,ngram+cublas --dtype float32 --out $OUT
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
 K-draft step whatever the acceptance.
@@ -47,22 +46,6 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
 
 
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int) -> dict:
-    """``method`` none / ngram / mtp / draft_model; a "+cublas" suffix serves float32 verify rows
-    with F.linear (cuBLAS) instead of the skinny Triton kernels, for the same-run comparison."""
-    import hybrid_engine.models.linear as linear_mod
-    method, _, variant = method.partition("+")
-    saved = linear_mod._F32_MIN_ROWS
-    if variant == "cublas":
-        linear_mod._F32_MIN_ROWS = linear_mod._MAX_ROWS + 1
-    try:
-        row = _measure(model, method, k, dtype, prompt, tokens)
-    finally:
-        linear_mod._F32_MIN_ROWS = saved
-    row["method"] = method + (f"+{variant}" if variant else "")
-    return row
-
-
-def _measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
     spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False)
     llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec)
@@ -87,15 +70,15 @@ def _measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tok
     runner._choose_plan = counted_choose
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     run = lambda: llm.generate([prompt], params, use_tqdm=False)  # noqa: E731
-    step = clock.step_time(run, runs=5)
     host.clear()
     plans.clear()
-    run()
-    steps_by_plan = dict(plans)
+    step = clock.step_time(run, runs=5, warmup=1)
+    host_ms = float(np.median(host)) * 1e3          # before the profiled run (its syncs are in execute)
+    steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
     clock.profile = (6, 16)
     clock.run(run)
     row = dict(method=method, dtype=dtype, k=0 if spec is None else k, step_ms=step * 1e3,
-               host_execute_ms=float(np.median(host)) * 1e3, steps_by_plan=steps_by_plan,
+               host_execute_ms=host_ms, steps_by_plan=steps_by_plan,
                profiled_steps=clock.profiled_steps,
                kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps))
     llm.shutdown()

@@ -101,7 +101,7 @@ def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fr
         rows.append(dict(tp=tp, batch=b, step_ms=step * 1e3, tok_s=b / step, build_s=build_s,
                          step_ms_runs=[round(x * 1e3, 4) for x in runs]))
         print(f"TP={tp} batch {b}: {step * 1e3:.3f} ms/step, {b / step:.1f} tok/s", flush=True)
-        if b == profile_batch:
+        if b == profile_batch and gen > 8:
             steps = min(8, gen - 6)
             clock.profile = (4, steps)
             clock.run(run)
