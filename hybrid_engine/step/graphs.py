@@ -189,6 +189,18 @@ def capture_step_graph(body, *, device: torch.device, pool) -> torch.cuda.CUDAGr
     return g
 
 
+def capture_step_graphs(keys, body, *, device: torch.device, pool, staged: torch.Tensor):
+    """A fused step plan's graphs: ``{key: graph of body(*key)}`` in ``keys`` order (largest first:
+    one pool fits all), with the plan's staged header at N = 0 so every row is a pad row while
+    capturing -> (graphs, seconds taken, device bytes they took)."""
+    t0 = time.perf_counter()
+    free0 = torch.cuda.mem_get_info(device)[0]
+    staged[:2] = torch.tensor([0, 1])
+    graphs = {key: capture_step_graph(lambda: body(*key), device=device, pool=pool) for key in keys}
+    torch.cuda.synchronize(device)
+    return graphs, time.perf_counter() - t0, free0 - torch.cuda.mem_get_info(device)[0]
+
+
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
     return tuple(x for x in sizes if x < max_num_seqs) + (max_num_seqs,)

@@ -26,12 +26,11 @@ copies, on those steps only).
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .decode_prep import DecodeDest, PrevOutputs
-from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graph
+from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
 from .step_io import NONFINITE, StepRows
 from .transfer import H2D, CurrentStream
@@ -86,19 +85,11 @@ class GreedyStepGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        t0 = time.perf_counter()
-        dev = self.ex.device
-        free0 = torch.cuda.mem_get_info(dev)[0]
-        self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
-        for bucket in sorted(self.ex.buckets, reverse=True):
-            for parity in (0, 1):
-                self.graphs[(bucket, parity)] = capture_step_graph(
-                    lambda: self._body(bucket, parity), device=dev, pool=self.ex.pool)
-        torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        keys = [(bucket, parity) for bucket in sorted(self.ex.buckets, reverse=True) for parity in (0, 1)]
+        self.graphs, seconds, used = capture_step_graphs(keys, self._body, device=self.ex.device, pool=self.ex.pool,
+                                                         staged=self.staged)
         logger.info("captured %d greedy step graphs (prepare + forward + argmax; B in %s, 2 parities) "
-                    "in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), time.perf_counter() - t0,
-                    used / 2**20)
+                    "in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), seconds, used / 2**20)
 
     # ---- the step (the fused plan of docs/design.md "The step as phases") ---------------------
     fused = True        # replay() prepares, runs the forward and samples: the runner only finishes

@@ -41,7 +41,8 @@ class ModelRunner:
         GreedyStepGraphs (CUDA graphs on, K = 0) or None; ``draft_policy``: how many drafts the
         next step verifies (``spec/adaptive.py``; default: always ``num_spec``);
         ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``);
-        ``spec_graphs``: a fused plan of whole greedy verify steps (``spec_graphs.SpecStepGraphs``: n-gram, MTP, draft model) or None."""
+        ``spec_graphs``: a fused plan of whole greedy verify steps (``spec_graphs.SpecStepGraphs``:
+        n-gram, MTP, draft model) or None."""
         self.model, self.caches, self.drafter = model, caches, drafter
         self.executor = executor
         self.device, self.block_size, self.num_spec = device, block_size, num_spec

@@ -26,7 +26,6 @@ captured here. Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton k
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -34,7 +33,7 @@ from hybrid_engine.spec.rejection import _greedy
 
 from ..sampling.sampler import nonfinite_rows
 from .decode_prep import DecodeDest, PrevOutputs
-from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graph
+from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
 from .step_io import NONFINITE, StepRows
 from .transfer import H2D, CurrentStream
@@ -136,20 +135,13 @@ class SpecStepGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        t0 = time.perf_counter()
-        dev = self.ex.device
-        free0 = torch.cuda.mem_get_info(dev)[0]
-        self.staged[:2] = torch.tensor([0, 1])             # N = 0: every row a pad row while capturing
-        for num_drafts in sorted(self.draft_counts, reverse=True):
-            for bucket in sorted(self.ex.buckets, reverse=True):
-                for parity in (0, 1):
-                    self.graphs[(bucket, num_drafts, parity)] = capture_step_graph(
-                        lambda: self._body(bucket, num_drafts, parity), device=dev, pool=self.ex.pool)
-        torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        keys = [(bucket, k, parity) for k in sorted(self.draft_counts, reverse=True)
+                for bucket in sorted(self.ex.buckets, reverse=True) for parity in (0, 1)]
+        self.graphs, seconds, used = capture_step_graphs(keys, self._body, device=self.ex.device, pool=self.ex.pool,
+                                                         staged=self.staged)
         logger.info("captured %d %s step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
                     "2 parities) in %.1fs, %.1f MiB", len(self.graphs), self.name, list(self.ex.buckets),
-                    list(self.draft_counts), time.perf_counter() - t0, used / 2**20)
+                    list(self.draft_counts), seconds, used / 2**20)
 
     # ---- the step ---------------------------------------------------------------------------
     def applies(self, step: StepRows, prev) -> bool:

@@ -19,12 +19,21 @@ def mtp_target(model_dirs):
     return model_dirs("gpu_mtp_steps", pattern="M-M*-M-", seed=6, num_nextn_predict_layers=1, mtp_pattern="*-")
 
 
+@pytest.fixture(scope="module")
+def small_draft(model_dirs):
+    # a different, smaller hybrid with the targets' vocabulary: drafts are often rejected
+    return model_dirs("gpu_draft_small", pattern="M*-", seed=8)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, spec_step_log):
+@pytest.mark.parametrize("method, plan_name", [("mtp", "MTPStepGraphs"), ("draft_model", "DraftModelStepGraphs")])
+def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name, async_scheduling, adaptive,
+                                      spec_step_log):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
-    spec = SpeculativeConfig("mtp", 3, adaptive=adaptive)
+    spec = SpeculativeConfig(method, 3, model=str(small_draft) if method == "draft_model" else None,
+                             adaptive=adaptive)
     plain = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
                       async_scheduling=async_scheduling), prompts)
     eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
@@ -32,11 +41,13 @@ def test_mtp_step_graphs_equal_eager(mtp_target, async_scheduling, adaptive, spe
     spec_step_log.clear()
     llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
-    assert any(type(p).__name__ == "MTPStepGraphs" for p in llm.engine.runner.plans)
+    assert any(type(p).__name__ == plan_name for p in llm.engine.runner.plans)
     fused = drive(llm, prompts)
     assert fused == eager
     # request 5 samples (temperature 0.9): speculation keeps its distribution, not its draws
     assert {i: t for i, t in fused.items() if i != 5} == {i: t for i, t in plain.items() if i != 5}
+    st = llm.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
     if not adaptive:
         assert sum(spec_step_log) >= 10, sum(spec_step_log)
 
@@ -71,32 +82,6 @@ def test_mtp_step_graphs_propose_the_general_paths_drafts():
     runs = _fused_and_general_runs(SpeculativeConfig("mtp", 3, adaptive=False), "MTPStepGraphs")
     assert runs[0] == runs[1]
     assert runs[0][2] > 0.3 * runs[0][1], runs[0][1:]      # a real test of the drafts (47% accepted on CPU)
-
-
-@pytest.fixture(scope="module")
-def small_draft(model_dirs):
-    # a different, smaller hybrid with the targets' vocabulary: drafts are often rejected
-    return model_dirs("gpu_draft_small", pattern="M*-", seed=8)
-
-
-@pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_draft_model_step_graphs_equal_eager(mtp_target, small_draft, async_scheduling, adaptive, spec_step_log):
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
-    spec = SpeculativeConfig("draft_model", 3, model=str(small_draft), adaptive=adaptive)
-    eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
-                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
-    spec_step_log.clear()
-    llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
-              speculative_config=spec)
-    assert any(type(p).__name__ == "DraftModelStepGraphs" for p in llm.engine.runner.plans)
-    fused = drive(llm, prompts)
-    assert fused == eager
-    st = llm.stats()
-    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
-    if not adaptive:
-        assert sum(spec_step_log) >= 10, sum(spec_step_log)
 
 
 def test_draft_model_step_graphs_propose_the_general_paths_drafts():
