@@ -1,80 +1,16 @@
-"""The OpenAI-compatible server, end to end: one real ``hybrid-engine serve`` process (embedded
-default model, n-gram speculative decoding, an API key, a chat template from a file) driven by the
-official ``openai`` client and by raw httpx. Greedy tokens through the server must equal
-``AsyncLLM`` run directly (without speculation) on the same prompt."""
+"""The OpenAI-compatible API, end to end: the official ``openai`` client and raw httpx against a real
+server process (``openai_case.py``). Greedy tokens through the server must equal ``AsyncLLM`` run
+directly (without speculation) on the same prompt. Metrics, disconnects and load:
+``test_openai_load.py``."""
 import asyncio
-import json
-import random
-import time
 
 import httpx
 import openai
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import check_clean_exit, client, start_module_server, wait_for, wait_idle
+from openai_case import GREEDY, KEY, MAX_TOKENS, PROMPTS, _chat_ids, direct, oai, server  # noqa: F401 (fixtures)
+from server_harness import client
 from hybrid_engine import AsyncLLM, SamplingParams
-
-KEY = "test-key-123"
-MAX_TOKENS = 12
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}{% if shout %}!{% endif %}] {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant] {% endif %}")
-PROMPTS = ["The river ran through the old town", "Once upon a time, a small robot",
-           "a b c a b c a b c a b", "In the morning the market was full of",
-           "A good engine serves many requests", "to be or not to be, to be or not",
-           "1 2 3 4 1 2 3 4 1 2", "the cat sat on the mat and the cat"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
-    tpl.write_text(TEMPLATE)
-    srv = start_module_server(tmp_path_factory, "--api-key", KEY, "--spec", "ngram", "--num-speculative-tokens", "2",
-                              "--max-num-seqs", "16", "--chat-template", str(tpl))
-    yield srv
-    check_clean_exit(srv)
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return client(server, KEY)
-
-
-@pytest.fixture(scope="module")
-def direct():
-    """``AsyncLLM`` in this process (no speculation): ``run(list of prompts or token lists)`` gives
-    each one's greedy tokens, one request at a time; ``tokenizer`` renders chat references."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # as the server process: the tiny model runs fastest on one thread
-    llm = AsyncLLM(None, device="cpu", dtype="float32")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-
-    async def solo(prompts):
-        res = []
-        for p in prompts:
-            toks = []
-            async for out in llm.generate(p, params):
-                toks += out.outputs[0].token_ids
-            res.append(toks)
-        return res
-
-    class Direct:
-        tokenizer = llm.tokenizer
-        cache: dict = {}
-
-        def run(self, prompts):
-            key = lambda p: tuple(p) if isinstance(p, list) else p  # noqa: E731
-            todo = [p for p in prompts if key(p) not in self.cache]
-            for p, toks in zip(todo, asyncio.run(solo(todo))):
-                self.cache[key(p)] = toks
-            return [self.cache[key(p)] for p in prompts]
-    yield Direct()
-    llm.shutdown()
-    torch.set_num_threads(threads)
-
-
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 def test_models_and_health(server, oai):
@@ -309,13 +245,6 @@ def test_n_samples(oai, direct):
     assert [c.token_ids for c in r.choices] == [greedy, greedy]
 
 
-def _chat_ids(direct, messages, shout=False):
-    from jinja2 import Environment
-    env = Environment(trim_blocks=True, lstrip_blocks=True)      # as transformers renders templates
-    text = env.from_string(TEMPLATE).render(messages=messages, add_generation_prompt=True, shout=shout)
-    return direct.tokenizer.encode(text, add_special_tokens=False)
-
-
 def test_chat_equals_async_llm(oai, direct):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPTS[3]}]
     ids = _chat_ids(direct, msgs)
@@ -390,122 +319,3 @@ def test_bad_streaming_request_is_400_and_unknown_model_404(oai):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
     assert e.value.param == "model" and e.value.code == "model_not_found"
-
-
-def _metrics(server) -> dict:
-    text = httpx.get(server.url + "/metrics").text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
-            if "le" not in s.labels:
-                out[key] = s.value
-    return out
-
-
-def test_metrics(server, oai):
-    before = _metrics(server)
-    n = 3
-    for p in PROMPTS[2:2 + n]:
-        oai.completions.create(model="default", prompt=p, max_tokens=MAX_TOKENS, **GREEDY)
-    wait_idle(server)
-    m = _metrics(server)
-    h = server.health()
-    assert m["hybrid_engine_time_to_first_token_seconds_count"] - before.get(
-        "hybrid_engine_time_to_first_token_seconds_count", 0) == n
-    assert m["hybrid_engine_time_per_output_token_seconds_count"] - before.get(
-        "hybrid_engine_time_per_output_token_seconds_count", 0) == n
-    assert m["hybrid_engine_time_to_first_token_seconds_sum"] > 0
-    assert m["hybrid_engine_generation_tokens_total"] - before.get("hybrid_engine_generation_tokens_total", 0) == \
-        n * MAX_TOKENS
-    assert m["hybrid_engine_request_success_total,finish_reason=length"] >= n
-    assert m["hybrid_engine_kv_blocks_total"] == h["total_blocks"] == m["hybrid_engine_kv_blocks_free"]
-    assert m["hybrid_engine_mamba_slots_total"] == 16 == m["hybrid_engine_mamba_slots_free"]
-    assert m["hybrid_engine_num_requests_running"] == 0 and m["hybrid_engine_num_requests_waiting"] == 0
-    # n-gram drafts on the repetitive prompts: proposed and (some) accepted
-    assert m["hybrid_engine_spec_decode_num_draft_tokens_total"] == h["drafts_proposed"] > 0
-    assert m["hybrid_engine_spec_decode_num_accepted_tokens_total"] == h["drafts_accepted"]
-    assert m["hybrid_engine_spec_decode_acceptance_rate"] == pytest.approx(h["drafts_accepted"] / h["drafts_proposed"])
-
-
-def test_disconnect_aborts(server):
-    """A streaming client that closes early and a non-streaming one that times out: both requests
-    are aborted in the engine at once (every slot and block free again, long before max_tokens)."""
-    auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
-    aborted0 = _metrics(server).get("hybrid_engine_requests_aborted_total", 0)
-    t0 = time.monotonic()
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=auth) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            assert server.health()["num_requests_running"] == 1
-    wait_idle(server)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=1.0)
-    wait_idle(server)
-    assert time.monotonic() - t0 < 20             # 3000 tokens were not generated
-    assert _metrics(server)["hybrid_engine_requests_aborted_total"] - aborted0 == 2
-
-
-def test_load(server, direct):
-    """96 concurrent streaming clients (completions and chat), with disconnects and invalid requests
-    mixed in: every valid request's tokens equal its solo run, the invalid ones get 400 naming the
-    field, and afterwards nothing is leaked."""
-    rng = random.Random(3)
-    n = 96
-    auth = {"Authorization": f"Bearer {KEY}"}
-    jobs = []
-    for i in range(n):
-        p = PROMPTS[i % len(PROMPTS)]
-        mode = "disconnect" if i % 8 == 3 else "invalid" if i % 8 == 5 else "ok"
-        chat = i % 3 == 0
-        jobs.append(dict(prompt=p, mode=mode, chat=chat, max_tokens=rng.randint(1, 16), delay=rng.uniform(0, 1.0)))
-    refs = {}
-    for j in jobs:
-        ids = _chat_ids(direct, [{"role": "user", "content": j["prompt"]}]) if j["chat"] else j["prompt"]
-        refs[id(j)] = direct.run([ids])[0][:j["max_tokens"]]
-
-    async def one(c: httpx.AsyncClient, j):
-        await asyncio.sleep(j["delay"])
-        body = {"model": "default", "max_tokens": j["max_tokens"], "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
-        if j["chat"]:
-            url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": j["prompt"]}]
-        else:
-            url, body["prompt"] = "/v1/completions", j["prompt"]
-        if j["mode"] == "invalid":
-            body["top_k"] = -7
-        async with c.stream("POST", server.url + url, json=body, headers=auth) as r:
-            if j["mode"] == "invalid":
-                await r.aread()
-                assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
-                return "invalid"
-            assert r.status_code == 200
-            toks, finish = [], None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ch = json.loads(line[6:])
-                assert "error" not in ch, ch
-                for choice in ch["choices"]:
-                    toks += choice.get("token_ids", [])
-                    finish = choice["finish_reason"] or finish
-                if j["mode"] == "disconnect" and toks:
-                    return "disconnected"              # leaving the block closes the connection
-            assert toks == refs[id(j)], (j, toks)
-            assert finish == "length"
-            return "ok"
-
-    async def main():
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as c:
-            return await asyncio.wait_for(asyncio.gather(*[one(c, j) for j in jobs]), 30)
-    t0 = time.monotonic()
-    res = asyncio.run(main())
-    dt = time.monotonic() - t0
-    assert res.count("ok") == sum(j["mode"] == "ok" for j in jobs)
-    assert res.count("invalid") == n // 8 and res.count("disconnected") == n // 8
-    wait_idle(server)
-    assert dt < 30
