@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from pathlib import Path
 
 import numpy as np
 
@@ -19,32 +18,18 @@ from .config import EngineConfig
 from .device_side import build_device_side
 from .generation_config import read_generation_config
 from .outputs import CompletionOutput, RequestOutput
+from .prompt_inputs import bad_word_ids, load_tokenizer, prompt_token_ids
 from .parallel import start_tensor_parallel
 from .scheduling.request import Request
 from .step.runner import StepHandle
 from .fault_isolation import FaultIsolation, is_fatal
 from .sampling_params import SamplingParams, check_stop_ids
 from .sampling.stop_strings import StopStrings
-from .sampling.logits_processing import MAX_BAD_WORD_TOKENS, ProcessingSpec
+from .sampling.logits_processing import ProcessingSpec
 from .scheduling.scheduler import Scheduler
 from .scheduling.prefix_cache import PrefixCache
 
 logger = logging.getLogger("hybrid_engine")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def _load_tokenizer(model_dir: Path):
-    present = [model_dir / f for f in _TOKENIZER_FILES if (model_dir / f).exists()]
-    if not present:
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:          # corrupt JSON, bad vocab, missing referenced file
-        raise ValueError(f"the tokenizer in {model_dir} could not be loaded from "
-                         f"{', '.join(str(p) for p in present)}: {type(e).__name__}: {e}") from None
 
 
 class EngineCore(FaultIsolation):
@@ -53,7 +38,7 @@ class EngineCore(FaultIsolation):
         mc, sc, cc = cfg.model, cfg.scheduler, cfg.cache
         t0 = time.perf_counter()
         # the small files first, so a bad one fails before the weights are read
-        self.tokenizer = _load_tokenizer(cfg.model_dir)
+        self.tokenizer = load_tokenizer(cfg.model_dir)
         self.generation_defaults = read_generation_config(cfg.model_dir, mc.vocab_size)
         # generation stops on any EOS id of config.json or generation_config.json
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_id + self.generation_defaults.eos_token_ids))
@@ -115,13 +100,13 @@ class EngineCore(FaultIsolation):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
-        ids = self._tokenize(prompt)
+        ids = prompt_token_ids(prompt, self.tokenizer, self.cfg.model.vocab_size)
         params = self.generation_defaults.sampling_params(len(ids)) if params is None else params
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to read the output text, but the model "
                              "folder has none: use stop_token_ids")
-        processing = ProcessingSpec.of(params, self.eos_token_ids, self._bad_word_ids(params.bad_words)) \
+        processing = ProcessingSpec.of(params, self.eos_token_ids, bad_word_ids(params.bad_words, self.tokenizer)) \
             if params.processes_logits else None
         check_stop_ids(params, self.cfg.model.vocab_size)
         if len(ids) >= self.max_model_len:
@@ -188,42 +173,6 @@ class EngineCore(FaultIsolation):
         """Queue a group from ``make_requests`` (a forking leader brings its siblings along)."""
         for req in group[:1] if group[0].fork_pending else group:
             self.scheduler.add_request(req)
-
-    def _bad_word_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
-        """Token sequences of the bad words: each word as written and with a leading space (how it
-        reads after another word), deduplicated."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer, but the model folder has none")
-        out: dict[tuple[int, ...], None] = {}
-        for w in words:
-            for spelling in (w, " " + w.lstrip(" ")):
-                ids = tuple(self.tokenizer.encode(spelling, add_special_tokens=False))
-                if len(ids) > MAX_BAD_WORD_TOKENS:
-                    raise ValueError(f"SamplingParams.bad_words: {w!r} is {len(ids)} tokens; allowed at most "
-                                     f"{MAX_BAD_WORD_TOKENS}")
-                if ids:
-                    out[ids] = None
-        return list(out)
-
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            raise ValueError("prompt must be a str or a list of int token ids (no bools, no floats)")
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is required")
-        vocab = self.cfg.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return ids
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

@@ -13,6 +13,7 @@ import torch
 from hf_reference import NoHostSync, hf_logits
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hybrid_engine.sampling.logits_processing import LogitsProcessor, ProcessingSpec
+from hybrid_engine.prompt_inputs import bad_word_ids
 from continuation_drafter import ContinuationDrafter
 from hybrid_engine.spec.drafters import DRAFTERS
 
@@ -127,7 +128,7 @@ def cases(tok_dir):
     plain = [o.outputs[0].token_ids for o in
              llm.generate(PROMPTS, SamplingParams(max_tokens=MAX, ignore_eos=True), use_tqdm=False)]
     word = tok.decode(plain[1][2:4])                  # a two-token stretch the plain run produced
-    bad_ids = llm.engine._bad_word_ids((word,))
+    bad_ids = bad_word_ids((word,), tok)
     params = [
         SamplingParams(max_tokens=MAX, ignore_eos=True, repetition_penalty=1.6, frequency_penalty=0.7,
                        presence_penalty=0.5),

@@ -1,0 +1,64 @@
+"""What a request's text inputs become before the engine checks them: the model folder's tokenizer,
+a prompt's token ids, and the token sequences of ``SamplingParams.bad_words``. Each raises a
+ValueError naming what is wrong before anything is queued."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .sampling.logits_processing import MAX_BAD_WORD_TOKENS
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: Path):
+    """The folder's tokenizer (transformers' AutoTokenizer), None when it has no tokenizer file."""
+    present = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
+    if not present:
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:          # corrupt JSON, bad vocab, missing referenced file
+        raise ValueError(f"the tokenizer in {model_dir} could not be loaded from "
+                         f"{', '.join(str(p) for p in present)}: {type(e).__name__}: {e}") from None
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """A text prompt (encoded without special tokens) or a list of token ids -> [int], checked
+    against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                   for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError("prompt must be a str or a list of int token ids (no bools, no floats)")
+    if not ids:
+        raise ValueError("prompt is empty: at least one token is required")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def bad_word_ids(words: tuple[str, ...], tokenizer) -> list[tuple[int, ...]]:
+    """Token sequences of the bad words: each word as written and with a leading space (how it
+    reads after another word), deduplicated."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer, but the model folder has none")
+    out: dict[tuple[int, ...], None] = {}
+    for w in words:
+        for spelling in (w, " " + w.lstrip(" ")):
+            ids = tuple(tokenizer.encode(spelling, add_special_tokens=False))
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"SamplingParams.bad_words: {w!r} is {len(ids)} tokens; allowed at most "
+                                 f"{MAX_BAD_WORD_TOKENS}")
+            if ids:
+                out[ids] = None
+    return list(out)
