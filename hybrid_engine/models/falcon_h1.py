@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._config_parse import (base_kwargs, common_fields, field, finish_kwargs, ibm_mamba_fields, layer_count,
-                             reject_unless, rope_fields)
+from .._config_parse import base_kwargs, finish_kwargs, reject_unless
+from .family_config import common_fields, field, ibm_mamba_fields, layer_count, rope_fields
 from ..config import HYBRID, ModelConfig
 from ..step.forward_batch import ForwardBatch
 from .causal_lm import HybridCausalLM
