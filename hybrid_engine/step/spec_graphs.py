@@ -10,10 +10,10 @@ B, step width k (drafts per row: the executor's captured widths, K and, with ada
 speculation, the narrower ones) and parity q:
 
     prepare_decode(header mode; previous outputs from the parity 1-q buffers, accepted counts
-    gathered) -> the forward graph body of width 1+k -> greedy verification -> num_valid, next
-    starts -> non-finite rows -> the drafter's proposal (K drafts for the next step; the runner
-    keeps the width its policy picks) -> tokens, counts, starts, drafts into the parity q buffers,
-    the payload [tokens | verified drafts] with non-finite rows marked
+    gathered) -> the forward graph body of width 1+k -> greedy verification writing tokens, valid
+    counts, next starts and the payload [tokens | verified drafts] (non-finite rows marked) into
+    the parity q buffers (``triton_greedy_verify.py``, two launches) -> the drafter's proposal (K
+    drafts for the next step; the runner keeps the width its policy picks) into the same buffers
 
 so the host's calls are the subclass's ``_before_replay`` (usually nothing), one H2D of the staged
 array, one replay and the D2H of the payload, as for a greedy step. Parities, waits on the D2H of a
@@ -29,14 +29,12 @@ import logging
 
 import torch
 
-from hybrid_engine.spec.rejection import _greedy
-
-from ..sampling.sampler import nonfinite_rows
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
-from .step_io import NONFINITE, StepRows
+from .step_io import StepRows
 from .transfer import H2D, CurrentStream
+from .triton_greedy_verify import chunk_buffers, greedy_verify
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -89,6 +87,8 @@ class SpecStepGraphs:
         self.payload = {(k, parity): e64(bmax, 1 + 2 * k) for k in self.draft_counts for parity in (0, 1)}
         self._start = e64(bmax)                              # [Bmax] prepare_decode's start output
         self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
+        vocab_size = next(iter(executor.graphs_by_width[1 + self.draft_counts[0]].values())).logits.shape[-1]
+        self._argmax_chunks = chunk_buffers(bmax * (1 + K), vocab_size, dev)   # greedy_verify's scratch
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}   # (bucket, k, parity)
         self._views: dict[tuple, FusedSpecStep] = {}                         # (parity, N, k)
         self.parity = 0                                      # parity of the next graph step
@@ -121,17 +121,15 @@ class SpecStepGraphs:
         triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=k,
                               start_out=self._start, drafts_out=verified, next_start_out=None, header=True)
         hidden, logits = EagerExecutor.forward(self.ex, g.fb)                # [B * tokens_per_row, D / V]
-        sampled = _greedy(logits.view(bucket, tokens_per_row, -1), verified[:bucket])   # [B, tokens_per_row]
-        num_valid = (sampled != -1).sum(1)                                   # docs/design.md invariant 7
-        next_start = self._start[:bucket] + num_valid
-        bad = nonfinite_rows(logits).view(bucket, tokens_per_row).any(1)     # [B]
+        # verification writes the step's outputs into the parity buffers (docs/design.md invariant 7:
+        # tokens are the target's argmax up to the first rejected draft, then -1)
+        sampled = self.tokens[parity][:bucket, :tokens_per_row]             # [B, tokens_per_row]
+        num_valid, next_start = self.num_valid[parity][:bucket], self.next_start[parity][:bucket]
+        greedy_verify(logits, verified[:bucket], self._start[:bucket], tokens_out=sampled, num_valid_out=num_valid,
+                      next_start_out=next_start, payload_out=self.payload[(k, parity)][:bucket],
+                      chunks=self._argmax_chunks)
         drafts = self._propose(g, bucket, hidden, sampled, num_valid, next_start)   # [B, K]
-        self.tokens[parity][:bucket, :tokens_per_row].copy_(sampled)
-        self.num_valid[parity][:bucket].copy_(num_valid)
-        self.next_start[parity][:bucket].copy_(next_start)
         self.drafts[parity][:bucket].copy_(drafts)
-        payload = torch.cat([sampled, verified[:bucket]], 1)                 # [B, 1+2k]
-        self.payload[(k, parity)][:bucket].copy_(payload.masked_fill(bad[:, None], NONFINITE))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
