@@ -7,7 +7,11 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
     python benchmarks/spec_step_cost.py --model DIR --methods none,ngram,mtp --k 3 --out $OUT
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
-K-draft step whatever the acceptance.
+K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
+(none, ngram, ..., none, ngram, ...: a fresh engine each time), and reports each method's median
+step and the ratio of medians: the greedy step is partly host-bound and its interval moved by up to
+27% between calls on the same machine kind, so one sample per method is not a ratio to trust.
+Kernels are profiled in the first round only.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
         [(k, round(v[0], 2), round(v[1], 2)) for k, v in rows[:n]]
 
 
-def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int) -> dict:
+def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
     spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False)
     llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec)
@@ -75,12 +79,12 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     step = clock.step_time(run, runs=5, warmup=1)
     host_ms = float(np.median(host)) * 1e3          # before the profiled run (its syncs are in execute)
     steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
-    clock.profile = (6, 16)
-    clock.run(run)
     row = dict(method=method, dtype=dtype, k=0 if spec is None else k, step_ms=step * 1e3,
-               host_execute_ms=host_ms, steps_by_plan=steps_by_plan,
-               profiled_steps=clock.profiled_steps,
-               kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps))
+               host_execute_ms=host_ms, steps_by_plan=steps_by_plan)
+    if profile:
+        clock.profile = (6, 16)
+        clock.run(run)
+        row.update(profiled_steps=clock.profiled_steps, kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps))
     llm.shutdown()
     return row
 
@@ -93,6 +97,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every method")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
@@ -100,19 +105,27 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")   # the engine logs its paths once
     args.out.mkdir(parents=True, exist_ok=True)
     prompt = [(7 * i) % 200 + 3 for i in range(48)] * 2          # repeats: n-gram finds drafts
-    rows = []
-    for method in args.methods.split(","):
-        rows.append(measure(args.model, method, args.k, args.dtype, prompt, args.tokens))
-        r = rows[-1]
-        print(f"\n{method} K={r['k']}: step {r['step_ms']:.3f} ms, host in execute {r['host_execute_ms']:.3f} ms, "
-              f"steps by plan {r['steps_by_plan']}", flush=True)
-        for name, us, n in r["kernels_us_per_step"]:
-            print(f"  {us:9.2f} us  {n:6.2f}x  {name}")
-    base = rows[0]["step_ms"] if rows and rows[0]["method"] == "none" else None
-    if base:
-        for r in rows:
-            r["step_vs_greedy"] = r["step_ms"] / base
-            print(f"{r['method']}: {r['step_vs_greedy']:.2f}x the greedy step")
+    methods = args.methods.split(",")
+    rows, rounds = [], []
+    for rnd in range(args.rounds):
+        rounds.append({})
+        for method in methods:
+            r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0)
+            r["round"] = rnd
+            rows.append(r)
+            rounds[-1][method] = r["step_ms"]
+            print(f"\n[round {rnd}] {method} K={r['k']}: step {r['step_ms']:.3f} ms, host in execute "
+                  f"{r['host_execute_ms']:.3f} ms, steps by plan {r['steps_by_plan']}", flush=True)
+            for name, us, n in r.get("kernels_us_per_step", []):
+                print(f"  {us:9.2f} us  {n:6.2f}x  {name}")
+    summary = {m: float(np.median([rd[m] for rd in rounds])) for m in methods}
+    print("\nmedian step over %d rounds (ms): %s" % (args.rounds, {m: round(v, 4) for m, v in summary.items()}))
+    if "none" in summary:
+        for m in methods:
+            per_round = [rd[m] / rd["none"] for rd in rounds]
+            print(f"{m}: {summary[m] / summary['none']:.2f}x the greedy step (ratio of medians; per round "
+                  f"{', '.join(f'{x:.2f}' for x in per_round)})")
+    rows.append(dict(summary_median_step_ms=summary, rounds=args.rounds))
     save_json(args.out / "spec_step_cost.json", rows)
     return 0
 
