@@ -11,6 +11,11 @@ loopback port, and stop it afterwards:
         --input-len 512 --output-len 128 --num-prompts 200 --out $OUT
     python benchmarks/serve.py --configs none ngram:3 --rates 4 inf --num-prompts 16 \
         --input-len 16 --output-len 16 --device cpu           # tiny CPU run on the default model
+    python benchmarks/serve.py --shape 8b --configs none mtp:3 --rates 4 8 16 32 --out $OUT
+        # the Nemotron-H 8B shape with random bf16 weights (no checkpoint): the server process builds them
+    python benchmarks/serve.py --configs none --rates inf --max-concurrency 1 --direct ...
+        # batch 1 (one request at a time), through the server and on an in-process AsyncLLM built
+        # from the same arguments: the server's overhead on TPOT, same run
 
 Each request is a random token-id prompt (length uniform in input-len * [1 - range, 1 + range]) with
 ``max_tokens`` drawn the same way from output-len, ``ignore_eos`` and greedy decoding, streamed with
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -41,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))            # --direct builds the engine in this process
 
 
 @dataclass
@@ -95,19 +102,60 @@ def sample_lengths(rng, mean: int, spread: float, n: int) -> list[int]:
     return rng.integers(lo, hi + 1, n).tolist()
 
 
-async def run_rate(url: str, model: str, rate: float, prompts, out_lens, timeout: float, seed: int) -> tuple:
-    import httpx
+async def one_request_direct(llm, prompt: list[int], max_tokens: int) -> Result:
+    """The same request on an in-process ``AsyncLLM`` (no HTTP): the baseline of the server's overhead."""
+    from hybrid_engine import SamplingParams
+    t0 = time.perf_counter()
+    res = Result(ok=False, prompt_len=len(prompt))
+    last = None
+    try:
+        async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)):
+            n = len(out.outputs[0].token_ids)
+            if not n:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.itl += [(now - last) / n] * n
+            last = now
+            res.output_len += n
+    except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    res.ok = True
+    return res
+
+
+async def arrivals(send, rate: float, prompts, out_lens, seed: int, max_concurrency: int | None) -> tuple:
+    """``send(prompt, max_tokens)`` for every request at Poisson arrivals of ``rate`` (inf: all at
+    once), at most ``max_concurrency`` in flight (None: no limit). -> (results, seconds)."""
     rng = np.random.default_rng(seed)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(p, m):
+        if gate is None:
+            return await send(p, m)
+        async with gate:
+            return await send(p, m)
+    tasks = []
+    t0 = time.perf_counter()
+    for p, m in zip(prompts, out_lens):
+        tasks.append(asyncio.create_task(limited(p, m)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.exponential(1.0 / rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+async def run_rate(url: str, model: str, rate: float, prompts, out_lens, timeout: float, seed: int,
+                   max_concurrency: int | None = None) -> tuple:
+    import httpx
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        tasks = []
-        t0 = time.perf_counter()
-        for p, m in zip(prompts, out_lens):
-            tasks.append(asyncio.create_task(one_request(client, url, model, p, m, timeout)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        return await arrivals(lambda p, m: one_request(client, url, model, p, m, timeout), rate, prompts, out_lens,
+                              seed, max_concurrency)
 
 
 def pct(xs, q) -> float:
@@ -158,21 +206,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_argv(args, config: str) -> list[str]:
+    """``hybrid-engine serve`` arguments of one configuration ("none" or "method:k"): the server's
+    engine, and the in-process one of ``--direct`` (built by the same parser)."""
+    argv = ["serve"] + ([args.model] if args.model else []) + [
+        "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-waiting-requests", str(max(1024, args.num_prompts))]
+    if config != "none":
+        method, _, k = config.partition(":")
+        argv += ["--spec", method, "--num-speculative-tokens", k or "3"]
+        if method == "draft_model" and args.draft_model:
+            argv += ["--draft-model", args.draft_model]
+    return argv
+
+
 def start_server(args, config: str, log_path: Path):
     """A ``hybrid-engine serve`` process for one configuration ("none" or "method:k")."""
     import httpx
     port = free_port()
-    cmd = [sys.executable, "-m", "hybrid_engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning",
-           "--max-waiting-requests", str(max(1024, args.num_prompts))]
-    if args.model:
-        cmd.insert(4, args.model)
-    if config != "none":
-        method, _, k = config.partition(":")
-        cmd += ["--spec", method, "--num-speculative-tokens", k or "3"]
-        if method == "draft_model":
-            cmd += ["--draft-model", args.draft_model]
+    argv = [*serve_argv(args, config), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "hybrid_engine.cli", *argv]
+    if args.shape:              # a shape with no checkpoint: the server builds random weights
+        cmd = [sys.executable, "-c", "import sys; from benchmarks.common import random_weights; "
+               "from hybrid_engine.cli import main\nwith random_weights(): sys.exit(main(sys.argv[1:]))", *argv]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -215,7 +272,8 @@ def bench_server(args, url: str, config: str) -> list[dict]:
         out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
         prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
         h0 = httpx.get(url + "/health", timeout=10).json()
-        results, dur = asyncio.run(run_rate(url, model, rate, prompts, out_lens, args.timeout, args.seed))
+        results, dur = asyncio.run(run_rate(url, model, rate, prompts, out_lens, args.timeout, args.seed,
+                                            args.max_concurrency))
         h1 = httpx.get(url + "/health", timeout=10).json()
         s = summarize(results, dur)
         proposed = h1.get("drafts_proposed", 0) - h0.get("drafts_proposed", 0)
@@ -228,6 +286,41 @@ def bench_server(args, url: str, config: str) -> list[dict]:
     return rows
 
 
+def bench_direct(args, config: str) -> list[dict]:
+    """The same workloads (same seed: the same prompts and lengths as ``bench_server``) on an
+    ``AsyncLLM`` in this process, built from the server's own arguments: what the server adds."""
+    from hybrid_engine.cli import build_parser
+    from hybrid_engine.server.cli import build_llm
+    from benchmarks.common import random_weights
+    with random_weights() if args.shape else contextlib.nullcontext():
+        llm = build_llm(build_parser().parse_args(serve_argv(args, config)))
+    rng = np.random.default_rng(args.seed)
+    lo, hi = args.token_range
+    rows = []
+
+    async def run(rate, prompts, out_lens):
+        return await arrivals(lambda p, m: one_request_direct(llm, p, m), rate, prompts, out_lens, args.seed,
+                              args.max_concurrency)
+
+    async def all_rates():
+        if args.warmup:
+            wp = [rng.integers(lo, hi, 8).tolist() for _ in range(args.warmup)]
+            await run(math.inf, wp, [4] * args.warmup)
+        for rate in args.rates:
+            in_lens = sample_lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
+            out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
+            prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
+            results, dur = await run(rate, prompts, out_lens)
+            s = summarize(results, dur)
+            s.update(config=f"{config} (AsyncLLM, no server)", rate="inf" if not math.isfinite(rate) else rate)
+            print(f"  {s['config']} rate={s['rate']}: {s['completed']} ok, {s['output_throughput']:.1f} tok/s",
+                  flush=True)
+            rows.append(s)
+        llm.shutdown()
+    asyncio.run(all_rates())
+    return rows
+
+
 def _auth(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
@@ -237,6 +330,8 @@ def parse(argv=None):
     ap.add_argument("--url", default=None, help="a running server; default: start one per --configs entry")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--model", default=None, help="model folder for the servers it starts (default: embedded)")
+    ap.add_argument("--shape", choices=["8b", "small"], default=None,
+                    help="serve a published-size shape with random bf16 weights (no checkpoint) instead of --model")
     ap.add_argument("--configs", nargs="+", default=["none"],
                     help="speculative configs of the servers it starts: none | ngram:K | mtp:K | draft_model:K")
     ap.add_argument("--draft-model", default=None)
@@ -256,6 +351,11 @@ def parse(argv=None):
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="requests in flight at most (1: one at a time, batch 1); default: no limit")
+    ap.add_argument("--direct", action="store_true",
+                    help="also run each configuration's workloads on an in-process AsyncLLM (no HTTP), the "
+                         "baseline of the server's overhead")
     ap.add_argument("--out", default=None, help="folder for serve-bench.json")
     return ap.parse_args(argv)
 
@@ -263,6 +363,10 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     rows = []
+    if args.shape:
+        from benchmarks.common import SHAPE_8B, SHAPE_SMALL, write_config
+        args.model = str(write_config(Path(tempfile.mkdtemp(prefix="serve-shape-")) / args.shape,
+                                      dict({"8b": SHAPE_8B, "small": SHAPE_SMALL}[args.shape], num_nextn_predict_layers=1)))
     if args.url:
         rows += bench_server(args, args.url.rstrip("/"), "server")
     else:
@@ -275,6 +379,8 @@ def main(argv=None) -> int:
                 rows += bench_server(args, url, config)
             finally:
                 stop_server(proc, log)
+            if args.direct:
+                rows += bench_direct(args, config)
     print()
     print(table(rows))
     if args.out:
