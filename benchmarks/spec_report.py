@@ -33,6 +33,8 @@ def plot(real: list[dict], path: Path, workload_order: tuple[str, ...]) -> bool:
     except ImportError:
         return False
     workloads = sorted({r["workload"] for r in real}, key=workload_order.index)
+    if not workloads:                   # --skip-real: nothing to plot
+        return False
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
     for ax, wl in zip(axes[0], workloads):
         for (m, b) in sorted({(r["method"], r["batch"]) for r in real if r["method"] != "none"}):

@@ -5,6 +5,9 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
 
     python benchmarks/spec_step_cost.py --out $OUT                    # the embedded trained default model
     python benchmarks/spec_step_cost.py --model DIR --methods none,ngram,mtp --k 3 --out $OUT
+    python benchmarks/spec_step_cost.py --shape 8b --forced 0.81 --dtype bfloat16 --out $OUT
+        # a random-weight shape (its MTP layer; draft: the small shape), every draft accepted with
+        # probability 0.81 (forced acceptance, benchmark only: the general verify path, no fused plan)
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
 K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
@@ -16,7 +19,9 @@ Kernels are profiled in the first round only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -26,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepClock, save_json  # noqa: E402
+from benchmarks.common import StepClock, random_weights, save_json  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
 
@@ -49,10 +54,14 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
         [(k, round(v[0], 2), round(v[1], 2)) for k, v in rows[:n]]
 
 
-def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True) -> dict:
+def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,
+            forced: float | None = None, random: bool = False) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
-    spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False)
-    llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec)
+    spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False,
+                                                           forced_acceptance_rate=forced)
+    with random_weights() if random else contextlib.nullcontext():
+        llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec,
+                  max_model_len=len(prompt) + tokens + 64)
     clock = StepClock(llm.engine)
     host: list[float] = []
     inner = llm.engine.runner.execute              # the clock's wrapper: its time is in host_ms too
@@ -98,10 +107,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every method")
+    ap.add_argument("--shape", choices=["8b", "nano"], default=None,
+                    help="a random-weight shape instead of --model (draft model: the small shape)")
+    ap.add_argument("--forced", type=float, default=None,
+                    help="forced acceptance rate of every draft (benchmark only; the general verify path)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
     args.model = args.model or str(default_model_dir())
+    if args.shape:
+        from benchmarks.spec_real import shape_dirs
+        target, draft = shape_dirs(args.shape, Path(tempfile.mkdtemp(prefix="spec-step-cost-")))
+        args.model, DRAFT_DIR[0] = str(target), str(draft)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")   # the engine logs its paths once
     args.out.mkdir(parents=True, exist_ok=True)
     prompt = [(7 * i) % 200 + 3 for i in range(48)] * 2          # repeats: n-gram finds drafts
@@ -110,7 +127,8 @@ def main() -> int:
     for rnd in range(args.rounds):
         rounds.append({})
         for method in methods:
-            r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0)
+            r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0,
+                        forced=args.forced, random=args.shape is not None)
             r["round"] = rnd
             rows.append(r)
             rounds[-1][method] = r["step_ms"]
