@@ -24,6 +24,7 @@ from hybrid_engine.mamba_cache.ops import (causal_conv1d_update_ref, causal_conv
                              ssd_scan_varlen_ref)
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+FP8 = torch.float8_e4m3fn
 
 # max|a - e| / max|e| allowed, by op and model dtype
 TOL = {
@@ -323,8 +324,12 @@ def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None
 # ----------------------------------------------------------------------------- paged attention
 
 def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, bs=16, pad=3,
-                    seed=0, tol=None):
-    """Row b has q_lens[b] queries after ctx_lens[b] earlier tokens (seq_len = sum)."""
+                    seed=0, tol=None, kv_scales=None):
+    """Row b has q_lens[b] queries after ctx_lens[b] earlier tokens (seq_len = sum).
+
+    ``kv_scales=(k_scale, v_scale)``: an FP8 cache. Its codes are random float8_e4m3fn values
+    spread over the whole format (about 1% at the +-448 ends), the scales [] float32 tensors
+    passed to both the reference and ``impl`` (as ``k_scale`` / ``v_scale``)."""
     g = _gen(seed)
     Bn = len(q_lens)
     seq = [q + c for q, c in zip(q_lens, ctx_lens)]
@@ -333,8 +338,15 @@ def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, b
     NB = sum(nblk) + 4
     T = sum(q_lens) + pad
     q = torch.randn(T, nH, hd, generator=g).to(dtype)
-    kc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
-    vc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
+    if kv_scales is None:
+        kc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
+        vc = torch.randn(NB, bs, nkv, hd, generator=g).to(dtype)
+        extra = {}
+    else:
+        codes = lambda: (torch.randn(NB, bs, nkv, hd, generator=g) * 180).clamp(-448, 448).to(FP8)  # noqa: E731
+        kc, vc = codes(), codes()
+        extra = {"k_scale": torch.tensor(float(kv_scales[0])).to(device),
+                 "v_scale": torch.tensor(float(kv_scales[1])).to(device)}
     kc[0] = math.nan                                           # the null block: never read
     vc[0] = math.nan
     perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
@@ -351,9 +363,9 @@ def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, b
     q, kc, vc, qsl, sl, bt = map(d, (q, kc, vc, qsl, sl, bt))
     scale = hd ** -0.5
     mq, ms = max(q_lens + [0]), max(seq + [0])
-    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, mq, ms)
+    ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, mq, ms, **extra)
     poison_allocator(device)
-    out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms)
+    out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms, **extra)
     assert out.dtype == dtype and out.shape == q.shape
     return {"out": assert_close(out, ref, tol or TOL["attn"][dtype], "paged_attention")}
 
