@@ -323,13 +323,22 @@ def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None
 
 # ----------------------------------------------------------------------------- paged attention
 
+# the GPU attention cases (test_kernels.py; FP8 caches: test_fp8_kv_cuda.py)
+ATTN_CASES = [
+    dict(q_lens=[1] * 5, ctx_lens=[0, 15, 16, 17, 100]),                       # decode
+    dict(q_lens=[4] * 6, ctx_lens=[0, 3, 12, 40, 77, 300], nH=32, nkv=8, hd=128),  # verify K=3
+    dict(q_lens=[9, 9, 9], ctx_lens=[0, 7, 200], nH=32, nkv=8, hd=128),        # verify K=8
+    dict(q_lens=[50, 0, 130, 1], ctx_lens=[0, 5, 30, 64], nH=8, nkv=8, hd=64),  # prefill chunks
+    dict(q_lens=[33, 2], ctx_lens=[10, 0], nH=16, nkv=2, hd=80),                # g=8, hd 80
+    dict(q_lens=[1000], ctx_lens=[24], nH=32, nkv=8, hd=128),                  # long prefill
+    dict(q_lens=[1, 1, 1], ctx_lens=[5, 1000, 31], nH=4, nkv=4, hd=128, bs=32),
+]
+
+
 def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, bs=16, pad=3,
                     seed=0, tol=None, kv_scales=None):
-    """Row b has q_lens[b] queries after ctx_lens[b] earlier tokens (seq_len = sum).
-
-    ``kv_scales=(k_scale, v_scale)``: an FP8 cache. Its codes are random float8_e4m3fn values
-    spread over the whole format (about 1% at the +-448 ends), the scales [] float32 tensors
-    passed to both the reference and ``impl`` (as ``k_scale`` / ``v_scale``)."""
+    """Row b has q_lens[b] queries after ctx_lens[b] earlier tokens (seq_len = sum). ``kv_scales=(k, v)``:
+    an FP8 cache of random e4m3 codes over the whole range (~1% at +-448), scales given to both sides."""
     g = _gen(seed)
     Bn = len(q_lens)
     seq = [q + c for q, c in zip(q_lens, ctx_lens)]
