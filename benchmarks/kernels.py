@@ -147,13 +147,15 @@ def mk_norm(T, impl):
     return calls(gated_rmsnorm_ref), calls(impl), T * I * 2 * 3
 
 
-def mk_attn_decode(B, s, impl, ctx=2048):
+def mk_attn_decode(B, s, impl, ctx=2048, kv_fp8=False):
     seq = ctx + s
     nblk = -(-seq // BS)
-    kv_bytes = B * seq * NKV * HD * 2 * 2
+    kv_dt = torch.float8_e4m3fn if kv_fp8 else DT         # FP8: codes and per-layer scales
+    kv_bytes = B * seq * NKV * HD * 2 * kv_dt.itemsize
     ns = nsets_for(kv_bytes)
     NB = B * ns * nblk + 1
-    kc, vc = rnd(NB, BS, NKV, HD), rnd(NB, BS, NKV, HD)
+    kc, vc = rnd(NB, BS, NKV, HD, scale=100 if kv_fp8 else 1).to(kv_dt), rnd(NB, BS, NKV, HD).to(kv_dt)
+    sc = dict(k_scale=torch.tensor(0.01, device=DEV), v_scale=torch.tensor(0.02, device=DEV)) if kv_fp8 else {}
     sets = []
     for k in range(ns):
         q = rnd(B * s, NH, HD)
@@ -164,7 +166,7 @@ def mk_attn_decode(B, s, impl, ctx=2048):
         sets.append((q, qsl, sl, bt))
 
     def calls(fn):
-        return [lambda a=a: fn(a[0], kc, vc, a[1], a[2], a[3], HD ** -0.5, s, seq) for a in sets]
+        return [lambda a=a: fn(a[0], kc, vc, a[1], a[2], a[3], HD ** -0.5, s, seq, **sc) for a in sets]
     nbytes = kv_bytes + 2 * B * s * NH * HD * 2
     return calls(paged_attention_ref), calls(impl), nbytes
 
@@ -292,6 +294,8 @@ def main():
             for B in batches:
                 record("paged_attention decode", f"B={B} s={s} ctx=2048", mk_attn_decode, B, s,
                        triton_paged_attention)
+                record("paged_attention decode (FP8 KV)", f"B={B} s={s} ctx=2048", mk_attn_decode, B, s,
+                       triton_paged_attention, kv_fp8=True)
         for T in (2048, 8192):
             record("causal_conv1d_varlen", f"1x{T}", mk_conv_varlen, T, triton_causal_conv1d_varlen,
                    reps=5)

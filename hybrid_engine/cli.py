@@ -44,6 +44,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "embedded trained draft)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the model dtype) or fp8 (float8_e4m3fn with per-layer "
+                        "scales; half the bytes of bf16) (default: %(default)s)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (one process each; default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
@@ -75,7 +78,7 @@ def _llm(args):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                speculative_config=spec, async_scheduling=not args.sync, seed=args.seed,
-               tensor_parallel_size=args.tensor_parallel_size)
+               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _params(args, defaults):
@@ -123,7 +126,7 @@ async def _chat_loop(args, inp, out) -> int:
     from hybrid_engine import AsyncLLM
     engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                      async_scheduling=not args.sync, seed=args.seed,
+                      async_scheduling=not args.sync, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size)
     params = _params(args, engine.get_default_sampling_params())
     kwargs = _template_kwargs(args)

@@ -127,14 +127,24 @@ def _check_int(name: str, value, lo: int, hi: int | None = None, allowed: str | 
         raise ValueError(f"{name} must be {rng}, got {value!r}")
 
 
+# LLM(kv_cache_dtype=...) -> how K and V are stored: None = the model dtype; float8_e4m3fn = FP8 codes
+# with one float32 scale per attention layer for K and one for V (attention/kv_cache.py)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing. ``num_kv_blocks=None`` sizes the pool automatically: from
-    ``kv_cache_memory_fraction`` of free GPU memory on CUDA, from ``kv_cache_bytes`` on CPU."""
+    """Paged KV cache sizing and storage. ``num_kv_blocks=None`` sizes the pool automatically: from
+    ``kv_cache_memory_fraction`` of free GPU memory on CUDA, from ``kv_cache_bytes`` on CPU.
+    ``kv_cache_dtype``: "auto" (K and V in the model dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn
+    codes and a float32 scale per attention layer for K and for V: the checkpoint's ``k_scale`` /
+    ``v_scale`` when it stores them, else 1.0). The target's, the MTP block's and a draft model's
+    KV caches all use it; the Mamba conv / SSM state is not affected."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.5
     kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_dtype: str = "auto"
     # prefix caching (docs/design.md, "Prefix caching"): KV blocks shared by hash chain, Mamba
     # checkpoints every ``mamba_checkpoint_interval`` blocks (and at each prompt's last full
     # block) in a pool of at most ``mamba_checkpoint_bytes``
@@ -156,6 +166,18 @@ class CacheConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 < f <= 1.0):
             raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1], got {f!r}")
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    @property
+    def kv_fp8(self) -> bool:
+        """True when K and V are stored as FP8 codes with per-layer scales."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's storage dtype for a model running in ``model_dtype``."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass(frozen=True)
@@ -303,6 +325,8 @@ class EngineConfig:
                              "(num_nextn_predict_layers >= 1 in config.json), this model has none")
         _check_int("seed", self.seed, 0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.cache.kv_fp8:
+            self._check_fp8_kv_cache()
         if self.tensor_parallel_size > 1:
             from .parallel.sharding import shard_model_config
             shard_model_config(self.model, self.tensor_parallel_size)     # ValueError naming the field
@@ -312,6 +336,24 @@ class EngineConfig:
                     raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs GPUs "
                                      f"{first}..{first + self.tensor_parallel_size - 1} but "
                                      f"{torch.cuda.device_count()} are visible")
+
+    def _check_fp8_kv_cache(self) -> None:
+        """An FP8 KV cache needs float8 conversions on the device (the attention kernel reads the
+        codes), and a checkpoint whose KV scales describe FP8 (or none)."""
+        from .quantization.config import MIN_CUDA_CAPABILITY
+        name = self.cache.kv_cache_dtype
+        if self.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < MIN_CUDA_CAPABILITY:
+                raise ValueError(f"kv_cache_dtype={name!r} needs a GPU with float8 support (compute capability "
+                                 f">= {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}, Ada or Hopper); "
+                                 f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}; "
+                                 "use kv_cache_dtype='auto'")
+        stored = self.model.quantization
+        algo = stored.kv_cache_quant_algo if stored is not None else None
+        if algo is not None and algo != "FP8":
+            raise ValueError(f"kv_cache_dtype={name!r} but the checkpoint's kv_cache_quant_algo is {algo!r}: its "
+                             "k_scale / v_scale are not FP8 scales (implemented: 'FP8'); use kv_cache_dtype='auto'")
 
     @classmethod
     def resolve(cls, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
@@ -329,24 +371,24 @@ class EngineConfig:
         is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
         None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
         or confirm a stored one), "modelopt" (require the checkpoint's); see
-        ``hybrid_engine.quantization.config.resolve_quantization``. ``kv_cache_dtype``: only "auto" (the
-        model dtype); an FP8 KV cache is not implemented. ``tensor_parallel_size``: ranks the model is
+        ``hybrid_engine.quantization.config.resolve_quantization``. ``kv_cache_dtype``: "auto" (K and V
+        in the model dtype; a checkpoint's FP8 KV scales are then unused, as in vLLM) or "fp8" /
+        "fp8_e4m3" (float8_e4m3fn K and V with per-layer scales: the checkpoint's ``k_scale`` /
+        ``v_scale``, else 1.0; see ``CacheConfig``). ``tensor_parallel_size``: ranks the model is
         split over (``hybrid_engine.parallel``; one GPU each on CUDA, processes sharing the CPU else)."""
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the KV cache is stored in the model dtype; an FP8 "
-                             f"KV cache is not implemented), got {kv_cache_dtype!r}")
+        # the cache arguments are checked first: a bad one fails before the model is looked up
+        cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                            kv_cache_memory_fraction=kv_cache_memory_fraction,
+                            kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
+                            mamba_checkpoint_interval=mamba_checkpoint_interval,
+                            mamba_checkpoint_bytes=mamba_checkpoint_bytes, kv_cache_dtype=kv_cache_dtype)
         from .hub import resolve_model_dir
         model_dir = resolve_model_dir(model)
         model_cfg = ModelConfig.from_json(model_dir)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, model_cfg, dev)
         return cls(
-            model_dir=model_dir, model=model_cfg,
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory_fraction=kv_cache_memory_fraction,
-                              kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
-                              mamba_checkpoint_interval=mamba_checkpoint_interval,
-                              mamba_checkpoint_bytes=mamba_checkpoint_bytes),
+            model_dir=model_dir, model=model_cfg, cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),

@@ -13,6 +13,7 @@ from .attention import KVCache, blocks_needed
 from .config import EngineConfig
 from .models import build_model
 from .models.nemotron_h import Caches
+from .quantization.kv_scales import attach_kv_scales, note_unused_kv_scales
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
 from .step.spec_graphs import make_spec_graphs
@@ -78,7 +79,10 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
         num_blocks = min(n for _, n in reports)
     max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
     max_blocks = blocks_needed(max_model_len + 3 * (1 + k), cc.block_size) + 1
-    kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, local.dtype, local.device)
+    kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cc.kv_dtype(local.dtype),
+                 local.device)
+    attach_kv_scales(kv, cfg.model_dir, model)          # FP8: the checkpoint's per-layer scales, else 1.0
+    note_unused_kv_scales(cfg)
     pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
                      mc.mamba_head_dim, mc.ssm_state_size, k, local.dtype, local.device)
     caches = Caches(kv, pool)
@@ -126,7 +130,7 @@ def _blocks_for_budget(cfg: EngineConfig, n_attn: int) -> int:
     mc, cc = cfg.model, cfg.cache
     footprint = drafter_footprint(cfg)
     per_block = (KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads, mc.head_dim,
-                                         cfg.dtype) + footprint.kv_bytes_per_block)
+                                         cc.kv_dtype(cfg.dtype)) + footprint.kv_bytes_per_block)
     budget = _kv_budget(cfg) - footprint.fixed_bytes
     if footprint.fixed_bytes:
         logger.info("KV budget: %.1f MiB set aside for the %s drafter, its KV %.1f KiB per block",

@@ -68,8 +68,8 @@ class EngineCore(FaultIsolation):
         self._inflight: StepHandle | None = None
         self._req_counter = 0
         self._stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
-        logger.info("engine ready in %.2fs: %s on %s, KV %d blocks x %d (%.1f MiB), max_model_len %d, K=%d",
-                    time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size,
+        logger.info("engine ready in %.2fs: %s on %s, KV %d blocks x %d in %s (%.1f MiB), max_model_len %d, K=%d",
+                    time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size, kv.dtype,
                     kv.bytes / 2**20, self.max_model_len, k)
 
     def _prefix_cache_factory(self, side):

@@ -1,7 +1,7 @@
 """Write a quantized copy of a 16/32-bit Nemotron-H folder in NVIDIA ModelOpt's published layout.
 
     python -m hybrid_engine.quantize SRC DST [--format fp8|nvfp4] [--exclude PATTERN ...]
-                                     [--calibrate N] [--device cpu|cuda]
+                                     [--calibrate N] [--device cpu|cuda] [--kv-cache-fp8]
 
 Every linear layer's weight (Mamba in/out projections, attention q/k/v/o, MLP and shared-expert
 up/down, latent projections, MTP eh_proj), except the excluded ones (default: ``lm_head``) and a
@@ -22,6 +22,11 @@ reached (e.g. the MTP layers) gets no input_scale, which the engine reads as "dy
 ``exclude_modules``, unless ``--experts``: then each expert is written per expert
 (``<p>.experts.<e>.up_proj.weight`` ...) like the other layers, without input_scale (the engine runs
 FP8 experts in the fused MoE and dequantizes NVFP4 experts at load).
+
+``--kv-cache-fp8`` (needs calibration) also writes the FP8 KV-cache scales ModelOpt exports: per
+backbone attention layer ``<attn>.k_proj.k_scale`` and ``<attn>.v_proj.v_scale``, float32 [] =
+amax / 448 of the k_proj / v_proj outputs over the calibration run, and sets
+``kv_cache_quant_algo: "FP8"``; the engine uses them with ``kv_cache_dtype="fp8"``.
 """
 from __future__ import annotations
 
@@ -69,17 +74,21 @@ def _linear_names(src: Path, cfg) -> tuple[list[str], set[str], list[str]]:
 
 
 def calibrate(src: Path, num_prompts: int, device: str) -> dict[str, float]:
-    """{linear layer name: amax of its inputs} over ``num_prompts`` calibration prompts."""
+    """{linear layer name: amax of its inputs, and "<layer>:out": amax of its outputs for the
+    attention k_proj / v_proj layers} over ``num_prompts`` calibration prompts."""
     from . import LLM, SamplingParams
     llm = LLM(str(src), device=device, enforce_eager=True, async_scheduling=False)
     amax: dict[str, torch.Tensor] = {}
     hooks = []
+
+    def track(key: str, t: torch.Tensor) -> None:
+        a = t.detach().abs().amax().float()
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
     for name, mod in llm.engine.model.named_modules():
         if isinstance(mod, torch.nn.Linear):
-            def hook(_m, args, name=name):
-                a = args[0].detach().abs().amax().float()
-                amax[name] = torch.maximum(amax[name], a) if name in amax else a
-            hooks.append(mod.register_forward_pre_hook(hook))
+            hooks.append(mod.register_forward_pre_hook(lambda _m, args, name=name: track(name, args[0])))
+            if name.endswith((".k_proj", ".v_proj")):       # what an FP8 KV cache stores
+                hooks.append(mod.register_forward_hook(lambda _m, _a, out, name=name: track(name + ":out", out)))
     prompts = [CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)] for i in range(num_prompts)]
     if llm.tokenizer is None:
         g = torch.Generator().manual_seed(0)
@@ -104,9 +113,29 @@ def _quantize_into(out: dict, base: str, w: torch.Tensor, method: str, amax: flo
         out[base + ".input_scale"] = torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float32)
 
 
+def _kv_scales(cfg, amax: dict[str, float], disk_name: dict[str, str]) -> dict[str, torch.Tensor]:
+    """{disk name: scale} of the FP8 KV-cache scales of every backbone attention layer."""
+    from .models.nemotron_h import NemotronHForCausalLM
+    from .quantization.kv_scales import attention_module_names
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(cfg)
+    out = {}
+    for attn in attention_module_names(model):
+        for proj, suffix in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+            a = amax.get(f"{attn}.{proj}:out")
+            if a is None:
+                raise ValueError(f"calibration never reached {attn}.{proj}: no KV-cache scale for it")
+            # named like the layer's weight on disk (the checkpoint's own backbone prefix)
+            base = disk_name[f"{attn}.{proj}.weight"][: -len("weight")]
+            out[base + suffix] = torch.tensor(a / FP8_MAX if a > 0 else 1.0, dtype=torch.float32)
+    return out
+
+
 def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("lm_head",),
-                    calibrate_prompts: int = 8, device: str = "cpu", experts: bool = False) -> QuantConfig:
-    """Write the quantized copy of ``src`` to ``dst`` (module docstring); returns its QuantConfig."""
+                    calibrate_prompts: int = 8, device: str = "cpu", experts: bool = False,
+                    kv_cache: bool = False) -> QuantConfig:
+    """Write the quantized copy of ``src`` to ``dst`` (module docstring); returns its QuantConfig.
+    ``kv_cache``: also write FP8 KV-cache scales (``--kv-cache-fp8``)."""
     from ._config_parse import read_config_json
     from .config import ModelConfig
     from .models.checkpoint_files import canonical_names, open_safetensors, weight_files
@@ -114,13 +143,15 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
     cfg = ModelConfig.from_json(src)
     if cfg.quantization is not None:
         raise ValueError(f"{src} is already quantized ({cfg.quantization.method}); give a 16/32-bit folder")
+    if kv_cache and calibrate_prompts < 1:
+        raise ValueError("kv_cache=True (--kv-cache-fp8) needs calibration prompts (calibrate_prompts >= 1)")
     linears, tied, _experts = _linear_names(src, cfg)
     probe = QuantConfig(method=method, source="checkpoint", exclude_modules=tuple(exclude))
     chosen = {n for n in linears if n not in tied and not probe.excluded(n)}
     expert_mods = _experts
     exclude_all = tuple(exclude) + tuple(sorted(tied)) + (() if experts else tuple(f"{e}*" for e in expert_mods))
     q = QuantConfig(method=method, source="checkpoint", exclude_modules=exclude_all,
-                    kv_cache_quant_algo=None)
+                    kv_cache_quant_algo="FP8" if kv_cache else None)
     amax = calibrate(src, calibrate_prompts, device) if calibrate_prompts > 0 else {}
     files = weight_files(src)
     with torch.device("meta"):
@@ -145,6 +176,8 @@ def quantize_folder(src, dst, method: str = "fp8", exclude: tuple[str, ...] = ("
             continue
         _quantize_into(out, disk[: -len(".weight")], t, method, amax.get(mod))
         n_quant += 1
+    if kv_cache:
+        out.update(_kv_scales(cfg, amax, {m: d for d, m in renamed.items()}))
     dst.mkdir(parents=True, exist_ok=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     d = read_config_json(src)
@@ -173,10 +206,13 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", action="store_true",
                     help="also quantize the routed experts (per-expert tensors; the engine runs FP8 "
                          "experts in the fused MoE and dequantizes NVFP4 ones at load)")
+    ap.add_argument("--kv-cache-fp8", action="store_true",
+                    help="also write FP8 KV-cache scales (k_scale / v_scale per attention layer, from the "
+                         "calibration run) for kv_cache_dtype='fp8'")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     quantize_folder(args.src, args.dst, args.format, tuple(args.exclude), args.calibrate, args.device,
-                    experts=args.experts)
+                    experts=args.experts, kv_cache=args.kv_cache_fp8)
     return 0
 
 

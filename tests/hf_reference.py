@@ -2,6 +2,7 @@
 generation, logits or dt values on it; the engine-side prefill helper; a no-host-sync guard."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -83,6 +84,33 @@ def hf_dt_values(model_dir, token_ids: list[int]) -> torch.Tensor:
 
 
 from hybrid_engine.evaluation import prefill_hidden as engine_prefill_hidden  # noqa: E402,F401
+
+
+def fp8_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x through an FP8 KV cache, written with plain torch ops: x / scale clamped to the largest
+    finite float8_e4m3fn (448), rounded to e4m3, times scale (float32)."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    return (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+
+
+@contextlib.contextmanager
+def fp8_kv_hooks(model_dir, k_scales, v_scales):
+    """Inside the block, transformers' model of ``model_dir`` (``load_hf``) sees its attention
+    layers' k_proj / v_proj outputs through ``fp8_round_trip`` with layer i's scales: what an FP8 KV
+    cache stores and reads back. Nemotron-H attention has no positional encoding between the
+    projections and the cache, so this is exactly the FP8-KV-cache model."""
+    model = load_hf(model_dir)
+    attn = [m for m in model.modules() if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    assert len(attn) == len(k_scales) == len(v_scales), (len(attn), len(k_scales), len(v_scales))
+    hooks = []
+    for m, ks, vs in zip(attn, k_scales, v_scales):
+        hooks.append(m.k_proj.register_forward_hook(lambda _m, _a, out, s=float(ks): fp8_round_trip(out, s)))
+        hooks.append(m.v_proj.register_forward_hook(lambda _m, _a, out, s=float(vs): fp8_round_trip(out, s)))
+    try:
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 _GATED_NORM_CLASSES = {"bamba": ("bamba", "BambaRMSNormGated"),

@@ -1,12 +1,21 @@
-"""Owner of the per-attention-layer paged K/V cache tensors."""
+"""Owner of the per-attention-layer paged K/V cache tensors (and, for an FP8 cache, their scales)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+# storage dtypes holding codes that are multiplied by a per-layer scale when read
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+FP8_KV_MAX = 448.0                  # largest finite float8_e4m3fn; a stored x / scale is clamped to it
 
 
 class KVCache:
     """k[i], v[i]: [num_blocks, block_size, num_kv_heads, head_dim] in ``dtype``, zero-filled.
 
+    ``dtype`` is the storage dtype: the model dtype, or float8_e4m3fn. For FP8, ``k_scale[i]`` and
+    ``v_scale[i]`` are [] float32 device tensors (value = code * scale; 1.0 until ``set_scales``),
+    updated in place so CUDA graphs captured before keep reading them; else both are None.
     ``i`` indexes attention layers only (0..num_layers-1), not model layers.
     Block 0 is the null block.
     """
@@ -27,6 +36,40 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] | None = None
+        self.v_scale: list[torch.Tensor] | None = None
+        if self.quantized:
+            one = lambda: torch.ones((), dtype=torch.float32, device=self.device)   # noqa: E731
+            self.k_scale = [one() for _ in range(num_layers)]
+            self.v_scale = [one() for _ in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        """True when k / v hold FP8 codes (read as code * scale)."""
+        return self.dtype in FP8_KV_DTYPES
+
+    def scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) of attention layer ``i``: [] float32 tensors, or (None, None) when
+        the cache holds values in the model dtype."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[i], self.v_scale[i]
+
+    def set_scales(self, k_scales: Sequence[float] | torch.Tensor,
+                   v_scales: Sequence[float] | torch.Tensor) -> None:
+        """Per-layer scales ([num_layers] each: positive, finite), copied into the existing
+        tensors. Load time only (the check reads them on the host)."""
+        if not self.quantized:
+            raise ValueError(f"set_scales: this KV cache stores {self.dtype}, which has no scales")
+        for name, vals in (("k_scales", k_scales), ("v_scales", v_scales)):
+            t = torch.as_tensor(vals, dtype=torch.float32).detach().cpu().reshape(-1)
+            if t.numel() != self.num_layers:
+                raise ValueError(f"{name} needs {self.num_layers} values (one per attention layer), "
+                                 f"got {t.numel()}")
+            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise ValueError(f"{name} must be positive and finite, got {t.tolist()}")
+            for dst, val in zip(self.k_scale if name == "k_scales" else self.v_scale, t):
+                dst.fill_(float(val))
 
     @property
     def bytes(self) -> int:
@@ -36,7 +79,8 @@ class KVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers, k and v."""
+        """Bytes one block costs across all layers, k and v, stored in ``dtype`` (the storage
+        dtype: an FP8 cache costs half a 16-bit one)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 

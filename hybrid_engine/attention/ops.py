@@ -9,13 +9,25 @@ import logging
 
 import torch
 
+from .kv_cache import FP8_KV_MAX
+
 logger = logging.getLogger("hybrid_engine")
 _logged_backends: set[tuple[str, str]] = set()
 
 
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 codes an FP8 KV cache stores for ``x``: x / scale in float32, clamped to the
+    format's finite range (so large values saturate instead of becoming NaN), rounded to ``dtype``.
+    ``scale``: [] float32 on x's device."""
+    return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k, v [T, nkv, hd]; caches [N, bs, nkv, hd]; slot_mapping [T] int64 = block * bs + offset.
+    ``k_scale`` / ``v_scale`` ([] float32, FP8 caches only): the caches store ``quantize_kv``
+    codes; None (16/32-bit caches): the values cast to the cache dtype.
 
     Padded tokens map into the null block 0 (duplicates there: last writer unspecified).
     """
@@ -23,20 +35,28 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kc = k_cache.view(-1, nkv, hd)                    # [N*bs, nkv, hd], shares storage
     vc = v_cache.view(-1, nkv, hd)
     idx = slot_mapping.to(torch.long)
-    kc.index_copy_(0, idx, k.to(kc.dtype))
-    vc.index_copy_(0, idx, v.to(vc.dtype))
+    if k_scale is None:
+        kc.index_copy_(0, idx, k.to(kc.dtype))
+        vc.index_copy_(0, idx, v.to(vc.dtype))
+        return
+    # index_copy_ has no float8 kernels: the codes move as bytes (same itemsize, same layout)
+    kc.view(torch.uint8).index_copy_(0, idx, quantize_kv(k, k_scale, kc.dtype).view(torch.uint8))
+    vc.view(torch.uint8).index_copy_(0, idx, quantize_kv(v, v_scale, vc.dtype).view(torch.uint8))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, scale: float, max_query_len: int,
-                        max_seq_len: int) -> torch.Tensor:
+                        max_seq_len: int, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over a paged cache. Returns out [T, nH, hd] in q.dtype.
 
     q [T, nH, hd]; k_cache, v_cache [N, bs, nkv, hd]; query_start_loc [B+1] (non-decreasing);
     seq_lens [B]; block_tables [B, M]. Row b's query i sits at position seq_len - q_len + i.
     Tokens t >= query_start_loc[B] (graph padding) and rows with q_len 0 produce zeros.
     Block-table entries of columns past ceil(seq_len / bs) are never read (treated as block 0).
+    FP8 caches: ``k_scale`` / ``v_scale`` ([] float32); K = code * k_scale, V = code * v_scale,
+    dequantized exactly in float32.
     """
     T, nH, hd = q.shape
     N, bs, nkv, _ = k_cache.shape
@@ -61,8 +81,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kpos = torch.arange(S, device=dev)                                  # [S]
     kvalid = (kpos[None, :] < sl[:, None])[:, :, None, None]            # [B, S, 1, 1]
     zero = torch.zeros((), dtype=cdt, device=dev)
-    K = torch.where(kvalid, k_cache[bt].reshape(B, S, nkv, hd).to(cdt), zero)  # garbage -> 0
-    V = torch.where(kvalid, v_cache[bt].reshape(B, S, nkv, hd).to(cdt), zero)
+    K = k_cache[bt].reshape(B, S, nkv, hd).to(cdt)
+    V = v_cache[bt].reshape(B, S, nkv, hd).to(cdt)
+    if k_scale is not None:                                             # FP8 codes -> values
+        K, V = K * k_scale.to(cdt), V * v_scale.to(cdt)
+    K = torch.where(kvalid, K, zero)                                    # garbage -> 0
+    V = torch.where(kvalid, V, zero)
 
     # Packed -> padded queries by gather: Qp[b, j] = q[qsl[b] + j] for j < q_len[b].
     j = torch.arange(Qm, device=dev)                                    # [Qm]
@@ -108,7 +132,8 @@ def _backend_for(device: torch.device) -> str:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
+                    max_seq_len: int, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch to the best backend for q.device (same signature as paged_attention_ref)."""
     backend = _backend_for(q.device)
     key = (q.device.type, backend)
@@ -118,6 +143,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend == "triton":
         from .triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                      block_tables, scale, max_query_len, max_seq_len)
+                                      block_tables, scale, max_query_len, max_seq_len,
+                                      k_scale=k_scale, v_scale=v_scale)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                               scale, max_query_len, max_seq_len)
+                               scale, max_query_len, max_seq_len, k_scale, v_scale)

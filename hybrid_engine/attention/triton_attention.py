@@ -8,6 +8,10 @@ position any query of the tile may see; online softmax in float32 (exp2, scale f
 Small decode/verify batches split the key range over several programs (flash-decoding) and a
 second launch combines the partial (max, sum, weighted-V) triples.
 Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
+FP8 caches (KV_FP8): the K / V tiles are converted to q's dtype before each dot (exact: every
+float8_e4m3fn value is a bf16 / fp16 / fp32 value); the per-layer K scale, read from device memory,
+joins the softmax scale, and the V scale multiplies the accumulator (linear in V) before it is
+normalised or stored as a split's partial. The 16/32-bit specialisation has none of this.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, qsl_ptr, sl_ptr, bt_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+    q_ptr, k_ptr, v_ptr, qsl_ptr, sl_ptr, bt_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, ks_ptr, vs_ptr,
     qk_scale, G, hd, bs, split_len, n_splits, T, nH,
     sq_t, sq_h, sq_d, sk_b, sk_o, sk_h, sk_d, sv_b, sv_o, sv_h, sv_d, sbt_b, sbt_m,
     so_t, so_h, so_d,
     PREC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     b = tl.program_id(0)
@@ -60,6 +64,8 @@ def _paged_attn_kernel(
             kv_lo = 0
             kv_hi = kv_end
 
+        if KV_FP8:                 # scores = q . (code * k_scale) * scale
+            qk_scale = qk_scale * tl.load(ks_ptr)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -72,6 +78,8 @@ def _paged_attn_kernel(
             kt = tl.load(k_ptr + blk[None, :] * sk_b + slot_off[None, :] * sk_o + kvh * sk_h
                          + offs_d[:, None] * sk_d, mask=ms[None, :] & md[:, None],
                          other=0.0)                                                   # [D, N]
+            if KV_FP8:
+                kt = kt.to(q.dtype)
             sc = tl.dot(q, kt, input_precision=PREC) * qk_scale                      # [M, N]
             vis = (offs_s[None, :] <= qpos[:, None]) & ms[None, :] & mrow[:, None]
             sc = tl.where(vis, sc, float("-inf"))
@@ -83,9 +91,13 @@ def _paged_attn_kernel(
             v = tl.load(v_ptr + blk[:, None] * sv_b + slot_off[:, None] * sv_o + kvh * sv_h
                         + offs_d[None, :] * sv_d, mask=ms[:, None] & md[None, :],
                         other=0.0)                                                    # [N, D]
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
             m_i = m_new
+        if KV_FP8:                 # sum_s p_s (code_s * v_scale) = v_scale * sum_s p_s code_s
+            acc = acc * tl.load(vs_ptr)
         if SPLIT:
             # partials [n_splits, T, nH] (m, l: log2 domain) and [n_splits, T, nH, hd] (acc)
             pidx = (sp * T + tok) * nH + head                                       # [M] int64
@@ -146,9 +158,10 @@ def _num_sms(device) -> int:
 
 
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                           max_query_len: int, max_seq_len: int, *, block_n=None, num_warps=None,
-                           num_splits=None):
-    """Same arguments and result as ``paged_attention_ref``.
+                           max_query_len: int, max_seq_len: int, *, k_scale=None, v_scale=None,
+                           block_n=None, num_warps=None, num_splits=None):
+    """Same arguments and result as ``paged_attention_ref`` (``k_scale`` / ``v_scale``: [] float32
+    device tensors for an FP8 cache, read inside the kernel; None for a 16/32-bit cache).
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
     each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
@@ -197,12 +210,12 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     grid = (B, nkv, n_splits if split else nqb)
     with device_ctx(q):
         _paged_attn_kernel[grid](
-            q, k_cache, v_cache, qsl, sl, block_tables, out, po, pm, pl,
+            q, k_cache, v_cache, qsl, sl, block_tables, out, po, pm, pl, k_scale, v_scale,
             float(scale) * 1.4426950408889634, G, hd, bs, split_len, n_splits, T, nH,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *out.stride(),
             PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, num_warps=nw,
+            BLOCK_D=BLOCK_D, KV_FP8=k_scale is not None, num_warps=nw,
         )
         if split:
             _combine_splits_kernel[(B, nH)](

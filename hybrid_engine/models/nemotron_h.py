@@ -24,7 +24,7 @@ class Caches:
     """Per-layer cache tensors handed to the model: KV per attention layer, state per Mamba layer."""
 
     def __init__(self, kv_cache, mamba_pool, checkpoints=None):
-        self.kv = kv_cache            # attention.KVCache: .k[i], .v[i] by attention ordinal
+        self.kv = kv_cache            # attention.KVCache: .k[i], .v[i], .scales(i) by attention ordinal
         self.mamba = mamba_pool       # mamba_cache.pool.MambaPool: by Mamba ordinal
         self.checkpoints = checkpoints  # mamba_cache.checkpoints.MambaCheckpoints (prefix caching) or None
 
@@ -185,10 +185,11 @@ class Attention(nn.Module):
             k = k * self.key_scale
         q, k = self.rotary(q, k, fb.positions)
         kc, vc = caches.kv.k[self.ordinal], caches.kv.v[self.ordinal]
+        ks, vs = caches.kv.scales(self.ordinal)          # FP8 cache: [] float32 each; else None
         a = fb.attn
-        write_kv(k, v, kc, vc, a.slot_mapping)
+        write_kv(k, v, kc, vc, a.slot_mapping, ks, vs)
         o = paged_attention(q, kc, vc, a.query_start_loc, a.seq_lens, a.block_tables, self.scale,
-                            max_query_len=a.max_query_len, max_seq_len=a.max_seq_len)
+                            max_query_len=a.max_query_len, max_seq_len=a.max_seq_len, k_scale=ks, v_scale=vs)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):

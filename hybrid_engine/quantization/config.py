@@ -44,7 +44,7 @@ class QuantConfig:
     method: str                                  # "fp8" | "nvfp4"
     source: str                                  # "checkpoint" | "online"
     exclude_modules: tuple[str, ...] = ()
-    kv_cache_quant_algo: str | None = None       # recorded; the KV cache stays in the model dtype
+    kv_cache_quant_algo: str | None = None       # the checkpoint's KV-cache format ("FP8": k/v scales stored)
 
     def __post_init__(self):
         if self.method not in METHODS:

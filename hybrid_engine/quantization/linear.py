@@ -33,8 +33,8 @@ from .nvfp4 import GROUP, dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
 
 logger = logging.getLogger(__name__)
 
-# checkpoint tensors of ModelOpt exports this engine reads past: the FP8 KV-cache scales of the
-# attention projections (the KV cache stays in the model dtype; logged once)
+# checkpoint tensors of ModelOpt exports the weight loader reads past: the FP8 KV-cache scales of the
+# attention layers, which belong to the KV cache (kv_scales.py reads them when kv_cache_dtype="fp8")
 IGNORED_SUFFIXES = (".k_scale", ".v_scale")
 _KERNELS = {
     "fp8": "decode (<= 8 rows): Triton FP8-weight skinny kernels (bf16/fp16 compute); prefill: "
@@ -272,10 +272,6 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
                 _swap(model, name, Fp8Experts.quantized_from(mod))
                 names.append(name)
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
-    if q.kv_cache_quant_algo:
-        logger.warning("the checkpoint asks for a %s KV cache (kv_cache_quant_algo): not implemented, the KV "
-                       "cache stays in the model dtype and its k_scale / v_scale tensors are ignored",
-                       q.kv_cache_quant_algo)
     logger.info("quantization %s (%s): %d linear / expert modules quantized; kernels: %s", q.method, q.source,
                 len(names), _KERNELS[q.method])
     return names

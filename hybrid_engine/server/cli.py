@@ -65,6 +65,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--quantization", default=None, choices=["fp8", "nvfp4", "modelopt"],
                    help="quantize a 16/32-bit checkpoint at load (fp8, nvfp4) or require a ModelOpt one "
                         "(default: the checkpoint's own)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the model dtype) or fp8 (float8_e4m3fn with per-layer scales: "
+                        "the checkpoint's k_scale / v_scale, else 1.0; half the bytes of bf16; default %(default)s)")
     s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (one process each; default %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default %(default)s)")
@@ -104,7 +107,8 @@ def build_llm(args):
                     enable_prefix_caching=args.enable_prefix_caching,
                     mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                     async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager,
-                    quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
+                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                    tensor_parallel_size=args.tensor_parallel_size)
 
 
 def run_serve(args) -> int:

@@ -18,6 +18,7 @@ from hybrid_engine.config import ModelConfig
 from hybrid_engine.step.graphs import EagerExecutor, make_executor
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
+from hybrid_engine.quantization.kv_scales import attach_kv_scales
 from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
 from hybrid_engine.mamba_cache.pool import MambaPool
 
@@ -32,12 +33,14 @@ class DraftModelDrafter(Drafter):
     has_probs = True             # random rows get draft probabilities (q differs from p)
 
     def __init__(self, model, model_cfg: ModelConfig, *, num_spec: int, max_num_seqs: int, num_blocks: int,
-                 block_size: int, max_model_len: int, dtype, device):
+                 block_size: int, max_model_len: int, dtype, device, kv_dtype=None):
+        """``dtype``: the model's; ``kv_dtype``: its KV cache's storage dtype (the engine's
+        kv_cache_dtype; None: ``dtype``)."""
         self.model, self.num_spec, self.device, self.dtype = model, num_spec, device, dtype
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         mc = model_cfg
         self.kv = KVCache(len(mc.attention_layer_ids), num_blocks, block_size, mc.num_key_value_heads,
-                          mc.head_dim, dtype, device)
+                          mc.head_dim, kv_dtype or dtype, device)
         # slots 1..M mirror the target's slots (persistent, 1+K checkpoints); M+1..2M are scratch
         self.pool = MambaPool(len(mc.mamba_layer_ids), 2 * max_num_seqs, mc.conv_dim, mc.conv_kernel,
                               mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size, num_spec, dtype, device)
@@ -123,7 +126,7 @@ def cache_footprint(cfg) -> CacheFootprint:
     ssm = slots * (1 + k) * mc.mamba_num_heads * mc.mamba_head_dim * mc.ssm_state_size * 4
     pool = len(mc.mamba_layer_ids) * (conv + ssm)
     kv = KVCache.bytes_per_block(len(mc.attention_layer_ids), cfg.cache.block_size, mc.num_key_value_heads,
-                                 mc.head_dim, cfg.dtype)
+                                 mc.head_dim, cfg.cache.kv_dtype(cfg.dtype))
     return CacheFootprint(fixed_bytes=numel * itemsize + pool, kv_bytes_per_block=kv)
 
 
@@ -139,7 +142,10 @@ def make_draft_model(build) -> DraftModelDrafter:
     logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
     drafter = DraftModelDrafter(model, draft_cfg, num_spec=build.num_spec, max_num_seqs=build.max_num_seqs,
                                 num_blocks=build.num_kv_blocks, block_size=build.block_size,
-                                max_model_len=build.max_model_len, dtype=cfg.dtype, device=cfg.device)
+                                max_model_len=build.max_model_len, dtype=cfg.dtype, device=cfg.device,
+                                kv_dtype=cfg.cache.kv_dtype(cfg.dtype))
+    # the draft's KV follows the engine's kv_cache_dtype; FP8 scales: its own checkpoint's, else 1.0
+    attach_kv_scales(drafter.kv, draft_dir, model, what="draft model")
     # the replay of the target's step takes every width the target's steps may have (adaptive)
     verify_widths = tuple(1 + c for c in draft_counts(spec, build.num_spec))
     drafter.use_executors(lambda m, c, k, name: make_executor(

@@ -14,6 +14,7 @@ import torch
 
 from hybrid_engine.attention import KVCache
 from hybrid_engine.models.nemotron_h import Caches
+from hybrid_engine.quantization.kv_scales import attach_kv_scales
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
@@ -25,6 +26,7 @@ class MTPDrafter(Drafter):
     has_probs = True             # random rows get draft probabilities (q differs from p)
 
     def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, dtype, device):
+        """``dtype``: the KV storage dtype (the engine's kv_cache_dtype: the model dtype or FP8)."""
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
@@ -96,15 +98,17 @@ def cache_footprint(cfg) -> CacheFootprint:
     mc = cfg.model
     n_attn = sum(kind == ATTENTION for kind in mc.mtp_layer_types)
     return CacheFootprint(kv_bytes_per_block=KVCache.bytes_per_block(
-        n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.dtype))
+        n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.cache.kv_dtype(cfg.dtype)))
 
 
 def make_mtp(build) -> MTPDrafter:
     cfg = build.cfg
     if not hasattr(build.model, "mtp"):
         raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
+    # the MTP block's KV follows the engine's kv_cache_dtype (scales: its mtp.* layers' own, else 1.0)
     drafter = MTPDrafter(build.model, num_spec=build.num_spec, num_blocks=build.num_kv_blocks,
-                         block_size=build.block_size, dtype=cfg.dtype, device=cfg.device)
+                         block_size=build.block_size, dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device)
+    attach_kv_scales(drafter.kv, cfg.model_dir, build.model, mtp=True, what="MTP")
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return drafter

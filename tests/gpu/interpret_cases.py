@@ -209,6 +209,17 @@ CASES = {
     "attention_prefill": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                     seed=1),
+    # FP8 KV cache (codes over the whole e4m3 range, non-unit scales): float32 and float16 q
+    "attention_fp8_decode": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+                                                       [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
+                                                       hd=16, bs=4, kv_scales=(0.0123, 0.37)),
+    "attention_fp8_split_f16": lambda: kc.check_attention(
+        lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu",
+        torch.float16, [1, 3, 0], [6, 150, 40], nH=4, nkv=2, hd=16, bs=4, seed=3,
+        kv_scales=(0.004, 2.5)),
+    "attention_fp8_prefill": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+                                                        [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
+                                                        seed=1, kv_scales=(0.02, 0.005)),
 }
 
 

@@ -310,15 +310,7 @@ def test_norm_launch_options(dtype, block_t, num_warps, streaming):
 
 # ----------------------------------------------------------------------------- attention
 
-ATTN = [
-    dict(q_lens=[1] * 5, ctx_lens=[0, 15, 16, 17, 100]),                       # decode
-    dict(q_lens=[4] * 6, ctx_lens=[0, 3, 12, 40, 77, 300], nH=32, nkv=8, hd=128),  # verify K=3
-    dict(q_lens=[9, 9, 9], ctx_lens=[0, 7, 200], nH=32, nkv=8, hd=128),        # verify K=8
-    dict(q_lens=[50, 0, 130, 1], ctx_lens=[0, 5, 30, 64], nH=8, nkv=8, hd=64),  # prefill chunks
-    dict(q_lens=[33, 2], ctx_lens=[10, 0], nH=16, nkv=2, hd=80),                # g=8, hd 80
-    dict(q_lens=[1000], ctx_lens=[24], nH=32, nkv=8, hd=128),                  # long prefill
-    dict(q_lens=[1, 1, 1], ctx_lens=[5, 1000, 31], nH=4, nkv=4, hd=128, bs=32),
-]
+ATTN = kc.ATTN_CASES
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

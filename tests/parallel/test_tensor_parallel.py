@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_reference import hf_greedy
+from hf_reference import fp8_kv_hooks, hf_greedy
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.config import SpeculativeConfig
 from hybrid_engine.parallel import EngineDeadError
@@ -267,6 +267,20 @@ def test_tp2_fp8_quantized_at_load(model_dirs, prompts):
         assert deq.shape == mine.shape
         assert torch.allclose(deq, mine, rtol=0.07, atol=1e-3 * float(mine.abs().max()))
         assert all(len(t) == 8 for t in _tokens(llm, prompts[:2], 8))
+
+
+def test_tp2_fp8_kv_cache(model_dirs, prompts):
+    """kv_cache_dtype="fp8" under TP=2: each rank stores FP8 codes of its own KV heads (one of the
+    two here) with the per-layer scales (1.0: no checkpoint scales) replicated; greedy tokens equal
+    transformers with k_proj / v_proj passed through the FP8 round trip, under chunked prefill."""
+    d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)
+    with fp8_kv_hooks(d, [1.0, 1.0], [1.0, 1.0]):
+        want = hf_greedy(d, prompts, NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2, kv_cache_dtype="fp8", max_num_batched_tokens=16,
+             max_num_seqs=4, block_size=4) as llm:
+        kv = llm.engine.caches.kv
+        assert kv.k[0].dtype == torch.float8_e4m3fn and kv.k[0].shape[-2] == 1 and float(kv.v_scale[1]) == 1.0
+        assert _tokens(llm, prompts) == want
 
 
 def test_steady_step_messages_carry_only_the_grown_block_lists(model_dirs):

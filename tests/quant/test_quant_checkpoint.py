@@ -293,11 +293,6 @@ def test_other_quantized_modules_are_refused_clearly(folders, tmp_path):
         LLM(d, dtype="float32", device=DEV)
 
 
-def test_fp8_kv_cache_is_refused_clearly(folders):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be 'auto' .* got 'fp8'"):
-        LLM(folders["fp8"], dtype="float32", device=DEV, kv_cache_dtype="fp8")
-
-
 def test_gpu_without_fp8_is_refused(monkeypatch):
     from hybrid_engine.quantization.config import QuantConfig, check_supported
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))

@@ -21,7 +21,14 @@ def test_serve_arguments(monkeypatch):
         return 0
     monkeypatch.setattr(scli, "run_serve", fake_run)
     assert main(["serve", "some/dir", "--spec", "ngram", "--num-speculative-tokens", "4", "--max-num-seqs", "8",
-                 "--max-waiting-requests", "3", "--api-key", "k"]) == 0
+                 "--max-waiting-requests", "3", "--api-key", "k", "--kv-cache-dtype", "fp8"]) == 0
     assert seen["model"] == "some/dir" and seen["spec"] == "ngram" and seen["num_spec_tokens"] == 4
     assert seen["max_num_seqs"] == 8 and seen["max_waiting_requests"] == 3 and seen["api_key"] == "k"
     assert seen["host"] == "127.0.0.1"
+    # the engine arguments reach AsyncLLM(...) as LLM(...) takes them
+    import argparse
+    import hybrid_engine
+    got = {}
+    monkeypatch.setattr(hybrid_engine, "AsyncLLM", lambda model, **kw: got.update(kw, model=model))
+    scli.build_llm(argparse.Namespace(**seen))
+    assert got["model"] == "some/dir" and got["kv_cache_dtype"] == "fp8" and got["max_num_seqs"] == 8
