@@ -92,7 +92,12 @@ def test_engine_uses_the_file_scales_and_equals_the_hooked_reference(folders):
     assert [list(o.outputs[0].token_ids) for o in got] == want
     with torch.inference_mode():
         ours = llm.engine.model.compute_logits(engine_prefill_hidden(llm, ids)).cpu()
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # on CPU the engine's K / V equal transformers' to the last bits; on CUDA they differ by ~1e-7
+    # relative, and the few values that sit on an FP8 rounding boundary land one code apart (3
+    # mantissa bits: a 6-12% step), which moves these logits by up to ~2e-3 (H200, 2026-11-26).
+    # Greedy tokens stay equal on both.
+    tol = dict(atol=1e-4, rtol=1e-4) if str(DEV) == "cpu" else dict(atol=5e-3, rtol=0.0)
+    torch.testing.assert_close(ours, ref, **tol)
     assert float((ours - hf_logits(folders["twin"], ids)).abs().max()) > 1e-2   # the round trip matters
 
 
