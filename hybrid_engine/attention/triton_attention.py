@@ -159,13 +159,14 @@ def _num_sms(device) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len: int, max_seq_len: int, *, k_scale=None, v_scale=None,
-                           block_n=None, num_warps=None, num_splits=None):
+                           block_n=None, num_warps=None, num_splits=None, num_stages=None):
     """Same arguments and result as ``paged_attention_ref`` (``k_scale`` / ``v_scale``: [] float32
     device tensors for an FP8 cache, read inside the kernel; None for a 16/32-bit cache).
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
     each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
-    softmax results in a second launch; ``num_splits`` overrides the choice (1 = no split).
+    softmax results in a second launch; ``num_splits`` overrides the choice (1 = no split);
+    ``block_n``, ``num_warps`` and ``num_stages`` override the tile configuration (sweeps).
     """
     T, nH, hd = q.shape
     NB, bs, nkv, _ = k_cache.shape
@@ -185,6 +186,15 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     BLOCK_D = max(16, next_pow2(hd))
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
     nw = num_warps or (4 if BLOCK_Q * G_PAD <= 64 else 8)
+    kv_fp8 = k_scale is not None
+    # FP8 tiles with 16-bit queries are converted in registers before each dot, so they miss the
+    # 16-bit tiles' load pipelining; a 2-deep pipeline and twice the key-range splits at small
+    # batches hide that best (H200 sweep, 2026-11-26, benchmarks/results/2026-11-26-fp8-kv-cache-h200.md).
+    # float32 queries keep the default tiles: with 2 stages their FP8 results drifted to 1.2-5e-4
+    # relative error against the float32 reference on the H200 (1e-4 with the default).
+    fp8_tiles = kv_fp8 and q.dtype != torch.float32
+    if fp8_tiles and num_stages is None:
+        num_stages = 2
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qsl = query_start_loc.to(q.device)
     sl = seq_lens.to(q.device)
@@ -198,6 +208,8 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             n_splits = max(1, int(num_splits))
         elif programs < sms:
             n_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(Sm, 128), 64)
+            if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
+                n_splits = min(2 * n_splits, triton.cdiv(Sm, 128), 64)
     split_len = triton.cdiv(triton.cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
     n_splits = triton.cdiv(Sm, split_len)
     split = n_splits > 1
@@ -215,7 +227,8 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *out.stride(),
             PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, KV_FP8=k_scale is not None, num_warps=nw,
+            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, num_warps=nw,
+            **({} if num_stages is None else {"num_stages": num_stages}),
         )
         if split:
             _combine_splits_kernel[(B, nH)](

@@ -376,6 +376,11 @@ def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, b
     poison_allocator(device)
     out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms, **extra)
     assert out.dtype == dtype and out.shape == q.shape
+    if tol is None and kv_scales is not None and dtype == F32:
+        # codes across the e4m3 range times k_scale 2.5 make scores of several hundred, where one
+        # float32 ulp is ~3e-5; the kernel (K scale folded in after the dot) and the reference (K
+        # dequantized first) round them differently: 1.2-5.1e-4 on the H200, 2026-11-26
+        tol = 1e-3
     return {"out": assert_close(out, ref, tol or TOL["attn"][dtype], "paged_attention")}
 
 
