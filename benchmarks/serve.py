@@ -261,13 +261,12 @@ def stop_server(proc, log) -> None:
 def bench_server(args, url: str, config: str) -> list[dict]:
     import httpx
     model = httpx.get(url + "/v1/models", headers=_auth(args), timeout=10).json()["data"][0]["id"]
-    rng = np.random.default_rng(args.seed)
     lo, hi = args.token_range
     rows = []
     if args.warmup:
         wp, wl = warmup_requests(args)
         asyncio.run(run_rate(url, model, math.inf, wp, wl, args.timeout, args.seed))
-    for rate in args.rates:
+    for rate, rng, kept in passes(args):
         in_lens = sample_lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
         out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
         prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
@@ -280,10 +279,20 @@ def bench_server(args, url: str, config: str) -> list[dict]:
         s["spec_acceptance_rate"] = (h1["drafts_accepted"] - h0["drafts_accepted"]) / proposed if proposed else None
         s.update(config=config, rate="inf" if not math.isfinite(rate) else rate)
         print(f"  {config} rate={s['rate']}: {s['completed']} ok, {s['failed']} failed, "
-              f"{s['output_throughput']:.1f} tok/s" + (f" (first error: {s['first_error']})" if s["failed"] else ""),
-              flush=True)
-        rows.append(s)
+              f"{s['output_throughput']:.1f} tok/s" + (f" (first error: {s['first_error']})" if s["failed"] else "")
+              + ("" if kept else " (warm-up pass, not kept)"), flush=True)
+        if kept:
+            rows.append(s)
     return rows
+
+
+def passes(args):
+    """(rate, generator, kept) for every rate of every ``--passes`` pass; each pass draws the same
+    workloads (the generator restarts), and only the last pass is kept."""
+    for p in range(args.passes):
+        rng = np.random.default_rng(args.seed)
+        for rate in args.rates:
+            yield rate, rng, p == args.passes - 1
 
 
 def bench_direct(args, config: str) -> list[dict]:
@@ -294,7 +303,6 @@ def bench_direct(args, config: str) -> list[dict]:
     from benchmarks.common import random_weights
     with random_weights() if args.shape else contextlib.nullcontext():
         llm = build_llm(build_parser().parse_args(serve_argv(args, config)))
-    rng = np.random.default_rng(args.seed)
     lo, hi = args.token_range
     rows = []
 
@@ -305,16 +313,17 @@ def bench_direct(args, config: str) -> list[dict]:
     async def all_rates():
         if args.warmup:
             await run(math.inf, *warmup_requests(args))
-        for rate in args.rates:
+        for rate, rng, kept in passes(args):
             in_lens = sample_lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
             out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
             prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
             results, dur = await run(rate, prompts, out_lens)
             s = summarize(results, dur)
             s.update(config=f"{config} (AsyncLLM, no server)", rate="inf" if not math.isfinite(rate) else rate)
-            print(f"  {s['config']} rate={s['rate']}: {s['completed']} ok, {s['output_throughput']:.1f} tok/s",
-                  flush=True)
-            rows.append(s)
+            print(f"  {s['config']} rate={s['rate']}: {s['completed']} ok, {s['output_throughput']:.1f} tok/s"
+                  + ("" if kept else " (warm-up pass, not kept)"), flush=True)
+            if kept:
+                rows.append(s)
         llm.shutdown()
     asyncio.run(all_rates())
     return rows
@@ -323,9 +332,11 @@ def bench_direct(args, config: str) -> list[dict]:
 def warmup_requests(args) -> tuple[list, list]:
     """``--warmup`` requests drawn from the workload's prompt-length distribution (own generator:
     the measured workloads stay the same), 8 new tokens each, sent at once. Prefill kernels are
-    compiled per shape class on first use; a warm-up of short prompts left those compiles in the
-    first measured rate (TTFT p99 of seconds) and, since the compiled kernels are cached on disk,
-    out of a ``--direct`` run that follows."""
+    compiled per shape class on first use, and Triton caches them on disk for later processes: a
+    warm-up of 2 short prompts left those compiles in the first configuration's first rate (TTFT
+    p99 of seconds), one of 16 left a ~5 s stall in its 64-at-once rate, and the configurations
+    run after it did not pay them. A rate of few concurrent requests still compiles variants a
+    full batch does not (TTFT p99 5.8 s at 4 req/s after a 64-request warm-up): ``--passes 2``."""
     rng = np.random.default_rng(args.seed + 1)
     lo, hi = args.token_range
     lens = sample_lengths(rng, args.input_len, args.input_len_range, args.warmup)
@@ -358,18 +369,25 @@ def parse(argv=None):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--output-len-range", type=float, default=0.5)
     ap.add_argument("--token-range", nargs=2, type=int, default=[3, 1000], help="prompt token ids in [lo, hi)")
-    ap.add_argument("--warmup", type=int, default=16,
-                    help="requests sent before measuring, with the workload's prompt lengths")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="requests sent at once before measuring, with the workload's prompt lengths "
+                         "(default: min(--num-prompts, --max-num-seqs))")
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the rates this many times per configuration and keep the last pass (the "
+                         "earlier ones are warm-up: they compile what a warm-up batch did not reach)")
     ap.add_argument("--max-concurrency", type=int, default=None,
                     help="requests in flight at most (1: one at a time, batch 1); default: no limit")
     ap.add_argument("--direct", action="store_true",
                     help="also run each configuration's workloads on an in-process AsyncLLM (no HTTP), the "
                          "baseline of the server's overhead")
     ap.add_argument("--out", default=None, help="folder for serve-bench.json")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.warmup is None:        # as many at once as the run will have: the shapes of a full batch compile here
+        args.warmup = min(args.num_prompts, args.max_num_seqs)
+    return args
 
 
 def main(argv=None) -> int:
