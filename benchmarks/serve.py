@@ -329,6 +329,35 @@ def bench_direct(args, config: str) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: Path) -> bool:
+    """Latency against achieved request throughput, one line per configuration: TTFT and TPOT,
+    p50 and p99 (needs matplotlib; False without it). Also ``python benchmarks/serve.py --replot
+    serve-bench.json``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for config in dict.fromkeys(r["config"] for r in rows):
+            pts = sorted((r["request_throughput"], r[f"p50_{metric}_ms"], r[f"p99_{metric}_ms"])
+                         for r in rows if r["config"] == config)
+            x = [p[0] for p in pts]
+            line, = ax.plot(x, [p[1] for p in pts], marker="o", label=f"{config} p50")
+            ax.plot(x, [p[2] for p in pts], marker="x", linestyle="--", color=line.get_color(), label=f"{config} p99")
+        ax.set_xlabel("request throughput (req/s)")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def warmup_requests(args) -> tuple[list, list]:
     """``--warmup`` requests drawn from the workload's prompt-length distribution (own generator:
     the measured workloads stay the same), 8 new tokens each, sent at once. Prefill kernels are
@@ -391,6 +420,14 @@ def parse(argv=None):
 
 
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--replot":      # an earlier run's JSON
+        src = Path(sys.argv[2])
+        out = src.with_suffix(".png")
+        if not plot(json.loads(src.read_text())["rows"], out):
+            print("--replot needs matplotlib")
+            return 1
+        print(f"wrote {out}")
+        return 0
     args = parse(argv)
     rows = []
     if args.shape:
@@ -419,7 +456,7 @@ def main(argv=None) -> int:
                                             for k, v in vars(args).items() if k != "rates"},
                                    "rates": [r if math.isfinite(r) else "inf" for r in args.rates],
                                    "rows": rows}, indent=1))
-        print(f"\nwrote {out}")
+        print(f"\nwrote {out}" + (", serve-bench.png" if plot(rows, Path(args.out) / "serve-bench.png") else ""))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
