@@ -190,8 +190,7 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     # FP8 tiles with 16-bit queries are converted in registers before each dot, so they miss the
     # 16-bit tiles' load pipelining; a 2-deep pipeline and twice the key-range splits at small
     # batches hide that best (H200 sweep, 2026-11-26, benchmarks/results/2026-11-26-fp8-kv-cache-h200.md).
-    # float32 queries keep the default tiles: with 2 stages their FP8 results drifted to 1.2-5e-4
-    # relative error against the float32 reference on the H200 (1e-4 with the default).
+    # float32 queries (tests and references, not serving) keep the default tiles: not swept.
     fp8_tiles = kv_fp8 and q.dtype != torch.float32
     if fp8_tiles and num_stages is None:
         num_stages = 2
