@@ -121,7 +121,9 @@ def _fma_config(N: int, K: int) -> dict:
 
 
 def _dot_config(N: int, K: int) -> dict:
-    if N >= 20000:                               # up_proj, lm_head
+    if N >= 16384:                               # in_proj, up_proj, lm_head: wide, short rows
+        # (in_proj, N 18560, took the narrow config until the H200 sweep of 2026-11-26: 47.2 ->
+        # 40.3 us at M = 4 there, 56.4 -> 57.2 us on the H100 of 2026-11-22)
         return dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
