@@ -59,6 +59,23 @@ class Result:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    last: float = 0.0             # perf_counter of the last chunk
+
+    def arrived(self, n: int, t0: float) -> None:
+        """A chunk of ``n`` tokens arrived now (speculative steps deliver several): the first sets
+        TTFT, later ones add n inter-token gaps of (time since the last chunk) / n."""
+        now = time.perf_counter()
+        if self.output_len == 0:
+            self.ttft = now - t0
+        else:
+            self.itl += [(now - self.last) / n] * n
+        self.last = now
+        self.output_len += n
+
+    def done(self, t0: float) -> "Result":
+        self.latency = time.perf_counter() - t0
+        self.ok = True
+        return self
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Result:
@@ -66,7 +83,6 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
             "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
     res = Result(ok=False, prompt_len=len(prompt))
-    last = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
@@ -80,21 +96,12 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
                     res.error = chunk["error"]["message"]
                     return res
                 n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-                if not n:
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl += [(now - last) / n] * n
-                last = now
-                res.output_len += n
+                if n:
+                    res.arrived(n, t0)
     except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.latency = time.perf_counter() - t0
-    res.ok = True
-    return res
+    return res.done(t0)
 
 
 def sample_lengths(rng, mean: int, spread: float, n: int) -> list[int]:
@@ -107,25 +114,15 @@ async def one_request_direct(llm, prompt: list[int], max_tokens: int) -> Result:
     from hybrid_engine import SamplingParams
     t0 = time.perf_counter()
     res = Result(ok=False, prompt_len=len(prompt))
-    last = None
     try:
         async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)):
             n = len(out.outputs[0].token_ids)
-            if not n:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.itl += [(now - last) / n] * n
-            last = now
-            res.output_len += n
+            if n:
+                res.arrived(n, t0)
     except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.latency = time.perf_counter() - t0
-    res.ok = True
-    return res
+    return res.done(t0)
 
 
 async def arrivals(send, rate: float, prompts, out_lens, seed: int, max_concurrency: int | None) -> tuple:
