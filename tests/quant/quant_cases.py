@@ -113,12 +113,13 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
 NVFP4_SHAPES = [(1, 33, 16), (2, 70, 48), (5, 1, 272), (8, 130, 544), (20, 40, 64), (70, 17, 32)]
+NVFP4_FMA_SHAPES = [(1, 33, 16), (1, 70, 48), (1, 5, 272), (1, 130, 544)]   # groups not a multiple of BLOCK_G
 
 
 def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
                                                         fp8_skinny_linear_fma)
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_fma
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
     def run(fn, shapes, **kw):
@@ -145,6 +146,10 @@ def _cases():
             x, p, s, g, b, block_n=16, block_kh=32), device=cpu, dtype=f32),
         "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
             x, p, s, g, b, block_n=32, block_kh=16), device=cpu, dtype=f16, bias=False),
+        "nvfp4_fma": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
+            x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
+        "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
+            x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
         "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
         "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
     }
