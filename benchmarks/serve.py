@@ -59,6 +59,7 @@ class Result:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    start: float = 0.0            # perf_counter when the request was sent
     last: float = 0.0             # perf_counter of the last chunk
 
     def arrived(self, n: int, t0: float) -> None:
@@ -66,7 +67,7 @@ class Result:
         TTFT, later ones add n inter-token gaps of (time since the last chunk) / n."""
         now = time.perf_counter()
         if self.output_len == 0:
-            self.ttft = now - t0
+            self.start, self.ttft = t0, now - t0
         else:
             self.itl += [(now - self.last) / n] * n
         self.last = now
@@ -162,7 +163,9 @@ def pct(xs, q) -> float:
 def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok]
-    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    # first to last token (not to the end of the stream: the finish chunk, [DONE] and the close
+    # differ between the server and --direct)
+    tpot = [(r.last - r.start - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
     itl = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_len for r in ok)
     s = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
@@ -294,7 +297,10 @@ def passes(args):
 
 def bench_direct(args, config: str) -> list[dict]:
     """The same workloads (same seed: the same prompts and lengths as ``bench_server``) on an
-    ``AsyncLLM`` in this process, built from the server's own arguments: what the server adds."""
+    ``AsyncLLM`` in this process, built from the server's own arguments: what the server adds. It
+    runs after the configuration's server, so it reads the compiles the server left in Triton's
+    disk cache (compare TTFT only with ``--passes 2``), and its client coroutines share the event
+    loop with the engine's step loop (the server's clients are another process)."""
     from hybrid_engine.cli import build_parser
     from hybrid_engine.server.cli import build_llm
     from benchmarks.common import random_weights
@@ -303,18 +309,18 @@ def bench_direct(args, config: str) -> list[dict]:
     lo, hi = args.token_range
     rows = []
 
-    async def run(rate, prompts, out_lens):
+    async def run(rate, prompts, out_lens, max_concurrency):
         return await arrivals(lambda p, m: one_request_direct(llm, p, m), rate, prompts, out_lens, args.seed,
-                              args.max_concurrency)
+                              max_concurrency)
 
     async def all_rates():
-        if args.warmup:
-            await run(math.inf, *warmup_requests(args))
+        if args.warmup:                      # one burst, as bench_server's warm-up
+            await run(math.inf, *warmup_requests(args), None)
         for rate, rng, kept in passes(args):
             in_lens = sample_lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
             out_lens = sample_lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
             prompts = [rng.integers(lo, hi, n).tolist() for n in in_lens]
-            results, dur = await run(rate, prompts, out_lens)
+            results, dur = await run(rate, prompts, out_lens, args.max_concurrency)
             s = summarize(results, dur)
             s.update(config=f"{config} (AsyncLLM, no server)", rate="inf" if not math.isfinite(rate) else rate)
             print(f"  {s['config']} rate={s['rate']}: {s['completed']} ok, {s['output_throughput']:.1f} tok/s"
