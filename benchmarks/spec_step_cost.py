@@ -88,8 +88,9 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     step = clock.step_time(run, runs=5, warmup=1)
     host_ms = float(np.median(host)) * 1e3          # before the profiled run (its syncs are in execute)
     steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
+    # max_model_len bounds the captured graphs' attention split count: part of what a row measures
     row = dict(method=method, dtype=dtype, k=0 if spec is None else k, step_ms=step * 1e3,
-               host_execute_ms=host_ms, steps_by_plan=steps_by_plan)
+               host_execute_ms=host_ms, steps_by_plan=steps_by_plan, max_model_len=len(prompt) + tokens + 64)
     if profile:
         clock.profile = (6, 16)
         clock.run(run)

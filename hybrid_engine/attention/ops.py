@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .kv_cache import FP8_KV_MAX
+from .kv_cache import FP8_KV_DTYPES, FP8_KV_MAX
 
 logger = logging.getLogger("hybrid_engine")
 _logged_backends: set[tuple[str, str]] = set()
@@ -22,6 +22,16 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
 
 
+def _check_scales(k_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """An FP8 cache comes with both scales and a 16/32-bit one with none (host metadata only):
+    an FP8 cache read without its scales would silently use 1.0."""
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError(f"a {k_cache.dtype} KV cache needs {'both' if fp8 else 'no'} k_scale / v_scale; got "
+                         f"k_scale {'set' if k_scale is not None else 'None'}, "
+                         f"v_scale {'set' if v_scale is not None else 'None'}")
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
@@ -31,6 +41,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     Padded tokens map into the null block 0 (duplicates there: last writer unspecified).
     """
+    _check_scales(k_cache, k_scale, v_scale)
     nkv, hd = k_cache.shape[-2:]
     kc = k_cache.view(-1, nkv, hd)                    # [N*bs, nkv, hd], shares storage
     vc = v_cache.view(-1, nkv, hd)
@@ -135,6 +146,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seq_len: int, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch to the best backend for q.device (same signature as paged_attention_ref)."""
+    _check_scales(k_cache, k_scale, v_scale)
     backend = _backend_for(q.device)
     key = (q.device.type, backend)
     if key not in _logged_backends:

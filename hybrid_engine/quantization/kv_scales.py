@@ -107,6 +107,6 @@ def note_unused_kv_scales(cfg) -> None:
     stored = cfg.model.quantization
     algo = stored.kv_cache_quant_algo if stored is not None else None
     if algo is not None and not cfg.cache.kv_fp8 and _rank0():
+        hint = " (kv_cache_dtype='fp8' reads them)" if str(algo).upper() == "FP8" else ""
         logger.info("the checkpoint declares a %s KV cache (kv_cache_quant_algo): kv_cache_dtype='auto' keeps K "
-                    "and V in %s and its k_scale / v_scale are unused (kv_cache_dtype='fp8' reads them)",
-                    algo, cfg.dtype)
+                    "and V in %s and its k_scale / v_scale are unused%s", algo, cfg.dtype, hint)

@@ -100,11 +100,18 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
     argmax up to and including the first rejected position, then -1), num_valid_out [B],
     next_start_out [B] = start + num_valid, payload_out [B, 1+2k] = [tokens | drafts], NONFINITE
     for rows with a non-finite position. ``chunks``: ``chunk_buffers(>= B * (1+k), V)``.
-    Same results as ``greedy_verify_ref``."""
+    Same results as ``greedy_verify_ref`` except in NONFINITE rows, whose tokens, valid counts and
+    next starts are unspecified (the kernel counts NaN as +inf, torch.argmax takes the first NaN;
+    the host fails those rows either way). Inner dimensions must be unit-stride (checked)."""
     B, k = drafts.shape
     rows, V = logits.shape
     if rows != B * (1 + k):
         raise ValueError(f"logits has {rows} rows, expected B * (1 + k) = {B * (1 + k)}")
+    if (logits.stride(1) != 1 or (k and drafts.stride(1) != 1) or tokens_out.stride(1) != 1
+            or payload_out.stride(1) != 1 or start.stride(0) != 1 or num_valid_out.stride(0) != 1
+            or next_start_out.stride(0) != 1):
+        raise ValueError("greedy_verify: logits / drafts / tokens_out / payload_out need unit-stride rows and "
+                         "start / num_valid_out / next_start_out unit strides")
     if B == 0:
         return
     n_chunks = triton.cdiv(V, CHUNK)

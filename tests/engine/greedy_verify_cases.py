@@ -53,7 +53,10 @@ def make_inputs(B, k, V, *, seed=0, accept=0.6, ties=False, nonfinite=False, dty
     logits = torch.randn(B * (1 + k), V, generator=g)
     if ties:          # the maximum twice in a row: the first index must win
         for r in range(0, B * (1 + k), 2):
-            i, j = sorted(torch.randperm(V, generator=g)[:2].tolist())
+            if ties == "across_chunks":           # one in the first 4096-column chunk, one after it
+                i, j = int(torch.randint(0, 4096, (1,), generator=g)), int(torch.randint(4096, V, (1,), generator=g))
+            else:
+                i, j = sorted(torch.randperm(V, generator=g)[:2].tolist())
             logits[r, i] = logits[r, j] = logits[r].max() + 1.0
     if nonfinite:     # rows 1.. get NaN / +inf / all -inf in one position
         for b, kind in zip(range(1, B), ("nan", "inf", "-inf")):
@@ -81,6 +84,8 @@ CASES = {
     "b4_k5_v9000_nonfinite": dict(B=4, k=5, V=9000, nonfinite=True),
     "b3_k2_v300_f16": dict(B=3, k=2, V=300, dtype=torch.float16),
     "b6_k4_all_accept": dict(B=6, k=4, V=1000, accept=1.0),
+    "b2_k7_v9000_ties_across_chunks": dict(B=2, k=7, V=9000, ties="across_chunks", accept=0.9),
+    "b3_k2_v5000_bf16": dict(B=3, k=2, V=5000, dtype=torch.bfloat16),
 }
 
 

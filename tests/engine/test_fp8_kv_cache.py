@@ -120,6 +120,25 @@ def test_kv_cache_holds_codes_and_scales():
     assert plain.scales(0) == (None, None) and not plain.quantized
 
 
+def test_scales_must_match_the_cache_dtype():
+    """An FP8 cache read or written without its scales (which would silently mean 1.0), or a 16-bit
+    cache given scales, is a ValueError before anything runs."""
+    from hybrid_engine.attention import paged_attention
+    fp8, plain = KVCache(1, 3, 4, 1, 8, FP8), KVCache(1, 3, 4, 1, 8, torch.float32)
+    q, kv_new = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    qsl, sl, bt, slots = torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[1]]), torch.tensor([4, 5])
+    s = torch.tensor(0.5)
+    with pytest.raises(ValueError, match="needs both k_scale / v_scale"):
+        paged_attention(q, fp8.k[0], fp8.v[0], qsl, sl, bt, 0.3, 2, 2)
+    with pytest.raises(ValueError, match="needs both k_scale / v_scale"):
+        write_kv(kv_new, kv_new, fp8.k[0], fp8.v[0], slots, k_scale=s)
+    with pytest.raises(ValueError, match="needs no k_scale / v_scale"):
+        write_kv(kv_new, kv_new, plain.k[0], plain.v[0], slots, k_scale=s, v_scale=s)
+    write_kv(kv_new, kv_new, fp8.k[0], fp8.v[0], slots, k_scale=s, v_scale=s)      # both: accepted
+    out = paged_attention(q, fp8.k[0], fp8.v[0], qsl, sl, bt, 0.3, 2, 2, k_scale=s, v_scale=s)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
 # ------------------------------------------------------------------------------------- engine
 
 N_ATTN = 2                                            # attention layers of hybrid_dir ("M-M*-ME*")
