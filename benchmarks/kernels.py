@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import event_ms, graph_ms  # noqa: E402
+from benchmarks.common import copy_bandwidth, event_ms, graph_ms  # noqa: E402
 from benchmarks.kernels_ssu_gated import mk_ssu_gated  # noqa: E402
 from hybrid_engine.attention.ops import paged_attention_ref  # noqa: E402
 from hybrid_engine.mamba_cache.ops import (causal_conv1d_update_ref, causal_conv1d_varlen_ref,  # noqa: E402
@@ -68,18 +68,6 @@ def bench(calls, reps=None, replays=10, use_graph=True):
         print(f"  (graph capture failed: {type(exc).__name__}: {exc}; eager timing)", flush=True)
         torch.cuda.synchronize()
         return eager, eager
-
-
-def copy_bandwidth():
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t = statistics.median(ev_time(lambda: b.copy_(a), 10) for _ in range(5))
-    del a, b
-    return 2 * n / (t * 1e-3) / 1e9           # GB/s, read + write
 
 
 def nsets_for(bytes_per_set):
@@ -244,7 +232,7 @@ def main():
     head = (f"device: {prop.name} ({prop.multi_processor_count} SMs), torch {torch.__version__}, "
             f"triton {triton.__version__}, dtype bf16, date {time.strftime('%Y-%m-%d')}")
     print(head, flush=True)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth() / 1e9                 # GB/s, read + write
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)", flush=True)
 
     batches = [1, 8, 64, 256] if args.quick else [1, 8, 32, 64, 128, 256]

@@ -349,11 +349,8 @@ class EngineConfig:
                                  f">= {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}, Ada or Hopper); "
                                  f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}; "
                                  "use kv_cache_dtype='auto'")
-        stored = self.model.quantization
-        algo = stored.kv_cache_quant_algo if stored is not None else None
-        if algo is not None and algo != "FP8":
-            raise ValueError(f"kv_cache_dtype={name!r} but the checkpoint's kv_cache_quant_algo is {algo!r}: its "
-                             "k_scale / v_scale are not FP8 scales (implemented: 'FP8'); use kv_cache_dtype='auto'")
+        from .quantization.kv_scales import check_fp8_scale_format
+        check_fp8_scale_format(self.model.quantization, name)
 
     @classmethod
     def resolve(cls, model, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",

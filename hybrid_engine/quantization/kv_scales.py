@@ -32,6 +32,15 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
 
 
+def check_fp8_scale_format(quant, kv_cache_dtype: str, what: str = "checkpoint") -> None:
+    """With an FP8 KV cache, a checkpoint's stored KV scales (``quant``: its QuantConfig or None)
+    must describe FP8 codes: ``kv_cache_quant_algo`` None (no scales) or "FP8"; else ValueError."""
+    algo = quant.kv_cache_quant_algo if quant is not None else None
+    if algo is not None and algo != "FP8":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} but the {what}'s kv_cache_quant_algo is {algo!r}: its "
+                         "k_scale / v_scale are not FP8 scales (implemented: 'FP8'); use kv_cache_dtype='auto'")
+
+
 def attention_module_names(model, *, mtp: bool = False) -> list[str]:
     """The model's attention modules (model naming) in attention-ordinal order: the backbone's, or
     with ``mtp`` the MTP block's (``mtp.*``)."""

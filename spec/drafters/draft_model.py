@@ -18,7 +18,7 @@ from hybrid_engine.config import ModelConfig
 from hybrid_engine.step.graphs import EagerExecutor, make_executor
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
-from hybrid_engine.quantization.kv_scales import attach_kv_scales
+from hybrid_engine.quantization.kv_scales import attach_kv_scales, check_fp8_scale_format
 from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
 from hybrid_engine.mamba_cache.pool import MambaPool
 
@@ -145,10 +145,8 @@ def make_draft_model(build) -> DraftModelDrafter:
                                 max_model_len=build.max_model_len, dtype=cfg.dtype, device=cfg.device,
                                 kv_dtype=cfg.cache.kv_dtype(cfg.dtype))
     # the draft's KV follows the engine's kv_cache_dtype; FP8 scales: its own checkpoint's, else 1.0
-    algo = draft_cfg.quantization.kv_cache_quant_algo if draft_cfg.quantization is not None else None
-    if drafter.kv.quantized and algo is not None and algo != "FP8":
-        raise ValueError(f"kv_cache_dtype={cfg.cache.kv_cache_dtype!r} but the draft model's kv_cache_quant_algo is "
-                         f"{algo!r}: its k_scale / v_scale are not FP8 scales (implemented: 'FP8')")
+    if cfg.cache.kv_fp8:
+        check_fp8_scale_format(draft_cfg.quantization, cfg.cache.kv_cache_dtype, what="draft model")
     attach_kv_scales(drafter.kv, draft_dir, model, what="draft model")
     # the replay of the target's step takes every width the target's steps may have (adaptive)
     verify_widths = tuple(1 + c for c in draft_counts(spec, build.num_spec))

@@ -25,12 +25,12 @@ logger = logging.getLogger("hybrid_engine")
 class MTPDrafter(Drafter):
     has_probs = True             # random rows get draft probabilities (q differs from p)
 
-    def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, dtype, device):
-        """``dtype``: the KV storage dtype (the engine's kv_cache_dtype: the model dtype or FP8)."""
+    def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, kv_dtype, device):
+        """``kv_dtype``: the KV cache's storage dtype (the engine's kv_cache_dtype: the model dtype or FP8)."""
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                          cfg.head_dim, dtype, device)
+                          cfg.head_dim, kv_dtype, device)
         self.caches = Caches(self.kv, None)
         self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp): verify 1+K, steps
         self.verify_graphs = {}       # verify-pass graphs by tokens per row (1+K and adaptive widths)
@@ -107,7 +107,7 @@ def make_mtp(build) -> MTPDrafter:
         raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
     # the MTP block's KV follows the engine's kv_cache_dtype (scales: its mtp.* layers' own, else 1.0)
     drafter = MTPDrafter(build.model, num_spec=build.num_spec, num_blocks=build.num_kv_blocks,
-                         block_size=build.block_size, dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device)
+                         block_size=build.block_size, kv_dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device)
     attach_kv_scales(drafter.kv, cfg.model_dir, build.model, mtp=True, what="MTP")
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)

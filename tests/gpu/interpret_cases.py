@@ -13,6 +13,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 torch.set_num_threads(1)
 
 import checkpoint_cases as cc  # noqa: E402
+import attention_cases as ac  # noqa: E402
 import kernel_cases as kc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
@@ -200,24 +201,24 @@ CASES = {
     "linear_dot": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_dot(
         x, w, b, block_n=32, block_k=64), "cpu", F32, M, N, K, bias=M != 3, seed=M)
         for M, N, K in ((1, 37, 100), (3, 64, 256), (16, 65, 129))],
-    "attention_decode": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+    "attention_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                    [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                    hd=16, bs=4),
-    "attention_split": lambda: kc.check_attention(
+    "attention_split": lambda: ac.check_attention(
         lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu", F32,
         [1, 4, 0, 4], [6, 3, 200, 140], nH=8, nkv=2, hd=16, bs=4, seed=2),
-    "attention_prefill": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+    "attention_prefill": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                     seed=1),
     # FP8 KV cache (codes over the whole e4m3 range, non-unit scales): float32 and float16 q
-    "attention_fp8_decode": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+    "attention_fp8_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                        [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                        hd=16, bs=4, kv_scales=(0.0123, 0.37)),
-    "attention_fp8_split_f16": lambda: kc.check_attention(
+    "attention_fp8_split_f16": lambda: ac.check_attention(
         lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu",
         torch.float16, [1, 3, 0], [6, 150, 40], nH=4, nkv=2, hd=16, bs=4, seed=3,
         kv_scales=(0.004, 2.5)),
-    "attention_fp8_prefill": lambda: kc.check_attention(triton_paged_attention, "cpu", F32,
+    "attention_fp8_prefill": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                         [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                         seed=1, kv_scales=(0.02, 0.005)),
 }

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernel_cases as kc
+import attention_cases as ac
 from engine_steps import launch_steps_without_sync
 from hf_reference import fp8_kv_hooks, hf_greedy
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
@@ -34,11 +34,11 @@ def _triton_backend(monkeypatch):
 # ----------------------------------------------------------------------------- the kernel
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("case", range(len(kc.ATTN_CASES)))
+@pytest.mark.parametrize("case", range(len(ac.ATTN_CASES)))
 def test_attention_fp8_kv(dtype, case):
     """Through the dispatcher (Triton for CUDA tensors), the default split choice."""
     for seed, scales in enumerate(SCALES):
-        kc.check_attention(attn_ops.paged_attention, DEV, dtype, seed=seed, kv_scales=scales, **kc.ATTN_CASES[case])
+        ac.check_attention(attn_ops.paged_attention, DEV, dtype, seed=seed, kv_scales=scales, **ac.ATTN_CASES[case])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
@@ -49,7 +49,7 @@ def test_attention_fp8_kv_splits(num_splits, case):
     from hybrid_engine.attention.triton_attention import triton_paged_attention
     impl = functools.partial(triton_paged_attention, num_splits=num_splits)
     for dtype in (torch.float32, torch.bfloat16):
-        kc.check_attention(impl, DEV, dtype, seed=num_splits, kv_scales=SCALES[0], **kc.ATTN_CASES[case])
+        ac.check_attention(impl, DEV, dtype, seed=num_splits, kv_scales=SCALES[0], **ac.ATTN_CASES[case])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import attention_cases as ac
 import kernel_cases as kc
 from hybrid_engine.attention import ops as attn_ops
 from hybrid_engine.mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
@@ -39,7 +40,7 @@ def test_dispatch_picks_triton_and_logs_once(caplog):
             kc.check_conv_varlen(causal_conv1d_varlen, DEV, torch.bfloat16, [3, 2], 32)
             kc.check_ssu(selective_state_update, DEV, torch.bfloat16, 3, 2, 1)
             kc.check_ssd(ssd_scan_varlen, DEV, torch.bfloat16, [3, 20])
-            kc.check_attention(attn_ops.paged_attention, DEV, torch.bfloat16, [1, 2], [3, 4])
+            ac.check_attention(attn_ops.paged_attention, DEV, torch.bfloat16, [1, 2], [3, 4])
     msgs = [r.getMessage() for r in caplog.records]
     for op in ("gated_rmsnorm", "causal_conv1d_update", "causal_conv1d_varlen",
                "selective_state_update", "ssd_scan_varlen", "paged_attention"):
@@ -310,14 +311,14 @@ def test_norm_launch_options(dtype, block_t, num_warps, streaming):
 
 # ----------------------------------------------------------------------------- attention
 
-ATTN = kc.ATTN_CASES
+ATTN = ac.ATTN_CASES
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(ATTN)))
 def test_attention(dtype, case):
     for seed in (0, 1):
-        kc.check_attention(attn_ops.paged_attention, DEV, dtype, seed=seed, **ATTN[case])
+        ac.check_attention(attn_ops.paged_attention, DEV, dtype, seed=seed, **ATTN[case])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
@@ -327,7 +328,7 @@ def test_attention_splits(num_splits, case):
     from hybrid_engine.attention.triton_attention import triton_paged_attention
     impl = functools.partial(triton_paged_attention, num_splits=num_splits)
     for dtype in (torch.float32, torch.bfloat16):
-        kc.check_attention(impl, DEV, dtype, seed=num_splits, **ATTN[case])
+        ac.check_attention(impl, DEV, dtype, seed=num_splits, **ATTN[case])
 
 
 # ----------------------------------------------------------------------------- misc
