@@ -210,7 +210,7 @@ def step_clock(llm) -> StepClock:
     return _CLOCKS[eng]
 
 
-KERNEL_KINDS = (("nccl", ("nccl",)), ("state update (SSU)", ("_ssu",)),
+KERNEL_KINDS = (("nccl", ("nccl",)), ("all-reduce + norm (fused)", ("allreduce",)), ("state update (SSU)", ("_ssu",)),
                 ("linear / GEMV", ("linear", "gemv", "nvjet", "gemm", "cutlass", "splitk")),
                 ("norm", ("norm",)), ("conv", ("conv",)), ("attention", ("attn",)),
                 ("argmax / sampling", ("argmax", "reduce", "sample", "topk")))

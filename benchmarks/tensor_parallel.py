@@ -12,6 +12,8 @@ weights (std 0.02; A_log, D, dt_bias and norms as in benchmarks/common.random_we
 to a real safetensors folder first (``--ckpt``, reused when present). Decode time per step is
 the median interval between rank 0's launches of consecutive decode-only steps (``StepClock``), the
 median of 3 runs after a warm-up; ``--profile-batch`` adds rank 0's GPU time per step by kernel kind.
+With ``HYBRID_ENGINE_TP_FUSED_NORM=0`` in the environment, TP > 1 runs unfused (NCCL all-reduce,
+then the norm kernel; ``parallel/allreduce_norm.py``) and the JSON is ``tp-SHAPE-unfused.json``.
 ``--allreduce`` (under torchrun) times one NCCL all-reduce of [b, hidden] bf16 replayed from a CUDA
 graph, the collective each mixer adds to a TP step. ``--channel`` (CPU, no GPU needed) times how
 long a step message (a pickled 64-row steady-decode SchedulerOutput-sized object, ~5 KB) takes from
@@ -37,6 +39,8 @@ from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
 SHAPES = {"8b": SHAPE_8B, "nano6": dict(SHAPE_NANO, pattern="MEM*EM"), "nano": SHAPE_NANO}
 SHARD_BYTES = 4 << 30
+# HYBRID_ENGINE_TP_FUSED_NORM=0 (inherited by the workers) measures TP > 1 with NCCL + the norm kernel
+FUSED_NORM = os.environ.get("HYBRID_ENGINE_TP_FUSED_NORM", "1") != "0"
 
 
 def write_checkpoint(folder: Path, shape: dict) -> Path:
@@ -98,7 +102,8 @@ def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fr
         run()                                                       # warm-up
         runs = sorted(clock.run(run) for _ in range(3))
         step = runs[1]                                              # the median run's median step
-        rows.append(dict(tp=tp, batch=b, step_ms=step * 1e3, tok_s=b / step, build_s=build_s,
+        rows.append(dict(tp=tp, batch=b, fused_allreduce_norm=tp > 1 and FUSED_NORM, step_ms=step * 1e3,
+                         tok_s=b / step, build_s=build_s,
                          step_ms_runs=[round(x * 1e3, 4) for x in runs]))
         print(f"TP={tp} batch {b}: {step * 1e3:.3f} ms/step, {b / step:.1f} tok/s", flush=True)
         if b == profile_batch and gen > 8:
@@ -261,7 +266,7 @@ def main() -> int:
         if r["batch"] in base:
             r["speedup_vs_tp1"] = r["tok_s"] / base[r["batch"]]
             r["scaling_efficiency"] = r["speedup_vs_tp1"] / r["tp"]
-    save_json(args.out / f"tp-{args.shape}.json", rows)
+    save_json(args.out / f"tp-{args.shape}{'' if FUSED_NORM else '-unfused'}.json", rows)
     for r in rows:
         print(json.dumps(r))
     return 0

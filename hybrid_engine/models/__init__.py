@@ -42,7 +42,8 @@ def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, 
             else:
                 from ..parallel.sharding import TPLayout, apply_tensor_parallel, shard_model_config
                 model = model_class(shard_model_config(model_cfg, tp.size), with_mtp=with_mtp)
-                shards = apply_tensor_parallel(model, TPLayout(rank=tp.rank, size=tp.size, full=model_cfg), tp)
+                shards = apply_tensor_parallel(model, TPLayout(rank=tp.rank, size=tp.size, full=model_cfg), tp,
+                                               dtype=dtype)
             if q is not None and q.source == "checkpoint":
                 from hybrid_engine.quantization.linear import quantize_linears
                 from hybrid_engine.quantization.stored import stored_quantized

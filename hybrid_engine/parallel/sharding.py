@@ -3,7 +3,9 @@
 The hidden stream is replicated: every rank holds the whole [T, D] residual, norms and routers,
 and each mixer works on its own share of heads or width, then one all-reduce per mixer sums the
 shares (the row-parallel output projections: Mamba ``out_proj``, attention ``o_proj``, MLP
-``down_proj``, and the MoE block's routed + shared sum). Split by mixer:
+``down_proj``, and the MoE block's routed + shared sum). The backbone's sums happen in the next
+block's norm (``ReducingNorm``: on CUDA one kernel all-reduces, adds the residual and normalises,
+``allreduce_norm.py``). Split by mixer:
 
 - Mamba2: heads (``mamba_num_heads / N`` per rank) and the B / C groups with them
   (``n_groups / N`` per rank). The gated norm normalises per group, so a rank holds whole norm
@@ -26,8 +28,8 @@ shares (the row-parallel output projections: Mamba ``out_proj``, attention ``o_p
 
 Biases of row-parallel projections are kept by rank 0 only (the all-reduce adds them once).
 A model is split by building it from ``shard_model_config`` (the per-rank sizes: module shapes and
-cache pools follow), then ``apply_tensor_parallel`` swaps the vocabulary-parallel modules, adds the
-all-reduce hooks and returns the loader's ``Shard`` per parameter, which reads each rank's rows of
+cache pools follow), then ``apply_tensor_parallel`` swaps the vocabulary-parallel modules and the
+reducing norms, hooks an all-reduce onto the MTP block's mixers and returns the loader's ``Shard`` per parameter, which reads each rank's rows of
 every checkpoint tensor (``models/loader.py``).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..models.layers import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -221,10 +224,30 @@ def _mixer_shards(name: str, mixer: nn.Module, lay: TPLayout) -> dict[str, Shard
     return out
 
 
-def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group) -> dict[str, Shard]:
+class ReducingNorm(RMSNorm):
+    """A block's input norm (or ``norm_f``) whose input is the previous mixer's partial output: its
+    residual add + RMSNorm first sums the partials over the ranks. Steps of at most
+    ``fused.max_rows`` tokens take one kernel (``allreduce_norm.AllReduceNorm``: all-reduce, add
+    and norm in one launch); larger ones, and CPU, the group's all-reduce and then the norm."""
+
+    def __init__(self, dim: int, eps: float, *, all_reduce, fused, slot: int):
+        super().__init__(dim, eps)
+        self.all_reduce, self.fused, self.slot = all_reduce, fused, slot
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self.fused is not None and residual is not None and self.fused.fits(x) and self.fused.fits(residual)
+                and x.shape == residual.shape and x.dtype == residual.dtype):
+            return self.fused(x, residual, self.weight, self.eps, self.slot)
+        return super().add_norm(self.all_reduce(x), residual)
+
+
+def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group, dtype: torch.dtype | None = None
+                          ) -> dict[str, Shard]:
     """Make ``model`` (built on the meta device from ``shard_model_config``) this rank's part:
-    vocabulary-parallel embedding and lm_head, an all-reduce after every mixer. Returns the loader's
-    {parameter name: Shard} (parameters not listed are replicated)."""
+    vocabulary-parallel embedding and lm_head, every mixer's output summed over the ranks: by the
+    next block's norm (``ReducingNorm``, the all-reduce fused into it on CUDA; ``dtype`` is the
+    hidden stream's) for the backbone, by an all-reduce hook for other mixers (the MTP block).
+    Returns the loader's {parameter name: Shard} (parameters not listed are replicated)."""
     full, r, n = lay.full, lay.rank, lay.size
     rows = -(-full.vocab_size // n)
     vocab = Shard(dim=0, sections=((r * rows, rows),), full=full.vocab_size)
@@ -235,8 +258,26 @@ def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group) -> dict[str, S
     model.lm_head = VocabParallelHead(rows, dim, full.vocab_size, group.all_gather_last)
     if full.tie_word_embeddings:
         model.lm_head.weight = emb.weight
+    reduced_by_norm = _reduce_in_norms(model, group, dtype or torch.get_default_dtype())
     for name, module in list(model.named_modules()):
         if name.endswith(".mixer"):
             shards.update(_mixer_shards(name, module, lay))
-            module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+            if module not in reduced_by_norm:
+                module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
     return shards
+
+
+def _reduce_in_norms(model: nn.Module, group, dtype: torch.dtype) -> set[nn.Module]:
+    """Swap the backbone's norms 1..L-1 and ``norm_f`` for ``ReducingNorm``s (each sums the mixer
+    before it; block 0's input is the embedding, which sums itself). -> the mixers so covered."""
+    from .allreduce_norm import AllReduceNorm
+    layers, final = model.backbone.layers, model.backbone.norm_f
+    norms = [layer.norm for layer in layers[1:]] + [final]
+    fused = AllReduceNorm.create(group, slots=len(norms), hidden=final.weight.shape[0], dtype=dtype)
+    for slot, (layer, norm) in enumerate(zip(list(layers[1:]) + [None], norms)):
+        swapped = ReducingNorm(norm.weight.shape[0], norm.eps, all_reduce=group.all_reduce, fused=fused, slot=slot)
+        if layer is None:
+            model.backbone.norm_f = swapped
+        else:
+            layer.norm = swapped
+    return {layer.mixer for layer in layers}
