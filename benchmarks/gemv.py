@@ -5,7 +5,10 @@ Timing: each call set is captured in a CUDA graph (20 calls, rotating over enoug
 that the working set exceeds L2) and replayed; median over replays; GB/s counts weight + x + y
 bytes once. The summary weights each shape by its calls per 8B decode step.
 
-    python benchmarks/gemv.py [--m 1 4] [--out table.md] [--json f.json]
+    python benchmarks/gemv.py [--m 1 4] [--tp 1 2] [--out table.md] [--json f.json]
+
+``--tp 2`` takes each rank's shapes under tensor parallelism of 2 (column-parallel projections
+halve N, row-parallel ones halve K). The "rule" row is what ``skinny_linear`` dispatches to today.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import copy_bandwidth, graph_ms  # noqa: E402
-from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
+from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
 
 # (name, N, K, calls per decode step of the 8B shape)
 SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24),
@@ -34,7 +37,24 @@ DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
                                    (32, 512, 4, 2), (16, 256, 4, 4), (16, 512, 4, 3))]
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-                               (16, 512, 8), (32, 256, 8), (4, 1024, 4))]
+                               (16, 512, 8), (32, 256, 8), (4, 1024, 4), (2, 1024, 4),
+                               (4, 2048, 8), (8, 2048, 8), (2, 2048, 4))]
+# per shape: which dim tensor parallelism splits (column-parallel: N, row-parallel: K)
+TP_SPLIT = {"mamba in_proj": "N", "mamba out_proj": "K", "mlp up_proj": "N", "mlp down_proj": "K",
+            "attn k/v_proj": "N", "lm_head": "N"}
+
+
+def tp_shapes(tp: int):
+    """The 8B shapes one rank of ``tp`` sees (q_proj and o_proj split differently: two rows)."""
+    if tp == 1:
+        return SHAPES
+    out = []
+    for name, N, K, per_step in SHAPES:
+        if name == "attn q/o_proj":
+            out += [("attn q_proj", N // tp, K, per_step // 2), ("attn o_proj", N, K // tp, per_step // 2)]
+        else:
+            out.append((name, N // tp, K, per_step) if TP_SPLIT[name] == "N" else (name, N, K // tp, per_step))
+    return out
 
 
 def main() -> int:
@@ -42,6 +62,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth() / 1e9
@@ -49,7 +70,8 @@ def main() -> int:
             f"copy {bw:.0f} GB/s")
     print(head, flush=True)
     res = []
-    for name, N, K, per_step in SHAPES:
+    shapes = [(f"{name} (TP={tp})" if tp > 1 else name, N, K, ps) for tp in args.tp for name, N, K, ps in tp_shapes(tp)]
+    for name, N, K, per_step in shapes:
         wbytes = N * K * 2
         ncopy = max(1, min(8, -(-(200 << 20) // wbytes)))      # > L2 working set
         ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) * 0.02 for _ in range(ncopy)]
@@ -57,7 +79,7 @@ def main() -> int:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             ref = F.linear(x.float(), ws[0].float())
             nbytes = wbytes + (M * K + M * N) * 2
-            cands = [("cublas", {}, lambda w, x=x: F.linear(x, w))]
+            cands = [("cublas", {}, lambda w, x=x: F.linear(x, w)), ("rule", {}, lambda w, x=x: skinny_linear(x, w))]
             cands += [("dot", c, lambda w, x=x, c=c: skinny_linear_dot(x, w, **c)) for c in DOT_CFGS]
             if M <= 4:
                 cands += [("fma", c, lambda w, x=x, c=c: skinny_linear_fma(x, w, **c))
@@ -80,25 +102,29 @@ def main() -> int:
                       f"{r['pct']:5.1f}% err {err:.1e}", flush=True)
         del ws
         torch.cuda.empty_cache()
-    lines = [head, "", "| shape | N x K | M | cuBLAS us (% copy) | best Triton us (% copy) | config |",
-             "|---|---|---|---|---|---|"]
+    lines = [head, "", "| shape | N x K | M | cuBLAS us (% copy) | rule us (% copy) | best Triton us (% copy) | config |",
+             "|---|---|---|---|---|---|---|"]
     tot = {}
-    for name, N, K, per_step in SHAPES:
+    for name, N, K, per_step in shapes:
         for M in args.m:
             rows = [r for r in res if r["shape"] == name and r["M"] == M]
             cb = [r for r in rows if r["kind"] == "cublas"]
-            tr = sorted([r for r in rows if r["kind"] != "cublas"], key=lambda r: r["ms"])
-            if not cb or not tr:
+            rule = [r for r in rows if r["kind"] == "rule"]
+            tr = sorted([r for r in rows if r["kind"] not in ("cublas", "rule")], key=lambda r: r["ms"])
+            if not cb or not tr or not rule:
                 continue
-            c, t = cb[0], tr[0]
+            c, t, u = cb[0], tr[0], rule[0]
             lines.append(f"| {name} | {N} x {K} | {M} | {c['ms'] * 1e3:.1f} ({c['pct']:.0f}%) | "
+                         f"{u['ms'] * 1e3:.1f} ({u['pct']:.0f}%) | "
                          f"{t['ms'] * 1e3:.1f} ({t['pct']:.0f}%) | {t['kind']} {t['cfg']} |")
-            a = tot.setdefault(M, [0.0, 0.0])
+            tp = name.split("(TP=")[1].rstrip(")") if "(TP=" in name else "1"
+            a = tot.setdefault((tp, M), [0.0, 0.0, 0.0])
             a[0] += per_step * c["ms"]
-            a[1] += per_step * min(c["ms"], t["ms"])
-    for M, (c, b) in tot.items():
-        lines.append(f"\nM={M}: projections of one 8B decode step: cuBLAS {c:.3f} ms, "
-                     f"best-of per shape {b:.3f} ms ({c / b:.3f}x)")
+            a[1] += per_step * u["ms"]
+            a[2] += per_step * min(c["ms"], t["ms"])
+    for (tp, M), (c, u, b) in tot.items():
+        lines.append(f"\nTP={tp} M={M}: projections of one 8B decode step (one rank): cuBLAS {c:.3f} ms, "
+                     f"rule {u:.3f} ms, best-of per shape {b:.3f} ms (rule / best {u / b:.3f}x)")
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

@@ -113,11 +113,14 @@ def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps
                    M_ROWS=4 if x.shape[0] > 1 else 1, BLOCK_K=block_k)
 
 
-# configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md)
+# configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md);
+# the one-row default moved from (8, 1024, 8 warps) to (2, 1024, 4 warps) after the H200 sweep of
+# 2026-11-26 over the TP=1 and TP=2 shapes (results/2026-11-26-tensor-parallel-fused-h200x2.md):
+# one 8B step's projections 3.899 -> ~3.79 ms at TP=1 and 2.137 -> ~2.06 ms per rank at TP=2
 def _fma_config(N: int, K: int) -> dict:
     if N <= 4096 and N * K >= (1 << 24):        # out_proj, down_proj, q/o_proj: few, long rows
         return dict(block_n=4, block_k=1024, num_warps=4)
-    return dict(block_n=8, block_k=1024, num_warps=8)
+    return dict(block_n=2, block_k=1024, num_warps=4)
 
 
 def _dot_config(N: int, K: int) -> dict:
