@@ -1,15 +1,15 @@
 """Decode-sized NVFP4-weight projections (weight-only, Hopper): Triton.
 
-``_nvfp4_dot_kernel`` (every decode batch today): one program per BLOCK_N outputs (and per tile of x rows) walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N]
+``_nvfp4_dot_kernel`` (2..128 rows): one program per BLOCK_N outputs (and per tile of x rows) walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N]
 byte tiles (each byte = inputs 2j and 2j+1). The low and high nibbles are decoded to e2m1 values,
 multiplied by their float8 block scale (``weight_scale[n, j // 8]``; exact in bf16) and fed to
 two ``tl.dot`` with the even and odd columns of x (rows padded to 16, float32 accumulation);
 the global ``weight_scale_2`` multiplies each output once. Twin: ``nvfp4_linear_ref``.
 
-``_nvfp4_fma_kernel`` (one row; written 2026-11-26, checked under the interpreter only, not yet
-run on a GPU, so not dispatched): the batch-1 NVFP4 decode runs at 0.22x bf16 (7% of its byte
-roofline, 2026-11-24 H100), and for one row the dot kernel's 16-row MMA tiles and their operand
-shuffles are overhead. One program per BLOCK_N outputs walks the packed weight as
+``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): for one row the dot kernel's 16-row MMA
+tiles and their operand shuffles are overhead. On the H200 (2026-11-26, benchmarks/nvfp4_gemv.py)
+the projections of one 8B decode step take 7.15 ms with it against 25.4 ms with the dot kernel,
+still 1.8x the 3.94 ms of bf16: decoding the nibbles, not the bytes, bounds it. One program per BLOCK_N outputs walks the packed weight as
 [BLOCK_N, BLOCK_G, 8] byte tiles (BLOCK_G groups of 16 inputs, one block scale each); nibbles are
 decoded with integer ops (``_e2m1_bits``), multiplied with the even / odd inputs in float32
 registers, summed per group, then scaled by the group's block scale. ``benchmarks/nvfp4_gemv.py``
@@ -143,10 +143,14 @@ def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
 
 def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=None,
                         block_kh=256, num_warps=4, num_stages=3):
-    """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype (the dot kernel). Rows go
-    in tiles of 16 / 32 / 64 (grid axis 1); each row tile decodes the weight tiles again (from L2)."""
+    """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype: the FMA kernel for one
+    row (configs from the 2026-11-26 H200 sweep), else the dot kernel. Rows go in tiles of
+    16 / 32 / 64 (grid axis 1); each row tile decodes the weight tiles again (from L2)."""
     M, K = x.shape
     N = packed.shape[0]
+    if M == 1 and block_n is None:
+        cfg = dict(block_n=4, block_g=64) if N <= 4096 else dict(block_n=8, block_g=32)
+        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **cfg, num_warps=4)
     _check_k(K)
     _check_layout(x, packed, weight_scale, weight_scale_2)
     assert M <= MAX_ROWS, f"the NVFP4 kernel takes up to {MAX_ROWS} rows"
