@@ -32,6 +32,10 @@ from .scheduling.prefix_cache import PrefixCache
 logger = logging.getLogger("hybrid_engine")
 
 
+def _zero_stats() -> dict:
+    return {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
+
+
 class EngineCore(FaultIsolation):
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -67,7 +71,7 @@ class EngineCore(FaultIsolation):
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._inflight: StepHandle | None = None
         self._req_counter = 0
-        self._stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "requests_finished": 0}
+        self._stats = _zero_stats()
         logger.info("engine ready in %.2fs: %s on %s, KV %d blocks x %d in %s (%.1f MiB), max_model_len %d, K=%d",
                     time.perf_counter() - t0, cfg.dtype, cfg.device, num_blocks, cc.block_size, kv.dtype,
                     kv.bytes / 2**20, self.max_model_len, k)
@@ -346,6 +350,13 @@ class EngineCore(FaultIsolation):
         return {"num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
                 "free_slots": sched.slots.num_free, "total_slots": sched.slots.num_total,
                 "free_blocks": sched.blocks.num_free, "total_blocks": sched.blocks.num_total}
+
+    def reset_stats(self) -> None:
+        """Counters back to zero (after a warm-up, ``warmup.py``): steps, tokens and drafts, the
+        prefix cache's queries and hits, the MoE routing counts."""
+        self._stats = _zero_stats()
+        self.scheduler.prefix.reset_counters()
+        self.model.read_expert_load()                 # a device read that clears them
 
     def stats(self, expert_load: bool = True) -> dict:
         """Counters since start (steps, tokens, drafts), ``occupancy()``, and with ``expert_load``

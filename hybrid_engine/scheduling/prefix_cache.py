@@ -103,6 +103,9 @@ class NoPrefixCache:
     def stats(self) -> dict:
         return {}
 
+    def reset_counters(self) -> None:
+        pass
+
 
 class PrefixCache(NoPrefixCache):
     enabled = True
@@ -233,6 +236,10 @@ class PrefixCache(NoPrefixCache):
             else:
                 keep.append(e)
         self._pending = keep
+
+    def reset_counters(self) -> None:
+        """Queries and hits back to zero (the cached blocks and checkpoints stay)."""
+        self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
     def stats(self) -> dict:
         ix = self.index

@@ -62,6 +62,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="draft model folder (--spec draft_model; default with the embedded model: its embedded draft)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="on CUDA, skip the start-up warm-up (a few throw-away requests that compile the Triton "
+                        "kernels before the first client's request instead of inside it)")
     s.add_argument("--quantization", default=None, choices=["fp8", "nvfp4", "modelopt"],
                    help="quantize a 16/32-bit checkpoint at load (fp8, nvfp4) or require a ModelOpt one "
                         "(default: the checkpoint's own)")
@@ -111,6 +114,16 @@ def build_llm(args):
                     tensor_parallel_size=args.tensor_parallel_size)
 
 
+def maybe_warm_up(llm, args) -> bool:
+    """The start-up warm-up (``hybrid_engine/warmup.py``) on CUDA unless ``--no-warmup``: on the CPU
+    the kernels are torch's, nothing compiles on first sight. -> whether it ran."""
+    if not args.warmup or llm.engine.cfg.device.type != "cuda":
+        return False
+    from hybrid_engine.warmup import warm_up
+    warm_up(llm.engine, seed=args.seed)          # logs what it ran
+    return True
+
+
 def run_serve(args) -> int:
     missing = missing_extra()
     if missing:
@@ -128,6 +141,7 @@ def run_serve(args) -> int:
     config = ServerConfig(model_name=name, max_waiting_requests=args.max_waiting_requests, api_key=args.api_key,
                           chat_template=_chat_template(args.chat_template, args.model is None))
     llm = build_llm(args)
+    maybe_warm_up(llm, args)
     app = create_app(llm, config)
     state = app.state.server
 

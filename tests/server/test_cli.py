@@ -32,3 +32,28 @@ def test_serve_arguments(monkeypatch):
     monkeypatch.setattr(hybrid_engine, "AsyncLLM", lambda model, **kw: got.update(kw, model=model))
     scli.build_llm(argparse.Namespace(**seen))
     assert got["model"] == "some/dir" and got["kv_cache_dtype"] == "fp8" and got["max_num_seqs"] == 8
+
+
+def test_warm_up_runs_on_cuda_unless_turned_off(monkeypatch):
+    """``serve`` warms up on CUDA by default (``--no-warmup`` skips it) and never on the CPU."""
+    import argparse
+    import types
+
+    import torch
+    import hybrid_engine.server.cli as scli
+    import hybrid_engine.warmup as warmup
+    seen = {}
+    monkeypatch.setattr(scli, "run_serve", lambda args: seen.update(vars(args)) or 0)
+    main(["serve"])
+    assert seen["warmup"] is True
+    main(["serve", "--no-warmup"])
+    assert seen["warmup"] is False
+    ran = []
+    monkeypatch.setattr(warmup, "warm_up", lambda engine, seed: ran.append((engine, seed)))
+
+    def llm(device):
+        return types.SimpleNamespace(engine=types.SimpleNamespace(cfg=types.SimpleNamespace(device=torch.device(device))))
+    cuda, cpu = llm("cuda"), llm("cpu")
+    assert scli.maybe_warm_up(cuda, argparse.Namespace(warmup=True, seed=7)) and ran == [(cuda.engine, 7)]
+    assert not scli.maybe_warm_up(cuda, argparse.Namespace(warmup=False, seed=7))
+    assert not scli.maybe_warm_up(cpu, argparse.Namespace(warmup=True, seed=7)) and len(ran) == 1

@@ -1,0 +1,89 @@
+"""Start-up warm-up: run a few throw-away requests through the engine before it serves, so Triton's
+first-sight compiles happen at start-up instead of inside the first users' requests.
+
+Why: a Triton kernel is compiled per specialisation of its integer arguments (a value of 1, a
+multiple of 16) and constexprs, the first time a step meets it. CUDA graphs are captured for the
+decode buckets when the engine is built, but prefill chunks, mixed prefill + decode steps,
+sampling and the drafters' eager paths compile on first sight. On the 8B shape on an H200 that
+put 1-6 s into a request's time to first token the first time a new shape came
+(benchmarks/results/2026-11-26-serve-h200.md).
+
+What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``ignore_eos``:
+1. every length of ``warmup_lengths`` at once, greedy: multi-request prefill chunks, mixed steps
+   (later prompts' chunks next to earlier ones' decodes), decode batches of several sizes;
+2. a few lengths one at a time: single-request prefill and batch-1 decode;
+3. sampled requests (temperature, top-k / top-p, a seed, logprobs, ``n`` = 2 sharing a prefill).
+
+The requests are forgotten and the engine's counters reset afterwards (``EngineCore.reset_stats``),
+so ``stats()`` and ``/metrics`` start from zero. Their blocks in a prefix cache stay until evicted
+(random tokens: nothing will match them). The server runs it by default on CUDA
+(``hybrid-engine serve --warmup``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("hybrid_engine")
+
+WARMUP_TOKENS = 4               # new tokens per warm-up request: a few decode steps each
+SMALL_LENGTHS = (1, 2, 15, 16, 17, 31, 64, 100, 255, 256, 257)
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    requests: int
+    prompt_tokens: int
+    steps: int
+    seconds: float
+
+
+def warmup_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of wave 1: short ones on both sides of multiples of 16, and one and two chunk
+    budgets with their neighbours (chunked prefill's shapes); each leaves room for the new tokens."""
+    b = max_num_batched_tokens
+    cap = max_model_len - WARMUP_TOKENS - 1
+    lengths = {n for n in (*SMALL_LENGTHS, b - 1, b, b + 1, 2 * b + 5) if 1 <= n <= cap}
+    return sorted(lengths)
+
+
+def warm_up(engine, *, seed: int = 0) -> WarmupReport:
+    """Run the warm-up waves (module docstring) on an idle ``EngineCore``; -> what ran."""
+    if engine.has_work():
+        raise RuntimeError("warm_up needs an idle engine (requests are queued or running)")
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    vocab = engine.cfg.model.vocab_size
+    lengths = warmup_lengths(engine.cfg.scheduler.max_num_batched_tokens, engine.max_model_len)
+    prompt = lambda n: rng.integers(0, vocab, n).tolist()     # noqa: E731
+    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9,
+                             seed=seed, logprobs=2)
+    waves = [[(prompt(n), greedy) for n in lengths],
+             *[[(prompt(n), greedy)] for n in lengths[::4]],
+             [(prompt(lengths[len(lengths) // 2]), sampled), (prompt(17), SamplingParams(
+                 max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=1.0, n=2, seed=seed + 1))]]
+    requests = tokens = steps = 0
+    for wave in waves:
+        reqs = []
+        for ids, params in wave:
+            group = engine.make_requests(ids, params, request_id=f"warmup-{requests}")
+            engine.add_requests(group)
+            reqs += group
+            requests += 1
+            tokens += len(ids)
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        for r in reqs:
+            engine.forget(r)
+    engine.reset_stats()
+    report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)
+    logger.info("warm-up: %d requests, %d prompt tokens, %d steps in %.1f s", report.requests,
+                report.prompt_tokens, report.steps, report.seconds)
+    return report

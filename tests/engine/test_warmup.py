@@ -1,0 +1,44 @@
+"""The start-up warm-up (``hybrid_engine/warmup.py``): it runs its waves to completion on the
+engine, leaves nothing behind (no request, block, slot or row held; counters at zero), and the
+engine then serves exactly as one that never warmed up (greedy tokens equal, with and without
+speculation)."""
+import pytest
+
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hybrid_engine.warmup import WARMUP_TOKENS, warm_up, warmup_lengths
+
+
+def test_lengths_cover_chunk_budgets_and_fit_the_model():
+    assert warmup_lengths(64, 4096) == [1, 2, 15, 16, 17, 31, 63, 64, 65, 100, 133, 255, 256, 257]
+    lengths = warmup_lengths(2048, 300)
+    assert max(lengths) <= 300 - WARMUP_TOKENS - 1 and 2048 not in lengths and 1 in lengths
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("ngram", 2)])
+def test_warm_up_leaves_the_engine_as_new(hybrid_dir, spec):
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, speculative_config=spec)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11], list(range(3, 40))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(hybrid_dir, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(hybrid_dir, **kw)
+    eng = llm.engine
+    free = eng.occupancy()
+    report = warm_up(eng)
+    lengths = warmup_lengths(64, eng.max_model_len)
+    assert report.requests == len(lengths) + len(lengths[::4]) + 2
+    assert report.steps > 0 and not eng.has_work() and eng.requests() == []
+    assert eng.occupancy() == free, "the warm-up left blocks, slots or rows held"
+    s = eng.stats()
+    assert s["steps"] == s["prompt_tokens"] == s["generated_tokens"] == s["requests_finished"] == 0
+    assert s["drafts_proposed"] == 0
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.stats()["requests_finished"] == len(prompts)
+
+
+def test_warm_up_refuses_a_busy_engine(hybrid_dir):
+    llm = LLM(hybrid_dir, max_num_seqs=2)
+    eng = llm.engine
+    eng.add_requests(eng.make_requests([3, 4, 5], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(eng)
