@@ -21,7 +21,7 @@ from .step.runner import ModelRunner
 from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
 from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
-from hybrid_engine.mamba_cache.pool import MambaPool
+from hybrid_engine.mamba_cache.pool import MambaPool, check_pool_fits
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -79,12 +79,17 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
         num_blocks = min(n for _, n in reports)
     max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
     max_blocks = blocks_needed(max_model_len + 3 * (1 + k), cc.block_size) + 1
+    pool_args = (len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
+                 mc.mamba_head_dim, mc.ssm_state_size, k)
     kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cc.kv_dtype(local.dtype),
                  local.device)
+    if local.device.type == "cuda":
+        import torch
+        check_pool_fits(MambaPool.bytes_for(*pool_args, local.dtype), torch.cuda.mem_get_info(local.device)[0],
+                        max_num_seqs=sc.max_num_seqs, num_spec=k)
     attach_kv_scales(kv, cfg.model_dir, model)          # FP8: the checkpoint's per-layer scales, else 1.0
     note_unused_kv_scales(cfg)
-    pool = MambaPool(len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
-                     mc.mamba_head_dim, mc.ssm_state_size, k, local.dtype, local.device)
+    pool = MambaPool(*pool_args, local.dtype, local.device)
     caches = Caches(kv, pool)
     if sc.max_num_batched_tokens < 1 + k:
         raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "

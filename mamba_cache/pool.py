@@ -42,6 +42,27 @@ class MambaPool:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv_state + self.ssm_state)
 
+    @staticmethod
+    def bytes_for(num_layers: int, max_num_seqs: int, conv_dim: int, conv_kernel: int, num_heads: int,
+                  head_dim: int, state_size: int, num_spec: int, dtype: torch.dtype) -> int:
+        """What ``MambaPool(...)`` with these arguments allocates, without allocating it."""
+        slots = max_num_seqs + 1
+        conv = slots * (conv_kernel - 1 + num_spec) * conv_dim * torch.empty((), dtype=dtype).element_size()
+        ssm = slots * (1 + num_spec) * num_heads * head_dim * state_size * 4
+        return num_layers * (conv + ssm)
+
+
+def check_pool_fits(pool_bytes: int, free_bytes: int, *, max_num_seqs: int, num_spec: int) -> None:
+    """ValueError naming the settings when the pool cannot fit the device memory left for it
+    (instead of an out-of-memory error from deep inside the engine's construction)."""
+    if pool_bytes <= free_bytes:
+        return
+    raise ValueError(
+        f"the Mamba state pool needs {pool_bytes / 2**30:.1f} GiB (max_num_seqs={max_num_seqs} request slots, "
+        f"each with 1 + num_speculative_tokens = {1 + num_spec} SSM states per Mamba layer) but only "
+        f"{free_bytes / 2**30:.1f} GiB of device memory are left after the weights and the KV cache; lower "
+        f"max_num_seqs or num_speculative_tokens, or kv_cache_memory_fraction / num_kv_blocks")
+
 
 
 class SlotAllocator:

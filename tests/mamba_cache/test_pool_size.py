@@ -1,0 +1,27 @@
+"""The Mamba state pool's size is known before it is allocated (``MambaPool.bytes_for``), so an
+engine whose slots x (1 + K) states cannot fit gets a ValueError naming the settings instead of an
+out-of-memory error from inside its construction (seen on the 8B shape: 256 slots with K = 3 need
+~97 GiB)."""
+import pytest
+import torch
+
+from hybrid_engine.mamba_cache.pool import MambaPool, check_pool_fits
+
+
+@pytest.mark.parametrize("layers,seqs,conv_dim,kernel,heads,hd,state,k,dtype", [
+    (2, 3, 48, 4, 4, 8, 16, 0, torch.float32),
+    (3, 5, 40, 4, 2, 16, 8, 3, torch.bfloat16),
+    (1, 1, 24, 2, 3, 4, 4, 7, torch.float16),
+])
+def test_bytes_for_equals_what_the_pool_allocates(layers, seqs, conv_dim, kernel, heads, hd, state, k, dtype):
+    args = (layers, seqs, conv_dim, kernel, heads, hd, state, k)
+    assert MambaPool.bytes_for(*args, dtype) == MambaPool(*args, dtype, torch.device("cpu")).bytes
+
+
+def test_a_pool_too_large_is_a_value_error_naming_the_settings():
+    # the 8B shape: 24 Mamba layers, conv 8192 + 2 x 8 x 128, 128 heads x 64 x 128 state
+    need = MambaPool.bytes_for(24, 256, 10240, 4, 128, 64, 128, 3, torch.bfloat16)
+    assert 95 * 2**30 < need < 100 * 2**30
+    check_pool_fits(need, need, max_num_seqs=256, num_spec=3)           # exactly fits: fine
+    with pytest.raises(ValueError, match=r"max_num_seqs=256.*1 \+ num_speculative_tokens = 4"):
+        check_pool_fits(need, 30 * 2**30, max_num_seqs=256, num_spec=3)
