@@ -238,7 +238,9 @@ def bench_server(args, url: str, config: str) -> list[dict]:
         s["spec_acceptance_rate"] = (h1["drafts_accepted"] - h0["drafts_accepted"]) / proposed if proposed else None
         s.update(config=config, rate="inf" if not math.isfinite(rate) else rate)
         print(f"  {config} rate={s['rate']}: {s['completed']} ok, {s['failed']} failed, "
-              f"{s['output_throughput']:.1f} tok/s" + (f" (first error: {s['first_error']})" if s["failed"] else "")
+              f"{s['output_throughput']:.1f} tok/s, TTFT p99 {s.get('p99_ttft_ms', float('nan')):.0f} ms, "
+              f"TPOT p50 / p99 {s.get('p50_tpot_ms', float('nan')):.1f} / {s.get('p99_tpot_ms', float('nan')):.1f} ms"
+              + (f" (first error: {s['first_error']})" if s["failed"] else "")
               + ("" if kept else " (warm-up pass, not kept)"), flush=True)
         if kept:
             rows.append(s)
@@ -374,23 +376,37 @@ def main(argv=None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         for config in args.configs:
             print(f"starting server: spec={config}", flush=True)
-            proc, url, log = start_server(args, config, logs / f"server-{config.replace(':', '-')}.log")
+            try:
+                proc, url, log = start_server(args, config, logs / f"server-{config.replace(':', '-')}.log")
+            except RuntimeError as e:           # e.g. out of memory at start: keep the other configs' rows
+                print(f"  {config}: server did not start: {str(e)[-600:]}", flush=True)
+                rows.append(dict(config=config, rate="-", completed=0, failed=1, first_error=str(e)[-300:]))
+                continue
             try:
                 rows += bench_server(args, url, config)
             finally:
                 stop_server(proc, log)
             if args.direct:
                 rows += bench_direct(args, config)
+            save(args, rows, plot_it=False)          # what has run survives a later config's failure
+    ok_rows = [r for r in rows if r["completed"]]
     print()
-    print(table(rows))
-    if args.out:
-        out = Path(args.out) / "serve-bench.json"
-        out.write_text(json.dumps({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
-                                            for k, v in vars(args).items() if k != "rates"},
-                                   "rates": [r if math.isfinite(r) else "inf" for r in args.rates],
-                                   "rows": rows}, indent=1))
-        print(f"\nwrote {out}" + (", serve-bench.png" if plot(rows, Path(args.out) / "serve-bench.png") else ""))
+    print(table(ok_rows))
+    save(args, rows, plot_it=True)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def save(args, rows: list[dict], plot_it: bool) -> None:
+    if not args.out:
+        return
+    out = Path(args.out) / "serve-bench.json"
+    out.write_text(json.dumps({"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
+                                        for k, v in vars(args).items() if k != "rates"},
+                               "rates": [r if math.isfinite(r) else "inf" for r in args.rates],
+                               "rows": rows}, indent=1))
+    ok_rows = [r for r in rows if r["completed"]]
+    if plot_it:
+        print(f"\nwrote {out}" + (", serve-bench.png" if plot(ok_rows, Path(args.out) / "serve-bench.png") else ""))
 
 
 if __name__ == "__main__":
