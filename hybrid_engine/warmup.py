@@ -14,10 +14,14 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
 2. a few lengths one at a time: single-request prefill and batch-1 decode;
 3. sampled requests (temperature, top-k / top-p, a seed, logprobs, ``n`` = 2 sharing a prefill).
 
-The requests are forgotten and the engine's counters reset afterwards (``EngineCore.reset_stats``),
-so ``stats()`` and ``/metrics`` start from zero. Their blocks in a prefix cache stay until evicted
-(random tokens: nothing will match them). The server runs it by default on CUDA
-(``hybrid-engine serve --warmup``).
+Every request carries its own seed, so the engine's seed stream is untouched and later sampled
+requests get the seeds they would have had without a warm-up. Requests the engine's limits refuse
+(``n`` = 2 with ``max_num_seqs`` 1, ...) are skipped. The requests are forgotten and the engine's
+counters reset afterwards (``EngineCore.reset_stats``), so ``stats()`` and ``/metrics`` start from
+zero. Their blocks in a prefix cache stay until evicted (random tokens: nothing will match them).
+Random prompts give n-gram no drafts to accept and the prefix cache no hits, so those two paths
+still compile on first use. The server runs it by default on CUDA
+(``hybrid-engine serve --no-warmup`` skips it).
 """
 from __future__ import annotations
 
@@ -61,18 +65,24 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
     vocab = engine.cfg.model.vocab_size
     lengths = warmup_lengths(engine.cfg.scheduler.max_num_batched_tokens, engine.max_model_len)
     prompt = lambda n: rng.integers(0, vocab, n).tolist()     # noqa: E731
-    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    # every request has its own seed, so the engine's seed stream (what requests without one draw
+    # from) is left untouched: sampled outputs after a warm-up equal those without one
+    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=seed)
     sampled = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9,
                              seed=seed, logprobs=2)
+    pair = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=1.0, n=2, seed=seed + 1)
     waves = [[(prompt(n), greedy) for n in lengths],
              *[[(prompt(n), greedy)] for n in lengths[::4]],
-             [(prompt(lengths[len(lengths) // 2]), sampled), (prompt(17), SamplingParams(
-                 max_tokens=WARMUP_TOKENS, ignore_eos=True, temperature=1.0, n=2, seed=seed + 1))]]
+             [(prompt(lengths[len(lengths) // 2]), sampled), (prompt(17), pair)]]
     requests = tokens = steps = 0
     for wave in waves:
         reqs = []
         for ids, params in wave:
-            group = engine.make_requests(ids, params, request_id=f"warmup-{requests}")
+            try:
+                group = engine.make_requests(ids, params, request_id=f"warmup-{requests}")
+            except ValueError as e:     # a limit of this engine (n = 2 with max_num_seqs 1, ...): skip it
+                logger.info("warm-up: skipped a request the engine's limits refuse: %s", e)
+                continue
             engine.add_requests(group)
             reqs += group
             requests += 1

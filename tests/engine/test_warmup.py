@@ -1,7 +1,8 @@
 """The start-up warm-up (``hybrid_engine/warmup.py``): it runs its waves to completion on the
 engine, leaves nothing behind (no request, block, slot or row held; counters at zero), and the
 engine then serves exactly as one that never warmed up (greedy tokens equal, with and without
-speculation)."""
+speculation; sampled tokens of requests without their own seed equal too: the engine's seed stream
+is untouched); requests the engine's limits refuse are skipped, not fatal."""
 import pytest
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
@@ -42,3 +43,23 @@ def test_warm_up_refuses_a_busy_engine(hybrid_dir):
     eng.add_requests(eng.make_requests([3, 4, 5], SamplingParams(max_tokens=2)))
     with pytest.raises(RuntimeError, match="idle engine"):
         warm_up(eng)
+
+
+def test_sampled_outputs_after_a_warm_up_equal_those_without(hybrid_dir):
+    """Requests with no seed of their own draw one from the engine's seed stream: the warm-up must
+    not advance it."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    want = [o.outputs[0].token_ids for o in LLM(hybrid_dir, seed=3).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(hybrid_dir, seed=3)
+    warm_up(llm.engine)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_warm_up_skips_what_the_engine_refuses(hybrid_dir):
+    """max_num_seqs 1 cannot run n = 2 samples together: that request is skipped, the rest run."""
+    llm = LLM(hybrid_dir, max_num_seqs=1)
+    report = warm_up(llm.engine)
+    lengths = warmup_lengths(llm.engine.cfg.scheduler.max_num_batched_tokens, llm.engine.max_model_len)
+    assert report.requests == len(lengths) + len(lengths[::4]) + 1
+    assert not llm.engine.has_work() and llm.engine.stats()["steps"] == 0
