@@ -20,7 +20,8 @@ reading this slot. Larger steps (prefill chunks) keep NCCL + the norm kernel.
 
 A peer that never arrives (a dead worker) would spin the GPU forever; the wait gives up after
 ~2^31 polls (minutes) and writes NaN rows instead, and the host's worker watch reports the dead
-peer. ``HYBRID_ENGINE_TP_FUSED_NORM=0`` turns the fused path off (for comparisons).
+peer. A wait that gave up leaves the flags out of step (a late peer's flag would let the next call
+pass early), so it also sets a ``broken`` word, and every later call writes NaN rows. ``HYBRID_ENGINE_TP_FUSED_NORM=0`` turns the fused path off (for comparisons).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ if triton_available():
             res_out_ptr, sro,           # new residual [T, D]
             buf_ptrs,                   # int64 [N]: each rank's staging buffer [slots, max_rows, N, D]
             flag_ptrs,                  # int64 [N]: each rank's flags int32 [slots, max_rows, N]
+            broken_ptr,                 # int32 [1]: set when a wait gave up; every later call is NaN
             rank, slot, max_rows, D, eps, max_spins,
             N: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -84,18 +86,23 @@ if triton_available():
                 peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(peer_flags + cell * N + rank, 1, sem="release", scope="sys")
         my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-        arrived = tl.full([], 1, tl.int1)
+        broken = tl.load(broken_ptr, volatile=True)
+        arrived = broken == 0
         for p in tl.static_range(N):
             if p != rank:
                 # poll with plain volatile loads (atomics from every thread would contend with the
                 # peer's writes), then one acquire to order the reads of its rows after the flag
                 got = tl.load(my_flags + cell * N + p, volatile=True)
                 spins = tl.full([], 0, tl.int32)
-                while (got != 1) & (spins < max_spins):
+                while (got != 1) & (spins < max_spins) & (broken == 0):
                     got = tl.load(my_flags + cell * N + p, volatile=True)
                     spins += 1
                 got = tl.atomic_add(my_flags + cell * N + p, 0, sem="acquire", scope="sys")
                 arrived = arrived & (got == 1)
+        if arrived == 0:
+            # a peer's flag may still come after this reset: the flags are out of step from now
+            # on, so every later call gives NaN rows too instead of silently reading stale rows
+            tl.store(broken_ptr, 1)
         tl.debug_barrier()
         for p in tl.static_range(N):
             if p != rank:
@@ -118,13 +125,14 @@ if triton_available():
 
 def launch_allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                               *, rank: int, world: int, slot: int, max_rows: int, buf_ptrs: torch.Tensor,
-                              flag_ptrs: torch.Tensor, max_spins: int = MAX_SPINS,
+                              flag_ptrs: torch.Tensor, broken: torch.Tensor, max_spins: int = MAX_SPINS,
                               out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of the kernel (module docstring). x (this rank's partial), residual [T, D] of one
     dtype, T <= max_rows, unit inner strides; buf_ptrs / flag_ptrs: int64 [world] on x's device,
     the addresses of every rank's staging buffer [slots, max_rows, world, D] (x's dtype) and flags int32
-    [slots, max_rows, world]. -> (rmsnorm(r) [T, D], r [T, D]), r = residual + sum of partials,
+    [slots, max_rows, world]; broken: int32 [1] on x's device, 0 until a wait gives up (then 1, and
+    every call writes NaN rows). -> (rmsnorm(r) [T, D], r [T, D]), r = residual + sum of partials,
     written into ``out`` / ``residual_out`` when given (tests pass poisoned ones).
     (No residual-free form: the first block's input is the embedding, which reduces itself.)"""
     t, d = x.shape
@@ -140,60 +148,69 @@ def launch_allreduce_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: t
     block = next_pow2(d)
     _allreduce_add_norm_kernel[(t,)](
         x, x.stride(0), residual, residual.stride(0), weight, out, out.stride(0), res_out, res_out.stride(0),
-        buf_ptrs, flag_ptrs, rank, slot, max_rows, d, float(eps), max_spins,
+        buf_ptrs, flag_ptrs, broken, rank, slot, max_rows, d, float(eps), max_spins,
         N=world, BLOCK_D=block, num_warps=min(16, max(1, block // 512)))
     return out, res_out
 
 
 class AllReduceNorm:
     """The staging buffers and flags (torch symmetric memory) of one tensor-parallel model's fused
-    all-reduce + add + RMSNorm, one slot per norm that follows a mixer; made by ``create``."""
+    all-reduce + add + RMSNorm, one slot per norm that follows a mixer; made by ``create`` (or, for
+    a group that is already known to work, ``allocate`` then ``connect`` on every rank)."""
 
     def __init__(self, *, rank: int, world: int, slots: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, group_name: str, max_rows: int = MAX_ROWS):
-        import torch.distributed._symmetric_memory as symm_mem
-        self.rank, self.world, self.slots, self.max_rows = rank, world, slots, max_rows
+        self.allocate(rank=rank, world=world, slots=slots, hidden=hidden, dtype=dtype, device=device,
+                      max_rows=max_rows)
+        self.connect(group_name)
+
+    def allocate(self, *, rank: int, world: int, slots: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device, max_rows: int = MAX_ROWS) -> None:
+        """This rank's buffers (not yet known to the peers)."""
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.rank, self.world, self.slots, self.max_rows, self.hidden = rank, world, slots, max_rows, hidden
         self.staging = symm_mem.empty(slots * max_rows * world * hidden, dtype=dtype, device=device)  # [slots*rows*N*D]
         self.flags = symm_mem.empty(slots * max_rows * world, dtype=torch.int32, device=device)
         self.flags.zero_()
-        torch.cuda.synchronize(device)
+        self.broken = torch.zeros(1, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)          # the flags are 0 before any peer can see them
+
+    def connect(self, group_name: str) -> None:
+        """Exchange the buffers' addresses with the peers (collective)."""
+        from torch.distributed import _symmetric_memory as symm_mem
+        device = self.staging.device
         staging = symm_mem.rendezvous(self.staging, group_name)
         flags = symm_mem.rendezvous(self.flags, group_name)
         self.buf_ptrs = torch.tensor(list(staging.buffer_ptrs), dtype=torch.int64, device=device)    # [N]
         self.flag_ptrs = torch.tensor(list(flags.buffer_ptrs), dtype=torch.int64, device=device)     # [N]
         self._handles = (staging, flags)          # keep the peers' mappings alive
-        dist.barrier()                            # every rank's flags are zero before any signal
 
     @classmethod
     def create(cls, group, *, slots: int, hidden: int, dtype: torch.dtype) -> "AllReduceNorm | None":
-        """For ``group`` (a TPGroup) on CUDA with N >= 2 when every rank can map its peers' memory,
-        else None (NCCL + the norm kernel; the reason is logged once)."""
+        """For ``group`` (a TPGroup) on CUDA with N >= 2 ranks on one host, each GPU able to reach
+        the others' memory: the fused path, else None (NCCL + the norm kernel; the reason is logged).
+        Every rank takes the same path: each step's outcome is agreed before the next collective."""
         if group.device.type != "cuda" or group.size < 2:
             return None
-        reason = None
-        if os.environ.get("HYBRID_ENGINE_TP_FUSED_NORM", "1") == "0":
-            reason = "HYBRID_ENGINE_TP_FUSED_NORM=0"
-        elif not triton_available():
-            reason = "Triton is missing"
-        else:
-            peers = [p for p in range(torch.cuda.device_count()) if p != group.device.index]
-            try:
-                from torch.distributed import _symmetric_memory  # noqa: F401
-                if not all(torch.cuda.can_device_access_peer(group.device, p) for p in peers):
-                    reason = "a GPU cannot access its peers' memory"
-            except ImportError as e:
-                reason = f"no torch symmetric memory ({e})"
-        reasons = group.all_gather_object(reason)          # every rank takes the same path
-        reason = next((r for r in reasons if r), None)
+        devices = group.all_gather_object(group.device.index)      # every rank's GPU
+        reason = _first(group.all_gather_object(cls._local_reason(group, devices)))
         made = None
         if reason is None:
+            made = cls.__new__(cls)
             try:
-                made = cls(rank=group.rank, world=group.size, slots=slots, hidden=hidden, dtype=dtype,
-                           device=group.device, group_name=dist.group.WORLD.group_name)
+                made.allocate(rank=group.rank, world=group.size, slots=slots, hidden=hidden, dtype=dtype,
+                              device=group.device)
+            except Exception as e:      # noqa: BLE001 - e.g. out of memory; every rank falls back
+                reason = f"symmetric memory allocation failed: {type(e).__name__}: {e}"
+            reason = _first(group.all_gather_object(reason))
+        if reason is None:
+            try:
+                made.connect(dist.group.WORLD.group_name)
             except Exception as e:      # noqa: BLE001 - reported below; every rank falls back
-                reason = f"symmetric memory failed: {type(e).__name__}: {e}"
-            if any(r for r in group.all_gather_object(reason)):
-                made, reason = None, reason or "symmetric memory failed on a peer"
+                reason = f"symmetric memory rendezvous failed: {type(e).__name__}: {e}"
+            reason = _first(group.all_gather_object(reason))
+        if reason is not None:
+            made = None
         if group.rank == 0:
             if made is None:
                 logger.warning("tensor parallel: all-reduce + norm unfused (NCCL, then the norm kernel): %s", reason)
@@ -202,10 +219,36 @@ class AllReduceNorm:
                             "<= %d tokens (symmetric memory, %d slots)", made.max_rows, slots)
         return made
 
+    @staticmethod
+    def _local_reason(group, devices: list[int]) -> str | None:
+        """Why this rank cannot take the fused path, or None (no collective: ranks may return at
+        different points)."""
+        if os.environ.get("HYBRID_ENGINE_TP_FUSED_NORM", "1") == "0":
+            return "HYBRID_ENGINE_TP_FUSED_NORM=0"
+        if not triton_available():
+            return "Triton is missing"
+        if int(os.environ.get("LOCAL_WORLD_SIZE", group.size)) != group.size:
+            return "the ranks span several hosts"
+        try:
+            from torch.distributed import _symmetric_memory  # noqa: F401
+            # NVLink peers are what it was measured on; PCIe peer access may lack the system-scope
+            # atomics the flags need (untested)
+            if not all(torch.cuda.can_device_access_peer(group.device, d) for d in devices if d != group.device.index):
+                return "a GPU of the group cannot access its peers' memory"
+        except Exception as e:          # noqa: BLE001 - any failure here only means: unfused
+            return f"no peer access check ({type(e).__name__}: {e})"
+        return None
+
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(-1) == 1
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden
+                and x.dtype == self.staging.dtype and x.stride(-1) == 1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         return launch_allreduce_add_norm(x, residual, weight, eps, rank=self.rank, world=self.world, slot=slot,
-                                         max_rows=self.max_rows, buf_ptrs=self.buf_ptrs, flag_ptrs=self.flag_ptrs)
+                                         max_rows=self.max_rows, buf_ptrs=self.buf_ptrs, flag_ptrs=self.flag_ptrs,
+                                         broken=self.broken)
+
+
+def _first(reasons: list) -> str | None:
+    return next((r for r in reasons if r), None)

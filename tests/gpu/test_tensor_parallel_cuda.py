@@ -43,6 +43,10 @@ def run_case(target, prompts, method, tp, dtype, *extra, env=None):
                          capture_output=True, text=True, timeout=240)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS ")]
     assert res.returncode == 0 and lines, f"case failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    fused = [ln for ln in res.stdout.splitlines() if ln.startswith("FUSED ")]
+    if tp > 1:      # the engine took the path the environment asks for (fused unless turned off)
+        off = (env or {}).get("HYBRID_ENGINE_TP_FUSED_NORM") == "0"
+        assert fused == [f"FUSED {int(not off)}"], f"fused all-reduce + norm: {fused}, turned off: {off}"
     return json.loads(lines[-1][len("TOKENS "):])
 
 

@@ -1,7 +1,8 @@
 """Under ``torchrun --nproc-per-node 2``: the fused all-reduce + add + RMSNorm kernel between two
 real GPUs, eagerly and replayed from a CUDA graph (the flags must come back to 0 every call),
 over several slots and row counts, against the torch reference (the new residual bitwise) and
-against NCCL's all-reduce followed by the norm kernel. Prints ``OK`` on rank 0."""
+against NCCL's all-reduce followed by the norm kernel; then graph replays back to back with no
+host sync, one rank delayed in turn. Prints ``OK`` on rank 0."""
 import os
 
 import torch
@@ -65,7 +66,29 @@ def main() -> None:
                 want_o, want = allreduce_add_norm_ref(parts_by_slot[s], want, w, 1e-5)
             assert torch.equal(h, want), f"{dtype} replay {rep}: residual after 3 slots differs"
             torch.testing.assert_close(o, want_o, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+        # back to back with no host sync, each rank delayed in turn (torch.cuda._sleep), so one rank
+        # reaches a slot's next use while the other may still be behind: stale rows or flags left
+        # raised would show as wrong sums here
+        reps = 12
+        sets = [([inputs(900 + rep * SLOTS + s, rows, dtype)[0] for s in range(SLOTS)],) + inputs(950 + rep, rows, dtype)[1:]
+                for rep in range(reps)]
+        got = []
+        for rep, (parts_by_slot, res, w) in enumerate(sets):
+            if (rep + rank) % 3 == 0:
+                torch.cuda._sleep(2_000_000)          # ~1 ms on this rank only
+            for s in range(SLOTS):
+                static_x[s].copy_(parts_by_slot[s][rank])
+            static_res.copy_(res)
+            static_w.copy_(w)
+            graph.replay()
+            got.append(h.clone())
         torch.cuda.synchronize()
+        for rep, (parts_by_slot, res, w) in enumerate(sets):
+            want = res
+            for s in range(SLOTS):
+                _, want = allreduce_add_norm_ref(parts_by_slot[s], want, w, 1e-5)
+            assert torch.equal(got[rep], want), f"{dtype} back-to-back replay {rep}: residual after 3 slots differs"
+        assert fused.broken.item() == 0, "a wait gave up"
         flags = fused.flags.view(SLOTS, ROWS, 2)
         assert (flags == 0).all(), "flags left raised after the calls"
         dist.barrier()

@@ -33,7 +33,9 @@ def main() -> None:
         while eng.has_work():
             eng.step()
         assert eng.tp is None or eng.tp.lost() is None
+    fused = getattr(llm.engine.model.backbone.norm_f, "fused", None) is not None   # the fused all-reduce + norm
     llm.shutdown()
+    print(f"FUSED {int(fused)}", flush=True)
     print("TOKENS " + json.dumps(tokens), flush=True)
 
 

@@ -2,9 +2,9 @@
 (``parallel/allreduce_norm.py``), one rank at a time in one process: the peers' side of the
 protocol is staged by hand (their rows pushed into this rank's staging buffer, their flags raised
 on this rank), the kernel runs as ``rank``, and the check covers every effect against the torch
-reference: the outputs, its row pushed into every rank's buffer, the flags it raised on each peer, the flags it
-consumed (back to 0), nothing written outside its slot / rows, and NaN rows when a peer never
-signals (a bounded wait).
+reference: the outputs, its row pushed into every rank's buffer, the flags it raised on each peer,
+the flags it consumed (back to 0), nothing written outside its slot / rows, and NaN rows when a peer never
+signals (a bounded wait), with every later call NaN too (the ``broken`` word).
 
 Run as a script (``TRITON_INTERPRET=1``: the kernel on CPU) it prints one ``CASE name OK|FAIL`` line
 per case; tests/parallel/test_allreduce_norm.py runs it, and tests/gpu/test_tensor_parallel_cuda.py
@@ -37,8 +37,9 @@ def check(*, rank, world, T, D, dtype, slot=1, slots=3, max_rows=8, missing_row=
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
     out = torch.full((T + 2, D), POISON, dtype=dtype, device=device)
     res_out = torch.full((T + 2, D), POISON, dtype=dtype, device=device)
+    broken = torch.zeros(1, dtype=torch.int32, device=device)
     launch_allreduce_add_norm(partials[rank], residual, weight, 1e-5, rank=rank, world=world, slot=slot,
-                              max_rows=max_rows, buf_ptrs=ptrs(staging), flag_ptrs=ptrs(flags),
+                              max_rows=max_rows, buf_ptrs=ptrs(staging), flag_ptrs=ptrs(flags), broken=broken,
                               max_spins=50, out=out[:T], residual_out=res_out[:T])
     want_out, want_res = allreduce_add_norm_ref(partials, residual, weight, 1e-5)
     ok = [r for r in range(T) if r != missing_row]
@@ -49,6 +50,7 @@ def check(*, rank, world, T, D, dtype, slot=1, slots=3, max_rows=8, missing_row=
         torch.testing.assert_close(res_out[ok].float(), want_res[ok].float(), rtol=2 ** -6, atol=0.25)
     torch.testing.assert_close(out[ok].float(), want_out[ok].float(), atol=tol, rtol=tol)
     assert (out[T:] == POISON).all() and (res_out[T:] == POISON).all(), "wrote past its rows"
+    assert broken.item() == (missing_row is not None), "the broken word does not say whether a wait gave up"
     if missing_row is not None:
         assert out[missing_row].isnan().all(), "a row whose peer never signalled is not NaN"
     for p in range(world):          # this rank's rows went into every buffer at [slot, :T, rank], nowhere else
@@ -69,6 +71,18 @@ def check(*, rank, world, T, D, dtype, slot=1, slots=3, max_rows=8, missing_row=
             want = torch.zeros(slots, max_rows, world, dtype=torch.int32, device=device)
             want[slot, :T, rank] = 1
             assert torch.equal(flags[p], want), f"flags raised on peer {p} are wrong"
+    if missing_row is not None:
+        # from now on every call is NaN, even with every peer's flag raised (they are out of step)
+        for p in range(world):
+            if p != rank:
+                flags[rank][slot, :T, p] = 1
+        again = torch.full((T, D), POISON, dtype=dtype, device=device)
+        launch_allreduce_add_norm(partials[rank], residual, weight, 1e-5, rank=rank, world=world, slot=slot,
+                                  max_rows=max_rows, buf_ptrs=ptrs(staging), flag_ptrs=ptrs(flags), broken=broken,
+                                  max_spins=50, out=again, residual_out=torch.empty_like(again))
+        assert again.isnan().all(), "a call after a wait gave up is not NaN"
+        assert (flags[rank] == 0).all(), "the later call did not consume its flags"
+        return "NaN rows, broken word set, later calls NaN"
     return f"max |out - ref| {(out[ok].float() - want_out[ok].float()).abs().max().item():.2e}"
 
 
@@ -76,7 +90,8 @@ CASES = {
     "w2_rank0_bf16": dict(rank=0, world=2, T=3, D=64, dtype=torch.bfloat16),
     "w2_rank1_f32_odd_d": dict(rank=1, world=2, T=5, D=100, dtype=torch.float32),
     "w4_rank2_bf16_full_rows": dict(rank=2, world=4, T=8, D=48, dtype=torch.bfloat16, slot=2),
-    "w2_rank0_missing_peer": dict(rank=0, world=2, T=4, D=32, dtype=torch.float32, missing_row=2),
+    # the last row: a wait that gives up turns the rows that start after it NaN too (the broken word)
+    "w2_rank0_missing_peer": dict(rank=0, world=2, T=4, D=32, dtype=torch.float32, missing_row=3),
 }
 
 if __name__ == "__main__":

@@ -68,12 +68,15 @@ def test_reducing_norm_fuses_small_steps_and_reduces_then_norms_larger_ones(rows
 
 
 class _Group:
-    """A TPGroup stand-in of two ranks whose peer agrees with whatever this rank reports."""
+    """A TPGroup stand-in of two ranks; the peer reports what this rank reports, or ``peer_says``
+    for the path decisions (strings / None) when given."""
 
-    def __init__(self, device):
-        self.rank, self.size, self.device = 0, 2, torch.device(device)
+    def __init__(self, device, peer_says=None):
+        self.rank, self.size, self.device, self.peer_says = 0, 2, torch.device(device), peer_says
 
     def all_gather_object(self, obj):
+        if self.peer_says is not None and (obj is None or isinstance(obj, str)):
+            return [obj, self.peer_says]
         return [obj, obj]
 
 
@@ -90,3 +93,15 @@ def test_create_is_none_on_cpu_and_falls_back_loudly_where_symmetric_memory_fail
     with caplog.at_level("WARNING", logger="hybrid_engine"):
         assert AllReduceNorm.create(_Group("cuda:0"), slots=2, hidden=8, dtype=torch.float32) is None
     assert "HYBRID_ENGINE_TP_FUSED_NORM=0" in caplog.text
+
+
+def test_create_follows_a_peer_that_cannot(caplog, monkeypatch):
+    """This rank could (its own checks pass) but the peer cannot: both take the unfused path, and the
+    peer's reason is logged (here the peer's reason comes before any allocation)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(AllReduceNorm, "allocate", lambda *a, **k: pytest.fail("allocated although the peer said no"))
+    with caplog.at_level("WARNING", logger="hybrid_engine"):
+        assert AllReduceNorm.create(_Group("cuda:0", peer_says="peer: no NVLink"), slots=2, hidden=8,
+                                    dtype=torch.float32) is None
+    assert "peer: no NVLink" in caplog.text
