@@ -65,6 +65,7 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
         model = build_model(cfg.model, cfg.model_dir, cfg.dtype, local.device, with_mtp=with_mtp,
                             quantization=cfg.quantization, tp=tp)
         num_blocks, error = cc.num_kv_blocks or _blocks_for_budget(local, n_attn), None
+        _check_mamba_pool_fits(local, n_attn, num_blocks, k)     # under TP: reported like a build error
     except Exception as e:
         if tp is None:
             raise
@@ -79,17 +80,11 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
         num_blocks = min(n for _, n in reports)
     max_model_len = sc.max_model_len or min(8192, (num_blocks - 1) * cc.block_size - 2 * (1 + k))
     max_blocks = blocks_needed(max_model_len + 3 * (1 + k), cc.block_size) + 1
-    pool_args = (len(mc.mamba_layer_ids), sc.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
-                 mc.mamba_head_dim, mc.ssm_state_size, k)
     kv = KVCache(n_attn, num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim, cc.kv_dtype(local.dtype),
                  local.device)
-    if local.device.type == "cuda":
-        import torch
-        check_pool_fits(MambaPool.bytes_for(*pool_args, local.dtype), torch.cuda.mem_get_info(local.device)[0],
-                        max_num_seqs=sc.max_num_seqs, num_spec=k)
     attach_kv_scales(kv, cfg.model_dir, model)          # FP8: the checkpoint's per-layer scales, else 1.0
     note_unused_kv_scales(cfg)
-    pool = MambaPool(*pool_args, local.dtype, local.device)
+    pool = MambaPool(*_pool_args(local, k), local.dtype, local.device)
     caches = Caches(kv, pool)
     if sc.max_num_batched_tokens < 1 + k:
         raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
@@ -126,6 +121,27 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     return DeviceSide(cfg=local, model=model, caches=caches, drafter=drafter, runner=runner, num_blocks=num_blocks,
                       max_model_len=max_model_len, max_blocks_per_req=max_blocks, checkpoint_rows=rows,
                       checkpoint_bytes=rows * row_bytes)
+
+
+def _pool_args(cfg: EngineConfig, k: int) -> tuple:
+    mc = cfg.model
+    return (len(mc.mamba_layer_ids), cfg.scheduler.max_num_seqs, mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads,
+            mc.mamba_head_dim, mc.ssm_state_size, k)
+
+
+def _check_mamba_pool_fits(cfg: EngineConfig, n_attn: int, num_blocks: int, k: int) -> None:
+    """On CUDA, a ValueError naming the settings when the Mamba pool cannot fit next to the KV cache
+    about to be allocated (memory the allocator holds but does not use counts as free)."""
+    if cfg.device.type != "cuda":
+        return
+    import torch
+    mc, cc = cfg.model, cfg.cache
+    free = torch.cuda.mem_get_info(cfg.device)[0]
+    free += torch.cuda.memory_reserved(cfg.device) - torch.cuda.memory_allocated(cfg.device)
+    kv_bytes = num_blocks * KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads,
+                                                    mc.head_dim, cc.kv_dtype(cfg.dtype))
+    check_pool_fits(MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype), free - kv_bytes,
+                    max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
 
 
 def _blocks_for_budget(cfg: EngineConfig, n_attn: int) -> int:

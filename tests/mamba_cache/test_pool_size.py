@@ -25,3 +25,27 @@ def test_a_pool_too_large_is_a_value_error_naming_the_settings():
     check_pool_fits(need, need, max_num_seqs=256, num_spec=3)           # exactly fits: fine
     with pytest.raises(ValueError, match=r"max_num_seqs=256.*1 \+ num_speculative_tokens = 4"):
         check_pool_fits(need, 30 * 2**30, max_num_seqs=256, num_spec=3)
+
+
+def test_engine_build_checks_the_pool_against_free_memory_left_after_the_kv_cache(hybrid_dir, monkeypatch):
+    """device_side's check on CUDA: free memory (plus what the allocator holds unused) minus the KV
+    cache about to be allocated must hold the pool."""
+    import dataclasses
+
+    from hybrid_engine.config import EngineConfig
+    from hybrid_engine.device_side import _check_mamba_pool_fits, _pool_args
+    cfg = EngineConfig.resolve(hybrid_dir, max_num_seqs=4)
+    cfg = dataclasses.replace(cfg, device=torch.device("cuda", 0))
+    need = MambaPool.bytes_for(*_pool_args(cfg, 2), cfg.dtype)
+    kv_per_block = 4096
+    free = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 1 << 40))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 400)
+    from hybrid_engine.attention import KVCache
+    monkeypatch.setattr(KVCache, "bytes_per_block", staticmethod(lambda *a, **k: kv_per_block))
+    free["now"] = need + 10 * kv_per_block - 600            # + 600 held unused by the allocator: exactly fits
+    _check_mamba_pool_fits(cfg, 1, 10, 2)
+    free["now"] -= 1
+    with pytest.raises(ValueError, match="max_num_seqs=4"):
+        _check_mamba_pool_fits(cfg, 1, 10, 2)
