@@ -50,15 +50,16 @@ def test_sampled_outputs_after_a_warm_up_equal_those_without(hybrid_dir):
     not advance it."""
     params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    want = [o.outputs[0].token_ids for o in LLM(hybrid_dir, seed=3).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(hybrid_dir, seed=3)
+    kw = dict(seed=3, max_num_batched_tokens=64)        # small chunks: the warm-up's prompts stay short
+    want = [o.outputs[0].token_ids for o in LLM(hybrid_dir, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(hybrid_dir, **kw)
     warm_up(llm.engine)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
 
 
 def test_warm_up_skips_what_the_engine_refuses(hybrid_dir):
     """max_num_seqs 1 cannot run n = 2 samples together: that request is skipped, the rest run."""
-    llm = LLM(hybrid_dir, max_num_seqs=1)
+    llm = LLM(hybrid_dir, max_num_seqs=1, max_num_batched_tokens=64)
     report = warm_up(llm.engine)
     lengths = warmup_lengths(llm.engine.cfg.scheduler.max_num_batched_tokens, llm.engine.max_model_len)
     assert report.requests == len(lengths) + len(lengths[::4]) + 1
