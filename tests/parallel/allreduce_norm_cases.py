@@ -6,6 +6,10 @@ reference: the outputs, its row pushed into every rank's buffer, the flags it ra
 the flags it consumed (back to 0), nothing written outside its slot / rows, and NaN rows when a peer never
 signals (a bounded wait), with every later call NaN too (the ``broken`` word).
 
+``two_processes`` runs the protocol between two real ranks: two processes, the interpreter in each,
+sharing the buffers and flags, calls back to back over reused slots with either rank late in turn
+(a missing flag reset fails it: stale rows).
+
 Run as a script (``TRITON_INTERPRET=1``: the kernel on CPU) it prints one ``CASE name OK|FAIL`` line
 per case; tests/parallel/test_allreduce_norm.py runs it, and tests/gpu/test_tensor_parallel_cuda.py
 runs ``check`` natively on one GPU (the two-GPU run is in the same file).
@@ -86,6 +90,67 @@ def check(*, rank, world, T, D, dtype, slot=1, slots=3, max_rows=8, missing_row=
     return f"max |out - ref| {(out[ok].float() - want_out[ok].float()).abs().max().item():.2e}"
 
 
+def _inputs(seed: int, world: int, T: int, D: int):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(T, D, generator=g) * 2 for _ in range(world)]
+    return parts, torch.randn(T, D, generator=g) * 2, torch.randn(D, generator=g)
+
+
+TWO_RANK_STEPS = [(3, 0), (5, 1), (2, 2), (4, 0), (1, 1), (5, 2), (3, 0), (2, 1)]    # (rows, slot)
+
+
+def _rank_main(rank, world, staging, flags, steps, D, max_rows, results):
+    """One rank of ``two_processes``: the calls of ``steps`` back to back, a rank delayed now and
+    then, each checked against the reference; -> results[rank] = (errors, broken, flags left)."""
+    import time
+    torch.set_num_threads(1)
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)   # noqa: E731 - this process's mappings
+    bp, fp = ptrs(staging), ptrs(flags)
+    broken = torch.zeros(1, dtype=torch.int32)
+    errors = []
+    for i, (T, slot) in enumerate(steps):
+        if (i + rank) % 3 == 0:
+            time.sleep(0.2)                     # this rank arrives late; the other waits (or runs ahead)
+        parts, res, w = _inputs(100 + i, world, T, D)
+        out, r = launch_allreduce_add_norm(parts[rank], res, w, 1e-5, rank=rank, world=world, slot=slot,
+                                           max_rows=max_rows, buf_ptrs=bp, flag_ptrs=fp, broken=broken,
+                                           max_spins=10 ** 8)
+        want_out, want_r = allreduce_add_norm_ref(parts, res, w, 1e-5)
+        if not torch.equal(r, want_r):
+            errors.append(f"call {i}: residual differs by {(r - want_r).abs().max().item():.3g}")
+        elif not torch.allclose(out, want_out, atol=1e-5, rtol=1e-5):
+            errors.append(f"call {i}: normed output differs by {(out - want_out).abs().max().item():.3g}")
+    results[rank] = (errors, int(broken.item()), int(flags[rank].abs().sum().item()))
+
+
+def two_processes(D=32, max_rows=8, slots=3, world=2):
+    """The protocol between two real ranks: two processes (Triton's interpreter in each) sharing
+    every rank's staging buffer and flags through shared memory, eight calls back to back over three
+    slots with either rank late in turn; every call's result equals the reference on both ranks,
+    no wait gives up, and every flag ends at 0."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    staging = [torch.full((slots, max_rows, world, D), POISON).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(slots, max_rows, world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    results = ctx.Manager().dict()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, staging, flags, TWO_RANK_STEPS, D, max_rows, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+        if p.is_alive():
+            p.kill()
+            raise AssertionError("a rank did not finish in 240 s (deadlock?)")
+    assert all(p.exitcode == 0 for p in procs), f"exit codes {[p.exitcode for p in procs]}"
+    for r in range(world):
+        errors, broken, raised = results[r]
+        assert not errors, f"rank {r}: {errors}"
+        assert broken == 0, f"rank {r}: a wait gave up"
+        assert raised == 0, f"rank {r}: {raised} flags left raised"
+    return f"{len(TWO_RANK_STEPS)} calls on {world} processes"
+
+
 CASES = {
     "w2_rank0_bf16": dict(rank=0, world=2, T=3, D=64, dtype=torch.bfloat16),
     "w2_rank1_f32_odd_d": dict(rank=1, world=2, T=5, D=100, dtype=torch.float32),
@@ -99,4 +164,5 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from triton_interpret import case_main
     torch.set_num_threads(1)
-    sys.exit(case_main(CASES, sys.argv[1:], run=lambda c: check(**c)))
+    sys.exit(case_main({**CASES, "two_processes": two_processes}, sys.argv[1:],
+                       run=lambda c: c() if callable(c) else check(**c)))

@@ -1,6 +1,7 @@
 """The fused tensor-parallel all-reduce + add + RMSNorm kernel (``parallel/allreduce_norm.py``) in
-Triton's interpreter, one rank at a time with the peers' side staged by hand
-(``allreduce_norm_cases.py``; natively on one and two GPUs in tests/gpu/test_tensor_parallel_cuda.py),
+Triton's interpreter: one rank at a time with the peers' side staged by hand, and two ranks as two
+processes sharing their buffers, calls back to back over reused slots (``allreduce_norm_cases.py``;
+natively on one and two GPUs in tests/gpu/test_tensor_parallel_cuda.py),
 and the ``ReducingNorm`` that uses it falling back to all-reduce + norm where it does not fit."""
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, run_cases  # noqa: E402
 
-CASES = ("w2_rank0_bf16", "w2_rank1_f32_odd_d", "w4_rank2_bf16_full_rows", "w2_rank0_missing_peer")
+CASES = ("w2_rank0_bf16", "w2_rank1_f32_odd_d", "w4_rank2_bf16_full_rows", "w2_rank0_missing_peer",
+         "two_processes")
 
 
 def test_kernel_in_interpreter():
