@@ -34,10 +34,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))            # --direct builds the engine in this process
 
+from benchmarks.serve_process import serve_argv, start_server, stop_server  # noqa: E402
 from benchmarks.serve_report import plot, summarize, table  # noqa: E402
 
 
@@ -81,30 +78,42 @@ class Result:
         return self
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+class StreamError(RuntimeError):
+    """The server sent an error event or a non-200 status: reported as its message."""
+
+
+async def timed(chunks, prompt_len: int) -> Result:
+    """Time a request whose ``chunks`` (an async iterator, started by this call) yield the number of
+    tokens each streamed chunk carries; a failure is recorded on the Result, never raised."""
     t0 = time.perf_counter()
-    res = Result(ok=False, prompt_len=len(prompt))
+    res = Result(ok=False, prompt_len=prompt_len)
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"]["message"]
-                    return res
-                n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-                if n:
-                    res.arrived(n, t0)
+        async for n in chunks:
+            if n:
+                res.arrived(n, t0)
     except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = str(e) if isinstance(e, StreamError) else f"{type(e).__name__}: {e}"
         return res
     return res.done(t0)
+
+
+async def _server_chunks(client, url: str, body: dict, timeout: float):
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise StreamError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StreamError(chunk["error"]["message"])
+            yield sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+
+
+def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    return timed(_server_chunks(client, url, body, timeout), len(prompt))
 
 
 def sample_lengths(rng, mean: int, spread: float, n: int) -> list[int]:
@@ -112,20 +121,15 @@ def sample_lengths(rng, mean: int, spread: float, n: int) -> list[int]:
     return rng.integers(lo, hi + 1, n).tolist()
 
 
-async def one_request_direct(llm, prompt: list[int], max_tokens: int) -> Result:
-    """The same request on an in-process ``AsyncLLM`` (no HTTP): the baseline of the server's overhead."""
+async def _direct_chunks(llm, prompt: list[int], max_tokens: int):
     from hybrid_engine import SamplingParams
-    t0 = time.perf_counter()
-    res = Result(ok=False, prompt_len=len(prompt))
-    try:
-        async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)):
-            n = len(out.outputs[0].token_ids)
-            if n:
-                res.arrived(n, t0)
-    except Exception as e:                       # noqa: BLE001 - a failed request is reported, not fatal
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    return res.done(t0)
+    async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)):
+        yield len(out.outputs[0].token_ids)
+
+
+def one_request_direct(llm, prompt: list[int], max_tokens: int):
+    """The same request on an in-process ``AsyncLLM`` (no HTTP): the baseline of the server's overhead."""
+    return timed(_direct_chunks(llm, prompt, max_tokens), len(prompt))
 
 
 async def arrivals(send, rate: float, prompts, out_lens, seed: int, max_concurrency: int | None) -> tuple:
@@ -156,65 +160,6 @@ async def run_rate(url: str, model: str, rate: float, prompts, out_lens, timeout
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         return await arrivals(lambda p, m: one_request(client, url, model, p, m, timeout), rate, prompts, out_lens,
                               seed, max_concurrency)
-
-
-# ---- server management ----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_argv(args, config: str) -> list[str]:
-    """``hybrid-engine serve`` arguments of one configuration ("none" or "method:k"): the server's
-    engine, and the in-process one of ``--direct`` (built by the same parser)."""
-    argv = ["serve"] + ([args.model] if args.model else []) + [
-        "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-waiting-requests", str(max(1024, args.num_prompts))]
-    if config != "none":
-        method, _, k = config.partition(":")
-        argv += ["--spec", method, "--num-speculative-tokens", k or "3"]
-        if method == "draft_model" and args.draft_model:
-            argv += ["--draft-model", args.draft_model]
-    return argv
-
-
-def start_server(args, config: str, log_path: Path):
-    """A ``hybrid-engine serve`` process for one configuration ("none" or "method:k")."""
-    import httpx
-    port = free_port()
-    argv = [*serve_argv(args, config), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    cmd = [sys.executable, "-m", "hybrid_engine.cli", *argv]
-    if args.shape:              # a shape with no checkpoint: the server builds random weights
-        cmd = [sys.executable, "-c", "import sys; from benchmarks.common import random_weights; "
-               "from hybrid_engine.cli import main\nwith random_weights(): sys.exit(main(sys.argv[1:]))", *argv]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); log: {log_path}\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server not ready after {args.startup_timeout}s; log: {log_path}")
-
-
-def stop_server(proc, log) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
 
 
 def bench_server(args, url: str, config: str) -> list[dict]:
