@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,20 @@ def replay_log(monkeypatch, plan_cls) -> list[bool]:
     monkeypatch.setattr(plan_cls, "replay", spy_replay)
     monkeypatch.setattr(runner_mod.ModelRunner, "execute", spy_exec)
     return log
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    """The engine tests' model (test_engine_cuda, test_fp8_kv_cuda): Mamba, attention, MLP and MoE
+    blocks with an MTP layer. A module that needs another defines its own ``target``."""
+    return model_dirs("gpu_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Eight prompts of 1-40 tokens for ``target`` (a module may define its own)."""
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 256, n).tolist() for n in [1, 5, 17, 40, 9, 33, 12, 3]]
 
 
 @pytest.fixture

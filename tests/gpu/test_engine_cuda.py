@@ -9,17 +9,6 @@ from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def target(model_dirs):
-    return model_dirs("gpu_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(3)
-    return [rng.integers(3, 256, n).tolist() for n in [1, 5, 17, 40, 9, 33, 12, 3]]
-
-
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 def test_async_steps_never_sync_the_host(target, prompts, method):
     """50 async steps with spec on under torch.cuda sync debug mode "error" around launch();

@@ -8,7 +8,6 @@ The same engine tests run on CPU in tests/engine/test_fp8_kv_cache.py and tests/
 (``HYBRID_ENGINE_TEST_DEVICE=cuda`` runs those on the GPU too)."""
 import functools
 
-import numpy as np
 import pytest
 import torch
 
@@ -77,17 +76,6 @@ def test_write_kv_codes_equal_the_cpu_codes(dtype):
 
 
 # ----------------------------------------------------------------------------- the engine
-
-@pytest.fixture(scope="module")
-def target(model_dirs):
-    return model_dirs("gpu_target", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.default_rng(3)
-    return [rng.integers(3, 256, n).tolist() for n in [1, 5, 17, 40, 9, 33, 12, 3]]
-
 
 def _tokens(llm, prompts, n=16):
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
