@@ -29,8 +29,8 @@ block's norm (``ReducingNorm``: on CUDA one kernel all-reduces, adds the residua
 Biases of row-parallel projections are kept by rank 0 only (the all-reduce adds them once).
 A model is split by building it from ``shard_model_config`` (the per-rank sizes: module shapes and
 cache pools follow), then ``apply_tensor_parallel`` swaps the vocabulary-parallel modules and the
-reducing norms, hooks an all-reduce onto the MTP block's mixers and returns the loader's ``Shard`` per parameter, which reads each rank's rows of
-every checkpoint tensor (``models/loader.py``).
+reducing norms, hooks an all-reduce onto the MTP block's mixers and returns the loader's ``Shard``
+per parameter, which reads each rank's rows of every checkpoint tensor (``models/loader.py``).
 """
 from __future__ import annotations
 
@@ -235,8 +235,8 @@ class ReducingNorm(RMSNorm):
         self.all_reduce, self.fused, self.slot = all_reduce, fused, slot
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if (self.fused is not None and residual is not None and self.fused.fits(x) and self.fused.fits(residual)
-                and x.shape == residual.shape and x.dtype == residual.dtype):
+        if (self.fused is not None and residual is not None and x.shape == residual.shape
+                and self.fused.fits(x) and self.fused.fits(residual)):
             return self.fused(x, residual, self.weight, self.eps, self.slot)
         return super().add_norm(self.all_reduce(x), residual)
 
@@ -272,12 +272,11 @@ def _reduce_in_norms(model: nn.Module, group, dtype: torch.dtype) -> set[nn.Modu
     before it; block 0's input is the embedding, which sums itself). -> the mixers so covered."""
     from .allreduce_norm import AllReduceNorm
     layers, final = model.backbone.layers, model.backbone.norm_f
-    norms = [layer.norm for layer in layers[1:]] + [final]
-    fused = AllReduceNorm.create(group, slots=len(norms), hidden=final.weight.shape[0], dtype=dtype)
-    for slot, (layer, norm) in enumerate(zip(list(layers[1:]) + [None], norms)):
-        swapped = ReducingNorm(norm.weight.shape[0], norm.eps, all_reduce=group.all_reduce, fused=fused, slot=slot)
-        if layer is None:
-            model.backbone.norm_f = swapped
-        else:
-            layer.norm = swapped
+    fused = AllReduceNorm.create(group, slots=len(layers), hidden=final.weight.shape[0], dtype=dtype)
+
+    def reducing(norm: RMSNorm, slot: int) -> ReducingNorm:
+        return ReducingNorm(norm.weight.shape[0], norm.eps, all_reduce=group.all_reduce, fused=fused, slot=slot)
+    for slot, layer in enumerate(layers[1:]):
+        layer.norm = reducing(layer.norm, slot)
+    model.backbone.norm_f = reducing(final, len(layers) - 1)
     return {layer.mixer for layer in layers}
