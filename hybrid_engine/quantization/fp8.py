@@ -10,7 +10,8 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   the activations stay 16-bit, so decode is at least as exact as W8A8);
 - CUDA, bfloat16 x, more rows (prefill) and K, N multiples of 16: ``torch._scaled_mm`` W8A8 on the
   FP8 tensor cores: activations quantized per tensor with the checkpoint's static ``input_scale``,
-  or per token (dynamic) when there is none; ``fp8_scaled_mm_ref`` is its twin;
+  or per token (dynamic) when there is none, by one Triton pass (``fp8_kernels.quantize_rows_fp8``,
+  code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 """
 from __future__ import annotations
@@ -72,7 +73,11 @@ def fp8_scaled_mm_ref(x, w_q, weight_scale, input_scale=None, bias=None):
 def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None):
     """W8A8 with ``torch._scaled_mm``: tensor-wise scales when both are scalars, row-wise
     ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16."""
-    x_q, xs = quantize_activations(x, input_scale)
+    if x.is_cuda:
+        from .fp8_kernels import quantize_rows_fp8
+        x_q, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), input_scale)
+    else:
+        x_q, xs = quantize_activations(x, input_scale)
     ws = weight_scale.float()
     M, N = x.shape[0], w_q.shape[0]
     if xs.dim() == 0 and ws.dim() == 0:

@@ -9,6 +9,10 @@ e4m3 value is exact in bf16/fp32, so converting a weight tile is lossless; the s
 - ``_fp8_dot_kernel`` (2..8 rows, padded to 16): the weight tile converted to x's dtype and fed
   to ``tl.dot`` with float32 accumulation.
 ``fp8_linear_ref`` (``quantization/fp8.py``) is the exact twin.
+
+Also the prefill side's activation quantizer (``quantize_rows_fp8``, twin
+``fp8.quantize_activations``): one pass per row instead of ~6 float32 torch passes, which made the
+W8A8 prefill slower than bf16.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ def _per_channel(weight_scale, N) -> bool:
     return weight_scale.dim() == 1 and weight_scale.numel() == N > 1
 
 
-def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=8, block_k=1024, num_warps=8):
+def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k=2048, num_warps=4):
     """x [1, K] -> [1, N] in x.dtype."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
@@ -120,15 +124,95 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
 
 
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
-    """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes are the bf16
-    kernels' H100 choices with BLOCK_K doubled where a bf16 tile was 512 wide (same bytes per tile);
-    not yet swept for FP8 (benchmarks/quant.py measures the result against the byte roofline)."""
+    """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from the H100
+    sweep of every config in ``benchmarks/fp8_gemv.py`` on the 8B shapes (2026-11-26,
+    ``benchmarks/results/2026-11-26-fp8-h100.md``): one row (2, 2048, 4 warps) is the best or within
+    0.4 us of it on every shape but lm_head (184.4 us against 181.0 for a dot config); more rows
+    32-wide tiles, K tiles of 512 on the wide projections."""
     M, K = x.shape
     N = w_q.shape[0]
     if M == 1:
-        if N <= 4096 and N * K >= (1 << 24):
-            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=4, block_k=1024, num_warps=4)
-        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=1024, num_warps=8)
-    if N >= 20000:
-        return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=64, block_k=256, num_stages=4)
-    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=16, block_k=1024 if K >= 1024 else 512)
+        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4)
+    if N >= 16384:
+        return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3)
+    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=256, num_stages=4)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
+    float32: the grid step is 2^(e - 3) for the binade [2^e, 2^(e+1)), 2^-9 below 2^-6 (subnormals).
+    Rounding here, not in the cast, makes the cast of an exact value exact on every backend (Triton's
+    interpreter drops the carry when a cast rounds up into the next binade, e.g. 124.3 -> 64).
+    v / step is exact (a power of two) and below 16 in magnitude, so adding and removing 1.5 * 2^23
+    rounds it to an integer, ties to even, in float32 arithmetic; v's sign bit is put back so a
+    negative value that rounds to zero gives -0, as the cast does."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((v / step + 12582912.0) - 12582912.0) * step
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,
+                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row), stored to
+    s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in float8_e4m3fn, divided with
+    round-to-nearest (div_rn) so every code equals ``quantize_activations``' torch arithmetic."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * sxm
+    if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
+        offs = tl.arange(0, BLOCK_K)
+        mk = offs < K
+        xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
+        if STATIC:
+            s = tl.load(in_scale_ptr).to(tl.float32)
+        else:
+            m = tl.max(tl.abs(xv), axis=0)
+            s = tl.where(m > 0, tl.math.div_rn(m, 448.0), 1.0)
+            tl.store(s_ptr + row, s)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(xv, s), -448.0), 448.0))
+        tl.store(q_ptr + row * sqm + offs, q.to(q_ptr.dtype.element_ty), mask=mk)
+        return
+    if STATIC:
+        s = tl.load(in_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xv))
+        m = tl.max(amax, axis=0)
+        s = tl.where(m > 0, tl.math.div_rn(m, 448.0), 1.0)
+        tl.store(s_ptr + row, s)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mk = offs < K
+        xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(xv, s), -448.0), 448.0))
+        tl.store(q_ptr + row * sqm + offs, q.to(q_ptr.dtype.element_ty), mask=mk)
+
+
+def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, block_k: int = 32768
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill activations of the W8A8 path in one pass: x [M, K] (16- or 32-bit, unit inner
+    stride) -> (x_q [M, K] float8_e4m3fn, scale float32 [M, 1] per token, or the static
+    ``input_scale`` []). Equal code for code to ``fp8.quantize_activations`` (its torch twin), which
+    takes ~6 float32 passes over x where this reads x once (rows wider than ``block_k``: twice, the
+    second from L2)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows_fp8: x must be [M, K] with a unit inner stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    M, K = x.shape
+    x_q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    static = input_scale is not None
+    scale = input_scale.float().reshape(()) if static else torch.empty((M, 1), dtype=torch.float32,
+                                                                          device=x.device)
+    if M == 0:
+        return x_q, scale
+    bk = min(block_k, max(16, triton.next_power_of_2(K)))
+    _quantize_rows_kernel[(M,)](x, x_q, scale, scale, K, x.stride(0), x_q.stride(0), STATIC=static,
+                                BLOCK_K=bk, ONE_PASS=K <= bk,
+                                num_warps=4 if bk <= 2048 else 8 if bk <= 8192 else 16)
+    return x_q, scale

@@ -68,6 +68,15 @@ def test_fp8_experts(T, grouped, dtype):
     qc.check_fp8_experts(DEV, dtype, T, 16, 6, 2688, 1856, grouped, seed=T)
 
 
+def test_quantize_rows_kernel():
+    """The prefill activation quantizer on CUDA: code for code equal to the torch twin (poisoned
+    outputs, every e4m3 value and midpoint, odd widths, 1e-3..1e3 rows, a zero row)."""
+    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    shapes = ((1, 5), (3, 130), (7, 1100), (300, 4096), (5, 21504))
+    for block_k in (32768, 1024):                    # one pass (K <= block_k) and two
+        assert qc.check_quantize_rows(quantize_rows_fp8, DEV, shapes=shapes, block_k=block_k) > 0
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
 def test_scaled_mm_prefill_path(per_channel, static):

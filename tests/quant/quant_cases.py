@@ -22,12 +22,15 @@ from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4
 
 @contextlib.contextmanager
 def poisoned_empty():
-    """``torch.empty`` returns NaN-filled float tensors inside the block."""
+    """``torch.empty`` returns NaN-filled float tensors inside the block (float8_e4m3fn: its NaN
+    byte 0x7F)."""
     real = torch.empty
 
     def empty(*a, **k):
         t = real(*a, **k)
-        if t.is_floating_point() and t.dtype.itemsize > 1:
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        elif t.is_floating_point() and t.dtype.itemsize > 1:
             t.fill_(math.nan)
         return t
     torch.empty = empty
@@ -109,6 +112,37 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     return err
 
 
+def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100), (2, 64)), **kw):
+    """The W8A8 activation quantizer against ``quantize_activations`` (torch), code for code and
+    scale for scale: rows spanning 1e-3..1e3, an all-zero row, strided rows, float32 / float16 /
+    bfloat16, dynamic and static scales, and every e4m3 value, midpoint and near-midpoint (the
+    rounding, ties and saturation) with a unit scale. Returns the number of codes compared."""
+    from hybrid_engine.quantization.fp8 import quantize_activations
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = codes[torch.isfinite(codes)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    special = torch.tensor([1e-30, -1e-30, 600.0, -600.0, 2.0 ** -10, 2.0 ** -11 * 1.01, -0.0])
+    inputs = [(torch.cat([grid, mids, mids * (1 + 1e-7), mids * (1 - 1e-7), special])[None], torch.ones(()))]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for M, K in shapes:
+            x = (torch.randn(M, K + 3, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(dtype)[:, 3:]
+            if M > 2:
+                x[1] = 0
+            inputs += [(x, None), (x, (x.float().abs().amax() / 300).reshape(()))]
+    n = 0
+    for x, in_scale in inputs:
+        ref_q, ref_s = quantize_activations(x, in_scale)
+        with poisoned_empty():
+            q, s = impl(x.to(device), None if in_scale is None else in_scale.to(device), **kw)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, (q.dtype, q.shape)
+        assert torch.equal(s.cpu(), ref_s), f"scales differ for {tuple(x.shape)} {x.dtype}"
+        bad = (q.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+        assert bad == 0, f"{bad} codes differ for {tuple(x.shape)} {x.dtype} static={in_scale is not None}"
+        n += q.numel()
+    return n
+
+
 # shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
@@ -118,7 +152,7 @@ NVFP4_FMA_SHAPES = [(1, 33, 16), (1, 70, 48), (1, 5, 272), (1, 130, 544)]   # gr
 
 def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
-                                                        fp8_skinny_linear_fma)
+                                                        fp8_skinny_linear_fma, quantize_rows_fp8)
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_fma
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
@@ -150,6 +184,8 @@ def _cases():
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
+        "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
+        "fp8_quantize_rows_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048),
         "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
         "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
     }
@@ -160,4 +196,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     from triton_interpret import case_main
     cases = _cases()
-    sys.exit(case_main(cases, sys.argv[1:], run=lambda case: f"err {case():.1e}"))
+    sys.exit(case_main(cases, sys.argv[1:], run=lambda case: f"result {case():.3g}"))
