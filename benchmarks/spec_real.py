@@ -111,7 +111,7 @@ def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float 
         return SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=4, **kw)
     if method == "draft_model":
         return SpeculativeConfig("draft_model", k, model=draft_dir, **kw)
-    return SpeculativeConfig("mtp", k, **kw)
+    return SpeculativeConfig("mtp", k, draft_vocab_size=args.draft_vocab_size, **kw)
 
 
 def sync(device: str) -> None:
@@ -317,6 +317,8 @@ def parse_args(argv=None):
     ap.add_argument("--adaptive", choices=("on", "off"), default="on", help="adaptive speculation")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="MTP drafts over the first N vocabulary ids (SpeculativeConfig.draft_vocab_size)")
     ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano (empty: skip)")
     ap.add_argument("--forced-methods", type=words, default=["ngram", "mtp"])
     ap.add_argument("--forced-k", type=int, default=3)

@@ -8,6 +8,7 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
     python benchmarks/spec_step_cost.py --shape 8b --forced 0.81 --dtype bfloat16 --out $OUT
         # a random-weight shape (its MTP layer; draft: the small shape), every draft accepted with
         # probability 0.81 (forced acceptance, benchmark only: the general verify path, no fused plan)
+    --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
 K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
@@ -57,8 +58,10 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,
             forced: float | None = None, random: bool = False) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
-    spec = None if method == "none" else SpeculativeConfig(method, k, model=draft, adaptive=False,
-                                                           forced_acceptance_rate=forced)
+    name, _, rows = method.partition(":")                 # "mtp:N": draft_vocab_size N
+    spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=False,
+                                                           forced_acceptance_rate=forced,
+                                                           draft_vocab_size=int(rows) if rows else None)
     with random_weights() if random else contextlib.nullcontext():
         llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec,
                   max_model_len=len(prompt) + tokens + 64)

@@ -42,6 +42,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft model folder for --spec draft_model (default with the embedded model: its "
                         "embedded trained draft)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="--spec mtp: draft over the first N vocabulary ids only (cheaper drafts on large "
+                        "vocabularies; same outputs) (default: the whole vocabulary)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -68,13 +71,15 @@ def _sampling(p: argparse.ArgumentParser, max_tokens_default=None) -> None:
 def _llm(args):
     from hybrid_engine import LLM, SpeculativeConfig
     spec = None
+    if args.draft_vocab_size is not None and args.spec != "mtp":
+        raise ValueError(f"--draft-vocab-size is used by --spec mtp only, got --spec {args.spec}")
     if args.spec:
         draft = args.draft_model
         if args.spec == "draft_model" and draft is None and args.model is None:
             from hybrid_engine.default_model import default_draft_model_dir
             draft = str(default_draft_model_dir())     # the embedded default's own trained draft
         spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens,
-                                 model=draft)
+                                 model=draft, draft_vocab_size=args.draft_vocab_size)
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                speculative_config=spec, async_scheduling=not args.sync, seed=args.seed,

@@ -213,6 +213,12 @@ class SpeculativeConfig:
     # not the model's; the engine logs a warning). Measures speed vs acceptance on shapes that have
     # no trained weights. None: normal, lossless verification.
     forced_acceptance_rate: float | None = None
+    # method="mtp": the MTP head scores only the first draft_vocab_size vocabulary rows (byte-level
+    # BPE ids run roughly from frequent to rare), so each of the K draft tokens reads that share of
+    # the lm_head instead of all of it (the 131072-row head is most of an 8B MTP proposal's bytes).
+    # Drafts are then ids below it; verification is unchanged, so outputs are too (greedy and
+    # sampled: the draft probabilities are zero beyond it). None: the whole vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -236,6 +242,10 @@ class SpeculativeConfig:
         p = self.forced_acceptance_rate
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0):
             raise ValueError(f"forced_acceptance_rate must be None or a number in [0, 1], got {p!r}")
+        if self.draft_vocab_size is not None:
+            _check_int("draft_vocab_size", self.draft_vocab_size, 1)
+            if self.method != "mtp":
+                raise ValueError(f"draft_vocab_size is used by method='mtp' only, got method={self.method!r}")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -323,6 +333,8 @@ class EngineConfig:
                 and self.model.num_nextn_predict_layers < 1):
             raise ValueError("speculative method 'mtp' needs a model with MTP layers "
                              "(num_nextn_predict_layers >= 1 in config.json), this model has none")
+        if self.speculative is not None and self.speculative.draft_vocab_size is not None:
+            self._check_draft_vocab(self.speculative.draft_vocab_size)
         _check_int("seed", self.seed, 0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.cache.kv_fp8:
@@ -336,6 +348,14 @@ class EngineConfig:
                     raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs GPUs "
                                      f"{first}..{first + self.tensor_parallel_size - 1} but "
                                      f"{torch.cuda.device_count()} are visible")
+
+    def _check_draft_vocab(self, rows: int) -> None:
+        if rows > self.model.vocab_size:
+            raise ValueError(f"draft_vocab_size must be at most the model's vocab_size ({self.model.vocab_size}), "
+                             f"got {rows}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("draft_vocab_size needs tensor_parallel_size 1 (the lm_head is split by vocabulary "
+                             f"rows over the ranks), got tensor_parallel_size={self.tensor_parallel_size}")
 
     def _check_fp8_kv_cache(self) -> None:
         """An FP8 KV cache needs float8 conversions on the device (the attention kernel reads the

@@ -51,8 +51,10 @@ class HybridCausalLM(nn.Module):
         return {name: m.read_expert_load() for name, m in self.named_modules() if hasattr(m, "read_expert_load")
                 and m is not self}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()              # [L, V] float32
+    def compute_logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+        """[L, D] -> [L, V] float32 logits; ``head``: another module in the lm_head's place (the MTP
+        drafter's view of its first rows, ``spec/drafters/draft_vocab.py``) -> [L, its rows]."""
+        logits = (self.lm_head if head is None else head)(hidden).float()
         if self.logits_mul != 1.0:
             logits = logits * self.logits_mul
         if self.logits_div != 1.0:

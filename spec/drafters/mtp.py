@@ -18,6 +18,7 @@ from hybrid_engine.quantization.kv_scales import attach_kv_scales
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
+from .draft_vocab import DraftVocabHead
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -25,10 +26,15 @@ logger = logging.getLogger("hybrid_engine")
 class MTPDrafter(Drafter):
     has_probs = True             # random rows get draft probabilities (q differs from p)
 
-    def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, kv_dtype, device):
-        """``kv_dtype``: the KV cache's storage dtype (the engine's kv_cache_dtype: the model dtype or FP8)."""
+    def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, kv_dtype, device,
+                 draft_vocab_size: int | None = None):
+        """``kv_dtype``: the KV cache's storage dtype (the engine's kv_cache_dtype: the model dtype or FP8).
+        ``draft_vocab_size``: drafts scored over the first that many vocabulary rows (draft_vocab.py)."""
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
+        # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits
+        self.draft_logits = (target.compute_logits if draft_vocab_size is None
+                             else DraftVocabHead(target, draft_vocab_size))
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, kv_dtype, device)
         self.caches = Caches(self.kv, None)
@@ -77,7 +83,7 @@ class MTPDrafter(Drafter):
         if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
         h, normed = self._step(tokens, hidden, fb)
-        return h[idx], self.target.compute_logits(normed[idx])
+        return h[idx], self.draft_logits(normed[idx])
 
     def _single(self, tok, hidden, pos, block_tables, valid, block_size: int, max_seq: int):
         """One token per row -> (MTP hidden [B, D], logits [B, V]); a graph replay when one fits."""
@@ -86,7 +92,7 @@ class MTPDrafter(Drafter):
             return g.step(tok, hidden, pos, block_tables, valid)
         fb = single_token_batch(tok, pos, block_tables, block_size, torch.zeros_like(pos), valid, max_seq)
         h, normed = self._step(tok, hidden, fb)
-        return h, self.target.compute_logits(normed)
+        return h, self.draft_logits(normed)
 
 
 def cache_footprint(cfg) -> CacheFootprint:
@@ -106,8 +112,12 @@ def make_mtp(build) -> MTPDrafter:
     if not hasattr(build.model, "mtp"):
         raise ValueError("speculative method 'mtp' needs the target built with its MTP layers")
     # the MTP block's KV follows the engine's kv_cache_dtype (scales: its mtp.* layers' own, else 1.0)
+    rows = cfg.speculative.draft_vocab_size
     drafter = MTPDrafter(build.model, num_spec=build.num_spec, num_blocks=build.num_kv_blocks,
-                         block_size=build.block_size, kv_dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device)
+                         block_size=build.block_size, kv_dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device,
+                         draft_vocab_size=rows)
+    if rows is not None:
+        logger.info("MTP drafter: drafts over the first %d of %d vocabulary rows", rows, cfg.model.vocab_size)
     attach_kv_scales(drafter.kv, cfg.model_dir, build.model, mtp=True, what="MTP")
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("MTP drafter: eager (%s)", "enforce_eager" if cfg.enforce_eager else cfg.device.type)

@@ -75,13 +75,13 @@ class MTPGraphs:
         placeholder = _no_mamba(buf.rows, tokens_per_row, buf.v_tokens.device)
         fb = ForwardBatch(buf.v_tokens, buf.v_pos, attn, placeholder, buf.v_idx)
         h, normed = self.drafter._step(buf.v_tokens, buf.v_hidden, fb)
-        return h[buf.v_idx], self.drafter.target.compute_logits(normed[buf.v_idx])
+        return h[buf.v_idx], self.drafter.draft_logits(normed[buf.v_idx])
 
     def _step_body(self, buf: _Bucket):
         fb = single_token_batch(buf.s_tok, buf.s_pos, buf.s_bt, self.block_size, torch.zeros_like(buf.s_pos),
                                 buf.s_valid, self.max_seq)
         h, normed = self.drafter._step(buf.s_tok, buf.s_hidden, fb)
-        return h, self.drafter.target.compute_logits(normed)
+        return h, self.drafter.draft_logits(normed)
 
     @torch.inference_mode()
     def _capture_all(self, device) -> None:

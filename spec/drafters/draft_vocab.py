@@ -1,0 +1,54 @@
+"""A reduced draft vocabulary for the MTP drafter (``SpeculativeConfig.draft_vocab_size``).
+
+Each MTP draft token multiplies the drafter's hidden state by the target's whole lm_head: on a
+131072-row vocabulary that is most of the bytes an MTP proposal reads. ``DraftVocabHead`` scores
+only the first ``rows`` rows (views of the lm_head's tensors, no copy) and returns logits over the
+full vocabulary with -inf beyond them, so the drafters' sampling and draft probabilities work
+unchanged: draft tokens are ids below ``rows`` and their probabilities are zero above. Target
+verification reads the full head, so the outputs are those of the full vocabulary (greedy: the
+same tokens; sampled: the same distribution, rejection sampling being exact for any draft
+distribution). The price is acceptance on tokens beyond ``rows``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def head_rows(head: nn.Module, rows: int) -> nn.Module:
+    """A module computing ``head``'s first ``rows`` outputs: a shallow copy whose per-output-row
+    tensors (weight, bias, per-channel or per-block scales: first dim == out_features) are views of
+    their first ``rows`` rows; per-tensor scales are shared as they are."""
+    out = getattr(head, "out_features", None)
+    if out is None or not hasattr(head, "weight"):
+        raise TypeError(f"draft_vocab_size: the lm_head ({type(head).__name__}) has no per-row weight to take rows of")
+    sub = copy.copy(head)
+    sub._parameters = dict(head._parameters)
+    sub._buffers = dict(head._buffers)
+    for name, t in head._parameters.items():
+        if t is not None and t.dim() >= 1 and t.shape[0] == out:
+            sub._parameters[name] = nn.Parameter(t[:rows], requires_grad=False)     # a view
+    for name, t in head._buffers.items():
+        if t is not None and t.dim() >= 1 and t.shape[0] == out:
+            sub._buffers[name] = t[:rows]
+    sub.out_features = rows
+    return sub
+
+
+class DraftVocabHead:
+    """``compute_logits`` of ``target`` over its first ``rows`` vocabulary rows -> [L, V] float32,
+    -inf beyond ``rows``."""
+
+    def __init__(self, target, rows: int):
+        self.target, self.rows, self.vocab = target, rows, target.cfg.vocab_size
+        self.head = head_rows(target.lm_head, rows)
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        part = self.target.compute_logits(normed, self.head)                        # [L, rows]
+        if self.rows == self.vocab:
+            return part
+        logits = part.new_full((part.shape[0], self.vocab), float("-inf"))
+        logits[:, :self.rows] = part
+        return logits
