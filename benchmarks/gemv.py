@@ -5,7 +5,7 @@ Timing: each call set is captured in a CUDA graph (20 calls, rotating over enoug
 that the working set exceeds L2) and replayed; median over replays; GB/s counts weight + x + y
 bytes once. The summary weights each shape by its calls per 8B decode step.
 
-    python benchmarks/gemv.py [--m 1 4] [--tp 1 2] [--out table.md] [--json f.json]
+    python benchmarks/gemv.py [--m 1 4] [--tp 1 2] [--model 8b|nano] [--out table.md] [--json f.json]
 
 ``--tp 2`` takes each rank's shapes under tensor parallelism of 2 (column-parallel projections
 halve N, row-parallel ones halve K). The "rule" row is what ``skinny_linear`` dispatches to today.
@@ -39,6 +39,11 @@ FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
                                (16, 512, 8), (32, 256, 8), (4, 1024, 4), (2, 1024, 4),
                                (4, 2048, 8), (8, 2048, 8), (2, 2048, 4))]
+# the Nemotron 3 Nano 30B-A3B shapes that go through skinny_linear (its routed and shared experts run
+# the MoE kernels: benchmarks/moe_gemv_sweep.py); hidden 2688 is not a multiple of the K tiles
+NANO_SHAPES = [("mamba in_proj", 10304, 2688, 23), ("mamba out_proj", 2688, 4096, 23),
+               ("attn q_proj", 4096, 2688, 6), ("attn k/v_proj", 256, 2688, 12), ("attn o_proj", 2688, 4096, 6),
+               ("lm_head", 131072, 2688, 1)]
 # per shape: which dim tensor parallelism splits (column-parallel: N, row-parallel: K)
 TP_SPLIT = {"mamba in_proj": "N", "mamba out_proj": "K", "mlp up_proj": "N", "mlp down_proj": "K",
             "attn k/v_proj": "N", "lm_head": "N"}
@@ -63,14 +68,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
+    ap.add_argument("--model", choices=["8b", "nano"], default="8b", help="whose projection shapes (nano: TP=1 only)")
     args = ap.parse_args()
+    if args.model == "nano" and args.tp != [1]:
+        ap.error("--model nano takes --tp 1 only")
     torch.manual_seed(0)
     bw = copy_bandwidth() / 1e9
     head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
             f"copy {bw:.0f} GB/s")
     print(head, flush=True)
     res = []
-    shapes = [(f"{name} (TP={tp})" if tp > 1 else name, N, K, ps) for tp in args.tp for name, N, K, ps in tp_shapes(tp)]
+    shapes = ([(f"{name} (TP={tp})" if tp > 1 else name, N, K, ps) for tp in args.tp for name, N, K, ps in tp_shapes(tp)]
+              if args.model == "8b" else NANO_SHAPES)
     for name, N, K, per_step in shapes:
         wbytes = N * K * 2
         ncopy = max(1, min(8, -(-(200 << 20) // wbytes)))      # > L2 working set
@@ -123,7 +132,7 @@ def main() -> int:
             a[1] += per_step * u["ms"]
             a[2] += per_step * min(c["ms"], t["ms"])
     for (tp, M), (c, u, b) in tot.items():
-        lines.append(f"\nTP={tp} M={M}: projections of one 8B decode step (one rank): cuBLAS {c:.3f} ms, "
+        lines.append(f"\nTP={tp} M={M}: projections of one {args.model} decode step (one rank): cuBLAS {c:.3f} ms, "
                      f"rule {u:.3f} ms, best-of per shape {b:.3f} ms (rule / best {u / b:.3f}x)")
     text = "\n".join(lines)
     print(text, flush=True)

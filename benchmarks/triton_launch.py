@@ -49,9 +49,10 @@ try:
     stream = driver.active.get_current_stream(dev)
     full = args + (1024, True)
     direct = lambda: kern.run(4, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None, *full)
+    d.zero_()
     direct()
     torch.cuda.synchronize()
-    assert torch.allclose(d, a * 1.5 + 0.25)
+    assert torch.allclose(d, a * 1.5 + 0.25), "the direct launch did not run the kernel"
     print(f"direct CompiledKernel.run: {per_call_us(direct):.1f} us")
 except Exception as exc:
     print("direct launch failed:", type(exc).__name__, str(exc)[:300])

@@ -44,7 +44,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "embedded trained draft)")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="--spec mtp: draft over the first N vocabulary ids only (cheaper drafts on large "
-                        "vocabularies; same outputs) (default: the whole vocabulary)")
+                        "vocabularies; greedy outputs unchanged) (default: the whole vocabulary)")
     p.add_argument("--sync", action="store_true",
                    help="disable async scheduling (no step in flight while the host commits; same tokens)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

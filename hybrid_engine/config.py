@@ -216,8 +216,10 @@ class SpeculativeConfig:
     # method="mtp": the MTP head scores only the first draft_vocab_size vocabulary rows (byte-level
     # BPE ids run roughly from frequent to rare), so each of the K draft tokens reads that share of
     # the lm_head instead of all of it (the 131072-row head is most of an 8B MTP proposal's bytes).
-    # Drafts are then ids below it; verification is unchanged, so outputs are too (greedy and
-    # sampled: the draft probabilities are zero beyond it). None: the whole vocabulary.
+    # Drafts are then ids below it; verification is unchanged, so greedy outputs are identical and
+    # sampled outputs keep their distribution (the draft probabilities are zero beyond it; a seeded
+    # sampled request may still draw other tokens, as with any change of drafter). None: the whole
+    # vocabulary.
     draft_vocab_size: int | None = None
 
     def __post_init__(self):
@@ -333,10 +335,10 @@ class EngineConfig:
                 and self.model.num_nextn_predict_layers < 1):
             raise ValueError("speculative method 'mtp' needs a model with MTP layers "
                              "(num_nextn_predict_layers >= 1 in config.json), this model has none")
-        if self.speculative is not None and self.speculative.draft_vocab_size is not None:
-            self._check_draft_vocab(self.speculative.draft_vocab_size)
         _check_int("seed", self.seed, 0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.speculative is not None and self.speculative.draft_vocab_size is not None:
+            self._check_draft_vocab(self.speculative.draft_vocab_size)
         if self.cache.kv_fp8:
             self._check_fp8_kv_cache()
         if self.tensor_parallel_size > 1:

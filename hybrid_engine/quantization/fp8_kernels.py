@@ -140,26 +140,49 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
 
 @triton.jit
 def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
-    float32: the grid step is 2^(e - 3) for the binade [2^e, 2^(e+1)), 2^-9 below 2^-6 (subnormals).
-    Rounding here, not in the cast, makes the cast of an exact value exact on every backend (Triton's
-    interpreter drops the carry when a cast rounds up into the next binade, e.g. 124.3 -> 64).
-    v / step is exact (a power of two) and below 16 in magnitude, so adding and removing 1.5 * 2^23
-    rounds it to an integer, ties to even, in float32 arithmetic; v's sign bit is put back so a
-    negative value that rounds to zero gives -0, as the cast does."""
+    """v (float32, |v| <= 448 or NaN) rounded to the nearest float8_e4m3fn value, ties to even, still
+    in float32: the grid step is 2^(e - 3) for the binade [2^e, 2^(e+1)), 2^-9 below 2^-6
+    (subnormals). Rounding here, not in the cast, makes the cast of an exact value exact on every
+    backend (Triton's interpreter drops the carry when a cast rounds up into the next binade, e.g.
+    124.3 -> 64). v times 1 / step (both powers of two built from bits: exact) is below 16 in
+    magnitude, so adding and removing 1.5 * 2^23 rounds it to an integer, ties to even, in float32
+    arithmetic; v's sign bit is put back so a negative value that rounds to zero gives -0, as the
+    cast does. NaN stays NaN."""
     bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((v / step + 12582912.0) - 12582912.0) * step
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3          # log2 of the grid step
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    r = ((v * inv_step + 12582912.0) - 12582912.0) * step
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,
+def _row_scale(m, nan_seen):
+    """The dynamic scale of a row from its amax ``m`` (NaN-free max) and whether it held a NaN:
+    torch's amax is NaN then, and ``where(amax > 0, amax / 448, 1)`` gives 1; an inf amax gives an
+    inf scale (its codes: 0 for finite values, NaN for the infs), as in ``quantize_activations``."""
+    return tl.where((m > 0) & (nan_seen == 0), tl.math.div_rn(m, 448.0), 1.0)
+
+
+@triton.jit
+def _quantize(xv, s):
+    """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448), NaN kept as the NaN code 0x7F
+    (torch.clamp keeps it; the interpreter's cast would not), rounded in float32 first."""
+    q = tl.math.div_rn(xv, s)
+    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    code = _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(q != q, 0x7F, code).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
                           STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row), stored to
-    s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in float8_e4m3fn, divided with
-    round-to-nearest (div_rn) so every code equals ``quantize_activations``' torch arithmetic."""
+    """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
+    NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
+    float8_e4m3fn, divided with round-to-nearest (div_rn) so every code equals
+    ``quantize_activations``' torch arithmetic, NaN and inf included (a NaN stays a NaN code, so
+    the engine's non-finite check still sees it after the projection)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
     if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
@@ -169,29 +192,27 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,
         if STATIC:
             s = tl.load(in_scale_ptr).to(tl.float32)
         else:
-            m = tl.max(tl.abs(xv), axis=0)
-            s = tl.where(m > 0, tl.math.div_rn(m, 448.0), 1.0)
+            s = _row_scale(tl.max(tl.abs(xv), axis=0), tl.max((xv != xv).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(xv, s), -448.0), 448.0))
-        tl.store(q_ptr + row * sqm + offs, q.to(q_ptr.dtype.element_ty), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s), mask=mk)
         return
     if STATIC:
         s = tl.load(in_scale_ptr).to(tl.float32)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        nan_seen = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(xv))
-        m = tl.max(amax, axis=0)
-        s = tl.where(m > 0, tl.math.div_rn(m, 448.0), 1.0)
+            nan_seen = tl.maximum(nan_seen, (xv != xv).to(tl.int32))
+        s = _row_scale(tl.max(amax, axis=0), tl.max(nan_seen, axis=0))
         tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
         xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(xv, s), -448.0), 448.0))
-        tl.store(q_ptr + row * sqm + offs, q.to(q_ptr.dtype.element_ty), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s), mask=mk)
 
 
 def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, block_k: int = 8192
@@ -205,6 +226,9 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fp8: x must be [M, K] with a unit inner stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"quantize_rows_fp8: input_scale must have one element (a per-tensor scale), got "
+                         f"shape {tuple(input_scale.shape)}")
     M, K = x.shape
     x_q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     static = input_scale is not None
@@ -213,6 +237,6 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     if M == 0:
         return x_q, scale
     bk = min(block_k, max(16, triton.next_power_of_2(K)))
-    _quantize_rows_kernel[(M,)](x, x_q, scale, scale, K, x.stride(0), x_q.stride(0), STATIC=static,
-                                BLOCK_K=bk, ONE_PASS=K <= bk, num_warps=4 if bk <= 2048 else 8)
+    _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
+                                STATIC=static, BLOCK_K=bk, ONE_PASS=K <= bk, num_warps=4 if bk <= 2048 else 8)
     return x_q, scale

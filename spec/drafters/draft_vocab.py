@@ -20,7 +20,9 @@ from torch import nn
 def head_rows(head: nn.Module, rows: int) -> nn.Module:
     """A module computing ``head``'s first ``rows`` outputs: a shallow copy whose per-output-row
     tensors (weight, bias, per-channel or per-block scales: first dim == out_features) are views of
-    their first ``rows`` rows; per-tensor scales are shared as they are."""
+    their first ``rows`` rows; per-tensor scales are shared as they are. Views of the tensors the
+    head holds now: the drafter is built after loading and quantization, and nothing replaces the
+    lm_head's tensors later (a reload would need a new drafter)."""
     out = getattr(head, "out_features", None)
     if out is None or not hasattr(head, "weight"):
         raise TypeError(f"draft_vocab_size: the lm_head ({type(head).__name__}) has no per-row weight to take rows of")

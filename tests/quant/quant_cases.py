@@ -122,8 +122,13 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = codes[torch.isfinite(codes)].sort().values
     mids = (grid[1:] + grid[:-1]) / 2
-    special = torch.tensor([1e-30, -1e-30, 600.0, -600.0, 2.0 ** -10, 2.0 ** -11 * 1.01, -0.0])
+    special = torch.tensor([1e-30, -1e-30, 600.0, -600.0, 2.0 ** -10, 2.0 ** -11 * 1.01, -0.0, 3e38, -3e38])
     inputs = [(torch.cat([grid, mids, mids * (1 + 1e-7), mids * (1 - 1e-7), special])[None], torch.ones(()))]
+    nonfinite = torch.tensor([[float("nan"), 1.0, -2.0, 3.0, 0.5],            # NaN: torch's scale is 1
+                              [float("inf"), 1.0, -2.0, 3.0, 0.5],            # inf: scale inf, codes 0 / NaN
+                              [-float("inf"), float("nan"), 7.0, 0.0, -1.0],
+                              [1.0, -2.0, 3.0, 250.0, 1e-3]])
+    inputs += [(nonfinite, None), (nonfinite, torch.tensor(0.5)), (nonfinite.to(torch.bfloat16), None)]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for M, K in shapes:
             x = (torch.randn(M, K + 3, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(dtype)[:, 3:]
@@ -136,8 +141,11 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
         with poisoned_empty():
             q, s = impl(x.to(device), None if in_scale is None else in_scale.to(device), **kw)
         assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, (q.dtype, q.shape)
-        assert torch.equal(s.cpu(), ref_s), f"scales differ for {tuple(x.shape)} {x.dtype}"
-        bad = (q.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+        assert torch.equal(s.cpu(), ref_s), f"scales differ for {tuple(x.shape)} {x.dtype}: {s.cpu()} {ref_s}"
+        qf, rf = q.cpu().float(), ref_q.float()
+        assert torch.equal(qf.isnan(), rf.isnan()), f"NaN codes differ for {tuple(x.shape)} {x.dtype}"
+        finite = ~rf.isnan()                          # (the NaN byte's sign differs between devices)
+        bad = (q.cpu().view(torch.uint8)[finite] != ref_q.view(torch.uint8)[finite]).sum().item()
         assert bad == 0, f"{bad} codes differ for {tuple(x.shape)} {x.dtype} static={in_scale is not None}"
         n += q.numel()
     return n

@@ -71,6 +71,24 @@ def test_greedy_outputs_and_drafts(target, prompts, reference):
     full_drafts = torch.cat([d.reshape(-1) for d, _ in full_seen])
     assert (full_drafts >= rows).any(), "the full head drafts ids beyond the limit: the test has teeth"
     assert st["drafts_proposed"] > 0
+    assert len(set(drafts[drafts >= 0].tolist())) > 1      # (which rows: test_draft_logits_are_the_heads_first_rows)
+
+
+def test_draft_logits_are_the_heads_first_rows(target):
+    """The reduced head's logits equal the full compute_logits on the first rows (same weights,
+    same scaling) and are -inf beyond: a head taking other rows, or none, fails here."""
+    from hybrid_engine.spec.drafters.draft_vocab import DraftVocabHead
+    model = LLM(target, dtype="float32", device=DEV, num_kv_blocks=16).engine.model
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, model.cfg.hidden_size, generator=g).to(DEV)
+    rows = 37
+    with torch.inference_mode():
+        full = model.compute_logits(h)
+        part = DraftVocabHead(model, rows)(h)
+    assert part.shape == full.shape and part.dtype == torch.float32
+    torch.testing.assert_close(part[:, :rows], full[:, :rows], rtol=1e-6, atol=1e-6)
+    assert torch.isneginf(part[:, rows:]).all()
+    assert torch.equal(part[:, :rows].argmax(-1), full[:, :rows].argmax(-1))
 
 
 def test_sampled_draft_probabilities_stay_inside(target, prompts):
@@ -78,27 +96,39 @@ def test_sampled_draft_probabilities_stay_inside(target, prompts):
     params = [SamplingParams(max_tokens=8, temperature=0.9, seed=5 + i, ignore_eos=True) for i in range(len(prompts))]
     toks, st, seen = _run_recording(target, prompts, params, draft_vocab_size=rows)
     assert all(len(t) == 8 for t in toks)
-    probs = [p for _, p in seen if p is not None]
-    assert probs
-    for (drafts, _), p in zip(seen, probs):
+    assert any(p is not None for _, p in seen)
+    for drafts, p in seen:
+        if p is None:
+            continue
         assert torch.all(p[..., rows:] == 0)
         live = drafts >= 0
         assert torch.allclose(p[live].sum(-1), torch.ones(int(live.sum())), atol=1e-5)
         assert (drafts[live] < rows).all()
 
 
-@pytest.mark.parametrize("method", ["linear", "fp8", "nvfp4"])
-def test_head_rows_views_the_first_rows(method):
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("method", ["linear", "fp8_channel", "fp8_tensor", "fp8_channel_n1", "nvfp4"])
+def test_head_rows_views_the_first_rows(method, bias):
     from hybrid_engine.models.linear import Linear
     from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
     from hybrid_engine.spec.drafters.draft_vocab import head_rows
     g = torch.Generator().manual_seed(0)
-    lin = Linear(64, 96, bias=False)
+    lin = Linear(64, 96, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(96, 64, generator=g))
-    head = {"linear": lin, "fp8": Fp8Linear.quantized_from(lin, per_channel=True) if method == "fp8" else None,
-            "nvfp4": Nvfp4Linear.quantized_from(lin) if method == "nvfp4" else None}[method]
+        if bias:
+            lin.bias.copy_(torch.randn(96, generator=g))
+    if method == "linear":
+        head = lin
+    elif method == "nvfp4":
+        head = Nvfp4Linear.quantized_from(lin)
+    else:
+        head = Fp8Linear.quantized_from(lin, per_channel=method != "fp8_tensor")
+        if method == "fp8_channel_n1":                  # a stored [N, 1] scale
+            head.weight_scale = torch.nn.Parameter(head.weight_scale.data.reshape(96, 1), requires_grad=False)
     sub = head_rows(head, 37)
+    if method == "fp8_tensor":                          # the per-tensor scale is shared, not sliced
+        assert sub.weight_scale.dim() == 0 and sub.weight_scale.data_ptr() == head.weight_scale.data_ptr()
     x = torch.randn(3, 64, generator=g)
     assert sub.out_features == 37 and head.out_features == 96
     torch.testing.assert_close(sub(x), head(x)[:, :37], rtol=1e-6, atol=1e-5)
