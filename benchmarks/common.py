@@ -123,6 +123,24 @@ def graph_ms(calls, reps: int = 20, replays: int = 7) -> float:
     return t
 
 
+def time_candidates(label: str, cands, weights, ref):
+    """A kernel sweep's timing loop: each ``(kind, cfg, fn)`` of ``cands`` is checked once against
+    ``ref`` (max abs error over max |ref|) on ``weights[0]``, then timed by ``graph_ms`` over calls
+    cycling through ``weights`` (copies beyond L2). Yields ``(kind, cfg, ms, err)``; a config that
+    fails to compile or run is printed and skipped."""
+    for kind, cfg, fn in cands:
+        try:
+            err = float((fn(weights[0]).float() - ref).abs().max() / ref.abs().max())
+            calls = [lambda w=w, fn=fn: fn(w) for w in weights]
+            for c in calls:
+                c()
+            ms = graph_ms(calls)
+        except Exception as exc:  # a config that does not compile: report, go on
+            print(f"  {label} {kind} {cfg}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
+            continue
+        yield kind, cfg, ms, err
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, graph_ms  # noqa: E402
+from benchmarks.common import copy_bandwidth, graph_ms, time_candidates  # noqa: E402
 from benchmarks.gemv import SHAPES  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
 from hybrid_engine.quantization.fp8 import quantize_activations, quantize_fp8  # noqa: E402
@@ -58,16 +58,7 @@ def decode(ms_list, bw, res):
             cands += [("dot", c, lambda a, x=x, c=c: fp8_skinny_linear_dot(x, *a, **c)) for c in DOT_CFGS]
             if M == 1:
                 cands += [("fma", c, lambda a, x=x, c=c: fp8_skinny_linear_fma(x, *a, **c)) for c in FMA_CFGS]
-            for kind, cfg, fn in cands:
-                try:
-                    err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
-                    calls = [lambda a=a, fn=fn: fn(a) for a in ws]
-                    for c in calls:
-                        c()
-                    ms = graph_ms(calls)
-                except Exception as exc:  # a config that does not compile: report, go on
-                    print(f"  {name} M={M} {kind} {cfg}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
-                    continue
+            for kind, cfg, ms, err in time_candidates(f"{name} M={M}", cands, ws, ref):
                 nbytes = N * K + 4 * N + (M * K + M * N) * 2
                 res.append(dict(part="decode", shape=name, N=N, K=K, M=M, per_step=per_step, kind=kind, cfg=cfg,
                                 ms=ms, pct=100 * nbytes / (ms * 1e-3) / 1e9 / bw, err=err))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, graph_ms  # noqa: E402
+from benchmarks.common import copy_bandwidth, time_candidates  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
 
 # (name, N, K, calls per decode step of the 8B shape)
@@ -93,17 +93,7 @@ def main() -> int:
             if M <= 4:
                 cands += [("fma", c, lambda w, x=x, c=c: skinny_linear_fma(x, w, **c))
                           for c in FMA_CFGS]
-            for kind, cfg, fn in cands:
-                try:
-                    err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
-                    calls = [lambda w=w, fn=fn: fn(w) for w in ws]
-                    for c in calls:
-                        c()
-                    ms = graph_ms(calls)
-                except Exception as exc:  # a config that does not compile: report, go on
-                    print(f"  {name} M={M} {kind} {cfg}: FAILED {type(exc).__name__}: {exc}"[:300],
-                          flush=True)
-                    continue
+            for kind, cfg, ms, err in time_candidates(f"{name} M={M}", cands, ws, ref):
                 r = dict(shape=name, N=N, K=K, M=M, per_step=per_step, kind=kind, cfg=cfg, ms=ms,
                          pct=100 * nbytes / (ms * 1e-3) / 1e9 / bw, err=err)
                 res.append(r)
