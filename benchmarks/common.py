@@ -141,6 +141,17 @@ def time_candidates(label: str, cands, weights, ref):
         yield kind, cfg, ms, err
 
 
+def sweep_header() -> tuple[str, float]:
+    """(the header line of a kernel sweep: device, torch, date, copy GB/s; copy bandwidth in GB/s),
+    printed; the random seed fixed."""
+    torch.manual_seed(0)
+    bw = copy_bandwidth() / 1e9
+    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+            f"copy {bw:.0f} GB/s")
+    print(head, flush=True)
+    return head, bw
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

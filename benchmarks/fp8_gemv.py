@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, graph_ms, time_candidates  # noqa: E402
+from benchmarks.common import graph_ms, sweep_header, time_candidates  # noqa: E402
 from benchmarks.gemv import SHAPES  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
 from hybrid_engine.quantization.fp8 import quantize_activations, quantize_fp8  # noqa: E402
@@ -148,11 +147,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    bw = copy_bandwidth() / 1e9
-    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-            f"copy {bw:.0f} GB/s")
-    print(head, flush=True)
+    head, bw = sweep_header()
     res = []
     if args.m:
         decode(args.m, bw, res)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, time_candidates  # noqa: E402
+from benchmarks.common import sweep_header, time_candidates  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
 
 # (name, N, K, calls per decode step of the 8B shape)
@@ -72,11 +71,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.model == "nano" and args.tp != [1]:
         ap.error("--model nano takes --tp 1 only")
-    torch.manual_seed(0)
-    bw = copy_bandwidth() / 1e9
-    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-            f"copy {bw:.0f} GB/s")
-    print(head, flush=True)
+    head, bw = sweep_header()
     res = []
     shapes = ([(f"{name} (TP={tp})" if tp > 1 else name, N, K, ps) for tp in args.tp for name, N, K, ps in tp_shapes(tp)]
               if args.model == "8b" else NANO_SHAPES)
