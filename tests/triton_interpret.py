@@ -23,9 +23,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cases(script: Path, timeout: int = 300) -> dict[str, tuple[str, str]]:
+def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tuple[str, str]]:
     """-> {case: (status, detail)} plus "_stderr"; skips when Triton (or a working interpreter)
-    is missing, fails when the script reports nothing."""
+    is missing, fails when the script reports nothing.
+
+    The cases are split over ``shards`` processes run side by side (``CASE_SHARD=i/n``: shard i
+    runs every n-th case, see ``shard_of``; at most one per CPU core): the interpreter is one
+    Python thread per process, so on a 2-core machine two shards take about half the time. Every
+    case still runs exactly once."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton not installed")
     import numpy
@@ -37,18 +42,42 @@ def run_cases(script: Path, timeout: int = 300) -> dict[str, tuple[str, str]]:
                PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent), str(Path(__file__).resolve().parent),
                                            os.environ.get("PYTHONPATH", "")]))
     env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    n = max(1, min(shards, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, CASE_SHARD=f"{i}/{n}"), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    outs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            outs.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     res = {}
-    for line in proc.stdout.splitlines():
-        m = re.match(r"CASE (\S+) (OK|FAIL) ?(.*)", line)
-        if m:
-            res[m.group(1)] = (m.group(2), m.group(3))
-    if not res:
-        pytest.fail(f"interpreter run produced no results (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    res["_stderr"] = proc.stderr
+    for _, stdout, _ in outs:
+        for line in stdout.splitlines():
+            m = re.match(r"CASE (\S+) (OK|FAIL) ?(.*)", line)
+            if m:
+                assert m.group(1) not in res, f"case {m.group(1)} ran in two shards"
+                res[m.group(1)] = (m.group(2), m.group(3))
+    if not res or any(rc != 0 and not re.search(r"^CASE ", out, re.M) for rc, out, _ in outs):
+        pytest.fail("interpreter run produced no results:\n" + "\n".join(
+            f"shard {i} (rc {rc}):\n{out[-2000:]}\n{err[-4000:]}" for i, (rc, out, err) in enumerate(outs)))
+    res["_stderr"] = "\n".join(err for _, _, err in outs)
     return res
+
+
+def shard_of(names) -> list:
+    """The names this process runs: all of them, or every n-th from the i-th when the caller
+    (``run_cases``) set ``CASE_SHARD=i/n``."""
+    names = list(names)
+    shard = os.environ.get("CASE_SHARD")
+    if not shard:
+        return names
+    i, n = (int(v) for v in shard.split("/"))
+    return names[i::n]
 
 
 def assert_case(results: dict, name: str) -> None:
@@ -60,9 +89,9 @@ def assert_case(results: dict, name: str) -> None:
 def case_main(cases: dict, names, run: Callable = lambda case: case()) -> int:
     """A cases script's main loop: run each named case (all when ``names`` is empty) and print its
     ``CASE name OK detail`` / ``CASE name FAIL error`` line; a failing case is reported and the
-    rest still run. ``run(case)`` -> the OK line's detail. Returns the exit status."""
+    rest still run. Under ``run_cases`` each process runs its shard of the names (``shard_of``). ``run(case)`` -> the OK line's detail. Returns the exit status."""
     failed = 0
-    for name in names or cases:
+    for name in shard_of(names or cases):
         t0 = time.time()
         try:
             detail = run(cases[name])

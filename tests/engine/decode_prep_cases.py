@@ -135,7 +135,9 @@ def with_header(kernel):
 
 def main() -> int:
     from hybrid_engine.step.triton_decode_prep import triton_prepare_decode
-    for name, kw in CASES.items():
+    from triton_interpret import shard_of
+    for name in shard_of(CASES):
+        kw = CASES[name]
         for seed in range(3):
             try:
                 check(triton_prepare_decode, seed=seed, **kw)
