@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -27,10 +28,10 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
     """-> {case: (status, detail)} plus "_stderr"; skips when Triton (or a working interpreter)
     is missing, fails when the script reports nothing.
 
-    The cases are split over ``shards`` processes run side by side (``CASE_SHARD=i/n``: shard i
-    runs every n-th case, see ``shard_of``; at most one per CPU core): the interpreter is one
-    Python thread per process, so on a 2-core machine two shards take about half the time. Every
-    case still runs exactly once."""
+    The cases are split over ``shards`` processes run side by side (at most one per CPU core),
+    which take the cases in turn from a shared claims folder (``CASE_CLAIMS``, see ``claimed``):
+    the interpreter is one Python thread per process, so on a 2-core machine two shards take about
+    half the time. Every case still runs exactly once."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton not installed")
     import numpy
@@ -43,8 +44,9 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
                                            os.environ.get("PYTHONPATH", "")]))
     env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves
     n = max(1, min(shards, os.cpu_count() or 1))
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, CASE_SHARD=f"{i}/{n}"), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    claims = tempfile.TemporaryDirectory(prefix="case_claims_")
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, CASE_CLAIMS=claims.name), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
     outs = []
     try:
         for proc in procs:
@@ -55,6 +57,7 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        claims.cleanup()
     res = {}
     for _, stdout, _ in outs:
         for line in stdout.splitlines():
@@ -69,15 +72,18 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
     return res
 
 
-def shard_of(names) -> list:
-    """The names this process runs: all of them, or every n-th from the i-th when the caller
-    (``run_cases``) set ``CASE_SHARD=i/n``."""
-    names = list(names)
-    shard = os.environ.get("CASE_SHARD")
-    if not shard:
-        return names
-    i, n = (int(v) for v in shard.split("/"))
-    return names[i::n]
+def claimed(name: str) -> bool:
+    """Whether this process runs case ``name``: always, unless ``run_cases`` started several
+    processes with a shared ``CASE_CLAIMS`` folder; then the first process to create the case's
+    file there takes it (the others skip it), so the shards share the cases as they free up."""
+    claims = os.environ.get("CASE_CLAIMS")
+    if not claims:
+        return True
+    try:
+        os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def assert_case(results: dict, name: str) -> None:
@@ -89,9 +95,12 @@ def assert_case(results: dict, name: str) -> None:
 def case_main(cases: dict, names, run: Callable = lambda case: case()) -> int:
     """A cases script's main loop: run each named case (all when ``names`` is empty) and print its
     ``CASE name OK detail`` / ``CASE name FAIL error`` line; a failing case is reported and the
-    rest still run. Under ``run_cases`` each process runs its shard of the names (``shard_of``). ``run(case)`` -> the OK line's detail. Returns the exit status."""
+    rest still run. Under ``run_cases`` each process runs the cases it claims first (``claimed``).
+    ``run(case)`` -> the OK line's detail. Returns the exit status."""
     failed = 0
-    for name in shard_of(names or cases):
+    for name in names or cases:
+        if not claimed(name):
+            continue
         t0 = time.time()
         try:
             detail = run(cases[name])
