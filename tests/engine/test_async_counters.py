@@ -10,8 +10,28 @@ from hybrid_engine.scheduling.request import Status
 
 # --------------------------------------------------------------------------- (b) counter drift
 
+@pytest.fixture(scope="module")
+def drift_plan(hybrid_dir):
+    """The counter-drift workload and its no-spec reference outputs (the same for both
+    scheduling modes, so generated once): (prompts, max_tokens, reference outputs)."""
+    rng = np.random.default_rng(500)
+    n_req = 40
+    plan_prompts = [rng.integers(3, 256, int(rng.integers(1, 41))).tolist() for _ in range(n_req)]
+    max_toks = [int(rng.integers(60, 180)) for _ in range(n_req)]
+    base = make_llm(hybrid_dir, None, **{**DRIFT_KW, "max_num_seqs": 8}).generate(
+        plan_prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_toks], use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in base]
+    # transformers (teacher-forced) on every 4th request: a superset of the ones each test reaches
+    for i in range(0, n_req, 4):
+        assert_hf_greedy(hybrid_dir, plan_prompts[i], ref[i])
+    return plan_prompts, max_toks, ref
+
+
+DRIFT_KW = dict(max_num_seqs=3, max_num_batched_tokens=24, block_size=16, num_kv_blocks=64)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_b_counters_do_not_drift_over_500_steps(hybrid_dir, oracle, async_scheduling):
+def test_b_counters_do_not_drift_over_500_steps(hybrid_dir, oracle, drift_plan, async_scheduling):
     """K=4, random acceptance, >= 500 steps, requests arriving over time (max_num_seqs=3, no
     preemption). Definitions, for a running request r with prompt length P and O committed outputs:
 
@@ -27,15 +47,9 @@ def test_b_counters_do_not_drift_over_500_steps(hybrid_dir, oracle, async_schedu
     no-spec run and transformers' greedy continuation."""
     k = 4
     table, made = oracle
-    rng = np.random.default_rng(500)
-    n_req = 40
-    plan_prompts = [rng.integers(3, 256, int(rng.integers(1, 41))).tolist() for _ in range(n_req)]
-    max_toks = [int(rng.integers(60, 180)) for _ in range(n_req)]
-    kw = dict(max_num_seqs=3, max_num_batched_tokens=24, block_size=16, num_kv_blocks=64)
-    base = make_llm(hybrid_dir, None, **{**kw, "max_num_seqs": 8}).generate(
-        plan_prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_toks], use_tqdm=False)
-    ref = [o.outputs[0].token_ids for o in base]
-    llm = make_llm(hybrid_dir, k, async_scheduling=async_scheduling, **kw)
+    plan_prompts, max_toks, ref = drift_plan
+    n_req = len(plan_prompts)
+    llm = make_llm(hybrid_dir, k, async_scheduling=async_scheduling, **DRIFT_KW)
     eng = llm.engine
     made[0].p_wrong, made[0].p_none = 0.4, 0.1
     spy = Spy(eng)
@@ -88,8 +102,6 @@ def test_b_counters_do_not_drift_over_500_steps(hybrid_dir, oracle, async_schedu
                     accepted.append(spy.out[sid][r.req_id][1])
     assert set(accepted) == set(range(1, k + 2))       # acceptance really was random over 1..K+1
     spy.check_decode_rows_read_their_own_state({rid: r.prompt_token_ids for rid, r in reqs.items()})
-    for i in range(0, next_req, 4):                    # transformers (teacher-forced) on a subset
-        assert_hf_greedy(hybrid_dir, plan_prompts[i], ref[i])
 
 
 

@@ -2,7 +2,8 @@
 
 Each schedule (2-6 requests, prompts of 1..40 tokens, max_tokens 1..12, random arrival steps,
 random aborts between steps, greedy and seeded sampling, some stop tokens) drives ``EngineCore``
-directly, step by step, once with ``async_scheduling=True`` and once with ``False``, on tiny caches
+directly, step by step, once with ``async_scheduling=True`` and once with ``False`` (on a model of
+one Mamba, attention, MLP and MoE block plus an MTP layer: ``fuzz_dir``), on tiny caches
 (preemption) and small token budgets (chunked prefill). For every request that was not aborted:
  - async and sync give identical tokens and finish reasons;
  - greedy requests equal transformers' greedy continuation (``hf_greedy``, cached per prompt),
@@ -50,6 +51,14 @@ CACHE_CONFIGS = [
 
 
 @pytest.fixture(scope="module")
+def fuzz_dir(model_dirs):
+    """One block of each kind (Mamba, attention, MLP, MoE) plus an MTP layer: every cache and
+    drafter path the schedules exercise, at half the depth of the engine-core model (the
+    invariants here are about scheduling, slots and blocks, not depth)."""
+    return model_dirs("fuzz", pattern="M*-E", seed=1, num_nextn_predict_layers=1)
+
+
+@pytest.fixture(scope="module")
 def pool():
     rng = np.random.default_rng(2024)
     lens = np.concatenate([[1, 2, 16, 17, 40], rng.integers(1, 41, POOL_SIZE - 5)])
@@ -57,26 +66,26 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def hf_refs(hybrid_dir):
+def hf_refs(fuzz_dir):
     cache = {}
 
     def get(prompt):
         key = tuple(prompt)
         if key not in cache:
-            cache[key] = hf_greedy(hybrid_dir, [list(prompt)], MAX_TOKENS)[0]
+            cache[key] = hf_greedy(fuzz_dir, [list(prompt)], MAX_TOKENS)[0]
         return cache[key]
     return get
 
 
 @pytest.fixture(scope="module")
-def engines(hybrid_dir):
+def engines(fuzz_dir):
     cache = {}
 
     def get(async_scheduling, spec, cfg):
         key = (async_scheduling, spec, cfg)
         if key not in cache:
             seqs, budget, bs, blocks = cfg
-            cache[key] = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=seqs,
+            cache[key] = LLM(fuzz_dir, dtype="float32", device=DEV, max_num_seqs=seqs,
                              max_num_batched_tokens=budget, block_size=bs, num_kv_blocks=blocks,
                              speculative_config=spec, async_scheduling=async_scheduling).engine
         return cache[key]
@@ -84,10 +93,10 @@ def engines(hybrid_dir):
 
 
 @pytest.fixture(scope="module")
-def solo(hybrid_dir):
+def solo(fuzz_dir):
     """Seeded requests decoded without speculation on a roomy engine (seeded sampling is batch
     invariant, so a schedule's requests are generated together), cached."""
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=8)
+    llm = LLM(fuzz_dir, dtype="float32", device=DEV, max_num_seqs=8)
     cache = {}
 
     def get(items):
@@ -170,8 +179,8 @@ def expected_greedy(ref, sp):
 
 @pytest.mark.parametrize("spec_name", SPEC_CONFIGS)
 @pytest.mark.parametrize("seed", range(NUM_SCHEDULES))
-def test_fuzz_async_equals_sync_equals_reference(seed, spec_name, pool, hf_refs, engines, solo, hybrid_dir):
-    spec = make_spec(spec_name, hybrid_dir)
+def test_fuzz_async_equals_sync_equals_reference(seed, spec_name, pool, hf_refs, engines, solo, fuzz_dir):
+    spec = make_spec(spec_name, fuzz_dir)
     cfg, reqs = make_schedule(seed, pool, hf_refs)
     res = {mode: drive(engines(mode, spec, cfg), reqs) for mode in (True, False)}
     kept = [r for r in reqs if r["abort"] is None]

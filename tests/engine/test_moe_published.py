@@ -59,11 +59,17 @@ def test_reduced_copies_keep_the_published_moe_shape(nano_dir, super_dir):
     assert load_hf(nano_dir).config.moe_latent_size is None
 
 
+@pytest.fixture(scope="module")
+def nano_ref(nano_dir):
+    """The Nano prompts and transformers' greedy continuations (the same for both scheduling modes)."""
+    prompts = _prompts(4, [150, 7, 131, 40], seed=5)
+    return prompts, hf_greedy(nano_dir, prompts, max_new_tokens=8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_nano_greedy_equals_transformers(nano_dir, async_scheduling):
-    prompts = _prompts(4, [150, 7, 131, 40], seed=5)
-    ref = hf_greedy(nano_dir, prompts, max_new_tokens=8)
+def test_nano_greedy_equals_transformers(nano_dir, nano_ref, async_scheduling):
+    prompts, ref = nano_ref
     # chunked prefill (64-token budget < 150-token prompt), preemption (few KV blocks)
     llm = LLM(nano_dir, dtype="float32", device=DEV, max_num_seqs=3, max_num_batched_tokens=64,
               block_size=16, num_kv_blocks=22, async_scheduling=async_scheduling)

@@ -9,3 +9,8 @@ collect_ignore_glob = ["test_*.py"] if _MISSING else []
 if _MISSING:
     import warnings
     warnings.warn(f"tests/server skipped: {', '.join(_MISSING)} not installed (pip install -e '.[test]')")
+else:
+    # the OpenAI-API server (openai_case.py), session-scoped: test_openai_api.py and
+    # test_openai_load.py share one server process instead of starting one each (the metric and
+    # abort tests count deltas from their own start; an idle server uses no CPU until teardown)
+    from openai_case import oai, server  # noqa: E402,F401 (fixtures)

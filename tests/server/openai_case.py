@@ -1,7 +1,9 @@
 """The server the OpenAI-API tests drive, and their in-process reference (``test_openai_api.py``,
-``test_openai_load.py``): one real ``hybrid-engine serve`` process per test module (embedded
-default model, n-gram speculative decoding, an API key, a chat template from a file) and
-``AsyncLLM`` run directly without speculation. Test modules import the fixtures by name."""
+``test_openai_load.py``): one real ``hybrid-engine serve`` process shared by both modules (embedded
+default model, n-gram speculative decoding, an API key, a chat template from a file; the
+session-scoped ``server`` and ``oai`` fixtures, which tests/server/conftest.py provides) and
+``AsyncLLM`` run directly without speculation (``direct``, per module: test modules import it by
+name)."""
 import asyncio
 
 import pytest
@@ -20,7 +22,7 @@ PROMPTS = ["The river ran through the old town", "Once upon a time, a small robo
            "1 2 3 4 1 2 3 4 1 2", "the cat sat on the mat and the cat"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     tpl = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     tpl.write_text(TEMPLATE)
@@ -30,7 +32,7 @@ def server(tmp_path_factory):
     check_clean_exit(srv)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def oai(server):
     return client(server, KEY)
 

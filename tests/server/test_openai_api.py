@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from openai_case import GREEDY, KEY, MAX_TOKENS, PROMPTS, _chat_ids, direct, oai, server  # noqa: F401 (fixtures)
+from openai_case import GREEDY, KEY, MAX_TOKENS, PROMPTS, _chat_ids, direct  # noqa: F401 (fixture)
 from server_harness import client
 from hybrid_engine import AsyncLLM, SamplingParams
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from openai_case import GREEDY, KEY, MAX_TOKENS, PROMPTS, _chat_ids, direct, oai, server  # noqa: F401 (fixtures)
+from openai_case import GREEDY, KEY, MAX_TOKENS, PROMPTS, _chat_ids, direct  # noqa: F401 (fixture)
 from server_harness import wait_idle
 
 
