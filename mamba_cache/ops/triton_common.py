@@ -133,6 +133,10 @@ class FastLaunch:
         entry = None if self._broken else self._cache.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kw)
+            if compiled is None and not self._broken:   # Triton's interpreter returns no handle
+                self._broken = True
+                logger.info("%s: no compiled handle (Triton's interpreter?); using the normal launch path",
+                            getattr(self.kernel, "__name__", self.kernel))
             if not self._broken:
                 consts = [kw[n] for n in self.names[len(args):]]
                 self._cache[key] = (compiled, consts, {})
