@@ -72,7 +72,8 @@ def _llm(args):
     from hybrid_engine import LLM, SpeculativeConfig
     spec = None
     if args.draft_vocab_size is not None and args.spec != "mtp":
-        raise ValueError(f"--draft-vocab-size is used by --spec mtp only, got --spec {args.spec}")
+        raise ValueError("--draft-vocab-size is used by --spec mtp only, got "
+                         + (f"--spec {args.spec}" if args.spec else "no --spec"))
     if args.spec:
         draft = args.draft_model
         if args.spec == "draft_model" and draft is None and args.model is None:

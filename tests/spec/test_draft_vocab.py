@@ -150,3 +150,23 @@ def test_draft_vocab_size_checked_against_the_model(target):
         LLM(target, device=DEV, speculative_config=SpeculativeConfig("mtp", 2, draft_vocab_size=10**6))
     with pytest.raises(ValueError, match="draft_vocab_size.*tensor_parallel_size"):
         LLM(target, device=DEV, tensor_parallel_size=2, speculative_config=SpeculativeConfig("mtp", 2, draft_vocab_size=8))
+
+
+def test_cli_flag(capsys, monkeypatch):
+    """``--draft-vocab-size`` reaches the MTP drafter with ``--spec mtp`` and is refused without it."""
+    from hybrid_engine.cli import main
+    from hybrid_engine.spec.drafters import mtp as mtp_mod
+    built = []
+
+    class Recording(mtp_mod.DraftVocabHead):
+        def __init__(self, target, rows):
+            built.append(rows)
+            super().__init__(target, rows)
+    monkeypatch.setattr(mtp_mod, "DraftVocabHead", Recording)
+    assert main(["generate", "--spec", "mtp", "--draft-vocab-size", "1024", "--max-tokens", "6",
+                 "--prompt", "def main():", "--no-progress", "--device", "cpu"]) == 0
+    assert "mean acceptance length" in capsys.readouterr().out
+    assert built == [1024]
+    rc = main(["generate", "--draft-vocab-size", "1024", "--max-tokens", "2", "--prompt", "x", "--device", "cpu"])
+    assert rc != 0
+    assert "--draft-vocab-size is used by --spec mtp only, got no --spec" in capsys.readouterr().err
