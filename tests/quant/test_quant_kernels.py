@@ -130,3 +130,16 @@ def test_fp8_stored_scale_shapes(shape):
     s = torch.rand(shape, generator=g) + 0.5
     want = x @ (w_q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))).T
     torch.testing.assert_close(fp8_linear(x, w_q, s), want, rtol=1e-6, atol=1e-6)
+
+
+def test_quantize_rows_refuses_bad_inputs():
+    """The prefill quantizer names what is wrong before any launch: a per-channel input_scale, or x
+    that is not [M, K] with a unit inner stride."""
+    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="input_scale must have one element"):
+        quantize_rows_fp8(x, torch.ones(32))
+    with pytest.raises(ValueError, match=r"x must be \[M, K\] with a unit inner stride"):
+        quantize_rows_fp8(x.t())
+    with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
+        quantize_rows_fp8(x[None])
