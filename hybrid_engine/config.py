@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .device_dtype import resolve_device, resolve_dtype  # noqa: F401 (also the public names here)
 from .quantization.config import QuantConfig, resolve_quantization
 
 # Layer kinds, one character each, as in ``hybrid_override_pattern``; HYBRID is a layer holding a
@@ -248,66 +249,6 @@ class SpeculativeConfig:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
             if self.method != "mtp":
                 raise ValueError(f"draft_vocab_size is used by method='mtp' only, got method={self.method!r}")
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
-
-
-def _dtype_from_name(name: str) -> torch.dtype | None:
-    name = name.removeprefix("torch.")
-    return _DTYPES.get(_DTYPE_ALIASES.get(name, name))
-
-
-def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
-    allowed = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-    if isinstance(name, torch.device):
-        name = str(name)
-    if not isinstance(name, str):
-        raise ValueError(f"device must be {allowed}, got {name!r}")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device must be {allowed}, got {name!r}") from None
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device must be {allowed}, got {name!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available; use 'cpu' or 'auto'")
-    n = torch.cuda.device_count()
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not 0 <= index < n:
-        raise ValueError(f"device={name!r} but only {n} CUDA device(s) exist (cuda:0..cuda:{n - 1})")
-    return torch.device("cuda", index)
-
-
-def resolve_dtype(name: str | torch.dtype, model_cfg: ModelConfig | None = None,
-                  device: torch.device | str | None = None) -> torch.dtype:
-    """"auto" -> the config's ``torch_dtype`` when it names float32/bfloat16/float16, otherwise
-    float32 on CPU and bfloat16 on CUDA (``device`` None means ``resolve_device("auto")``)."""
-    allowed = "'auto', 'float32', 'bfloat16' or 'float16'"
-    if isinstance(name, torch.dtype):
-        if name in _DTYPES.values():
-            return name
-        raise ValueError(f"dtype must be {allowed}, got {name}")
-    if not isinstance(name, str):
-        raise ValueError(f"dtype must be {allowed}, got {name!r}")
-    if name != "auto":
-        dt = _dtype_from_name(name)
-        if dt is None:
-            raise ValueError(f"dtype must be {allowed}, got {name!r}")
-        return dt
-    if model_cfg is not None and model_cfg.torch_dtype:
-        dt = _dtype_from_name(str(model_cfg.torch_dtype))
-        if dt is not None:
-            return dt
-    dev = resolve_device("auto") if device is None else torch.device(device)
-    return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)
