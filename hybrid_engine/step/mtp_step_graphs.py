@@ -59,7 +59,7 @@ class MTPStepGraphs(SpecStepGraphs):
         idx = rows * tokens_per_row + last_idx                                # [B] newest sample's token
         h, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb)
         mtp_hidden = h[idx]                                                   # [B, D]
-        tok = d.draft_logits(normed[idx]).argmax(-1)                          # [B] draft 1
+        tok = d.draft_argmax(normed[idx])                                     # [B] draft 1
         drafts = [tok]
         # pad rows (>= N, the staged header) write nothing and read at most the null block's
         # first positions, as the MTP graphs' pads: their next_start is a stale buffer value
@@ -72,7 +72,7 @@ class MTPStepGraphs(SpecStepGraphs):
             sfb = single_token_batch(tok, pos, block_tables, self.block_size, torch.zeros_like(pos), valid,
                                      self.max_seq)
             mtp_hidden, normed = d._step(tok, mtp_hidden, sfb)
-            tok = d.draft_logits(normed).argmax(-1)
+            tok = d.draft_argmax(normed)
             drafts.append(tok)
         return torch.where(valid[:, None], torch.stack(drafts, 1), -1)        # [B, K]
 

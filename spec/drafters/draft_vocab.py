@@ -47,6 +47,11 @@ class DraftVocabHead:
         self.target, self.rows, self.vocab = target, rows, target.cfg.vocab_size
         self.head = head_rows(target.lm_head, rows)
 
+    def argmax(self, normed: torch.Tensor) -> torch.Tensor:
+        """[L] the greedy draft ids: the argmax over the first rows, with no full-width logits (the
+        -inf columns never win; ties and NaN rows resolve as on the padded logits)."""
+        return self.target.compute_logits(normed, self.head).argmax(-1)
+
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         part = self.target.compute_logits(normed, self.head)                        # [L, rows]
         if self.rows == self.vocab:

@@ -32,9 +32,10 @@ class MTPDrafter(Drafter):
         ``draft_vocab_size``: drafts scored over the first that many vocabulary rows (draft_vocab.py)."""
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
-        # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits
-        self.draft_logits = (target.compute_logits if draft_vocab_size is None
-                             else DraftVocabHead(target, draft_vocab_size))
+        # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits, and -> [L] greedy draft ids
+        head = None if draft_vocab_size is None else DraftVocabHead(target, draft_vocab_size)
+        self.draft_logits = target.compute_logits if head is None else head
+        self.draft_argmax = (lambda normed: target.compute_logits(normed).argmax(-1)) if head is None else head.argmax
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, kv_dtype, device)
         self.caches = Caches(self.kv, None)
