@@ -49,6 +49,7 @@ class Preset:
     mtp_weight: float = 0.5       # loss = next-token + mtp_weight * next-next-token
     warmup_steps: int = 50
     save_dtype: str = "float32"   # stored tensor dtype
+    bf16_autocast: bool = False   # CUDA training under bf16 autocast (weights and optimizer state stay float32)
     config_dtype: str = "float32"  # config.json "dtype" (what `dtype="auto"` runs in)
     extra: dict = field(default_factory=dict)
 
@@ -96,6 +97,21 @@ PRESETS = {
         seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=210.0,
         corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=32, warmup_steps=100,
         save_dtype="bfloat16", config_dtype="bfloat16"),
+    # a target large enough that a batch-1 decode step on an H100 reads more bytes than its kernels
+    # wait on launches (~175M params incl. MTP: 18 blocks, hidden 1024), trained under bf16 autocast
+    # in the spec benchmark's own device call
+    "bench-large": Preset(
+        "bench-large", vocab_size=16384,
+        target=dict(pattern="M-M-M*-M-M-M*-M-ME", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=64, intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64, n_groups=4,
+                    ssm_state_size=128, conv_kernel=4, chunk_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=1024, moe_shared_expert_intermediate_size=1024, **_MOE),
+        draft=dict(pattern="M*-", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32,
+                   conv_kernel=4, chunk_size=128),
+        seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=210.0,
+        corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=16, warmup_steps=100,
+        save_dtype="float32", config_dtype="float32", bf16_autocast=True),
 }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .corpus import HELDOUT_FRAC, build_corpus
+from .fast_scan import training_scan
 from .evaluate import engine_losses, heldout_windows, hf_loss, training_losses
 from .models import (Preset, TargetWithMTP, count_params, draft_loss, draft_model, hf_config_for,
                      mtp_tensors, save_hf, write_json)
@@ -138,6 +139,10 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     bar = tqdm(total=p.max_steps if p.max_steps < 100_000 else None, desc=f"train[{p.name}]", unit="step",
                disable=not progress, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     n_max = train_stream.numel() - (p.seq_len + 1)
+    # bf16 autocast (CUDA only): matmuls in bf16, weights, optimizer state, norms and the scan in float32
+    if p.bf16_autocast and dev.type != "cuda":
+        raise ValueError("bf16 autocast is for CUDA training only; drop --bf16-autocast or use --device cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=p.bf16_autocast)
     arange = torch.arange(p.seq_len + 1)
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}
     next_log = 0.0
@@ -152,13 +157,15 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
                 group["lr"] = lr * f
         starts = torch.randint(0, n_max + 1, (p.batch_size,), generator=g)
         batch = train_stream[starts[:, None] + arange].to(dev, non_blocking=True)    # [B, T+1]
-        main, mtp = target.losses(batch)
+        with training_scan(), autocast:
+            main, mtp = target.losses(batch)
         loss = main + p.mtp_weight * mtp
         opt_t.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
         opt_t.step()
-        dl = draft_loss(draft, batch)
+        with training_scan(), autocast:
+            dl = draft_loss(draft, batch)
         opt_d.zero_grad(set_to_none=True)
         dl.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -226,7 +233,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         "config": {"target": p.target, "draft": p.draft, "mtp_pattern": "*E", "seq_len": p.seq_len,
                    "batch_size": p.batch_size, "lr": p.lr, "draft_lr": p.draft_lr, "mtp_weight": p.mtp_weight,
                    "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype,
-                   "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC},
+                   "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC,
+                   "bf16_autocast": p.bf16_autocast, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
         "steps": step, "tokens_seen": tokens, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "final_train_loss": last, "heldout_loss": heldout, "loss_png": plotted, "history": history,
         "folders": {"target": str(target_dir), "draft": str(draft_dir)},

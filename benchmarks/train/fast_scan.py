@@ -1,0 +1,104 @@
+"""A differentiable chunked SSD scan for training, built from batched matmuls.
+
+Why: on a machine without mamba-ssm, transformers' Nemotron-H mixer runs its PyTorch chunked scan.
+Some transformers releases (5.17, on our GPU machine) write its contractions as broadcast products
+followed by ``sum``, materialising ``[batch, chunk, L, L, heads, state]`` tensors: on the ``bench``
+preset that is ~13 GB per layer and ~15 k tokens/s of training on an H100. The same math written
+as matmuls needs ``[batch, chunk, heads, L, L]`` at most.
+
+``chunk_scan`` takes the arguments of transformers' ``mamba2_chunk_scan`` and computes the same
+function (tests/train/test_fast_scan.py compares values and gradients with it);
+``training_scan()`` puts it in place of that function inside the Nemotron-H modeling module for
+the duration of a ``with`` block, so evaluation after training still runs transformers' own code.
+
+Shapes: b batch, T tokens (padded to c chunks of L), h heads in g groups of q = h / g heads,
+p head dim, n state size.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _exp_segsum(a: torch.Tensor) -> torch.Tensor:
+    """[..., L] log decays -> [..., L, L] with [i, j] = exp(a[j+1] + ... + a[i]) for j <= i, else 0.
+    Summed by a masked cumsum (not a difference of prefix sums), so long decays do not cancel."""
+    L = a.shape[-1]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
+    s = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(~strict, 0.0), dim=-2)
+    return torch.exp(s.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=a.device)),
+                                   -math.inf))
+
+
+def chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+               dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False, z=None, **_):
+    """hidden_states [b, T, h, p], dt [b, T, h], A [h], B / C [b, T, g, n], D [h] ->
+    y [b, T, h, p] float32 (and the final state [b, h, p, n] with ``return_final_states``)."""
+    if z is not None:
+        raise ValueError("chunk_scan: a gate z is not supported (the Nemotron-H mixer passes z=None)")
+    b, T, h, p = hidden_states.shape
+    g, n = B.shape[-2:]
+    q, L = h // g, chunk_size
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1]).float()
+    x = hidden_states.float()
+    pad = (-T) % L
+    c = (T + pad) // L
+
+    def chunks(t):                                        # [b, T, ...] -> [b, c, L, ...], zero padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(b, c, L, *t.shape[2:])
+
+    xdt = chunks(x * dt[..., None]).permute(0, 1, 3, 2, 4)              # [b, c, h, L, p]
+    a = chunks(A.float() * dt).permute(0, 1, 3, 2)                      # [b, c, h, L] log decay
+    Bc = chunks(B.float()).permute(0, 1, 3, 2, 4)                       # [b, c, g, L, n]
+    Cc = chunks(C.float()).permute(0, 1, 3, 2, 4)                       # [b, c, g, L, n]
+    a_cum = torch.cumsum(a, dim=-1)                                     # [b, c, h, L]
+
+    # inside a chunk: y_i = sum_{j <= i} (C_i . B_j) exp(a_{j+1..i}) dt_j x_j
+    CB = Cc @ Bc.transpose(-1, -2)                                      # [b, c, g, L, L]
+    W = (CB[:, :, :, None] * _exp_segsum(a).view(b, c, g, q, L, L))     # [b, c, g, q, L, L]
+    y = W.view(b, c, h, L, L) @ xdt                                     # [b, c, h, L, p]
+
+    # the state each chunk leaves from a zero start: sum_j exp(a_{j+1..L}) dt_j x_j B_j^T
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)                         # [b, c, h, L]
+    xw = (xdt * to_end[..., None]).transpose(-1, -2)                    # [b, c, h, p, L]
+    S = (xw.view(b, c, g, q, p, L) @ Bc[:, :, :, None]).view(b, c, h, p, n)
+
+    # across chunks: the state entering chunk k = sum_{m <= k} exp(decays of chunks m..k-1) S_m,
+    # with S_0 the initial state
+    S0 = (torch.zeros_like(S[:, :1]) if initial_states is None
+          else initial_states[:, None].to(device=S.device, dtype=S.dtype))
+    S_all = torch.cat([S0, S], dim=1)                                   # [b, c+1, h, p, n]
+    across = _exp_segsum(F.pad(a_cum[..., -1].transpose(1, 2), (1, 0)))  # [b, h, c+1, c+1]
+    entering = (across @ S_all.permute(0, 2, 1, 3, 4).reshape(b, h, c + 1, p * n))
+    entering = entering.view(b, h, c + 1, p, n)
+    states, final = entering[:, :, :-1], entering[:, :, -1]             # [b, h, c, p, n], [b, h, p, n]
+
+    # add what the entering state contributes: exp(a_{1..i}) C_i . state
+    st = states.view(b, g, q, c, p, n).permute(0, 3, 1, 2, 5, 4)        # [b, c, g, q, n, p]
+    y_in = (Cc[:, :, :, None] @ st).view(b, c, h, L, p) * torch.exp(a_cum)[..., None]
+    y = (y + y_in).permute(0, 1, 3, 2, 4).reshape(b, c * L, h, p)
+    if D is not None:
+        y = y + D.float()[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    y = y[:, :T]
+    return (y, final) if return_final_states else y
+
+
+@contextlib.contextmanager
+def training_scan():
+    """Inside the block, transformers' Nemotron-H mixers run ``chunk_scan`` for their chunked scan."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+    saved = m.mamba2_chunk_scan
+    m.mamba2_chunk_scan = chunk_scan
+    try:
+        yield
+    finally:
+        m.mamba2_chunk_scan = saved
