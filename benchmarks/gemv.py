@@ -5,7 +5,12 @@ Timing: each call set is captured in a CUDA graph (20 calls, rotating over enoug
 that the working set exceeds L2) and replayed; median over replays; GB/s counts weight + x + y
 bytes once. The summary weights each shape by its calls per 8B decode step.
 
-    python benchmarks/gemv.py [--m 1 4] [--tp 1 2] [--model 8b|nano] [--out table.md] [--json f.json]
+    python benchmarks/gemv.py [--m 1 4] [--tp 1 2] [--model 8b|nano|bench-large] [--dtype bfloat16|float32]
+                              [--out table.md] [--json f.json]
+
+``--dtype float32`` times cuBLAS against the FMA kernel only (the float32 rule, ``skinny_linear_f32``,
+uses it for 1-8 rows); ``--model bench-large`` takes the projections of the trained spec-benchmark
+target (benchmarks/train/models.py).
 
 ``--tp 2`` takes each rank's shapes under tensor parallelism of 2 (column-parallel projections
 halve N, row-parallel ones halve K). The "rule" row is what ``skinny_linear`` dispatches to today.
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import sweep_header, time_candidates  # noqa: E402
-from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
+from hybrid_engine.models.skinny_linear import (skinny_linear, skinny_linear_dot, skinny_linear_f32,  # noqa: E402
+                                                skinny_linear_fma)
 
 # (name, N, K, calls per decode step of the 8B shape)
 SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24),
@@ -37,12 +43,19 @@ DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
                                (16, 512, 8), (32, 256, 8), (4, 1024, 4), (2, 1024, 4),
-                               (4, 2048, 8), (8, 2048, 8), (2, 2048, 4))]
+                               (4, 2048, 8), (8, 2048, 8), (2, 2048, 4), (2, 512, 4), (4, 256, 4),
+                               (8, 256, 4), (1, 1024, 4))]
 # the Nemotron 3 Nano 30B-A3B shapes that go through skinny_linear (its routed and shared experts run
 # the MoE kernels: benchmarks/moe_gemv_sweep.py); hidden 2688 is not a multiple of the K tiles
 NANO_SHAPES = [("mamba in_proj", 10304, 2688, 23), ("mamba out_proj", 2688, 4096, 23),
                ("attn q_proj", 4096, 2688, 6), ("attn k/v_proj", 256, 2688, 12), ("attn o_proj", 2688, 4096, 6),
                ("lm_head", 131072, 2688, 1)]
+# the bench-large preset's target (hidden 1024, 8 Mamba / 7 MLP / 2 attention blocks; its MoE block runs
+# the MoE kernels)
+BENCH_LARGE_SHAPES = [("mamba in_proj", 5152, 1024, 8), ("mamba out_proj", 1024, 2048, 8),
+                      ("mlp up_proj", 4096, 1024, 7), ("mlp down_proj", 1024, 4096, 7),
+                      ("attn q/o_proj", 1024, 1024, 4), ("attn k/v_proj", 256, 1024, 4),
+                      ("lm_head", 16384, 1024, 1)]
 # per shape: which dim tensor parallelism splits (column-parallel: N, row-parallel: K)
 TP_SPLIT = {"mamba in_proj": "N", "mamba out_proj": "K", "mlp up_proj": "N", "mlp down_proj": "K",
             "attn k/v_proj": "N", "lm_head": "N"}
@@ -67,25 +80,31 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
-    ap.add_argument("--model", choices=["8b", "nano"], default="8b", help="whose projection shapes (nano: TP=1 only)")
+    ap.add_argument("--model", choices=["8b", "nano", "bench-large"], default="8b",
+                    help="whose projection shapes (nano, bench-large: TP=1 only)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
-    if args.model == "nano" and args.tp != [1]:
-        ap.error("--model nano takes --tp 1 only")
+    if args.model != "8b" and args.tp != [1]:
+        ap.error(f"--model {args.model} takes --tp 1 only")
+    dtype = getattr(torch, args.dtype)
+    esize = torch.tensor([], dtype=dtype).element_size()
     head, bw = sweep_header()
     res = []
     shapes = ([(f"{name} (TP={tp})" if tp > 1 else name, N, K, ps) for tp in args.tp for name, N, K, ps in tp_shapes(tp)]
-              if args.model == "8b" else NANO_SHAPES)
+              if args.model == "8b" else NANO_SHAPES if args.model == "nano" else BENCH_LARGE_SHAPES)
+    rule = skinny_linear_f32 if dtype == torch.float32 else skinny_linear
     for name, N, K, per_step in shapes:
-        wbytes = N * K * 2
+        wbytes = N * K * esize
         ncopy = max(1, min(8, -(-(200 << 20) // wbytes)))      # > L2 working set
-        ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) * 0.02 for _ in range(ncopy)]
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).to(dtype) for _ in range(ncopy)]
         for M in args.m:
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            ref = F.linear(x.float(), ws[0].float())
-            nbytes = wbytes + (M * K + M * N) * 2
-            cands = [("cublas", {}, lambda w, x=x: F.linear(x, w)), ("rule", {}, lambda w, x=x: skinny_linear(x, w))]
-            cands += [("dot", c, lambda w, x=x, c=c: skinny_linear_dot(x, w, **c)) for c in DOT_CFGS]
-            if M <= 4:
+            x = torch.randn(M, K, device="cuda").to(dtype)
+            ref = F.linear(x.double(), ws[0].double()).float()
+            nbytes = wbytes + (M * K + M * N) * esize
+            cands = [("cublas", {}, lambda w, x=x: F.linear(x, w)), ("rule", {}, lambda w, x=x: rule(x, w))]
+            if dtype != torch.float32:        # float32 tl.dot (ieee) is slower than cuBLAS: not swept
+                cands += [("dot", c, lambda w, x=x, c=c: skinny_linear_dot(x, w, **c)) for c in DOT_CFGS]
+            if M <= 8:
                 cands += [("fma", c, lambda w, x=x, c=c: skinny_linear_fma(x, w, **c))
                           for c in FMA_CFGS]
             for kind, cfg, ms, err in time_candidates(f"{name} M={M}", cands, ws, ref):

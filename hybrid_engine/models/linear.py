@@ -2,9 +2,12 @@
 ``skinny_linear`` (one launch per projection, no split-K reduction kernel; 1.10x cuBLAS over the
 projections of an 8B batch-1 decode step on an H100) and everything else to ``F.linear``.
 
-The fast path takes 16-bit weights and 2-D inputs with at most ``MAX_ROWS`` rows and a unit inner
-stride; float32 models (the reference tests) always use ``F.linear``. The backend is logged once
-through ``kernel_backend``; ``HYBRID_ENGINE_KERNELS=torch`` turns the fast path off.
+The fast path takes 2-D inputs with at most ``MAX_ROWS`` rows, a unit inner stride and weights of
+the input's dtype. 16-bit rows go to ``skinny_linear`` (FMA kernel for one row, dot kernel for
+more); float32 rows go to ``skinny_linear_f32``, one FMA config for 1-8 rows, so a verify step's
+rows get the same projection sums as a one-token step's (cuBLAS picks different kernels, with
+different summation orders, for 1 and 4 rows). The backend is logged once through
+``kernel_backend``; ``HYBRID_ENGINE_KERNELS=torch`` turns the fast path off.
 """
 from __future__ import annotations
 
@@ -15,15 +18,15 @@ from torch import nn
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
 _MAX_ROWS = 8
-_FAST_DTYPES = (torch.bfloat16, torch.float16)
+_FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if (x.dim() == 2 and x.shape[0] <= _MAX_ROWS and x.is_cuda and x.dtype in _FAST_DTYPES
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and kernel_backend("skinny_linear", x.device) == "triton"):
-        from .skinny_linear import skinny_linear
-        return skinny_linear(x, weight, bias)
+        from .skinny_linear import skinny_linear, skinny_linear_f32
+        return (skinny_linear_f32 if x.dtype == torch.float32 else skinny_linear)(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -8,7 +8,10 @@ also costs a launch gap. These kernels give one launch per projection, float32 a
   times the [BLOCK_K, BLOCK_N] weight tile with ``tl.dot``, so Triton's pipeliner prefetches the
   weight tiles ``num_stages`` deep.
 - ``_linear_fma_kernel``: one program per BLOCK_N output features, products accumulated in a
-  [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no tensor cores; x rows <= 4).
+  [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no tensor cores; x rows <= 8).
+  Each row runs the same code whatever the number of rows, so a row's result does not depend on
+  the rows beside it: float32 models use it for 1-8 rows (``skinny_linear_f32``), and a verify step's
+  rows then get the projections a one-token step computes, bit for bit.
 ``skinny_linear_ref`` (= ``F.linear``) is the reference twin. The choice between these and
 cuBLAS is made by ``hybrid_engine.models.linear`` from H100 measurements (benchmarks/gemv.py).
 """
@@ -108,9 +111,10 @@ def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warp
 
 def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps=4,
                       num_stages=2):
-    """x [M <= 4, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
-    return _launch(_linear_fma_kernel, x, weight, bias, 4, block_n, num_warps, num_stages,
-                   M_ROWS=4 if x.shape[0] > 1 else 1, BLOCK_K=block_k)
+    """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
+    M = x.shape[0]
+    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages,
+                   M_ROWS=1 if M <= 1 else (4 if M <= 4 else 8), BLOCK_K=block_k)
 
 
 # configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md);
@@ -129,6 +133,18 @@ def _dot_config(N: int, K: int) -> dict:
         # 40.3 us at M = 4 there, 56.4 -> 57.2 us on the H100 of 2026-11-22)
         return dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+
+
+# float32 (the exact-comparison dtype): one config for every row count, so a row's sums are the same
+# in a one-token step and in a verify step. From the H100 float32 sweep of 2026-11-26 over the
+# bench-large projections (benchmarks/gemv.py --dtype float32 --model bench-large): one step's
+# projections 0.256 ms at 1 row (cuBLAS 0.299), 0.395 at 4 (cuBLAS 0.471), 0.630 at 8 (cuBLAS 0.581)
+_F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
+
+
+def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """float32 x [M <= 8, K] @ weight[N, K]^T (+ bias): the FMA kernel with one config for all M."""
+    return skinny_linear_fma(x, weight, bias, **_F32_CONFIG)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

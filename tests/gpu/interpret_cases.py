@@ -197,7 +197,9 @@ CASES = {
                                                                                           (2, 2, True))],
     "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
-        for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300))],
+        for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300), (6, 20, 90))],
+    "linear_fma_rows_invariant": lambda: kc.check_linear_rows_invariant(
+        lambda x, w, b: skinny_linear_fma(x, w, b, block_n=8, block_k=64), "cpu", 8, 21, 150),
     "linear_dot": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_dot(
         x, w, b, block_n=32, block_k=64), "cpu", F32, M, N, K, bias=M != 3, seed=M)
         for M, N, K in ((1, 37, 100), (3, 64, 256), (16, 65, 129))],

@@ -326,6 +326,25 @@ def check_norm(impl, device, dtype, T, I, group_size, eps=1e-5, seed=0, tol=None
 
 # ----------------------------------------------------------------------------- skinny linear
 
+def check_linear_rows_invariant(impl, device, M, N, K, seed=0):
+    """float32 impl(x, weight, bias): each of M rows equals, bit for bit, the same row computed
+    alone and within every shorter prefix of the rows (a verify step's rows vs a one-token step's)."""
+    g = _gen(seed)
+    x = torch.randn(M, K, generator=g).to(device)
+    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(device)
+    b = torch.randn(N, generator=g).to(device)
+    poison_allocator(device)
+    full = impl(x, w, b)
+    assert_close(full.cpu().double(), torch.nn.functional.linear(x.cpu().double(), w.cpu().double(),
+                                                                   b.cpu().double()), 1e-5, "rows")
+    for m in range(1, M):
+        part = impl(x[:m], w, b)
+        assert torch.equal(part, full[:m]), f"rows 0..{m - 1} computed alone differ from within {M} rows"
+    for r in range(M):
+        assert torch.equal(impl(x[r:r + 1], w, b), full[r:r + 1]), f"row {r} alone differs"
+    return {"rows": M}
+
+
 def check_linear(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     """impl(x, weight, bias) vs F.linear in float64 on the same (rounded) inputs; x is a strided
     row view (unit inner stride) as hidden-state slices are in the model."""
