@@ -230,6 +230,20 @@ class StepClock:
 _CLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def count_plans(runner) -> dict[str, int]:
+    """Counts, by class name, the plan the runner chooses for each step from now on (fused step
+    graphs or a general plan): the returned dict fills as steps run; clear it to start over."""
+    plans: dict[str, int] = {}
+    choose = runner._choose_plan
+
+    def counted_choose(step):
+        plan = choose(step)
+        plans[type(plan).__name__] = plans.get(type(plan).__name__, 0) + 1
+        return plan
+    runner._choose_plan = counted_choose
+    return plans
+
+
 def step_clock(llm) -> StepClock:
     """The one ``StepClock`` of ``llm``'s engine (made on first use: wrapping the runner twice
     would count every launch twice)."""

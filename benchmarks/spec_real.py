@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import count_plans  # noqa: E402
 from benchmarks.spec_report import markdown, plot  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
@@ -133,10 +134,13 @@ def stat_delta(after: dict, before: dict) -> dict:
                 draft_acceptance_rate=acc / prop if prop else 0.0, per_position=per)
 
 
-def time_cell(llm, prompts, params, args) -> tuple[float, list, dict]:
-    """-> (median seconds, outputs of the last run, acceptance stats over the timed runs)."""
+def time_cell(llm, prompts, params, args, plans: dict) -> tuple[float, list, dict]:
+    """-> (median seconds, outputs of the last run, acceptance stats over the timed runs, with
+    ``steps_by_plan``: which plan took the timed runs' steps, per run; ``plans`` is the engine's
+    ``count_plans`` dict)."""
     llm.generate(prompts, params, use_tqdm=False)                      # warm-up (graphs, caches)
     before = copy.deepcopy(llm.stats())                                # stats() shares its lists
+    plans.clear()
     times, outs = [], None
     for _ in range(args.repeats):
         sync(args.device)
@@ -144,7 +148,9 @@ def time_cell(llm, prompts, params, args) -> tuple[float, list, dict]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         sync(args.device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), [o.outputs[0].token_ids for o in outs], stat_delta(llm.stats(), before)
+    stats = stat_delta(llm.stats(), before)
+    stats["steps_by_plan"] = {name: n / args.repeats for name, n in sorted(plans.items())}
+    return statistics.median(times), [o.outputs[0].token_ids for o in outs], stats
 
 
 def free() -> None:
@@ -171,13 +177,14 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                       **engine_kw)
             if method.endswith("-general"):
                 llm.engine.runner.drop_fused_plans(proposing_only=True)
+            plans = count_plans(llm.engine.runner)
             if tok is None:
                 tok = llm.tokenizer
                 prompts = build_prompts(tok, heldout_files(args), max(batches), args.prompt_tokens, args.max_tokens)
             for wl in args.workloads:
                 for b in batches:
                     ps, params = prompts[wl][:b], params_for(wl, b, args.max_tokens)
-                    secs, outs, st = time_cell(llm, ps, params, args)
+                    secs, outs, st = time_cell(llm, ps, params, args, plans)
                     n_tok = sum(len(o) for o in outs)
                     row = dict(workload=wl, method=method, k=k, batch=b, seconds=secs, tokens=n_tok,
                                tok_s=n_tok / secs, **st)
@@ -204,8 +211,8 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                         else:                  # n-gram sample-and-compare keeps the no-spec tokens too
                             row["sampled_equal"] = outs == ref_outs
                     rows.append(row)
-                    logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  AL %.2f", wl, method, k, b,
-                                row["tok_s"], row["speedup"], row["acceptance_length"])
+                    logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  AL %.2f  steps by plan %s", wl, method,
+                                k, b, row["tok_s"], row["speedup"], row["acceptance_length"], row["steps_by_plan"])
             del llm
             free()
     return rows
@@ -277,12 +284,13 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                 p = rates.get(method)
                 spec = spec_config(method, k, args, str(draft), forced=p) if method != "none" else None
                 llm = LLM(str(target), speculative_config=spec, **engine_kw)
+                plans = count_plans(llm.engine.runner)
                 vocab = llm.engine.cfg.model.vocab_size
                 g = torch.Generator().manual_seed(0)
                 for b in sorted(args.forced_batches):
                     prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
                     params = [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b
-                    secs, outs, st = time_cell(llm, prompts, params, args)
+                    secs, outs, st = time_cell(llm, prompts, params, args, plans)
                     n_tok = sum(len(o) for o in outs)
                     row = dict(shape=shape, method=method, k=0 if method == "none" else k, batch=b,
                                forced_rate=p, tok_s=n_tok / secs, seconds=secs, **st)

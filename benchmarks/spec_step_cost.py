@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepClock, random_weights, save_json  # noqa: E402
+from benchmarks.common import StepClock, count_plans, random_weights, save_json  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
 
@@ -75,15 +75,7 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
         host.append(time.perf_counter() - t0)
         return h
     llm.engine.runner.execute = timed_execute
-    runner = llm.engine.runner                     # which plan takes each step (fused or general)
-    plans: dict[str, int] = {}
-    choose = runner._choose_plan
-
-    def counted_choose(step):
-        plan = choose(step)
-        plans[type(plan).__name__] = plans.get(type(plan).__name__, 0) + 1
-        return plan
-    runner._choose_plan = counted_choose
+    plans = count_plans(llm.engine.runner)         # which plan takes each step (fused or general)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     run = lambda: llm.generate([prompt], params, use_tqdm=False)  # noqa: E731
     host.clear()
