@@ -37,6 +37,7 @@ logger = logging.getLogger("hybrid_engine")
 
 class DraftModelStepGraphs(SpecStepGraphs):
     name = "draft-model"
+    verifies_no_drafts = True    # the drafter follows every step (its caches)
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int, max_model_len: int):

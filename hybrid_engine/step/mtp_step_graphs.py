@@ -38,6 +38,7 @@ logger = logging.getLogger("hybrid_engine")
 
 class MTPStepGraphs(SpecStepGraphs):
     name = "MTP"
+    verifies_no_drafts = True    # the drafter follows every step (its caches)
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int, max_model_len: int):

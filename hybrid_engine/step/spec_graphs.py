@@ -19,7 +19,13 @@ so the host's calls are the subclass's ``_before_replay`` (usually nothing), one
 array, one replay and the D2H of the payload, as for a greedy step. Parities, waits on the D2H of a
 parity's payload and the copy-in of a previous step that did not come from these graphs work as
 in ``greedy_graphs.py``. Taken only for decode-only steps whose rows are all greedy and a width
-captured here. Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton kernel),
+captured here. Width 0 (adaptive speculation resting every row) is captured for the model-based
+drafters (``verifies_no_drafts``): their drafter must follow every step to keep its caches (the MTP
+layers' KV, the draft model's states), so such a step is a one-token forward, its argmax and the
+proposal; without it that step fell to the general path (on the bench-large target at batch 8,
+55 of a draft-model run's 127 steps, at the general path's host cost). The n-gram drafter's width-0
+steps are the greedy graphs' (``greedy_graphs.py``) with the n-gram kernel after the replay.
+Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton kernel),
 ``mtp_step_graphs.MTPStepGraphs`` (the MTP layers), ``draft_model_step_graphs.DraftModelStepGraphs``
 (the draft model's forwards).
 """
@@ -60,15 +66,17 @@ class SpecStepGraphs:
     fused = True          # replay() runs the whole step
     proposes = True       # ... the drafter's proposal included: the runner only finishes it
     name = "spec"         # in the capture log line
+    verifies_no_drafts = False   # also capture width 0 (model drafters: see the module docstring)
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int):
         """``widths``: the draft counts a step may verify (``adaptive.draft_counts``; a count k
-        runs the executor's forward of 1 + k tokens per row). Counts 0 and those without a
-        captured forward are left to other plans."""
+        runs the executor's forward of 1 + k tokens per row). Counts without a captured forward,
+        and 0 unless ``verifies_no_drafts``, are left to other plans."""
         self.ex, self.drafter, self.block_size = executor, drafter, block_size
         self.num_spec = K = num_spec
-        self.draft_counts = tuple(k for k in widths if k > 0 and 1 + k in executor.graphs_by_width)
+        self.draft_counts = tuple(k for k in widths if (k > 0 or (self.verifies_no_drafts and K > 0))
+                                  and 1 + k in executor.graphs_by_width)
         if not self.draft_counts:
             raise ValueError(f"no captured forward width among {widths}")
         self.batch: InputBatch | None = None
@@ -86,6 +94,7 @@ class SpecStepGraphs:
         self.verified_drafts = {k: e64(bmax, k) for k in self.draft_counts}
         self.payload = {(k, parity): e64(bmax, 1 + 2 * k) for k in self.draft_counts for parity in (0, 1)}
         self._start = e64(bmax)                              # [Bmax] prepare_decode's start output
+        self._k0_next_start = e64(bmax)                      # [Bmax] prepare_decode's width-0 output (unused)
         self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
         vocab_size = next(iter(executor.graphs_by_width[1 + self.draft_counts[0]].values())).logits.shape[-1]
         self._argmax_chunks = chunk_buffers(bmax * (1 + K), vocab_size, dev)   # greedy_verify's scratch
@@ -118,8 +127,10 @@ class SpecStepGraphs:
         prev = PrevOutputs(self.tokens[other], self.num_valid[other], self.next_start[other],
                            self.drafts[other][:, :k])
         verified = self.verified_drafts[k]                                   # [Bmax, k]
+        # (at width 0 prepare_decode also writes start + 1; verification writes the real next starts)
         triton_prepare_decode(self.staged, 0, 0, prev, dest, block_size=self.block_size, num_spec=k,
-                              start_out=self._start, drafts_out=verified, next_start_out=None, header=True)
+                              start_out=self._start, drafts_out=verified,
+                              next_start_out=None if k else self._k0_next_start, header=True)
         hidden, logits = EagerExecutor.forward(self.ex, g.fb)                # [B * tokens_per_row, D / V]
         # verification writes the step's outputs into the parity buffers (docs/design.md invariant 7:
         # tokens are the target's argmax up to the first rejected draft, then -1)

@@ -86,6 +86,8 @@ CASES = {
     "b6_k4_all_accept": dict(B=6, k=4, V=1000, accept=1.0),
     "b2_k7_v9000_ties_across_chunks": dict(B=2, k=7, V=9000, ties="across_chunks", accept=0.9),
     "b3_k2_v5000_bf16": dict(B=3, k=2, V=5000, dtype=torch.bfloat16),
+    # width 0: a model drafter's fused step while adaptive speculation rests every row
+    "b4_k0_v5000": dict(B=4, k=0, V=5000),
 }
 
 

@@ -41,7 +41,14 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
     spec_step_log.clear()
     llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
-    assert any(type(p).__name__ == plan_name for p in llm.engine.runner.plans)
+    plan = next(p for p in llm.engine.runner.plans if type(p).__name__ == plan_name)
+    widths = []                                   # drafts verified by each fused replay
+    replay = plan.replay
+
+    def logged_replay(step, prev, h2d):
+        widths.append(prev.drafts.shape[1])
+        return replay(step, prev, h2d)
+    plan.replay = logged_replay
     fused = drive(llm, prompts)
     assert fused == eager
     # request 5 samples (temperature 0.9): speculation keeps its distribution, not its draws
@@ -50,6 +57,8 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
     assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
     if not adaptive:
         assert sum(spec_step_log) >= 10, sum(spec_step_log)
+    else:   # the drafts are mostly rejected: rows come to rest, and width-0 steps replay fused too
+        assert 0 in widths and any(w > 0 for w in widths), widths
 
 
 def _fused_and_general_runs(spec, plan_name: str):
