@@ -8,7 +8,10 @@ outputs) followed by every valid token sampled since. Each step ``propose``:
    to a scratch column) and sets ``length[slot] = input_pos + 1`` for rows that sampled something;
 2. for every row that sampled something, looks for the longest n in [min_n, max_n] whose last-n-token
    suffix occurs earlier in the row (an occurrence ending before the last token), takes the most
-   recent occurrence and proposes the K tokens that followed it, cut at ``length`` (-1 beyond).
+   recent occurrence and proposes the K tokens that followed it. An occurrence that ends v < K
+   tokens back has only v tokens after it; the copy then goes on from its own start, as an
+   overlapping copy does (the text it predicts repeats with period v), so a row stuck in a short
+   loop gets K drafts, not v.
 
 No host synchronisation: positions and lengths never leave the device, there is no ``.item()``,
 ``nonzero`` or boolean-mask indexing, and no Python loop. Two implementations of steps 1-2:
@@ -175,8 +178,9 @@ class NgramDrafter(Drafter):
         n = torch.minimum(run, (length - 1)[:, None])                        # the n-gram must be real tokens
         score = torch.where(n >= self.min_n, n * w - self._v1, -1)           # longest n, then smallest v
         best = score.amax(1)                                                 # [B]
-        start = length - (-best) % w                                         # position after the occurrence
-        p = start[:, None] + self._ar_drafts                                 # [B, K]
+        back = (-best) % w                                                   # [B] v: the occurrence ends v back
+        start = length - back                                                # position after the occurrence
+        p = start[:, None] + self._ar_drafts % back[:, None]                 # [B, K] overlapping copy (period v)
         valid = (best >= 0)[:, None] & (p < length[:, None]) & active[:, None]
         drafts = self._store[slots[:, None], p.clamp(max=self.max_len)]
         return torch.where(valid, drafts, NO_TOKEN)

@@ -89,11 +89,12 @@ if triton_available():
             best = tl.maximum(best, tl.max(score, axis=0))
             v0 += BLOCK
 
-        # 3. the K tokens after the best occurrence (it ends vb tokens back), cut at L
+        # 3. the K tokens after the best occurrence (it ends vb tokens back), copied with period vb
+        #    (an overlapping copy: past L the continuation repeats itself)
         vb = (best // window + 1) * window - best         # = v where best = n * window - v >= 0
         first = tl.where(best >= 0, L - vb, L)           # no match: nothing before L to propose
         k = tl.arange(0, K_BLOCK)
-        pk = first + k
+        pk = first + k % vb
         ok = (k < K) & (pk < L)
         d = tl.load(row + pk, mask=ok, other=-1)
         tl.store(out_ptr + b * K + k, d.to(tl.int64), mask=k < K)

@@ -31,7 +31,8 @@ def make_ctx(slots, sampled, num_valid, input_pos, device=DEV) -> DraftContext:
 
 
 def ref_drafts(hist: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The rule, by loops: longest n, then the most recent earlier occurrence, cut at the end."""
+    """The rule, by loops: longest n, then the most recent earlier occurrence; the tokens after it,
+    copied on from the copy itself past the end (an overlapping copy)."""
     n_tok = len(hist)
     for n in range(max_n, min_n - 1, -1):
         if n_tok < n + 1:
@@ -39,8 +40,10 @@ def ref_drafts(hist: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         suffix = hist[n_tok - n:]
         for i in range(n_tok - n - 1, -1, -1):          # i + n < len: not the suffix itself
             if hist[i:i + n] == suffix:
-                d = hist[i + n:i + n + k]
-                return d + [-1] * (k - len(d))
+                text = list(hist)
+                for j in range(k):                      # text[i + n + j] exists when it is read
+                    text.append(text[i + n + j])
+                return text[n_tok:]
     return [-1] * k
 
 
@@ -74,12 +77,13 @@ def test_longest_n_preferred_over_more_recent_shorter_match():
     assert one_step(d1, h, 3).tolist() == [[7, 1, 2]]
 
 
-def test_most_recent_occurrence_and_cut_at_length():
+def test_most_recent_occurrence_and_overlapping_copy_past_the_end():
     d = new_drafter(k=3, max_n=2)
     h = {1: start(d, 1, [1, 2, 3, 1, 2, 4, 1, 2]),
-         2: start(d, 2, [7, 8, 7]),                    # "7" at 0 -> 8 7, then the end
-         3: start(d, 3, [4, 4])}                       # "4" at 0 -> 4, then the end
-    assert one_step(d, h, 3).tolist() == [[4, 1, 2], [8, 7, -1], [4, -1, -1]]
+         2: start(d, 2, [7, 8, 7]),                    # "7" at 0 -> 8 7, then the copy repeats: 8
+         3: start(d, 3, [4, 4]),                       # "4" at 0 -> 4, then 4 4 (period 1)
+         0: start(d, 0, [5, 6, 9, 5, 6])}              # "5 6" at 0 -> 9 5 6 (three tokens exist)
+    assert one_step(d, h, 3).tolist() == [[4, 1, 2], [8, 7, 8], [4, 4, 4], [9, 5, 6]]
 
 
 def test_no_match_and_min_n():
@@ -151,7 +155,7 @@ def test_slot_reuse_clears_old_history():
     # two resets of one slot before a propose: the last one wins
     d.add_request(2, (5, 5, 5))
     d.add_request(2, (6, 7))
-    assert one_step(d, {2: [6, 7, 6]}, 3).tolist() == [[7, 6, -1]]
+    assert one_step(d, {2: [6, 7, 6]}, 3).tolist() == [[7, 6, 7]]
 
 
 def test_window_limits_the_search():
@@ -225,7 +229,7 @@ def test_propose_does_not_sync():
         drafts, _ = d.propose(ctx)                      # includes the queued add_request resets
         d.add_request(2, (7, 8, 7))
         d.propose(ctx)
-    assert drafts.tolist() == [[2, 3, 1], [-1, -1, -1], [6, 5, -1]]
+    assert drafts.tolist() == [[2, 3, 1], [-1, -1, -1], [6, 5, 6]]
 
 
 # ------------------------------------------------------------------------------------ end to end
