@@ -188,6 +188,8 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                     n_tok = sum(len(o) for o in outs)
                     row = dict(workload=wl, method=method, k=k, batch=b, seconds=secs, tokens=n_tok,
                                tok_s=n_tok / secs, **st)
+                    if b == 1:          # what the model wrote (acceptance depends on it)
+                        row["text"] = tok.decode(outs[0])[:300]
                     key = (wl, b)
                     if method == "none":
                         reference[key] = (outs, row["tok_s"])
