@@ -14,8 +14,10 @@ Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, 
 MoE) at the acceptance each method reached, via forced acceptance
 (``SpeculativeConfig.forced_acceptance_rate``: outputs there are NOT the model's).
 
-    # trained run from benchmarks.train (target/, draft/, heldout_files.json)
-    python -m benchmarks.spec_real --run /tmp/run --out $OUT
+    # trained run from benchmarks.train (target/, draft/, heldout_files.json); on one H100, in the
+    # same device call (results/2026-11-26-spec-real-bench-large-h100.md):
+    python -m benchmarks.train --preset bench-large --device cuda --out /tmp/run --no-progress --eval-windows 2
+    python -m benchmarks.spec_real --run /tmp/run --dtype float32 --ks 3 --batches 1,8 --out $OUT
     # anything else: the embedded default model and a folder of text files
     python -m benchmarks.spec_real --device cpu --files /usr/lib/python3.11/json --methods none,ngram \
         --ks 2 --batches 1 --max-tokens 16 --out /tmp/sr
