@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus-bytes", type=int, default=None, help="train text cap in bytes (default: the preset's)")
     ap.add_argument("--heldout-bytes", type=int, default=None, help="held-out text cap in bytes")
     ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows scored after training")
-    ap.add_argument("--bf16-autocast", action="store_true", default=None,
-                    help="train under bf16 autocast on CUDA (default: the preset's)")
+    ap.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
+                    help="train under bf16 autocast on CUDA (default: the preset's; bench-large: on)")
     ap.add_argument("--log-every", type=int, default=10, help="steps between loss reads (host syncs)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = ap.parse_args(argv)

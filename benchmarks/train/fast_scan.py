@@ -34,11 +34,24 @@ def _exp_segsum(a: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
-               dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False, z=None, **_):
+               dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False, z=None,
+               seq_idx=None, cu_seqlens=None, **_):
     """hidden_states [b, T, h, p], dt [b, T, h], A [h], B / C [b, T, g, n], D [h] ->
-    y [b, T, h, p] float32 (and the final state [b, h, p, n] with ``return_final_states``)."""
+    y [b, T, h, p] float32 (and the final state [b, h, p, n] with ``return_final_states``).
+    Computed in float32 under any autocast (matmuls follow the TF32 setting), as transformers'
+    scan is: the recurrence's decays would lose too much in bf16."""
     if z is not None:
         raise ValueError("chunk_scan: a gate z is not supported (the Nemotron-H mixer passes z=None)")
+    if seq_idx is not None or cu_seqlens is not None:
+        raise ValueError("chunk_scan: packed sequences (seq_idx / cu_seqlens) are not supported; "
+                         "train on one sequence per row")
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return _chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus,
+                           dt_limit, return_final_states)
+
+
+def _chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_limit,
+                return_final_states):
     b, T, h, p = hidden_states.shape
     g, n = B.shape[-2:]
     q, L = h // g, chunk_size

@@ -98,8 +98,8 @@ PRESETS = {
         corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=32, warmup_steps=100,
         save_dtype="bfloat16", config_dtype="bfloat16"),
     # a target large enough that a batch-1 decode step on an H100 reads more bytes than its kernels
-    # wait on launches (~175M params incl. MTP: 18 blocks, hidden 1024), trained under bf16 autocast
-    # in the spec benchmark's own device call
+    # wait on launches (175.5M params, 18 blocks, hidden 1024; + 23.6M MTP step, 9.2M draft),
+    # trained under bf16 autocast in the spec benchmark's own device call
     "bench-large": Preset(
         "bench-large", vocab_size=16384,
         target=dict(pattern="M-M-M*-M-M-M*-M-ME", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,

@@ -84,6 +84,11 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     t_start = time.perf_counter()
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
+    # bf16 autocast (CUDA only): matmuls in bf16; weights, optimizer state, norms and the scan
+    # (fast_scan turns autocast off inside) in float32. Checked before the corpus and tokenizer.
+    if p.bf16_autocast and dev.type != "cuda":
+        raise ValueError(f"bf16 autocast (preset {p.name!r} or --bf16-autocast) is for CUDA training only; "
+                         "pass --no-bf16-autocast or --device cuda")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     if dev.type == "cuda":                       # training only: evaluation compares in true float32
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -139,9 +144,6 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     bar = tqdm(total=p.max_steps if p.max_steps < 100_000 else None, desc=f"train[{p.name}]", unit="step",
                disable=not progress, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     n_max = train_stream.numel() - (p.seq_len + 1)
-    # bf16 autocast (CUDA only): matmuls in bf16, weights, optimizer state, norms and the scan in float32
-    if p.bf16_autocast and dev.type != "cuda":
-        raise ValueError("bf16 autocast is for CUDA training only; drop --bf16-autocast or use --device cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=p.bf16_autocast)
     arange = torch.arange(p.seq_len + 1)
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}

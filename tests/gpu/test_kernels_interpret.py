@@ -20,7 +20,8 @@ from triton_interpret import assert_case, run_cases  # noqa: E402
 KERNEL_CASES = ["conv_varlen", "conv_varlen_w2", "conv_update", "conv_update_k8",
                 "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
-                "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma", "linear_fma_rows_invariant", "linear_dot",
+                "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma",
+                "linear_fma_rows_invariant", "linear_dot",
                 "attention_decode", "attention_split", "attention_prefill",
                 "attention_fp8_decode", "attention_fp8_split_f16", "attention_fp8_prefill"]
 KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/

@@ -60,10 +60,44 @@ def test_initial_state_and_final_state_matter():
     assert (no_init - second).abs().max() > 1e-2
 
 
-def test_gate_refused():
+def test_gate_and_packed_sequences_refused():
     a = _inputs(1, 8, 2, 2, 1, 2, seed=0)
     with pytest.raises(ValueError, match="gate z"):
         chunk_scan(a["hidden_states"], a["dt"], a["A"], a["B"], a["C"], 8, z=a["hidden_states"])
+    with pytest.raises(ValueError, match="packed sequences"):
+        chunk_scan(a["hidden_states"], a["dt"], a["A"], a["B"], a["C"], 8, seq_idx=torch.zeros(1, 8, dtype=torch.int32))
+
+
+def test_float32_under_autocast():
+    """Under bf16 autocast (as bench-large trains) the scan still computes in float32."""
+    a = _inputs(2, 40, 4, 8, 2, 16, seed=9)
+    kw = dict(chunk_size=16, dt_softplus=True, return_final_states=True)
+    y, f = chunk_scan(**a, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ac, f_ac = chunk_scan(**a, **kw)
+    assert y_ac.dtype == torch.float32 and torch.equal(y_ac, y) and torch.equal(f_ac, f)
+
+
+def test_swapped_in_for_a_training_forward(monkeypatch):
+    """A Nemotron-H model's training forward calls chunk_scan inside training_scan() (and
+    transformers' own scan outside it): the swap reaches the mixers, not only the module name."""
+    from benchmarks.train import fast_scan
+    from benchmarks.train.models import PRESETS, draft_model, hf_config_for
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return chunk_scan(*args, **kw)
+    monkeypatch.setattr(fast_scan, "chunk_scan", spy)
+    torch.manual_seed(0)
+    model = draft_model(hf_config_for(PRESETS["tiny"].draft, 64, mtp=False)).train()
+    ids = torch.randint(3, 64, (2, 20))
+    with training_scan():
+        model(input_ids=ids).logits.sum().backward()
+    assert calls, "the mixers did not call the swapped-in scan"
+    n = len(calls)
+    model(input_ids=ids)
+    assert len(calls) == n
 
 
 def test_training_scan_swaps_only_inside_the_block():

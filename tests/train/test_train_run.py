@@ -140,3 +140,13 @@ def test_bad_arguments():
 def test_heldout_windows_need_a_window():
     with pytest.raises(ValueError, match="heldout"):
         heldout_windows(torch.arange(5), 8, 2)
+
+
+def test_bf16_autocast_refused_off_cuda_before_any_work(tmp_path):
+    """bench-large trains under bf16 autocast, which is CUDA-only: refused up front on CPU (naming
+    the preset and the way out), before the corpus or tokenizer is built."""
+    with pytest.raises(ValueError, match="'bench-large'.*--no-bf16-autocast"):
+        main(["--preset", "bench-large", "--device", "cpu", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="CUDA training only"):
+        main(["--preset", "tiny", "--bf16-autocast", "--device", "cpu", "--out", str(tmp_path / "y")])
