@@ -26,3 +26,24 @@ def test_step_clock_times_only_decode_launches(chunk):
     assert len(launches) > 11                           # prefill launches happened and were not timed
     gaps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     assert min(gaps) <= step_s <= max(gaps)
+
+
+def test_count_plans_counts_every_step_by_its_plan():
+    """count_plans (spec_real's and spec_step_cost's steps-by-plan): one count per executed step,
+    under the class name of the plan that took it (on CPU: the general plans)."""
+    from benchmarks.common import count_plans
+    llm = LLM(device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
+    plans = count_plans(llm.engine.runner)
+    executed = []
+    inner = llm.engine.runner.execute
+
+    def counting(sched):
+        executed.append(1)
+        return inner(sched)
+    llm.engine.runner.execute = counting
+    llm.generate([[7] * 30, [9] * 5], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert sum(plans.values()) == len(executed) > 6
+    assert plans.get("MixedPlan", 0) >= 2 and plans.get("DecodeOnlyPlan", 0) >= 1, plans
+    plans.clear()
+    llm.generate([[3] * 4], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert sum(plans.values()) == 3, plans          # one prefill step, two decode steps
