@@ -17,10 +17,13 @@ p head dim, n state size.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger("benchmarks.train")
 
 
 def _exp_segsum(a: torch.Tensor) -> torch.Tensor:
@@ -104,12 +107,24 @@ def _chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_stat
     return (y, final) if return_final_states else y
 
 
+_warned: list[bool] = []
+
+
 @contextlib.contextmanager
 def training_scan():
-    """Inside the block, transformers' Nemotron-H mixers run ``chunk_scan`` for their chunked scan."""
+    """Inside the block, transformers' Nemotron-H mixers run ``chunk_scan`` for their chunked scan.
+    A transformers release without the module-level ``mamba2_chunk_scan`` keeps its own scan (a
+    warning, once)."""
     from transformers.models.nemotron_h import modeling_nemotron_h as m
 
-    saved = m.mamba2_chunk_scan
+    saved = getattr(m, "mamba2_chunk_scan", None)
+    if saved is None:
+        if not _warned:
+            _warned.append(True)
+            logger.warning("this transformers has no modeling_nemotron_h.mamba2_chunk_scan: training runs "
+                           "transformers' own Mamba2 scan (benchmarks/train/fast_scan.py is not used)")
+        yield
+        return
     m.mamba2_chunk_scan = chunk_scan
     try:
         yield

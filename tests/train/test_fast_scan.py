@@ -108,3 +108,15 @@ def test_training_scan_swaps_only_inside_the_block():
     with pytest.raises(RuntimeError), training_scan():
         raise RuntimeError("boom")
     assert modeling.mamba2_chunk_scan is original
+
+
+def test_a_transformers_without_the_scan_function_keeps_its_own(monkeypatch, caplog):
+    from benchmarks.train import fast_scan
+    monkeypatch.delattr(modeling, "mamba2_chunk_scan")
+    monkeypatch.setattr(fast_scan, "_warned", [])
+    with caplog.at_level("WARNING", logger="benchmarks.train"):
+        with training_scan():
+            assert not hasattr(modeling, "mamba2_chunk_scan")
+        with training_scan():
+            pass
+    assert sum("mamba2_chunk_scan" in r.getMessage() for r in caplog.records) == 1
