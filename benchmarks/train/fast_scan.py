@@ -23,17 +23,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybrid_engine.mamba_cache.ops.ssd import segsum   # [..., L] -> [..., L, L] log decays, -inf above
+
 logger = logging.getLogger("benchmarks.train")
-
-
-def _exp_segsum(a: torch.Tensor) -> torch.Tensor:
-    """[..., L] log decays -> [..., L, L] with [i, j] = exp(a[j+1] + ... + a[i]) for j <= i, else 0.
-    Summed by a masked cumsum (not a difference of prefix sums), so long decays do not cancel."""
-    L = a.shape[-1]
-    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)
-    s = torch.cumsum(a[..., :, None].expand(*a.shape, L).masked_fill(~strict, 0.0), dim=-2)
-    return torch.exp(s.masked_fill(~strict.logical_or(torch.eye(L, dtype=torch.bool, device=a.device)),
-                                   -math.inf))
 
 
 def chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
@@ -79,7 +71,7 @@ def _chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_stat
 
     # inside a chunk: y_i = sum_{j <= i} (C_i . B_j) exp(a_{j+1..i}) dt_j x_j
     CB = Cc @ Bc.transpose(-1, -2)                                      # [b, c, g, L, L]
-    W = (CB[:, :, :, None] * _exp_segsum(a).view(b, c, g, q, L, L))     # [b, c, g, q, L, L]
+    W = (CB[:, :, :, None] * torch.exp(segsum(a)).reshape(b, c, g, q, L, L))     # [b, c, g, q, L, L]
     y = W.view(b, c, h, L, L) @ xdt                                     # [b, c, h, L, p]
 
     # the state each chunk leaves from a zero start: sum_j exp(a_{j+1..L}) dt_j x_j B_j^T
@@ -92,7 +84,7 @@ def _chunk_scan(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_stat
     S0 = (torch.zeros_like(S[:, :1]) if initial_states is None
           else initial_states[:, None].to(device=S.device, dtype=S.dtype))
     S_all = torch.cat([S0, S], dim=1)                                   # [b, c+1, h, p, n]
-    across = _exp_segsum(F.pad(a_cum[..., -1].transpose(1, 2), (1, 0)))  # [b, h, c+1, c+1]
+    across = torch.exp(segsum(F.pad(a_cum[..., -1].transpose(1, 2), (1, 0))))  # [b, h, c+1, c+1]
     entering = (across @ S_all.permute(0, 2, 1, 3, 4).reshape(b, h, c + 1, p * n))
     entering = entering.view(b, h, c + 1, p, n)
     states, final = entering[:, :, :-1], entering[:, :, -1]             # [b, h, c, p, n], [b, h, p, n]

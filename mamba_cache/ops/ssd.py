@@ -30,7 +30,7 @@ def expand_groups(t: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tenso
     return t.repeat_interleave(num_heads // t.shape[dim], dim=dim)
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
+def segsum(a: torch.Tensor) -> torch.Tensor:
     """a [..., L] -> seg [..., L, L] with seg[i, j] = sum_{k=j+1..i} a_k for j <= i, -inf above.
 
     Built with a masked cumsum (not cumsum differences) so it is exact for long chunks; computed
@@ -132,7 +132,7 @@ def ssd_scan_varlen_ref(
     Cg = _to_chunks(C.float(), row, col, NC, Lc).permute(0, 2, 1, 3)      # [NC1, G, Lc, N]
 
     a = dth * A.float()[:, None]                                          # [NC1, H, Lc] log decay
-    decay = torch.exp(_segsum(a))                                         # [NC1, H, Lc, Lc] (i, j)
+    decay = torch.exp(segsum(a))                                         # [NC1, H, Lc, Lc] (i, j)
     cum_in = torch.exp(torch.cumsum(a, dim=-1))                           # [NC1, H, Lc] start->i
 
     # intra-chunk: y_i = sum_{j<=i} decay[i,j] (C_i . B_j) dt_j x_j   (C.B once per group)
