@@ -17,6 +17,10 @@ logger = logging.getLogger("hybrid_engine")
 
 class NgramStepGraphs(SpecStepGraphs):
     name = "n-gram"
+    # width 0 too: a step that verifies no drafts right after one that did (adaptive speculation
+    # bringing every row to rest) is no greedy-graph step (its previous outputs have 1 + k columns),
+    # so without it that step took the general path (3-8 steps of each bench-large run)
+    verifies_no_drafts = True
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int):

@@ -19,12 +19,14 @@ so the host's calls are the subclass's ``_before_replay`` (usually nothing), one
 array, one replay and the D2H of the payload, as for a greedy step. Parities, waits on the D2H of a
 parity's payload and the copy-in of a previous step that did not come from these graphs work as
 in ``greedy_graphs.py``. Taken only for decode-only steps whose rows are all greedy and a width
-captured here. Width 0 (adaptive speculation resting every row) is captured for the model-based
-drafters (``verifies_no_drafts``): their drafter must follow every step to keep its caches (the MTP
-layers' KV, the draft model's states), so such a step is a one-token forward, its argmax and the
-proposal; without it that step fell to the general path (on the bench-large target at batch 8,
-55 of a draft-model run's 127 steps, at the general path's host cost). The n-gram drafter's width-0
-steps are the greedy graphs' (``greedy_graphs.py``) with the n-gram kernel after the replay.
+captured here. Width 0 (adaptive speculation resting every row) is captured too
+(``verifies_no_drafts``): such a step is a one-token forward, its argmax and the proposal. The
+model-based drafters must follow every step to keep their caches (the MTP layers' KV, the draft
+model's states); without it those steps fell to the general path (on the bench-large target at
+batch 8, 55 of a draft-model run's 127 steps, at the general path's host cost). The n-gram
+drafter's width-0 steps after a width-0 step are the greedy graphs' (``greedy_graphs.py``, asked
+first, with the n-gram kernel after the replay); the first one after a drafting step is this
+plan's, since the greedy graphs read one column of previous outputs.
 Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton kernel),
 ``mtp_step_graphs.MTPStepGraphs`` (the MTP layers), ``draft_model_step_graphs.DraftModelStepGraphs``
 (the draft model's forwards).

@@ -118,11 +118,22 @@ def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, gra
     llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=SpeculativeConfig("ngram", 3))
     assert llm.engine.runner.greedy_graphs is not None
+    ngram_plan = next(p for p in llm.engine.runner.plans if type(p).__name__ == "NgramStepGraphs")
+    widths = []                                   # drafts verified by each fused n-gram replay
+    replay = ngram_plan.replay
+
+    def logged_replay(step, prev, h2d):
+        widths.append(prev.drafts.shape[1])
+        return replay(step, prev, h2d)
+    ngram_plan.replay = logged_replay
     assert drive(llm, prompts) == eager
     took, could = graph_path_log, follows_greedy_step_log
     assert len(took) == len(could)
     assert not any(t and not c for t, c in zip(took, could))     # never after a step with drafts
     assert sum(took) >= max(8, sum(could) - 2), (sum(took), sum(could))
+    # the first zero-draft step after a drafting step (rows coming to rest) is the n-gram graphs'
+    # width-0 replay, not the general path's
+    assert 0 in widths and any(w > 0 for w in widths), widths
 
 
 def _self_repeating_prompts(rng):
