@@ -1,5 +1,5 @@
-"""What one decode step costs with and without speculation, at batch 1: the step interval (rank 0's
-launch cadence, ``benchmarks.common.StepClock``), the host time inside ``execute``, and the GPU
+"""What one decode step costs with and without speculation, at batch 1 (or ``--batch B``): the step
+interval (rank 0's launch cadence, ``benchmarks.common.StepClock``), the host time inside ``execute``, and the GPU
 time per step by kernel (torch profiler over steady steps, kernels replayed from CUDA graphs
 included). Answers "where does a K=3 verify step spend its time compared with a greedy step".
 
@@ -9,6 +9,7 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
         # a random-weight shape (its MTP layer; draft: the small shape), every draft accepted with
         # probability 0.81 (forced acceptance, benchmark only: the general verify path, no fused plan)
     --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
+    --batch 8                        # B requests at once (the prompt rotated per row)
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
 K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
@@ -56,14 +57,14 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
 
 
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,
-            forced: float | None = None, random: bool = False) -> dict:
+            forced: float | None = None, random: bool = False, batch: int = 1) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
     name, _, rows = method.partition(":")                 # "mtp:N": draft_vocab_size N
     spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=False,
                                                            forced_acceptance_rate=forced,
                                                            draft_vocab_size=int(rows) if rows else None)
     with random_weights() if random else contextlib.nullcontext():
-        llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=8, speculative_config=spec,
+        llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=max(8, batch), speculative_config=spec,
                   max_model_len=len(prompt) + tokens + 64)
     clock = StepClock(llm.engine)
     host: list[float] = []
@@ -77,14 +78,16 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     llm.engine.runner.execute = timed_execute
     plans = count_plans(llm.engine.runner)         # which plan takes each step (fused or general)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    run = lambda: llm.generate([prompt], params, use_tqdm=False)  # noqa: E731
+    # rows differ (rotated prompts) so a batched step is not B copies of one row's work
+    prompts = [prompt[i:] + prompt[:i] for i in range(batch)]
+    run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
     host.clear()
     plans.clear()
     step = clock.step_time(run, runs=5, warmup=1)
     host_ms = float(np.median(host)) * 1e3          # before the profiled run (its syncs are in execute)
     steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
     # max_model_len bounds the captured graphs' attention split count: part of what a row measures
-    row = dict(method=method, dtype=dtype, k=0 if spec is None else k, step_ms=step * 1e3,
+    row = dict(method=method, dtype=dtype, k=0 if spec is None else k, batch=batch, step_ms=step * 1e3,
                host_execute_ms=host_ms, steps_by_plan=steps_by_plan, max_model_len=len(prompt) + tokens + 64)
     if profile:
         clock.profile = (6, 16)
@@ -102,6 +105,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every method")
     ap.add_argument("--shape", choices=["8b", "nano"], default=None,
                     help="a random-weight shape instead of --model (draft model: the small shape)")
@@ -124,7 +128,7 @@ def main() -> int:
         rounds.append({})
         for method in methods:
             r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0,
-                        forced=args.forced, random=args.shape is not None)
+                        forced=args.forced, random=args.shape is not None, batch=args.batch)
             r["round"] = rnd
             rows.append(r)
             rounds[-1][method] = r["step_ms"]
