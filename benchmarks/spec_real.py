@@ -8,7 +8,10 @@ Workloads, built from held-out text files (never trained on):
 Methods none / ngram / draft_model / mtp, K in ``--ks``, batches in ``--batches``. Per cell:
 acceptance length (tokens per verify step), per-position acceptance (fraction of verify steps that
 accepted draft j), tokens/s (median of ``--repeats`` timed runs after a warm-up) and the speed-up
-over ``none`` at the same workload and batch. Greedy outputs must equal ``none``'s (asserted).
+over ``none`` at the same workload and batch, end to end and decode only (time per output token
+after the first, TPOT: prefill is the same work with or without speculation, and at 128 new tokens
+it is a large part of a batch-1 run). A batch-1 cell decodes ``--b1-prompts`` files one after the
+other (a single file's text decides its acceptance). Greedy outputs must equal ``none``'s (asserted).
 
 Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, the Nano-30B-A3B
 MoE) at the acceptance each method reached, via forced acceptance
@@ -27,11 +30,8 @@ Writes ``spec_real.json``, ``spec_real.md`` and (with matplotlib) ``spec_real.pn
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import json
 import logging
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import count_plans  # noqa: E402
 from benchmarks.spec_report import markdown, plot  # noqa: E402
+from benchmarks.spec_timing import free, time_cell  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 logger = logging.getLogger("spec_real")
@@ -117,52 +118,6 @@ def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float 
     return SpeculativeConfig("mtp", k, draft_vocab_size=args.draft_vocab_size, **kw)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        torch.cuda.synchronize()
-
-
-def stat_delta(after: dict, before: dict) -> dict:
-    steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
-    acc = after.get("drafts_accepted", 0) - before.get("drafts_accepted", 0)
-    prop = after.get("drafts_proposed", 0) - before.get("drafts_proposed", 0)
-    per_a, per_b = after.get("accepted_per_position", []), before.get("accepted_per_position", [])
-    per = [(a - (per_b[j] if j < len(per_b) else 0)) / steps if steps else 0.0 for j, a in enumerate(per_a)]
-    # tokens per decode step (a request's first token comes from its prefill): the acceptance
-    # length, also where forced acceptance accepts columns the drafter left empty
-    decoded = (after.get("generated_tokens", 0) - before.get("generated_tokens", 0)
-               - (after.get("requests_finished", 0) - before.get("requests_finished", 0)))
-    return dict(verify_steps=steps, acceptance_length=decoded / steps if steps else 1.0,
-                draft_acceptance_rate=acc / prop if prop else 0.0, per_position=per)
-
-
-def time_cell(llm, prompts, params, args, plans: dict) -> tuple[float, list, dict]:
-    """-> (median seconds, outputs of the last run, acceptance stats over the timed runs, with
-    ``steps_by_plan``: which plan took the timed runs' steps, per run; ``plans`` is the engine's
-    ``count_plans`` dict)."""
-    llm.generate(prompts, params, use_tqdm=False)                      # warm-up (graphs, caches)
-    before = copy.deepcopy(llm.stats())                                # stats() shares its lists
-    plans.clear()
-    times, outs = [], None
-    for _ in range(args.repeats):
-        sync(args.device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        sync(args.device)
-        times.append(time.perf_counter() - t0)
-    stats = stat_delta(llm.stats(), before)
-    stats["steps_by_plan"] = {name: n / args.repeats for name, n in sorted(plans.items())}
-    return statistics.median(times), [o.outputs[0].token_ids for o in outs], stats
-
-
-def free() -> None:
-    """Collect a dropped engine (the caller deletes its own reference first: a name deleted here would
-    leave the caller's alive, and the next engine would size its KV cache beside the old one)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ---- phase 1: the trained (or default) model on real text ------------------------------------------
 def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
     batches, ks = sorted(args.batches), args.ks
@@ -182,23 +137,29 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
             plans = count_plans(llm.engine.runner)
             if tok is None:
                 tok = llm.tokenizer
-                prompts = build_prompts(tok, heldout_files(args), max(batches), args.prompt_tokens, args.max_tokens)
+                prompts = build_prompts(tok, heldout_files(args), max(*batches, args.b1_prompts), args.prompt_tokens,
+                                        args.max_tokens)
             for wl in args.workloads:
                 for b in batches:
-                    ps, params = prompts[wl][:b], params_for(wl, b, args.max_tokens)
-                    secs, outs, st = time_cell(llm, ps, params, args, plans)
+                    if b == 1:      # one file decides a batch-1 cell's acceptance: several, one at a time
+                        groups = [([p], params_for(wl, 1, args.max_tokens)) for p in prompts[wl][:args.b1_prompts]]
+                    else:
+                        groups = [(prompts[wl][:b], params_for(wl, b, args.max_tokens))]
+                    secs, outs, st = time_cell(llm, groups, args, plans)
                     n_tok = sum(len(o) for o in outs)
-                    row = dict(workload=wl, method=method, k=k, batch=b, seconds=secs, tokens=n_tok,
-                               tok_s=n_tok / secs, **st)
+                    row = dict(workload=wl, method=method, k=k, batch=b, prompts=sum(len(g[0]) for g in groups),
+                               seconds=secs, tokens=n_tok, tok_s=n_tok / secs, **st)
                     if b == 1:          # what the model wrote (acceptance depends on it)
                         row["text"] = tok.decode(outs[0])[:300]
                     key = (wl, b)
                     if method == "none":
-                        reference[key] = (outs, row["tok_s"])
-                        row["speedup"] = 1.0
+                        reference[key] = (outs, row["tok_s"], row["tpot_s"])
+                        row["speedup"] = row["decode_speedup"] = 1.0
                     else:
-                        ref_outs, ref_tps = reference[key]
+                        ref_outs, ref_tps, ref_tpot = reference[key]
                         row["speedup"] = row["tok_s"] / ref_tps
+                        # decode only (time per output token after the first): what speculation changes
+                        row["decode_speedup"] = ref_tpot / row["tpot_s"] if ref_tpot and row["tpot_s"] else None
                         if wl != "sample":
                             same = outs == ref_outs
                             row["greedy_equal"] = same
@@ -215,8 +176,10 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                         else:                  # n-gram sample-and-compare keeps the no-spec tokens too
                             row["sampled_equal"] = outs == ref_outs
                     rows.append(row)
-                    logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  AL %.2f  steps by plan %s", wl, method,
-                                k, b, row["tok_s"], row["speedup"], row["acceptance_length"], row["steps_by_plan"])
+                    logger.info("%-10s %-11s K=%d B=%-3d %8.1f tok/s  x%.2f  decode x%s  AL %.2f  steps by plan %s",
+                                wl, method, k, b, row["tok_s"], row["speedup"],
+                                "-" if row["decode_speedup"] is None else f"{row['decode_speedup']:.2f}",
+                                row["acceptance_length"], row["steps_by_plan"])
             del llm
             free()
     return rows
@@ -294,7 +257,7 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                 for b in sorted(args.forced_batches):
                     prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
                     params = [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b
-                    secs, outs, st = time_cell(llm, prompts, params, args, plans)
+                    secs, outs, st = time_cell(llm, [(prompts, params)], args, plans)
                     n_tok = sum(len(o) for o in outs)
                     row = dict(shape=shape, method=method, k=0 if method == "none" else k, batch=b,
                                forced_rate=p, tok_s=n_tok / secs, seconds=secs, **st)
@@ -321,6 +284,8 @@ def parse_args(argv=None):
     ap.add_argument("--methods", type=words, default=list(METHODS), help="comma list of none,ngram,draft_model,mtp (and ngram-general, mtp-general: fused step graphs off)")
     ap.add_argument("--ks", type=ints, default=[1, 2, 3, 4, 5], help="comma list of K")
     ap.add_argument("--batches", type=ints, default=[1, 8, 32], help="comma list of batch sizes")
+    ap.add_argument("--b1-prompts", type=int, default=4,
+                    help="prompts (files) a batch-1 cell decodes, one after the other")
     ap.add_argument("--workloads", type=words, default=list(WORKLOADS), help="comma list of completion,edit,sample")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
@@ -378,7 +343,7 @@ def main(argv=None) -> int:
     forced = run_forced(args, rates) if args.forced_shapes and rates else []
     meta = dict(device=args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
                 target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
-                max_tokens=args.max_tokens, repeats=args.repeats, forced_rates=rates,
+                max_tokens=args.max_tokens, repeats=args.repeats, b1_prompts=args.b1_prompts, forced_rates=rates,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 seconds=time.perf_counter() - t0)
     (out / "spec_real.json").write_text(json.dumps(dict(meta=meta, real=real, forced=forced), indent=2))

@@ -37,7 +37,7 @@ def files(tmp_path):
 def test_spec_real_smoke(files, tmp_path):
     out = tmp_path / "out"
     rc = spec_real.main(["--device", "cpu", "--dtype", "float32", "--files", str(files),
-                         "--methods", "none,ngram,mtp", "--ks", "2", "--batches", "1,2",
+                         "--methods", "none,ngram,mtp", "--ks", "2", "--batches", "1,2", "--b1-prompts", "2",
                          "--workloads", "completion,edit,sample", "--prompt-tokens", "40", "--max-tokens", "12",
                          "--repeats", "1", "--forced-shapes", "tiny", "--forced-k", "2", "--forced-batches", "1",
                          "--forced-prompt-tokens", "6", "--forced-max-tokens", "6", "--out", str(out)])
@@ -48,7 +48,10 @@ def test_spec_real_smoke(files, tmp_path):
     assert cells == {(w, m, b) for w in ("completion", "edit", "sample") for m in ("none", "ngram", "mtp")
                      for b in (1, 2)}
     for r in real:
-        assert r["tokens"] == 12 * r["batch"] and r["tok_s"] > 0 and r["speedup"] > 0
+        # batch 1 decodes both prompts, one after the other
+        assert r["prompts"] == (2 if r["batch"] == 1 else r["batch"])
+        assert r["tokens"] == 12 * r["prompts"] and r["tok_s"] > 0 and r["speedup"] > 0
+        assert 0 < r["tpot_s"] < r["seconds"] and r["decode_speedup"] > 0
         if r["method"] != "none":
             assert len(r["per_position"]) == 2 and r["acceptance_length"] >= 1.0
             if r["workload"] != "sample":
@@ -74,3 +77,17 @@ def test_edit_prompts_restart_the_piece_they_copy(files):
         text = tok.decode(edit)
         head, tail = text.split(spec_real.EDIT_SEPARATOR.strip(), 1)
         assert tail.strip() and tail.strip() in head            # the restart copies the piece
+
+
+def test_mean_tpot_excludes_the_first_token():
+    """TPOT = (finish - first token) / (tokens - 1) per request, averaged; a one-token request
+    (no decode step) takes no part."""
+    from benchmarks.spec_timing import mean_tpot
+    from hybrid_engine.outputs import CompletionOutput, RequestOutput
+
+    def out(n, first, finish):
+        return RequestOutput("r", [1], [CompletionOutput(0, list(range(n)), None, "length")], True,
+                             metrics={"arrival_time": 0.0, "first_token_time": first, "finish_time": finish})
+    assert mean_tpot([out(11, 5.0, 6.0), out(5, 1.0, 3.0)]) == pytest.approx((0.1 + 0.5) / 2)
+    assert mean_tpot([out(1, 2.0, 2.0), out(3, 1.0, 2.0)]) == pytest.approx(0.5)
+    assert mean_tpot([out(1, 2.0, 2.0)]) is None
