@@ -105,7 +105,7 @@ class Mamba2Mixer(nn.Module):
             ssu_args = (ssm_state, xd.reshape(n, s, self.H, self.P), dt[:nd].view(n, s, self.H), self.dt_bias,
                         A, bd.reshape(n, s, self.G, self.N), cd.reshape(n, s, self.G, self.N), self.D,
                         md.decode_slots, md.num_accepted)
-            if not md.num_prefill_rows and self.gate_mode == "gate_then_norm":
+            if not md.num_prefill_rows and self.gate_mode == "gate_then_norm" and self.norm.local:
                 # decode-only step: the gated norm runs inside the SSU kernel
                 y = mops.selective_state_update_gated(*ssu_args, z[:nd], self.norm.weight, self.I // self.G,
                                                       self.eps, dt_limit=self.dt_limit)    # [n, s, I]
@@ -143,17 +143,26 @@ class Mamba2Mixer(nn.Module):
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        y = mops.gated_rmsnorm(y, z, None if self.norm is None else self.norm.weight, self.I // self.G, self.eps,
-                               self.gate_mode)
+        if self.norm is None:
+            y = mops.gated_rmsnorm(y, z, None, self.I // self.G, self.eps, self.gate_mode)
+        else:
+            y = self.norm(y, z, self.I // self.G, self.eps, self.gate_mode)
         return self.out_proj(y)
 
 
 class RMSNormWeight(nn.Module):
-    """Holds the gated-norm weight under the checkpoint name ``mixer.norm.weight``."""
+    """Holds the gated-norm weight under the checkpoint name ``mixer.norm.weight``, and applies the
+    gated norm (y, z [T, I] -> [T, I]). ``local``: every norm group lies within this module's
+    channels, so the decode SSU kernel may apply the norm itself (tensor parallelism with fewer
+    B/C groups than ranks swaps in a norm whose groups span ranks: ``parallel/sharding.py``)."""
+    local = True
 
     def __init__(self, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, group_size: int, eps: float, mode: str) -> torch.Tensor:
+        return mops.gated_rmsnorm(y, z, self.weight, group_size, eps, mode)
 
 
 class Attention(nn.Module):

@@ -8,9 +8,12 @@ block's norm (``ReducingNorm``: on CUDA one kernel all-reduces, adds the residua
 ``allreduce_norm.py``). Split by mixer:
 
 - Mamba2: heads (``mamba_num_heads / N`` per rank) and the B / C groups with them
-  (``n_groups / N`` per rank). The gated norm normalises per group, so a rank holds whole norm
-  groups: ``n_groups % N == 0`` (every published Nemotron-H release has 8 groups; splitting one
-  group's norm over ranks would need a collective inside the norm, not built).
+  (``n_groups / N`` per rank when N divides ``n_groups``). With fewer groups than ranks (N a
+  multiple of ``n_groups``: every published Nemotron-H release has 8, so TP 16, or a one-group
+  model at TP 2) each rank's heads lie in one group, whose B / C it holds (replicated on the
+  N / n_groups ranks sharing it), and the gated norm's groups span ranks: ``SplitGroupGatedNorm``
+  sums each rank's squares of its channels over the group (one small all-reduce per Mamba layer)
+  and the decode SSU kernel leaves the norm to it.
   ``in_proj`` rows (z, x, B, C, dt sections), ``conv1d`` channels (x, B, C), ``dt_bias`` /
   ``A_log`` / ``D`` / ``norm.weight`` by head, ``out_proj`` columns. The conv and SSM state pools
   are sized by the per-rank config, so they are split the same way.
@@ -42,6 +45,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..models.layers import RMSNorm
+from ..models.nemotron_h import RMSNormWeight
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,10 @@ def shard_model_config(mc: ModelConfig, size: int) -> ModelConfig:
         raise ValueError("tensor_parallel_size > 1 with a quantized checkpoint is not available yet; "
                          "serve the BF16 release with quantization='fp8' (quantized at load, per rank)")
     heads = _split("mamba_num_heads", mc.mamba_num_heads, size)
-    groups = _split("n_groups", mc.n_groups, size)
+    if mc.n_groups % size and size % mc.n_groups:
+        raise ValueError(f"tensor_parallel_size={size} must divide n_groups (={mc.n_groups}) or be a multiple of it "
+                         f"(each group's B / C are then replicated on the ranks sharing it)")
+    groups = max(1, mc.n_groups // size)
     nkv = mc.num_key_value_heads
     if nkv % size and size % nkv:
         raise ValueError(f"tensor_parallel_size={size} must divide num_key_value_heads (={nkv}) or be a "
@@ -178,16 +185,17 @@ def _mixer_shards(name: str, mixer: nn.Module, lay: TPLayout) -> dict[str, Shard
 
     if isinstance(mixer, Mamba2Mixer):
         H, P, G, N = full.mamba_num_heads, full.mamba_head_dim, full.n_groups, full.ssm_state_size
-        I, hl, gl = H * P, H // n, G // n
+        I, hl, gl = H * P, H // n, max(1, G // n)
         il = hl * P
+        g0 = r * gl if G >= n else r // (n // G)      # the rank's first group (fewer groups: its heads')
         z, x = (r * il, il), (I + r * il, il)
-        b, c = (2 * I + r * gl * N, gl * N), (2 * I + G * N + r * gl * N, gl * N)
+        b, c = (2 * I + g0 * N, gl * N), (2 * I + G * N + g0 * N, gl * N)
         dt = (2 * I + 2 * G * N + r * hl, hl)
         proj_len = 2 * I + 2 * G * N + H
         put("in_proj.weight", 0, [z, x, b, c, dt], proj_len)
         if mixer.in_proj.bias is not None:
             put("in_proj.bias", 0, [z, x, b, c, dt], proj_len)
-        conv = [(r * il, il), (I + r * gl * N, gl * N), (I + G * N + r * gl * N, gl * N)]
+        conv = [(r * il, il), (I + g0 * N, gl * N), (I + G * N + g0 * N, gl * N)]
         put("conv1d.weight", 0, conv, I + 2 * G * N)
         if mixer.conv1d.bias is not None:
             put("conv1d.bias", 0, conv, I + 2 * G * N)
@@ -241,6 +249,47 @@ class ReducingNorm(RMSNorm):
         return super().add_norm(self.all_reduce(x), residual)
 
 
+class SplitGroupGatedNorm(RMSNormWeight):
+    """A Mamba2 mixer's gated norm (``gate_then_norm``) when its groups span ranks (fewer B / C
+    groups than ranks): this rank holds ``1 / ranks_per_group`` of group ``group``'s channels, so
+    the mean of squares is the sum over the ranks sharing the group. One all-reduce of a [T, G]
+    float32 table (each rank fills its group's column) gives every rank its group's sum; the rest
+    is ``gated_rmsnorm_ref``'s arithmetic (float32, cast, then the weight)."""
+    local = False
+
+    def __init__(self, dim: int, *, group: int, groups: int, group_channels: int, all_reduce):
+        super().__init__(dim)
+        self.group, self.groups, self.group_channels, self._all_reduce = group, groups, group_channels, all_reduce
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, group_size: int, eps: float, mode: str) -> torch.Tensor:
+        if mode != "gate_then_norm":
+            raise ValueError(f"a gated norm split over ranks supports mode 'gate_then_norm' only, got {mode!r}")
+        g = y.float() * F.silu(z.float())                                   # [T, I / N]
+        sums = g.new_zeros(g.shape[0], self.groups)                         # [T, G]
+        sums[:, self.group] = g.pow(2).sum(-1)
+        sums = self._all_reduce(sums)
+        inv = torch.rsqrt(sums[:, self.group] / self.group_channels + eps)   # [T]
+        return (self.weight * (g * inv[:, None]).to(y.dtype)).to(y.dtype)
+
+
+def _split_group_norms(model: nn.Module, lay: TPLayout, group) -> None:
+    """Fewer B / C groups than ranks: every Mamba2 mixer's gated norm becomes a
+    ``SplitGroupGatedNorm`` over its rank's group."""
+    from ..models.nemotron_h import Mamba2Mixer
+    full, n = lay.full, lay.size
+    if full.n_groups >= n:
+        return
+    for mixer in model.modules():
+        if isinstance(mixer, Mamba2Mixer) and mixer.norm is not None:
+            if mixer.gate_mode != "gate_then_norm":
+                raise ValueError(f"tensor_parallel_size={n} > n_groups={full.n_groups} needs the gated norm "
+                                 f"mode 'gate_then_norm', got {mixer.gate_mode!r}")
+            mixer.norm = SplitGroupGatedNorm(
+                mixer.norm.weight.shape[0], group=lay.rank // (n // full.n_groups), groups=full.n_groups,
+                group_channels=full.mamba_num_heads * full.mamba_head_dim // full.n_groups,
+                all_reduce=group.all_reduce)
+
+
 def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group, dtype: torch.dtype | None = None
                           ) -> dict[str, Shard]:
     """Make ``model`` (built on the meta device from ``shard_model_config``) this rank's part:
@@ -259,6 +308,7 @@ def apply_tensor_parallel(model: nn.Module, lay: TPLayout, group, dtype: torch.d
     if full.tie_word_embeddings:
         model.lm_head.weight = emb.weight
     reduced_by_norm = _reduce_in_norms(model, group, dtype or torch.get_default_dtype())
+    _split_group_norms(model, lay, group)
     for name, module in list(model.named_modules()):
         if name.endswith(".mixer"):
             shards.update(_mixer_shards(name, module, lay))

@@ -84,3 +84,13 @@ def test_tp2_fused_norm_off_equals_transformers(target, prompts):
 def test_tp2_steps_launch_without_host_sync(target, prompts):
     tokens = run_case(target, prompts, "none", 2, "bfloat16", "sync", env={"HYBRID_ENGINE_TP_SYNC_DEBUG": "error"})
     assert len(tokens) == len(prompts) and all(len(t) == 16 for t in tokens)
+
+
+@two_gpus
+def test_tp2_one_group_split_over_ranks(model_dirs, prompts):
+    """One B / C group over two ranks (SplitGroupGatedNorm: the gated norm's NCCL all-reduce
+    captured in the decode graphs, the decode SSU kernel without its fused norm): transformers'
+    tokens, with MTP drafts."""
+    target = model_dirs("gpu_tp_one_group", pattern="M*-M-ME*", n_groups=1, seed=9, num_nextn_predict_layers=1)
+    want = hf_greedy(target, prompts, 16)
+    assert run_case(target, prompts, "mtp", 2, "float32") == want

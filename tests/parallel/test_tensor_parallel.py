@@ -118,13 +118,76 @@ def test_killed_worker_ends_the_engine(model_dirs, prompts):
 
 def test_bad_sizes_are_refused_before_any_worker_starts(model_dirs):
     d = model_dirs("tp_moe", pattern="M*-EM*E", vocab_size=251, seed=3)   # 8 Mamba heads, 2 groups, 4 q heads
-    with pytest.raises(ValueError, match="n_groups"):
-        LLM(str(d), device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="mamba_num_heads"):
+        LLM(str(d), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(d), device="cpu", tensor_parallel_size=0)
+    mc = ModelConfig.from_json(d)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        shard_model_config(ModelConfig.from_json(d).__class__(
-            **{**ModelConfig.from_json(d).__dict__, "num_key_value_heads": 3, "num_attention_heads": 6}), 2)
+        shard_model_config(mc.__class__(**{**mc.__dict__, "num_key_value_heads": 3, "num_attention_heads": 6}), 2)
+    # 3 groups over 2 ranks: neither whole groups per rank nor whole ranks per group
+    with pytest.raises(ValueError, match="n_groups"):
+        shard_model_config(mc.__class__(**{**mc.__dict__, "n_groups": 3, "mamba_num_heads": 6}), 2)
+
+
+def test_tp2_one_group_split_over_ranks(model_dirs, prompts):
+    """Fewer B / C groups than ranks (one group, two ranks): each rank holds the group's B / C and
+    half its heads, and the gated norm sums its squares over both ranks (SplitGroupGatedNorm):
+    the greedy tokens of transformers through prefill chunks and decode (where the decode SSU
+    kernel leaves the norm to it), with MTP drafts verified."""
+    from hybrid_engine.parallel.sharding import SplitGroupGatedNorm
+    d = model_dirs("tp_one_group", pattern="M*-M-ME*", n_groups=1, seed=9, num_nextn_predict_layers=1)
+    want = hf_greedy(d, prompts, NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=4,
+             speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=2)) as llm:
+        model = llm.engine.runner.local.model
+        norms = [m.norm for m in model.modules() if type(m).__name__ == "Mamba2Mixer"]
+        assert norms and all(isinstance(n, SplitGroupGatedNorm) for n in norms)
+        assert model.backbone.layers[0].mixer.G == 1 and model.backbone.layers[0].mixer.H == 4
+        assert _tokens(llm, prompts) == want
+        assert llm.engine.stats(expert_load=False)["drafts_proposed"] > 0
+
+
+def test_tp4_two_groups_over_four_ranks(model_dirs, prompts):
+    """Two groups over four ranks (ranks 0-1 hold group 0's B / C, ranks 2-3 group 1's): greedy
+    tokens of transformers."""
+    d = model_dirs("tp_two_groups", pattern="M*-M", n_groups=2, seed=10)
+    want = hf_greedy(d, prompts[:3], NEW)
+    with LLM(str(d), device="cpu", tensor_parallel_size=4, max_num_seqs=4) as llm:
+        assert llm.engine.runner.local.model.backbone.layers[0].mixer.G == 1
+        assert _tokens(llm, prompts[:3]) == want
+
+
+def test_split_group_gated_norm_equals_the_unsplit_norm():
+    """Each rank's output of SplitGroupGatedNorm is its channels of the unsplit gated norm: 2 groups
+    over 4 ranks (ranks 0-1 share group 0, 2-3 group 1), the all-reduce played by summing the
+    ranks' tables."""
+    from hybrid_engine.mamba_cache.ops.gated_norm import gated_rmsnorm_ref
+    from hybrid_engine.parallel.sharding import SplitGroupGatedNorm
+    g = torch.Generator().manual_seed(0)
+    T, I, G, N = 5, 32, 2, 4
+    y, z, w = (torch.randn(T, I, generator=g) for _ in range(3))
+    w = w[0]
+    want = gated_rmsnorm_ref(y, z, w, I // G, 1e-5)
+    part = I // N
+    tables = []
+
+    def collect(t):
+        tables.append(t.clone())
+        return t
+    norms = []
+    for r in range(N):
+        n = SplitGroupGatedNorm(part, group=r // (N // G), groups=G, group_channels=I // G, all_reduce=collect)
+        n.weight.data.copy_(w[r * part:(r + 1) * part])
+        norms.append(n)
+        n(y[:, r * part:(r + 1) * part], z[:, r * part:(r + 1) * part], part, 1e-5, "gate_then_norm")
+    total = torch.stack(tables).sum(0)                             # what the all-reduce gives every rank
+    for r, n in enumerate(norms):
+        n._all_reduce = lambda t: total
+        got = n(y[:, r * part:(r + 1) * part], z[:, r * part:(r + 1) * part], part, 1e-5, "gate_then_norm")
+        torch.testing.assert_close(got, want[:, r * part:(r + 1) * part], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="gate_then_norm"):
+        norms[0](y[:, :part], z[:, :part], part, 1e-5, "norm_then_gate")
 
 
 def test_shard_take_sections_and_padding():
