@@ -110,7 +110,8 @@ def params_for(workload: str, n: int, max_tokens: int) -> list[SamplingParams]:
 def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float | None = None):
     if method == "none":
         return None
-    kw = dict(adaptive=args.adaptive == "on", forced_acceptance_rate=forced)
+    kw = dict(adaptive=args.adaptive != "off", adaptive_step_cost=args.adaptive == "cost",
+              forced_acceptance_rate=forced)
     if method == "ngram":
         return SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=4, **kw)
     if method == "draft_model":
@@ -291,7 +292,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
-    ap.add_argument("--adaptive", choices=("on", "off"), default="on", help="adaptive speculation")
+    ap.add_argument("--adaptive", choices=("on", "off", "cost"), default="on",
+                    help="adaptive speculation (cost: also weighing measured step costs, adaptive_step_cost)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-vocab-size", type=int, default=None,

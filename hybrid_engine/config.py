@@ -210,6 +210,10 @@ class SpeculativeConfig:
     # drafts as its most confident row wants (0: the step costs a plain decode step). False: every
     # decode row verifies num_speculative_tokens drafts every step.
     adaptive: bool = True
+    # With adaptive: also weigh what a step of each width costs (measured on the host between the
+    # reads of consecutive steps), choosing the width with the most expected tokens per second.
+    # The widths then depend on timing (tokens do not); refused under tensor parallelism.
+    adaptive_step_cost: bool = False
     # BENCHMARK ONLY: accept each draft with this probability instead of verifying it (outputs are
     # not the model's; the engine logs a warning). Measures speed vs acceptance on shapes that have
     # no trained weights. None: normal, lossless verification.
@@ -242,9 +246,16 @@ class SpeculativeConfig:
                              f"got {self.prompt_lookup_max}")
         if not isinstance(self.adaptive, bool):
             raise TypeError(f"adaptive must be a bool, got {type(self.adaptive).__name__}")
+        if not isinstance(self.adaptive_step_cost, bool):
+            raise TypeError(f"adaptive_step_cost must be a bool, got {type(self.adaptive_step_cost).__name__}")
+        if self.adaptive_step_cost and not self.adaptive:
+            raise ValueError("adaptive_step_cost=True needs adaptive=True (it chooses among the adaptive widths)")
         p = self.forced_acceptance_rate
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0):
             raise ValueError(f"forced_acceptance_rate must be None or a number in [0, 1], got {p!r}")
+        if p is not None and self.adaptive_step_cost:
+            raise ValueError("adaptive_step_cost=True cannot go with forced_acceptance_rate (forced acceptance "
+                             "measures a fixed K)")
         if self.draft_vocab_size is not None:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
             if self.method != "mtp":
@@ -280,6 +291,10 @@ class EngineConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative is not None and self.speculative.draft_vocab_size is not None:
             self._check_draft_vocab(self.speculative.draft_vocab_size)
+        if self.speculative is not None and self.speculative.adaptive_step_cost and self.tensor_parallel_size > 1:
+            raise ValueError("adaptive_step_cost needs tensor_parallel_size 1 (every rank must choose the same "
+                             "widths, and timings differ between ranks), "
+                             f"got tensor_parallel_size={self.tensor_parallel_size}")
         if self.cache.kv_fp8:
             self._check_fp8_kv_cache()
         if self.tensor_parallel_size > 1:

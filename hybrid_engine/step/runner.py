@@ -115,7 +115,8 @@ class ModelRunner:
                 # drafts it verifies, so that count must not depend on timing (async) or on other
                 # rows (batch): such steps verify all K (docs/design.md invariant 2)
                 num_drafts = self.num_spec
-            observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp)))
+            observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp),
+                                                         decode_only=not inp.num_prefill))
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
         payload = self._d2h_payload(sampled, inp)
@@ -185,10 +186,14 @@ class ModelRunner:
         sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
         n = len(rows)
         num_valid, drafts = self.consts.full(n, 1), self.consts.no_drafts(n)
+        observe = None
         if self.num_spec:
             # a spec engine's step that verified no drafts (adaptive): the drafter (one that reads
             # only tokens, slots and positions: n-gram) follows it and drafts for the next step
-            num_drafts = self.policy.width(self.batch.slot[rows])
+            slots_np = self.batch.slot[rows]
+            num_drafts = self.policy.width(slots_np)
+            # the policy times the step (a width-0 step's cost) and learns nothing else from it
+            observe = (self.policy, self.policy.snapshot(slots_np, n, 0, decode_only=True))
             drafts, _ = self.drafter.propose(DraftContext(
                 req_ids=step.req_ids, slots=plan.slots(n), sampled=sampled, num_valid=num_valid,
                 input_token=None, input_pos=next_start, hidden=None, token_index=None,
@@ -197,7 +202,7 @@ class ModelRunner:
                 block_size=self.block_size, num_drafts=num_drafts))
         handle = self._finish(sched, step.req_ids, rows, payload,
                               PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
-                                       drafts=drafts, draft_probs=None))
+                                       drafts=drafts, draft_probs=None), observe=observe)
         plan.read_by(handle.copy_event)
         return handle
 
@@ -209,7 +214,7 @@ class ModelRunner:
         if not isinstance(self.policy, FixedDrafts):
             slots_np = self.batch.slot[out.rows]
             num_drafts = self.policy.width(slots_np)
-            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width))
+            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width, decode_only=True))
         drafts = out.drafts if num_drafts == self.num_spec else out.drafts[:, :num_drafts]
         handle = self._finish(sched, step.req_ids, out.rows, out.payload,
                               PrevStep(sampled=out.sampled, num_valid=out.num_valid, next_start=out.next_start,

@@ -75,6 +75,106 @@ def test_policy_rounds_up_to_captured_widths_and_drops_outputs_of_a_reused_slot(
     assert pol.k[1] == 5 and pol.tried[1] == 0.5
 
 
+class Clock:
+    """A fake clock: ``now`` advances by what the test says each step costs."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _cost_run(step_s, accepted_frac, steps=200, rows=(1,), K=3):
+    """Drive a cost-aware policy for ``steps`` steps: a step of width w takes ``step_s[w]``
+    seconds and each row accepts each draft with chance ``accepted_frac`` up to its first
+    rejection (a seeded draw). -> widths chosen, in order."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    clock = Clock()
+    pol = AdaptiveDrafts(K, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock))
+    slots = np.asarray(rows, np.int64)
+    rng = np.random.default_rng(0)
+    for s in slots:
+        pol.reset(int(s))
+    widths, width = [], pol.width(slots)
+    for _ in range(steps):
+        tok = pol.snapshot(slots, len(slots), width, decode_only=True)
+        nxt = pol.width(slots)                          # launched before this step's read (async)
+        clock.t += step_s[width]
+        ok = rng.random((len(slots), width)) < accepted_frac                # [B, width]
+        acc = np.cumprod(ok, axis=1).sum(1) if width else np.zeros(len(slots), np.int64)
+        pol.observe(tok, acc.astype(np.int64) + 1)
+        widths.append(width)
+        width = nxt
+    return widths
+
+
+def test_step_cost_policy_rests_when_verifying_costs_more_than_it_yields():
+    """Acceptance 0.6 (a row wants about 2 drafts by the plain rule): when a step of w drafts costs
+    1 + w/2 .. 3x a greedy step (at most ~2.2 tokens for 2-3x the time) the policy settles on
+    width 0, trying the others on its exploration steps only; when drafts are nearly free (1.2x at
+    w = 3) it drafts as the plain rule does."""
+    expensive = _cost_run({0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}, 0.6)
+    cheap = _cost_run({0: 1.0, 1: 1.1, 2: 1.15, 3: 1.2}, 0.6)
+    tail_exp, tail_cheap = expensive[50:], cheap[50:]
+    assert tail_exp.count(0) >= 0.85 * len(tail_exp), tail_exp
+    assert tail_cheap.count(0) <= 0.25 * len(tail_cheap) and np.mean(tail_cheap) >= 1.4, tail_cheap
+    # the other widths are still re-timed now and then (exploration steps)
+    assert set(tail_exp) > {0}
+
+
+def test_step_cost_policy_without_times_keeps_the_plain_width():
+    """Steps that are never timed (every one carries prefill rows): the plain rule's width, except
+    every 4th step, which tries an untimed width (here 0): never stuck at 0."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=Clock()))
+    pol.reset(1)
+    slots = np.array([1])
+    widths = []
+    for _ in range(40):
+        widths.append(pol.width(slots))
+        pol.observe(pol.snapshot(slots, 1, widths[-1], decode_only=False), np.array([widths[-1] + 1]))
+    assert widths.count(3) >= 28 and widths.count(0) <= 10, widths
+
+
+def test_step_costs_time_consecutive_decode_steps_per_width_and_batch_bucket():
+    from hybrid_engine.spec.adaptive import StepCosts
+    clock = Clock()
+    c = StepCosts(decay=0.5, clock=clock)
+    c.record(1, 0, 1, True)                   # the first read: no interval yet
+    clock.t = 100.0
+    c.record(2, 3, 1, True)                   # a width's first time is dropped (one-off compiling)
+    assert c.get(3, 1) is None and c.count(3, 1) == 0
+    clock.t = 102.0
+    c.record(3, 3, 1, True)
+    assert c.get(3, 1) == 2.0 and c.count(3, 1) == 1
+    clock.t = 103.0
+    c.record(4, 3, 1, True)                   # decayed mean: 0.5 * 2 + 0.5 * 1
+    assert c.get(3, 1) == 1.5
+    clock.t = 110.0
+    c.record(6, 3, 1, True)                   # step 5 was never read: no interval
+    clock.t = 111.0
+    c.record(7, 0, 1, False)                  # a step with prefill rows: not a decode cost
+    assert c.get(3, 1) == 1.5 and c.get(0, 1) is None
+    clock.t = 112.0
+    c.record(8, 0, 5, True)                   # 5 rows: the 8-row bucket (its first sample, dropped)
+    clock.t = 113.0
+    c.record(9, 0, 6, True)
+    assert c.get(0, 8) == 1.0 and c.get(0, 5) == 1.0 and c.get(0, 4) is None
+
+
+def test_step_cost_option_is_checked_and_refused_where_it_cannot_work(target):
+    with pytest.raises(TypeError, match="adaptive_step_cost"):
+        SpeculativeConfig("ngram", 2, adaptive_step_cost=1)
+    with pytest.raises(ValueError, match="adaptive_step_cost"):
+        SpeculativeConfig("ngram", 2, adaptive=False, adaptive_step_cost=True)
+    with pytest.raises(ValueError, match="forced_acceptance_rate"):
+        SpeculativeConfig("ngram", 2, adaptive_step_cost=True, forced_acceptance_rate=0.5)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(target, device="cpu", tensor_parallel_size=2,
+            speculative_config=SpeculativeConfig("ngram", 2, adaptive_step_cost=True))
+
+
 def test_fixed_policy_and_counts():
     assert FixedDrafts(3).width(np.array([1, 2])) == 3
     assert draft_counts(SpeculativeConfig("ngram", 5), 5) == (0, 1, 3, 5)
@@ -166,6 +266,18 @@ def test_fixed_and_adaptive_and_no_spec_agree_with_a_mixed_batch(target, prompts
     plain_s, _ = _run(target, prompts, None, params=sp)
     ngram_s, _ = _run(target, prompts, SpeculativeConfig("ngram", 3), params=sp)
     assert ngram_s == plain_s
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_step_cost_policy_keeps_greedy_output(target, prompts, monkeypatch, async_scheduling):
+    """adaptive_step_cost on a real engine (widths chosen from host timings, so they vary from run
+    to run): the tokens equal transformers' greedy, and the policy timed steps of several widths."""
+    ref = hf_greedy(target, prompts, max_new_tokens=40)
+    spec = SpeculativeConfig("draft_model", 3, model=str(target), adaptive_step_cost=True)
+    llm_outs, d = _run(target, prompts, spec, bad=lambda i: 10 <= i < 30, monkeypatch=monkeypatch,
+                       async_scheduling=async_scheduling)
+    assert llm_outs == ref
+    assert len(set(d.widths)) >= 2, d.widths
 
 
 def test_random_weights_rest_at_zero_drafts(target, prompts, monkeypatch):
