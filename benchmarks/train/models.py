@@ -56,6 +56,11 @@ class Preset:
 
 _MOE = dict(n_group=1, topk_group=1)
 
+# the GPU benchmarks' draft model (~9M params), the same for "bench" and "bench-large"
+_BENCH_DRAFT = dict(pattern="M*-", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32,
+                    conv_kernel=4, chunk_size=128)
+
 PRESETS = {
     # tests: a few steps on CPU in seconds (init std 0.1, not 0.02: logits spread enough for the
     # transformers-vs-engine comparisons to mean something after 4 steps)
@@ -91,9 +96,7 @@ PRESETS = {
                     head_dim=64, intermediate_size=3072, mamba_num_heads=24, mamba_head_dim=64, n_groups=2,
                     ssm_state_size=64, conv_kernel=4, chunk_size=128, n_routed_experts=8, num_experts_per_tok=2,
                     moe_intermediate_size=768, moe_shared_expert_intermediate_size=768, **_MOE),
-        draft=dict(pattern="M*-", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                   intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32,
-                   conv_kernel=4, chunk_size=128),
+        draft=_BENCH_DRAFT,
         seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=210.0,
         corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=32, warmup_steps=100,
         save_dtype="bfloat16", config_dtype="bfloat16"),
@@ -106,9 +109,7 @@ PRESETS = {
                     head_dim=64, intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64, n_groups=4,
                     ssm_state_size=128, conv_kernel=4, chunk_size=128, n_routed_experts=8, num_experts_per_tok=2,
                     moe_intermediate_size=1024, moe_shared_expert_intermediate_size=1024, **_MOE),
-        draft=dict(pattern="M*-", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                   intermediate_size=768, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32,
-                   conv_kernel=4, chunk_size=128),
+        draft=_BENCH_DRAFT,
         seq_len=512, batch_size=32, lr=1e-3, draft_lr=2e-3, max_steps=100_000, time_budget_s=210.0,
         corpus_bytes=32_000_000, heldout_bytes=2_000_000, eval_windows=16, warmup_steps=100,
         save_dtype="float32", config_dtype="float32", bf16_autocast=True),
