@@ -43,6 +43,7 @@ import numpy as np
 
 class FixedDrafts:
     """Every step verifies ``num_spec`` drafts (``adaptive=False``)."""
+    times_steps = False     # wants the steps that verify no drafts too (``StepCosts``)
 
     def __init__(self, num_spec: int):
         self.num_spec = num_spec
@@ -115,6 +116,7 @@ class AdaptiveDrafts:
         self.num_spec, self.threshold, self.decay = num_spec, threshold, decay
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self.costs, self.explore_every = step_costs, explore_every
+        self.times_steps = step_costs is not None        # wants the steps that verify no drafts too
         allowed = sorted(set(range(num_spec + 1) if widths is None else widths) | {0, num_spec})
         self._allowed = tuple(allowed)
         # _round_up[k] = the smallest allowed width >= k

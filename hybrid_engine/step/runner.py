@@ -192,8 +192,8 @@ class ModelRunner:
             # only tokens, slots and positions: n-gram) follows it and drafts for the next step
             slots_np = self.batch.slot[rows]
             num_drafts = self.policy.width(slots_np)
-            # the policy times the step (a width-0 step's cost) and learns nothing else from it
-            observe = (self.policy, self.policy.snapshot(slots_np, n, 0, decode_only=True))
+            if self.policy.times_steps:     # a width-0 step's time; no acceptance to learn from it
+                observe = (self.policy, self.policy.snapshot(slots_np, n, 0, decode_only=True))
             drafts, _ = self.drafter.propose(DraftContext(
                 req_ids=step.req_ids, slots=plan.slots(n), sampled=sampled, num_valid=num_valid,
                 input_token=None, input_pos=next_start, hidden=None, token_index=None,
