@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -29,16 +30,17 @@ def _paged_attn_kernel(
     sq_t, sq_h, sq_d, sk_b, sk_o, sk_h, sk_d, sv_b, sv_o, sv_h, sv_d, sbt_b, sbt_m,
     so_t, so_h, so_d,
     PREC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    z = pdl_enter(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b = tl.program_id(0) + z
+    kvh = tl.program_id(1) + z
     if SPLIT:                      # one query block per row; axis 2 = key range split
         qb = 0
-        sp = tl.program_id(2)
+        sp = tl.program_id(2) + z
     else:
-        qb = tl.program_id(2)
+        qb = tl.program_id(2) + z
         sp = 0
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
@@ -114,10 +116,11 @@ def _paged_attn_kernel(
 @triton.jit
 def _combine_splits_kernel(
     qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, n_splits, T, nH, hd, so_t, so_h, so_d,
-    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    z = pdl_enter(PDL)
+    b = tl.program_id(0) + z
+    h = tl.program_id(1) + z
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     offs_i = tl.arange(0, BLOCK_Q)
@@ -226,12 +229,12 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *out.stride(),
             PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, num_warps=nw,
+            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, num_warps=nw, **pdl_kwargs(q.device),
             **({} if num_stages is None else {"num_stages": num_stages}),
         )
         if split:
             _combine_splits_kernel[(B, nH)](
                 qsl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),
-                BLOCK_Q=next_pow2(Qm), BLOCK_D=BLOCK_D, num_warps=4,
+                BLOCK_Q=next_pow2(Qm), BLOCK_D=BLOCK_D, num_warps=4, **pdl_kwargs(q.device),
             )
     return out

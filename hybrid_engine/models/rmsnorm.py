@@ -40,13 +40,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, D, eps, sx, sr, sro, so,
-                        ADD_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+                        ADD_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         # One program per row. With ADD_RESIDUAL the row is first replaced by residual + x
         # (float32 add, one rounding to the residual dtype = torch's add), which is stored; the
         # norm below is then the same code for both variants, so their outputs agree bitwise.
-        row = tl.program_id(0).to(tl.int64)
+        row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
         x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
@@ -70,7 +72,7 @@ def _launch(x, residual, residual_out, weight, out, eps) -> None:
     block = next_pow2(d)
     _rmsnorm_kernel[(t,)](x, r, ro, weight, out, d, float(eps), x.stride(0), r.stride(0),
                           ro.stride(0), out.stride(0), ADD_RESIDUAL=add, BLOCK_D=block,
-                          num_warps=min(16, max(1, block // 256)))
+                          num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x.device))
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

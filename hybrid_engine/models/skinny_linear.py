@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     return F.linear(x, weight, bias)
@@ -30,8 +32,10 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @triton.jit
 def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
+    pid = tl.program_id(0) + z
+    x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, mn = offs_m < M, offs_n < N
@@ -57,8 +61,10 @@ def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
 @triton.jit
 def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
+    pid = tl.program_id(0) + z
+    x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
@@ -97,7 +103,7 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, *
     kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **consts)
+        num_warps=num_warps, num_stages=num_stages, **consts, **pdl_kwargs(x.device))
     return y
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
 from .moe_ops import DECODE_MAX_TOKENS, align_block_size, align_pairs
@@ -98,14 +99,17 @@ def _swiglu(g, u, dtype):
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True,
-                      SWIGLU: tl.constexpr = False, ws_ptr=None, W_SCALED: tl.constexpr = False):
+                      SWIGLU: tl.constexpr = False, ws_ptr=None, W_SCALED: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """out[p, n] = epilogue(sum_k a[p // A_DIV, k] * w[ids[p], n, k]); one pair per grid row.
     ONE_WEIGHT: w is one [N, K] matrix (ids not read): a plain row-wise linear (shared expert,
     router logits); ROUND False keeps the float32 sum (router logits). SWIGLU: w has 2N rows
     (gate rows n, up rows N + n): out = silu(gate) * up. W_SCALED: w is FP8 and the sum is
-    multiplied by the expert's float32 scale ``ws[e]`` before the epilogue."""
-    pid_n = tl.program_id(0)
-    p = tl.program_id(1)
+    multiplied by the expert's float32 scale ``ws[e]`` before the epilogue. PDL: launched with
+    programmatic dependent launch (``triton_pdl``)."""
+    z = pdl_enter(PDL)
+    pid_n = tl.program_id(0) + z
+    p = tl.program_id(1) + z
     if ONE_WEIGHT:
         e = pid_n.to(tl.int64) * 0
     else:
@@ -159,7 +163,7 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
         x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
         RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
-        ROUND=out_dtype == x.dtype, num_warps=warps, ws_ptr=x)
+        ROUND=out_dtype == x.dtype, num_warps=warps, ws_ptr=x, **pdl_kwargs(x.device))
     return out
 
 
@@ -231,9 +235,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
 
 
 @triton.jit
-def _combine_kernel(pair_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _combine_kernel(pair_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    z = pdl_enter(PDL)
+    t = (tl.program_id(0) + z).to(tl.int64)
+    offs = (tl.program_id(1) + z) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = offs < N
     acc = tl.zeros([BLOCK_N], tl.float32)
     for j in range(TOP_K):
@@ -279,18 +285,19 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     ids = ids.contiguous()
     weights = weights.contiguous().float()
     pair_out = torch.empty(P, D_out, dtype=torch.float32, device=dev)         # weighted, per pair
+    pdl = pdl_kwargs(dev)
     if T <= DECODE_MAX_TOKENS and not force_grouped:
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
         bn, bk, warps = gemv_tiles("up", T, w_up)
         _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
             h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
             inter.stride(0), RELU2=not swiglu, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
-            num_warps=warps, ws_ptr=up_scale if up_scale is not None else weights, **scaled)
+            num_warps=warps, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **pdl)
         bn, bk, warps = gemv_tiles("down", T, w_down)
         _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
             inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
             w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled)
+            num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled, **pdl)
     else:
         bm = align_block_size(P, E)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
@@ -316,5 +323,5 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
     bn = 256
     _combine_kernel[(T, triton.cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
-                                                  HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4)
+                                                  HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4, **pdl)
     return out

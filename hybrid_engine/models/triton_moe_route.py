@@ -13,8 +13,15 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .moe_ops import RouteSpec
+
+
+# one warp per token: the top-k's repeated argmax reductions then stay inside the warp. H100
+# (benchmarks/results/2026-11-26-pdl-h100.md): Nano (128 experts, top-6) 2.69 -> 1.80 us, Super (512,
+# top-22) 9.49 -> 8.19 us per call at 1-8 tokens, outputs bitwise the same as with 4 warps
+_ROUTE_WARPS = 1
 
 
 @triton.jit
@@ -22,8 +29,8 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, cnt_ptr, valid_ptr, E, s
                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr,
                   HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr = False):
-    t = tl.program_id(0)
+                  BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr = False, PDL: tl.constexpr = False):
+    t = tl.program_id(0) + pdl_enter(PDL)
     offs = tl.arange(0, BLOCK_E)
     me = offs < E
     lg = tl.load(logits_ptr + t.to(tl.int64) * s_l + offs, mask=me, other=0.0).to(tl.float32)
@@ -97,5 +104,5 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, spec: RouteSpec, coun
         PER_GROUP=E // spec.n_group, TOPK_GROUP=spec.topk_group, RENORM=bool(spec.norm_topk_prob),
         COUNT=counts is not None, HAS_VALID=valid is not None, BLOCK_E=next_pow2(E),
         BLOCK_K=max(2, next_pow2(k)), BLOCK_G=max(2, next_pow2(spec.n_group)),
-        SOFTMAX=spec.scoring == "softmax", num_warps=4)
+        SOFTMAX=spec.scoring == "softmax", num_warps=_ROUTE_WARPS, **pdl_kwargs(logits.device))
     return ids, w

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 _softplus, _silu = tl_helpers()
 
@@ -159,8 +160,9 @@ def _conv_update_cols_kernel(
     Issue order: weights, bias, [PDL=1: grid-dependency wait], [INPUTS_FIRST: x tokens], slot
     indices and accepted counts, windows, [PDL=2: wait], [else: x tokens]; outputs; barrier;
     windows.  PDL=1 reads only the weights and bias before the wait; PDL=2 also state_indices,
-    num_accepted and conv_state (the caller guarantees the kernel launched just before this
-    one writes none of them).  LD_*: cache modifier / eviction policy of the read-once loads
+    num_accepted and conv_state (the caller guarantees that no kernel launched since the last
+    launch without PDL writes them: a PDL kernel lets its successor start before it waits, so
+    any of them may still be running).  LD_*: cache modifier / eviction policy of the read-once loads
     (windows, x), KEEP_EV: of the weights, bias, slots and counts, ST_*: of the window stores."""
     if CHANNELS_FAST:
         cb = tl.program_id(0)
@@ -177,9 +179,8 @@ def _conv_update_cols_kernel(
 
     wts, bias = _cols_weights(w_ptr, bias_ptr, offs_c, mc, c0, Cdim, sw_c, sw_w, W, HAS_BIAS,
                               BLOCK_C, WFLAT, KEEP_EV)
-    if PDL == 1:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL == 1:                                     # every later address depends on row0
+        row0 += pdl_enter(True)
     X_EARLY: tl.constexpr = INPUTS_FIRST and PDL != 2
     if X_EARLY:
         xt = _cols_x(x_ptr, row0, N, offs_c, mc, zero, sx_r, sx_t, sx_c, dt, S, ROWS, LD_CM,
@@ -202,9 +203,8 @@ def _conv_update_cols_kernel(
                                  eviction_policy=LD_EV),)
         lives = lives + (live,)
         sbases = sbases + (sb,)
-    if PDL == 2:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL == 2:                                     # the x loads and stores depend on row0
+        row0 += pdl_enter(True)
     if not X_EARLY:
         xt = _cols_x(x_ptr, row0, N, offs_c, mc, zero, sx_r, sx_t, sx_c, dt, S, ROWS, LD_CM,
                      LD_EV)
@@ -260,7 +260,9 @@ def _launch_cols(x, weight, bias, conv_state, state_indices, num_accepted, out, 
     W = weight.shape[-1]
     rows = int(rows_per_program or 1)
     assert rows >= 1 and rows & (rows - 1) == 0, "rows_per_program: a power of 2"
-    pdl = int(pdl or 0)
+    if pdl is None:                               # the engine-wide choice (triton_pdl): mode 1
+        pdl = 1 if pdl_kwargs(x.device)["PDL"] else 0
+    pdl = int(pdl)
     assert pdl in (0, 1, 2), "pdl: 0, 1 or 2"
     if not x.is_cuda:
         pdl = 0                                   # the interpreter has no grid-dependency control
@@ -310,7 +312,9 @@ def triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_
       pdl                programmatic dependent launch (CUDA, sm_90+; ignored on CPU): 0 off,
                          1: only weights / bias are read before the grid-dependency wait,
                          2: also state_indices, num_accepted and conv_state, so the caller must
-                         know that the kernel launched just before writes none of them [0]
+                         know that no kernel launched since the last launch without PDL
+                         writes them (tests and benchmarks only)
+                         [1 where ``triton_pdl.pdl_kwargs`` turns PDL on, else 0]
       channels_fast      grid (channel blocks, row blocks) instead of (row blocks, channel
                          blocks): consecutive programs share rows [False]
       weight_load        'flat': one contiguous load of the block's weights, split into taps

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 _softplus, _silu = tl_helpers()
 
@@ -45,10 +46,12 @@ def _ssu_kernel(
     NULL: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    pb = tl.program_id(2)
+    z = pdl_enter(PDL)
+    row = tl.program_id(0) + z
+    head = tl.program_id(1) + z
+    pb = tl.program_id(2) + z
     grp = head // nheads_per_group
 
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -240,5 +243,5 @@ def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accept
             *ssm_state.stride(), *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(),
             *y.stride(), *fused,
             NULL=NULL_SLOT, CLAMP=clamp, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
-            **consts,
+            **consts, **pdl_kwargs(x.device),
         )

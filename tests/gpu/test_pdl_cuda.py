@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (``mamba_cache/ops/triton_pdl.py``) on CUDA: with it on, the
+engine's greedy tokens equal those with it off, in CUDA graphs and eagerly, at batch 1 (one-row
+FMA projections, the MoE pair GEMVs, split-key attention) and batch 8. A kernel launched with PDL
+that reads before its wait returns the previous layer's stale output: that broke every batch-1
+step of the 8B shape (non-finite logits) while one kernel lacked the wait."""
+import pytest
+import torch
+
+from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_kwargs, reset_pdl_choice
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def wide_target(model_dirs):
+    """Wider than ``target`` so that each kernel runs long enough for an early read to land."""
+    return model_dirs("pdl_wide", pattern="M-M*-ME*", seed=2, hidden_size=512, intermediate_size=1024,
+                      mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_routed_experts=16,
+                      num_experts_per_tok=4, moe_intermediate_size=512, moe_shared_expert_intermediate_size=512,
+                      vocab_size=4096)
+
+
+def _generate(model, prompts, eager: bool, pdl: str, monkeypatch) -> list:
+    monkeypatch.setenv("HYBRID_ENGINE_PDL", pdl)
+    reset_pdl_choice()
+    try:
+        llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=8, enforce_eager=eager)
+        assert pdl_kwargs(torch.device("cuda"))["PDL"] == (pdl == "1")
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        return [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+                for batch in ([prompts[3]], [prompts[5]], prompts)]
+    finally:
+        monkeypatch.delenv("HYBRID_ENGINE_PDL")
+        reset_pdl_choice()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs compute capability 9.0 (Hopper)")
+@pytest.mark.parametrize("model", ["target", "wide_target"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_pdl_equals_no_pdl(request, prompts, monkeypatch, model, eager):
+    model_dir = request.getfixturevalue(model)
+    off = _generate(model_dir, prompts, eager, "0", monkeypatch)
+    on = _generate(model_dir, prompts, eager, "1", monkeypatch)
+    assert on == off
