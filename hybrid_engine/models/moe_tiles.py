@@ -13,10 +13,19 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
     matrix, the router and the shared expert; "up" / "down": the routed experts) at ``tokens`` rows.
     From the H100 tile sweep on the Nano-30B-A3B widths (benchmarks/moe_gemv_sweep.py, results in
     benchmarks/results/2026-11-24-moe-gemv-sweep-h100.md): at one token, wide K tiles and few output
-    rows per program, so that the float32 router ([128, D]: 8 programs with 16 rows each) and the
-    shared expert spread over enough SMs; at several tokens the old 16 x 128 tiles are as good."""
+    rows per program, so that the shared expert spreads over enough SMs; at several tokens the old
+    16 x 128 tiles are as good. The float32 router has its own rule (below), from a sweep inside a
+    chain of MoE layers."""
     wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
     if role == "rowwise":
+        if wide and weight.shape[0] <= 1024:
+            # the float32 router ([E, D]): one expert row per program, so that its 1.4 MB (Nano)
+            # spreads over E programs instead of E / 4. In a CUDA graph of Nano MoE layers at 1 /
+            # 4 / 8 tokens, 4.07 -> 2.17 / 4.16 -> 3.14 / 4.72 -> 4.05 us per router call, 74.6 ->
+            # 70.6 us per MoE layer at one token (H100, benchmarks/moe_chain.py, results in
+            # benchmarks/results/2026-11-26-pdl-h100.md). A float32 model's small rowwise weights
+            # (N <= 1024) take it too; that was not measured.
+            return 1, 2048, 4
         if wide:
             return 4, 256, 8
         return (8, 512, 4) if tokens == 1 else (16, 128, 2)

@@ -1,0 +1,133 @@
+"""One MoE layer's decode path on the Nano-30B-A3B widths, timed as a chain of layers with distinct
+weights (together beyond L2, so the weights stream from HBM as in a real step) inside one CUDA
+graph: router logits, routing, shared expert, routed experts, combine (CUDA).
+
+    python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--profile] --out DIR
+
+Per token count: microseconds per layer and the layer's bytes over that time (at one token: six
+experts, the shared expert and the float32 router); with --router-tiles, the layer and a
+router-only chain under each (BLOCK_N, BLOCK_K, warps) of the router GEMV; with --profile, each
+kernel's time in a layer at one token with programmatic dependent launch off (with it on, the
+profiler counts a kernel from its early launch). HYBRID_ENGINE_PDL=0 runs the whole thing without
+PDL. Writes moe-chain.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import graph_ms, save_json  # noqa: E402
+from hybrid_engine.mamba_cache.ops import triton_pdl  # noqa: E402
+from hybrid_engine.models import triton_moe  # noqa: E402
+from hybrid_engine.models.moe_ops import RouteSpec, route, router_logits  # noqa: E402
+
+D, F, F_SHARED, E, TOP_K = 2688, 1856, 3712, 128, 6        # Nemotron-3-Nano-30B-A3B
+
+
+def make_layers(n: int, dev) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    def w(*shape, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g, device=dev) * 0.02).to(dtype)
+    return [dict(gate=w(E, D, dtype=torch.float32), bias=torch.zeros(E, device=dev), up=w(E, F, D),
+                 down=w(E, D, F), s_up=w(F_SHARED, D), s_down=w(D, F_SHARED)) for _ in range(n)]
+
+
+def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec):
+    def run():
+        ids, wts = route(router_logits(x, ly["gate"]), ly["bias"], spec)
+        shared = triton_moe.rowwise_linear_triton(triton_moe.rowwise_linear_triton(x, ly["s_up"], relu2=True),
+                                                  ly["s_down"])
+        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=shared)
+    return run
+
+
+def layer_bytes(tokens: int) -> int:
+    experts = min(tokens * TOP_K, E)                     # at most; exactly 6 at one token
+    return experts * 2 * D * F * 2 + 2 * D * F_SHARED * 2 + E * D * 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--layers", type=int, default=8, help="distinct layers in the chain (8: 1.3 GB)")
+    ap.add_argument("--router-tiles", nargs="*", default=[], help="BLOCK_N,BLOCK_K,warps candidates")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    spec = RouteSpec(num_experts=E, top_k=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True, scale=2.5)
+    layers = make_layers(args.layers, dev)
+    pdl = triton_pdl.pdl_kwargs(dev)["PDL"]
+    res = dict(device=torch.cuda.get_device_name(), pdl=pdl, command=" ".join(sys.argv), rows=[])
+    print(f"{res['device']}, PDL {'on' if pdl else 'off'}, {args.layers} layers", flush=True)
+    real_tiles = triton_moe.gemv_tiles
+    for T in args.tokens:
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
+        calls = [layer_fn(ly, x, spec) for ly in layers]
+        routers = [lambda ly=ly: router_logits(x, ly["gate"]) for ly in layers]
+        for tiles in [None] + [tuple(int(v) for v in t.split(",")) for t in args.router_tiles]:
+            if tiles is not None:
+                triton_moe.gemv_tiles = (lambda role, n, w, t=tiles: t if role == "rowwise" and w.element_size() == 4
+                                         else real_tiles(role, n, w))
+            for c in calls + routers:
+                c()
+            us = graph_ms(calls, reps=len(calls)) * 1e3
+            router_us = graph_ms(routers, reps=len(routers)) * 1e3
+            triton_moe.gemv_tiles = real_tiles
+            row = dict(tokens=T, router_tiles=tiles or "default", layer_us=us, router_us=router_us,
+                       layer_GBps=layer_bytes(T) / us / 1e3 if T == 1 else None)
+            res["rows"].append(row)
+            print(f"T={T} router tiles {row['router_tiles']}: {us:.1f} us per layer, router {router_us:.2f} us"
+                  + (f", {row['layer_GBps']:.0f} GB/s" if T == 1 else ""), flush=True)
+    if args.profile:
+        res["profile_us"] = profile_one_token(layers, spec, dev)
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_json(args.out / "moe-chain.json", res)
+    return 0
+
+
+def profile_one_token(layers, spec, dev) -> list:
+    """[(kernel, us)] in launch order for one layer at one token, PDL off, mean over the chain."""
+    from torch.profiler import ProfilerActivity, profile
+    before = os.environ.get("HYBRID_ENGINE_PDL")
+    os.environ["HYBRID_ENGINE_PDL"] = "0"
+    triton_pdl.reset_pdl_choice()
+    x = torch.randn(1, D, device=dev, dtype=torch.bfloat16) * 0.1
+    calls = [layer_fn(ly, x, spec) for ly in layers]
+    for c in calls:
+        c()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if (getattr(e, "device_time", 0) or 0) > 0),
+                 key=lambda e: e.time_range.start)
+    per = len(evs) // (reps * len(layers))
+    rows = [[evs[i].name[:40], 0.0] for i in range(per)]
+    for i, e in enumerate(evs[:per * reps * len(layers)]):
+        rows[i % per][1] += e.device_time / (reps * len(layers))
+    for name, us in rows:
+        print(f"  {name:40s} {us:6.2f} us", flush=True)
+    if before is None:
+        del os.environ["HYBRID_ENGINE_PDL"]
+    else:
+        os.environ["HYBRID_ENGINE_PDL"] = before
+    triton_pdl.reset_pdl_choice()
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
