@@ -1,6 +1,7 @@
 """Programmatic dependent launch must not change how a kernel reads memory: each PDL kernel is
 compiled for sm_90 (no GPU needed) with and without PDL, and its PTX must have the same global
-loads, vector loads and async copies. Adding the wait's zero to a pointer without keeping its
+loads, vector loads and async copies. (Nine of the twelve kernels that take the flag; not yet
+paged attention, the state update and the conv update.) Adding the wait's zero to a pointer without keeping its
 alignment (``x_ptr += z`` instead of ``z * 16``) turned the one-row FP8 projection's vector loads
 of x into scalar ones and its b=1 decode went from 1.56x to 1.30x bf16 (H100); this catches it."""
 import re
@@ -11,9 +12,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hybrid_engine.attention.triton_attention import _combine_splits_kernel  # noqa: E402
 from hybrid_engine.models.rmsnorm import _rmsnorm_kernel  # noqa: E402
 from hybrid_engine.models.skinny_linear import _linear_dot_kernel, _linear_fma_kernel  # noqa: E402
-from hybrid_engine.models.triton_moe import _pair_gemv_kernel  # noqa: E402
+from hybrid_engine.models.triton_moe import _combine_kernel, _pair_gemv_kernel  # noqa: E402
+from hybrid_engine.models.triton_moe_route import _route_kernel  # noqa: E402
 from hybrid_engine.quantization.fp8_kernels import _fp8_dot_kernel, _fp8_fma_kernel  # noqa: E402
 
 BF, F8 = "*bf16", "*fp8e4nv"
@@ -40,6 +43,17 @@ CASES = {
                                           s_om="i32", ws_ptr="*fp32"),
                   dict(RELU2=False, WEIGHTED=True, BLOCK_N=4, BLOCK_K=256, ONE_WEIGHT=False, ROUND=True,
                        SWIGLU=False, W_SCALED=False), dict(num_warps=2)),
+    "moe_combine": (_combine_kernel, dict(pair_ptr="*fp32", add_ptr=BF, out_ptr=BF, N="i32", TOP_K="i32"),
+                    dict(HAS_ADD=True, BLOCK_N=256), dict(num_warps=4)),
+    "moe_route": (_route_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32",
+                                      cnt_ptr="*i32", valid_ptr="*i32", E="i32", s_l="i32", scale="fp32"),
+                  dict(TOP_K=6, N_GROUP=1, PER_GROUP=128, TOPK_GROUP=1, RENORM=True, COUNT=True, HAS_VALID=True,
+                       BLOCK_E=128, BLOCK_K=8, BLOCK_G=2, SOFTMAX=False), dict(num_warps=1)),
+    "attention_split_combine": (_combine_splits_kernel, dict(qsl_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
+                                                             pm_ptr="*fp32", pl_ptr="*fp32", n_splits="i32",
+                                                             T="i32", nH="i32", hd="i32", so_t="i32",
+                                                             so_h="i32", so_d="i32"),
+                                dict(BLOCK_Q=4, BLOCK_D=128), dict(num_warps=4)),
 }
 ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "D", "sxm", "swn", "sym",
            "sx", "sr", "sro", "so", "s_am", "s_we", "s_wn", "s_om"}
