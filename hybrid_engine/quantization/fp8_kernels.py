@@ -123,7 +123,8 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
     if M == 0:
         return y
     # launched without programmatic dependent launch (its PDL flag stays False): with it, 8B FP8
-    # decode at batch 8 ran at 1418 tok/s against 1554 (H100, results/2026-11-26-pdl-h100.md)
+    # decode at batch 8 ran at 1418 tok/s against 1554 without (H100,
+    # benchmarks/results/2026-11-26-pdl-h100.md)
     _fp8_dot_kernel[(triton.cdiv(N, block_n),)](
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
