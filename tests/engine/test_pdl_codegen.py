@@ -1,7 +1,7 @@
 """Programmatic dependent launch must not change how a kernel reads memory: each PDL kernel is
 compiled for sm_90 (no GPU needed) with and without PDL, and its PTX must have the same global
-loads, vector loads and async copies. (Nine of the twelve kernels that take the flag; not yet
-paged attention, the state update and the conv update.) Adding the wait's zero to a pointer without keeping its
+loads, vector loads and async copies. (Ten of the twelve kernels that take the flag; not yet
+the state update and the conv update.) Adding the wait's zero to a pointer without keeping its
 alignment (``x_ptr += z`` instead of ``z * 16``) turned the one-row FP8 projection's vector loads
 of x into scalar ones and its b=1 decode went from 1.56x to 1.30x bf16 (H100); this catches it."""
 import re
@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybrid_engine.attention.triton_attention import _combine_splits_kernel  # noqa: E402
+from hybrid_engine.attention.triton_attention import _combine_splits_kernel, _paged_attn_kernel  # noqa: E402
 from hybrid_engine.models.rmsnorm import _rmsnorm_kernel  # noqa: E402
 from hybrid_engine.models.skinny_linear import _linear_dot_kernel, _linear_fma_kernel  # noqa: E402
 from hybrid_engine.models.triton_moe import _combine_kernel, _pair_gemv_kernel  # noqa: E402
@@ -54,9 +54,18 @@ CASES = {
                                                              T="i32", nH="i32", hd="i32", so_t="i32",
                                                              so_h="i32", so_d="i32"),
                                 dict(BLOCK_Q=4, BLOCK_D=128), dict(num_warps=4)),
+    "paged_attention_decode": (_paged_attn_kernel, dict(
+        q_ptr=BF, k_ptr=BF, v_ptr=BF, qsl_ptr="*i32", sl_ptr="*i32", bt_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
+        pm_ptr="*fp32", pl_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32",
+        **{n: "i32" for n in ("G", "hd", "bs", "split_len", "n_splits", "T", "nH", "sq_t", "sq_h", "sq_d",
+                              "sk_b", "sk_o", "sk_h", "sk_d", "sv_b", "sv_o", "sv_h", "sv_d", "sbt_b", "sbt_m",
+                              "so_t", "so_h", "so_d")}),
+        dict(PREC="tf32", SPLIT=True, BLOCK_Q=1, G_PAD=16, BLOCK_N=64, BLOCK_D=128, KV_FP8=False),
+        dict(num_warps=4)),
 }
 ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "D", "sxm", "swn", "sym",
-           "sx", "sr", "sro", "so", "s_am", "s_we", "s_wn", "s_om"}
+           "sx", "sr", "sro", "so", "s_am", "s_we", "s_wn", "s_om", "q_ptr", "k_ptr", "v_ptr", "o_ptr", "sq_t",
+           "sk_b", "sk_o", "sv_b", "sv_o", "so_t", "hd"}
 
 
 def _memory_ops(kernel, sig, consts, opts, pdl: bool) -> dict:
