@@ -27,7 +27,11 @@ from hybrid_engine.mamba_cache.ops import triton_pdl  # noqa: E402
 from hybrid_engine.models import triton_moe  # noqa: E402
 from hybrid_engine.models.moe_ops import RouteSpec, route, router_logits  # noqa: E402
 
-D, F, F_SHARED, E, TOP_K = 2688, 1856, 3712, 128, 6        # Nemotron-3-Nano-30B-A3B
+from benchmarks.moe import SHAPE_NANO  # noqa: E402
+
+D, F, F_SHARED = (SHAPE_NANO[k] for k in ("hidden_size", "moe_intermediate_size",
+                                          "moe_shared_expert_intermediate_size"))
+E, TOP_K = SHAPE_NANO["n_routed_experts"], SHAPE_NANO["num_experts_per_tok"]
 
 
 def make_layers(n: int, dev) -> list[dict]:
@@ -61,7 +65,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     dev = torch.device("cuda")
-    spec = RouteSpec(num_experts=E, top_k=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True, scale=2.5)
+    spec = RouteSpec(num_experts=E, top_k=TOP_K, n_group=SHAPE_NANO["n_group"], topk_group=SHAPE_NANO["topk_group"],
+                     norm_topk_prob=SHAPE_NANO["norm_topk_prob"], scale=SHAPE_NANO["routed_scaling_factor"])
     layers = make_layers(args.layers, dev)
     pdl = triton_pdl.pdl_kwargs(dev)["PDL"]
     res = dict(device=torch.cuda.get_device_name(), pdl=pdl, command=" ".join(sys.argv), rows=[])
