@@ -1,0 +1,55 @@
+"""Step 3 of the chunked SSD scan (``triton_ssd``): the states passed between a sequence's chunks.
+
+``_state_pass_kernel``: one program per (sequence, head, state tile), sequential over the
+sequence's chunks: h_in(c) = h; h = exp(cum_last_c) h + S_c, starting from the initial state; the
+final state is written out. h_in is stored in the dtype the chunk-output dots take (in place over
+S_c when that is float32); ``STORE32`` also keeps the float32 entry state in S for the prefix-cache
+emits (``triton_ssd_emit``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _state_pass_kernel(
+    S_ptr, hin_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr,
+    H, P, N, n_nblocks,
+    si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE32: tl.constexpr = False,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2) // n_nblocks
+    nb = tl.program_id(2) % n_nblocks
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    m2 = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    cum_b = tl.load(cum_ptr + b)
+    first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+    st = tl.load(init_ptr + b.to(tl.int64) * si_b + h * si_h + offs_p[:, None] * si_p
+                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    # two-stage software pipeline: chunk c+1's partial state and decay are loaded while chunk c
+    # is processed (the chain h -> h' is latency-bound otherwise)
+    # (prefetch rows are clamped into [first, cum_b - 1], never masked: always valid memory)
+    r0 = tl.maximum(tl.minimum(first, cum_b - 1), 0)
+    prow = (r0 * H + h).to(tl.int64)
+    s_nxt = tl.load(S_ptr + prow * P * N + tile, mask=m2, other=0.0)
+    d_nxt = tl.load(cuma_ptr + prow * BLOCK_L + BLOCK_L - 1)
+    for c in range(first, cum_b):
+        crow = (c * H + h).to(tl.int64)
+        s_c = s_nxt
+        dec = tl.exp(d_nxt)     # chunk length >= 1; padded positions repeat the last cumsum
+        nrow = (tl.minimum(c + 1, cum_b - 1) * H + h).to(tl.int64)
+        s_nxt = tl.load(S_ptr + nrow * P * N + tile, mask=m2, other=0.0)
+        d_nxt = tl.load(cuma_ptr + nrow * BLOCK_L + BLOCK_L - 1)
+        # the state entering chunk c (hin may alias S: S_c is already in registers)
+        tl.store(hin_ptr + crow * P * N + tile, st.to(hin_ptr.dtype.element_ty), mask=m2)
+        if STORE32:     # prefix-cache emits: the float32 entry state too, in place over S_c (in registers)
+            tl.store(S_ptr + crow * P * N + tile, st, mask=m2)
+        st = dec * st + s_c
+    tl.store(final_ptr + b.to(tl.int64) * sf_b + h * sf_h + offs_p[:, None] * sf_p
+             + offs_n[None, :] * sf_n, st, mask=m2)
