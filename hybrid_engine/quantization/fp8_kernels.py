@@ -4,8 +4,8 @@ The weights are float8_e4m3fn [N, K] (1 byte each, half the bytes of bf16, so a 
 decode step reads half as much); x [M <= 8, K] is bf16/fp16 and stays so (weight-only). Every
 e4m3 value is exact in bf16/fp32, so converting a weight tile is lossless; the scale (float32,
 [] per tensor or [N] per channel) multiplies each output once, after the float32 accumulation.
-- ``_fp8_fma_kernel`` (1 row): BLOCK_N outputs per program, a [BLOCK_N, BLOCK_K] float32 product
-  tile reduced once at the end (the shape of ``models/skinny_linear``'s FMA kernel).
+- ``_fp8_fma_kernel`` (1 row): BLOCK_N outputs per program, each [BLOCK_N, BLOCK_K] product tile
+  reduced into a float32 [BLOCK_N] accumulator as it is made (few registers, many programs per SM).
 - ``_fp8_dot_kernel`` (2..8 rows, padded to 16): the weight tile converted to x's dtype and fed
   to ``tl.dot`` with float32 accumulation.
 ``fp8_linear_ref`` (``quantization/fp8.py``) is the exact twin.
@@ -33,14 +33,18 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # reduced every K tile into [BLOCK_N] (not a [BLOCK_N, BLOCK_K] float32 tile reduced once):
+    # 32 fewer registers per thread at (2, 2048, 4 warps), more programs resident per SM, more
+    # weight bytes in flight; 2.740 -> 2.588 ms for one 8B step's FP8 projections (H100,
+    # benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         xv = tl.load(x_ptr + offs_k, mask=mk, other=0.0)
-        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
+        acc += tl.sum(wt.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+    out = acc
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n, mask=mn, other=0.0)
     else:
@@ -134,14 +138,16 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
 
 
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
-    """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from the H100
-    sweep of every config in ``benchmarks/fp8_gemv.py`` on the 8B shapes (2026-11-26,
-    ``benchmarks/results/2026-11-26-fp8-h100.md``): one row (2, 2048, 4 warps) is the best or within
-    0.4 us of it on every shape but lm_head (184.4 us against 181.0 for a dot config); more rows
-    32-wide tiles, K tiles of 512 on the wide projections."""
+    """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from H100
+    sweeps of ``benchmarks/fp8_gemv.py`` on the 8B shapes: one row (2, 2048, 4 warps), and (8, 2048,
+    8 warps) for the few long rows of down_proj and q/o_proj (32.5 -> 31.8 us, 8.2 -> 7.7 us;
+    ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); more rows 32-wide tiles, K tiles of
+    512 on the wide projections (``benchmarks/results/2026-11-26-fp8-h100.md``)."""
     M, K = x.shape
     N = w_q.shape[0]
     if M == 1:
+        if N <= 4096 and N * K >= (1 << 24):
+            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8)
         return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4)
     if N >= 16384:
         return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3)
