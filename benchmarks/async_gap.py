@@ -39,7 +39,7 @@ def _decode_only(sched) -> bool:
 def measure(model_dir, batch, steps, async_scheduling, spec, enforce_eager):
     with random_weights():
         llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=batch, async_scheduling=async_scheduling,
-                  speculative_config=spec, enforce_eager=enforce_eager)
+                  speculative_config=spec, enforce_eager=enforce_eager, enable_prefix_caching=False)
     eng = llm.engine
     marks, fwd_marks, waits = [], [], []
     orig = runner_mod.ModelRunner.execute

@@ -99,7 +99,7 @@ def bench_spec(model_dir, draft_dir, mc, batches, gen, rng, k=3):
         with random_weights():
             llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=max(batches),
                       max_num_batched_tokens=4096, speculative_config=spec, max_model_len=4096,
-                      kv_cache_memory_fraction=0.25)
+                      kv_cache_memory_fraction=0.25, enable_prefix_caching=False)
         for b in batches:
             prompts = repetitive_prompts(mc, b, rng)
             t_all = timed_generate(llm, prompts, gen)
@@ -148,7 +148,7 @@ def main() -> int:
     with random_weights():
         llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=max(args.batches),
                   max_num_batched_tokens=max(args.prefill + [2048]), max_model_len=max(args.prefill + [2048]) + 64,
-                  kv_cache_memory_fraction=0.25)
+                  kv_cache_memory_fraction=0.25, enable_prefix_caching=False)
     mc = llm.engine.cfg.model
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     print(f"{args.shape}: {weight_bytes / 2 / 1e9:.2f}B params, engine ready in {time.perf_counter() - t0:.1f}s, "

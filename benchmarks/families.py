@@ -71,7 +71,8 @@ def timed(fn, device) -> float:
 
 
 def bench(model_dir: Path, device: str, dtype: str, batches, prompt_len: int, gen: int, rng) -> list[dict]:
-    llm = LLM(str(model_dir), dtype=dtype, device=device, max_num_seqs=max(batches), max_num_batched_tokens=4096)
+    llm = LLM(str(model_dir), dtype=dtype, device=device, max_num_seqs=max(batches), max_num_batched_tokens=4096,
+              enable_prefix_caching=False)
     vocab = llm.engine.cfg.model.vocab_size
     rows = []
     for b in batches:

@@ -171,7 +171,7 @@ def run_variant(name, model_dir, args, dtype):
     with random_weights():
         llm = LLM(model_dir, dtype=dtype, device=args.device, max_num_seqs=args.batch,
                   speculative_config=spec_fn() if spec_fn else None, async_scheduling=not args.sync,
-                  max_model_len=args.prompt_len + max_tokens + 16)
+                  max_model_len=args.prompt_len + max_tokens + 16, enable_prefix_caching=False)
     eng = llm.engine
     rng = np.random.default_rng(0)
     for i in range(args.batch):

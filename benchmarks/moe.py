@@ -157,7 +157,7 @@ def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fr
     try:
         return LLM(model_dir, dtype=dtype, device=str(dev), max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                    max_model_len=max_tokens + 256, kv_cache_memory_fraction=kv_fraction,
-                   kv_cache_bytes=64 << 20)
+                   kv_cache_bytes=64 << 20, enable_prefix_caching=False)
     finally:
         loader.load_checkpoint = orig
 

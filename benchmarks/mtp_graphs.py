@@ -35,7 +35,7 @@ def main() -> int:
     prompts = [rng.integers(3, 256, 24).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm = LLM(model, dtype="bfloat16", device="cuda", max_num_seqs=args.batch,
-              speculative_config=SpeculativeConfig("mtp", args.k, adaptive=False))
+              speculative_config=SpeculativeConfig("mtp", args.k, adaptive=False), enable_prefix_caching=False)
     graphs, verify_graphs = llm.engine.drafter.graphs, llm.engine.drafter.verify_graphs
     rows = []
     for mode in ("graphs", "eager MTP"):

@@ -142,7 +142,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--checkpoint-interval", type=int, default=64, help="blocks between Mamba checkpoints")
-    ap.add_argument("--checkpoint-gib", type=float, default=12.0)
+    ap.add_argument("--checkpoint-gib", type=float, default=12.0,
+                    help="Mamba checkpoint pool in GiB (0: the engine's default, sized from the KV cache)")
     ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -156,7 +157,7 @@ def main():
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       speculative_config=spec, enable_prefix_caching=on,
                       mamba_checkpoint_interval=args.checkpoint_interval,
-                      mamba_checkpoint_bytes=int(args.checkpoint_gib * 2**30))
+                      mamba_checkpoint_bytes=int(args.checkpoint_gib * 2**30) if args.checkpoint_gib > 0 else None)
             if args.device == "cpu":
                 kw["num_kv_blocks"] = 512
             else:

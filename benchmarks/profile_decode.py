@@ -57,7 +57,8 @@ def main() -> int:
     model_dir = write_config(Path(tempfile.mkdtemp()) / args.shape, SHAPES[args.shape])
     with random_weights():
         llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=max(8, args.batch),
-                  max_model_len=1024, kv_cache_memory_fraction=0.25, enforce_eager=args.eager)
+                  max_model_len=1024, kv_cache_memory_fraction=0.25, enforce_eager=args.eager,
+                  enable_prefix_caching=False)
     eng = llm.engine
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)

@@ -94,7 +94,7 @@ def main() -> int:
             llm = LLM(model_dir, dtype="bfloat16" if not cpu else "float32", device=dev,
                       quantization=MODES[mode], max_num_seqs=max(batches),
                       max_num_batched_tokens=max(prefill, 2048), max_model_len=max(prefill, 2048) + 128,
-                      kv_cache_memory_fraction=0.25, kv_cache_bytes=64 << 20)
+                      kv_cache_memory_fraction=0.25, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
         mc = llm.engine.cfg.model
         model = llm.engine.model
         wbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -80,7 +80,7 @@ def main() -> int:
         with random_weights():
             llm = LLM(model_dir, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
                       max_num_seqs=args.batch, speculative_config=spec,
-                      max_num_batched_tokens=max(2048, args.batch * 4))
+                      max_num_batched_tokens=max(2048, args.batch * 4), enable_prefix_caching=False)
         for name, (params, per) in configs(args.max_tokens).items():
             prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(max(1, args.batch // per))]
             r = results[f"{spec_name} | {name}"] = run(llm, prompts, params, args.repeats)

@@ -123,7 +123,9 @@ def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float 
 def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
     batches, ks = sorted(args.batches), args.ks
     methods = [m for m in args.methods if m in METHODS]
-    engine_kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(batches), seed=0)
+    # prefix caching off: each method replays the same prompts, which a cache would serve
+    engine_kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(batches), seed=0,
+                     enable_prefix_caching=False)
     if args.max_model_len:
         engine_kw["max_model_len"] = args.max_model_len
     tok = None
@@ -246,7 +248,8 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
         for shape in args.forced_shapes:
             target, draft = shape_dirs(shape, Path(tmp))
             engine_kw = dict(device=args.device, dtype=args.forced_dtype, max_num_seqs=max(args.forced_batches), seed=0,
-                             max_model_len=args.forced_prompt_tokens + args.forced_max_tokens + 64)
+                             max_model_len=args.forced_prompt_tokens + args.forced_max_tokens + 64,
+                             enable_prefix_caching=False)
             ref = {}
             for method in ["none"] + [m for m in args.forced_methods if m in rates]:
                 p = rates.get(method)

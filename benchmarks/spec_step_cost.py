@@ -65,7 +65,7 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
                                                            draft_vocab_size=int(rows) if rows else None)
     with random_weights() if random else contextlib.nullcontext():
         llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=max(8, batch), speculative_config=spec,
-                  max_model_len=len(prompt) + tokens + 64)
+                  max_model_len=len(prompt) + tokens + 64, enable_prefix_caching=False)
     clock = StepClock(llm.engine)
     host: list[float] = []
     inner = llm.engine.runner.execute              # the clock's wrapper: its time is in host_ms too

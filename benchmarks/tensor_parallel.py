@@ -90,7 +90,8 @@ def decode_rows(folder: Path, tp: int, batches, prompt_len: int, gen: int, kv_fr
     from hybrid_engine import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(str(folder), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_num_seqs=max(batches),
-              kv_cache_memory_fraction=kv_fraction, max_model_len=prompt_len + gen + 64)
+              kv_cache_memory_fraction=kv_fraction, max_model_len=prompt_len + gen + 64,
+              enable_prefix_caching=False)
     build_s = time.perf_counter() - t0
     clock = StepClock(llm.engine)
     rng = np.random.default_rng(0)

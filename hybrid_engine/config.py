@@ -148,10 +148,11 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     # prefix caching (docs/design.md, "Prefix caching"): KV blocks shared by hash chain, Mamba
     # checkpoints every ``mamba_checkpoint_interval`` blocks (and at each prompt's last full
-    # block) in a pool of at most ``mamba_checkpoint_bytes``
-    enable_prefix_caching: bool = False
+    # block) in a pool of at most ``mamba_checkpoint_bytes`` (None: an eighth of the KV cache's
+    # bytes, at least 64 MiB and at most 4 GiB, allocated beside it; device_side.auto_checkpoint_bytes)
+    enable_prefix_caching: bool = True
     mamba_checkpoint_interval: int = 16
-    mamba_checkpoint_bytes: int = 4 * 1024 ** 3
+    mamba_checkpoint_bytes: int | None = None
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)
@@ -159,7 +160,9 @@ class CacheConfig:
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}")
         _check_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval, 1,
                    allowed="an integer >= 1 (blocks between Mamba checkpoints)")
-        _check_int("mamba_checkpoint_bytes", self.mamba_checkpoint_bytes, 1)
+        if self.mamba_checkpoint_bytes is not None:
+            _check_int("mamba_checkpoint_bytes", self.mamba_checkpoint_bytes, 1,
+                       allowed="None (auto: an eighth of the KV cache, 64 MiB to 4 GiB) or an integer >= 1")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 2,
                        allowed="None (auto) or an integer >= 2 (block 0 is the null block)")
@@ -336,8 +339,8 @@ class EngineConfig:
                 max_model_len: int | None = None, block_size: int = 16,
                 num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.5,
                 kv_cache_bytes: int = 256 * 1024 * 1024,
-                enable_prefix_caching: bool = False, mamba_checkpoint_interval: int = 16,
-                mamba_checkpoint_bytes: int = 4 * 1024 ** 3,
+                enable_prefix_caching: bool = True, mamba_checkpoint_interval: int = 16,
+                mamba_checkpoint_bytes: int | None = None,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
                 enforce_eager: bool = False, quantization: str | None = None,

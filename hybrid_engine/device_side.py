@@ -168,15 +168,32 @@ def _kv_budget(cfg: EngineConfig) -> int:
     return cc.kv_cache_bytes
 
 
+AUTO_CHECKPOINT_MIN_BYTES = 64 * 1024 ** 2
+AUTO_CHECKPOINT_MAX_BYTES = 4 * 1024 ** 3
+
+
+def auto_checkpoint_bytes(kv_bytes: int) -> int:
+    """The Mamba checkpoint pool's default budget, allocated beside the KV cache: an eighth of its
+    bytes, at least 64 MiB (small models and small KV pools: a few checkpoint rows per request,
+    never fewer than a prompt's boundaries need), at most 4 GiB (prefix caching is on by
+    default: the pool must not crowd out the memory left for activations). The 8B shape's rows
+    are ~97 MiB each (12 GiB held 126 in benchmarks/results/2026-11-25-prefix-cache-8b-h100.md),
+    so a 30 GiB KV cache gets ~39 rows."""
+    return min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, kv_bytes // 8))
+
+
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:
     """Prefix caching's checkpoint storage (target and drafter) sized by ``mamba_checkpoint_bytes``
-    (at most one row per KV block: a checkpoint is only reachable through its blocks) -> (rows,
-    bytes per row)."""
+    (None: ``auto_checkpoint_bytes`` of the KV cache; at most one row per KV block: a checkpoint is
+    only reachable through its blocks) -> (rows, bytes per row)."""
     mc, cc = cfg.model, cfg.cache
     shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
     n_mamba = len(mc.mamba_layer_ids)
     row_bytes = MambaCheckpoints.bytes_per_row(n_mamba, *shape, cfg.dtype) + drafter.checkpoint_bytes_per_row()
-    rows = max(1, min(cc.mamba_checkpoint_bytes // max(row_bytes, 1), num_blocks - 1))
+    budget = cc.mamba_checkpoint_bytes
+    if budget is None:
+        budget = auto_checkpoint_bytes(caches.kv.bytes)
+    rows = max(1, min(budget // max(row_bytes, 1), num_blocks - 1))
     caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, cfg.dtype, cfg.device)
     drafter.attach_checkpoints(rows)
     return rows, row_bytes

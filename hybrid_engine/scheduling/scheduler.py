@@ -107,8 +107,9 @@ class Scheduler(PrefillFork):
                 break                                  # its decode steps would not fit beside the others
             target = req.num_tokens
             # a cached prefix is restored, not computed (an n > 1 leader prefills from scratch: the
-            # fork copies the leader's state at P-1, which a restore would not have written)
-            hit = self.prefix.match(req, 0 if req.fork_pending else target)
+            # fork copies the leader's state at P-1, which a restore would not have written; so
+            # does a request that asked for prompt logprobs: every prompt position needs its logits)
+            hit = self.prefix.match(req, 0 if req.fork_pending or req.prompt_logprobs is not None else target)
             start = hit.num_tokens
             n = min(target - start, budget)
             if req.fork_pending:

@@ -50,8 +50,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="KV-cache blocks (default: sized from --kv-cache-memory-fraction)")
     s.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
                    help="fraction of free GPU memory for the KV cache (default %(default)s)")
-    s.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks and Mamba state of prompt prefixes earlier requests computed")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks and Mamba state of prompt prefixes earlier requests computed "
+                        "(default on; --no-enable-prefix-caching turns it off)")
     s.add_argument("--mamba-checkpoint-interval", type=int, default=16,
                    help="prefix caching: blocks between Mamba state checkpoints (default %(default)s)")
     s.add_argument("--spec", default=None, choices=["ngram", "draft_model", "mtp"],

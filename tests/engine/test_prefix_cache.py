@@ -242,3 +242,30 @@ def test_faults_with_caching_end_only_their_step_and_leak_nothing(hybrid_dir, mo
     out = llm.generate([probe], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == hf_greedy(hybrid_dir, [probe], 4)[0]
     assert_drained(llm)
+
+
+def test_on_by_default_with_an_auto_sized_checkpoint_pool(hybrid_dir):
+    """``LLM(...)`` caches prefixes unless told not to; the checkpoint pool's default budget is an
+    eighth of the KV cache's bytes, at least 64 MiB, at most 4 GiB (and one row per KV block at
+    most); an explicit budget or ``enable_prefix_caching=False`` overrides it."""
+    from hybrid_engine.device_side import auto_checkpoint_bytes
+    assert auto_checkpoint_bytes(1 << 20) == 64 << 20
+    assert auto_checkpoint_bytes(8 << 30) == 1 << 30
+    assert auto_checkpoint_bytes(64 << 30) == 4 << 30
+    kw = dict(dtype="float32", device=DEV, max_num_seqs=2, block_size=BS)
+    llm = LLM(hybrid_dir, **kw)
+    eng = llm.engine
+    st = eng.stats(expert_load=False)
+    rows, nblocks = st["mamba_checkpoints_total"], eng.scheduler.blocks.num_total
+    row_bytes = st["mamba_checkpoint_bytes"] // rows
+    assert rows == min(auto_checkpoint_bytes(eng.caches.kv.bytes) // row_bytes, nblocks - 1)
+    prompt = list(range(3, 3 + 4 * BS + 2))
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    first, again = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 4 * BS
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    small = LLM(hybrid_dir, num_kv_blocks=64, mamba_checkpoint_bytes=3 * row_bytes, **kw).engine
+    assert small.stats(expert_load=False)["mamba_checkpoints_total"] == 3
+    off = LLM(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False, **kw)
+    assert "mamba_checkpoints_total" not in off.engine.stats(expert_load=False)
+    assert off.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0

@@ -64,6 +64,22 @@ def test_prompt_logprobs_match_transformers(model, prompts, reference, spec, asy
     assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
 
 
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(model, prompts, reference):
+    """Prefix caching (on by default) never serves a prompt-logprobs request from the cache: every
+    position needs its logits. The same prompts sent again give the same complete logprobs, with no
+    cached tokens, while a plain request for a prompt already seen does hit."""
+    llm = LLM(model, dtype="float32", device=DEV, max_num_seqs=3, max_num_batched_tokens=8, block_size=4,
+              num_kv_blocks=96, mamba_checkpoint_interval=1)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    plain = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(2):
+        outs = llm.generate([prompts[0], prompts[3]], sp, use_tqdm=False)
+        for o, i in zip(outs, (0, 3)):
+            assert o.num_cached_tokens == 0
+            check(o.prompt_logprobs, reference[i], prompts[i], 1)
+    assert llm.generate([prompts[3]], plain, use_tqdm=False)[0].num_cached_tokens > 0
+
+
 def test_prompt_logprobs_async_llm_first_output(model, prompts, reference):
     eng = AsyncLLM(model, dtype="float32", device=DEV, max_num_batched_tokens=6, block_size=4, num_kv_blocks=64)
 

@@ -32,6 +32,10 @@ def test_serve_arguments(monkeypatch):
     monkeypatch.setattr(hybrid_engine, "AsyncLLM", lambda model, **kw: got.update(kw, model=model))
     scli.build_llm(argparse.Namespace(**seen))
     assert got["model"] == "some/dir" and got["kv_cache_dtype"] == "fp8" and got["max_num_seqs"] == 8
+    assert got["enable_prefix_caching"] is True                    # on by default, as LLM(...)
+    seen.clear()
+    assert main(["serve", "some/dir", "--no-enable-prefix-caching"]) == 0
+    assert seen["enable_prefix_caching"] is False
 
 
 def test_warm_up_runs_on_cuda_unless_turned_off(monkeypatch):
