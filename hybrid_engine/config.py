@@ -151,7 +151,7 @@ class CacheConfig:
     # block) in a pool of at most ``mamba_checkpoint_bytes`` (None: an eighth of the KV cache's
     # bytes, at least 64 MiB and at most 4 GiB, allocated beside it; device_side.auto_checkpoint_bytes)
     enable_prefix_caching: bool = True
-    mamba_checkpoint_interval: int = 16
+    mamba_checkpoint_interval: int = 64
     mamba_checkpoint_bytes: int | None = None
 
     def __post_init__(self):
@@ -339,7 +339,7 @@ class EngineConfig:
                 max_model_len: int | None = None, block_size: int = 16,
                 num_kv_blocks: int | None = None, kv_cache_memory_fraction: float = 0.5,
                 kv_cache_bytes: int = 256 * 1024 * 1024,
-                enable_prefix_caching: bool = True, mamba_checkpoint_interval: int = 16,
+                enable_prefix_caching: bool = True, mamba_checkpoint_interval: int = 64,
                 mamba_checkpoint_bytes: int | None = None,
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,

@@ -53,7 +53,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks and Mamba state of prompt prefixes earlier requests computed "
                         "(default on; --no-enable-prefix-caching turns it off)")
-    s.add_argument("--mamba-checkpoint-interval", type=int, default=16,
+    s.add_argument("--mamba-checkpoint-interval", type=int, default=64,
                    help="prefix caching: blocks between Mamba state checkpoints (default %(default)s)")
     s.add_argument("--spec", default=None, choices=["ngram", "draft_model", "mtp"],
                    help="speculative decoding method")
