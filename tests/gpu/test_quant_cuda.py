@@ -51,11 +51,11 @@ def test_nvfp4_kernel(shape, dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 18560, 4096), (1, 4096, 21504), (1, 33, 16), (1, 5, 272)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
-@pytest.mark.parametrize("config", [dict(block_n=8, block_g=32), dict(block_n=16, block_g=64, num_warps=8)],
-                         ids=["8x32", "16x64"])
+@pytest.mark.parametrize("config", [dict(block_n=8, block_g=32), dict(block_n=4, block_g=128, num_warps=8),
+                                    dict(block_n=8, block_g=64, num_warps=8)], ids=["8x32", "4x128", "8x64"])
 def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
-    """The one-row FMA kernel (not dispatched yet: never run on a GPU before this test) against the
-    float32 twin."""
+    """The one-row FMA kernel (int32 words, nibbles decoded through float16 bits) at the dispatch
+    rule's three configs, against the float32 twin (ragged rows and partial group tiles included)."""
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **config), DEV, dtype, m, n, k, seed=n)

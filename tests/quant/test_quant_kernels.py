@@ -143,3 +143,19 @@ def test_quantize_rows_refuses_bad_inputs():
         quantize_rows_fp8(x.t())
     with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
         quantize_rows_fp8(x[None])
+
+
+def test_nvfp4_one_row_kernel_refuses_unaligned_packed_rows():
+    """The one-row NVFP4 kernel reads the packed weight as int32 words: a weight whose rows do not
+    start on 4-byte boundaries is refused by name before any launch (the loader's weights are
+    contiguous, K / 2 a multiple of 8)."""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
+    p, bs, gs = quantize_nvfp4(torch.randn(4, 32))
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    for width in (33, 20):                 # row stride 33: not a multiple of 4; 20: offsets 1-3
+        wide = torch.zeros(4, width, dtype=torch.uint8)
+        for off in (1, 2, 3):
+            view = wide[:, off:off + 16]
+            view.copy_(p)
+            with pytest.raises(ValueError, match="4-byte boundaries"):
+                nvfp4_skinny_linear_fma(x, view, bs, gs)
