@@ -259,7 +259,7 @@ def cpu_vs_transformers(gen: int = 16) -> dict:
     load_hf(d)
     hf_greedy(d, [prompt], 2)
     t_hf = timeit(lambda: hf_greedy(d, [prompt], gen), torch.device("cpu"), warmup=0, iters=3)
-    llm = LLM(d, dtype="float32", device="cpu", max_num_seqs=1)
+    llm = LLM(d, dtype="float32", device="cpu", max_num_seqs=1, enable_prefix_caching=False)   # repeated prompt
     sp = SamplingParams(max_tokens=gen, ignore_eos=True)
     t_us = timeit(lambda: llm.generate([prompt], sp, use_tqdm=False), torch.device("cpu"), warmup=1, iters=3)
     same = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(d, [prompt], gen)[0]

@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.checkpoint_gib < 0:
+        ap.error("--checkpoint-gib must be >= 0 (0: the engine's default pool)")
     root = Path(tempfile.mkdtemp())
     model_dir = make_model_dir(args.shape, root)
     results = []

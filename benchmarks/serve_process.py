@@ -20,7 +20,8 @@ def serve_argv(args, config: str) -> list[str]:
     argv = ["serve"] + ([args.model] if args.model else []) + [
         "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-waiting-requests", str(max(1024, args.num_prompts))]
+        "--max-waiting-requests", str(max(1024, args.num_prompts)),
+        "--no-enable-prefix-caching"]          # passes replay the same prompts: a cache would serve them
     if config != "none":
         method, _, k = config.partition(":")
         argv += ["--spec", method, "--num-speculative-tokens", k or "3"]

@@ -9,8 +9,10 @@ import numpy as np
 
 def run_cli(args) -> int:
     from hybrid_engine import SamplingParams
+    import argparse
     from hybrid_engine.cli import _llm
-    llm = _llm(args)
+    # the timed runs repeat the warm-up's prompts: a prefix cache would serve them
+    llm = _llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": False}))
     vocab = llm.engine.cfg.model.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

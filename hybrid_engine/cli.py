@@ -54,6 +54,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many GPUs (one process each; default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed for requests without a sampling seed (default: %(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks and Mamba state of prompt prefixes earlier requests computed "
+                        "(default on; --no-enable-prefix-caching turns it off; bench turns it off)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine info messages")
 
 
@@ -84,7 +87,8 @@ def _llm(args):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                speculative_config=spec, async_scheduling=not args.sync, seed=args.seed,
-               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+               enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _params(args, defaults):
@@ -133,7 +137,7 @@ async def _chat_loop(args, inp, out) -> int:
     engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                       async_scheduling=not args.sync, seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
     params = _params(args, engine.get_default_sampling_params())
     kwargs = _template_kwargs(args)
     history = [{"role": "system", "content": args.system}] if args.system else []

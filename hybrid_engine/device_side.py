@@ -140,8 +140,18 @@ def _check_mamba_pool_fits(cfg: EngineConfig, n_attn: int, num_blocks: int, k: i
     free += torch.cuda.memory_reserved(cfg.device) - torch.cuda.memory_allocated(cfg.device)
     kv_bytes = num_blocks * KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads,
                                                     mc.head_dim, cc.kv_dtype(cfg.dtype))
-    check_pool_fits(MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype), free - kv_bytes,
-                    max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
+    pool_bytes = MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype)
+    check_pool_fits(pool_bytes, free - kv_bytes, max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
+    if cc.enable_prefix_caching:         # the checkpoint pool is allocated after both
+        ckpt = cc.mamba_checkpoint_bytes
+        ckpt = auto_checkpoint_bytes(kv_bytes) if ckpt is None else ckpt
+        left = free - kv_bytes - pool_bytes
+        if ckpt > left:
+            raise ValueError(
+                f"prefix caching's Mamba checkpoint pool needs up to {ckpt / 2**30:.2f} GiB but only "
+                f"{left / 2**30:.2f} GiB of device memory are left after the weights, the KV cache and the "
+                "Mamba state pool; lower mamba_checkpoint_bytes, or kv_cache_memory_fraction / num_kv_blocks, "
+                "or pass enable_prefix_caching=False")
 
 
 def _blocks_for_budget(cfg: EngineConfig, n_attn: int) -> int:
@@ -160,11 +170,16 @@ def _blocks_for_budget(cfg: EngineConfig, n_attn: int) -> int:
 
 
 def _kv_budget(cfg: EngineConfig) -> int:
+    """Bytes for the KV cache. On CUDA: ``kv_cache_memory_fraction`` of free memory less the
+    auto-sized checkpoint pool's share (``checkpoint_reserve``), so that turning prefix caching on
+    by default leaves the memory beside the budget (activations, CUDA graphs) as it was. On CPU:
+    ``kv_cache_bytes`` (the pool then comes beside it)."""
     cc = cfg.cache
     if cfg.device.type == "cuda":
         import torch
         free, _ = torch.cuda.mem_get_info(cfg.device)
-        return int(free * cc.kv_cache_memory_fraction)
+        budget = int(free * cc.kv_cache_memory_fraction)
+        return budget - checkpoint_reserve(cc, budget)
     return cc.kv_cache_bytes
 
 
@@ -173,13 +188,23 @@ AUTO_CHECKPOINT_MAX_BYTES = 4 * 1024 ** 3
 
 
 def auto_checkpoint_bytes(kv_bytes: int) -> int:
-    """The Mamba checkpoint pool's default budget, allocated beside the KV cache: an eighth of its
-    bytes, at least 64 MiB (small models and small KV pools: a few checkpoint rows per request,
-    never fewer than a prompt's boundaries need), at most 4 GiB (prefix caching is on by
-    default: the pool must not crowd out the memory left for activations). The 8B shape's rows
-    are ~97 MiB each (12 GiB held 126 in benchmarks/results/2026-11-25-prefix-cache-8b-h100.md),
-    so a 30 GiB KV cache gets ~39 rows."""
+    """The Mamba checkpoint pool's default budget (``mamba_checkpoint_bytes=None``): an eighth of the
+    KV cache's bytes, at least 64 MiB (small models and small KV pools keep a few rows per
+    request), at most 4 GiB. The pool always has at least one row, so on a large model with a
+    small KV cache a single row can exceed this (an 8B-shape row is ~97 MiB: 12 GiB held 126 rows
+    in benchmarks/results/2026-11-25-prefix-cache-8b-h100.md). On CUDA its share is taken out of
+    the KV budget before the KV cache is sized (``checkpoint_reserve``)."""
     return min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, kv_bytes // 8))
+
+
+def checkpoint_reserve(cc, budget: int) -> int:
+    """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: a ninth of it (the
+    KV cache then gets eight ninths, and an eighth of that is the pool), within the same 64 MiB -
+    4 GiB bounds and at most half the budget; 0 when caching is off, the pool's size is given, or
+    ``num_kv_blocks`` fixes the KV cache."""
+    if not cc.enable_prefix_caching or cc.mamba_checkpoint_bytes is not None or cc.num_kv_blocks is not None:
+        return 0
+    return min(budget // 2, min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, budget // 9)))
 
 
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:

@@ -19,8 +19,9 @@ requests get the seeds they would have had without a warm-up. Requests the engin
 (``n`` = 2 with ``max_num_seqs`` 1, ...) are skipped. The requests are forgotten and the engine's
 counters reset afterwards (``EngineCore.reset_stats``), so ``stats()`` and ``/metrics`` start from
 zero. Their blocks in a prefix cache stay until evicted (random tokens: nothing will match them).
-Random prompts give n-gram no drafts to accept and the prefix cache no hits, so those two paths
-still compile on first use. The server runs it by default on CUDA
+Random prompts give n-gram no drafts to accept and the prefix cache (on by default) no hits, so
+those two paths still compile on first use: a restore is a few plain copies, so its first use costs
+little beside a prefill's kernels. The server runs it by default on CUDA
 (``hybrid-engine serve --no-warmup`` skips it).
 """
 from __future__ import annotations

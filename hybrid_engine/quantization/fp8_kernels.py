@@ -140,7 +140,9 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
     """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from H100
     sweeps of ``benchmarks/fp8_gemv.py`` on the 8B shapes: one row (2, 2048, 4 warps), and (8, 2048,
-    8 warps) for the few long rows of down_proj and q/o_proj (32.5 -> 31.8 us, 8.2 -> 7.7 us;
+    8 warps) for the few long rows (N <= 4096, N * K >= 2^24: down_proj and q/o_proj 32.5 -> 31.8 us,
+    8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
+    (2, 4096, 8);
     ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); more rows 32-wide tiles, K tiles of
     512 on the wide projections (``benchmarks/results/2026-11-26-fp8-h100.md``)."""
     M, K = x.shape

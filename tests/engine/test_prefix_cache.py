@@ -258,7 +258,7 @@ def test_on_by_default_with_an_auto_sized_checkpoint_pool(hybrid_dir):
     st = eng.stats(expert_load=False)
     rows, nblocks = st["mamba_checkpoints_total"], eng.scheduler.blocks.num_total
     row_bytes = st["mamba_checkpoint_bytes"] // rows
-    assert rows == min(auto_checkpoint_bytes(eng.caches.kv.bytes) // row_bytes, nblocks - 1)
+    assert rows == min(auto_checkpoint_bytes(eng.caches.kv.bytes) // row_bytes, nblocks)   # num_total: no null block
     prompt = list(range(3, 3 + 4 * BS + 2))
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     first, again = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
@@ -269,3 +269,26 @@ def test_on_by_default_with_an_auto_sized_checkpoint_pool(hybrid_dir):
     off = LLM(hybrid_dir, num_kv_blocks=64, enable_prefix_caching=False, **kw)
     assert "mamba_checkpoints_total" not in off.engine.stats(expert_load=False)
     assert off.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_auto_checkpoint_pool_comes_out_of_the_cuda_kv_budget(monkeypatch):
+    """On CUDA the auto-sized pool's share (a ninth of the KV budget, 64 MiB - 4 GiB) is taken out
+    of ``kv_cache_memory_fraction`` of free memory before the KV cache is sized, so caching on by
+    default does not eat the memory left beside the budget; nothing is set aside when caching is
+    off or the pool's size is given."""
+    import types
+    from hybrid_engine.config import CacheConfig
+    from hybrid_engine.device_side import _kv_budget, checkpoint_reserve
+    gib = 1 << 30
+    # 6 GiB free: budgets under the 4 GiB per-engine cap tests/conftest.py puts on CUDA engines
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * gib, 80 * gib))
+
+    def budget(**kw):
+        return _kv_budget(types.SimpleNamespace(device=torch.device("cuda"), cache=CacheConfig(**kw)))
+    assert budget() == 3 * gib - 3 * gib // 9
+    assert budget(kv_cache_memory_fraction=0.25) == 3 * gib // 2 - (3 * gib // 2) // 9
+    assert budget(enable_prefix_caching=False) == 3 * gib
+    assert budget(mamba_checkpoint_bytes=gib) == 3 * gib
+    assert checkpoint_reserve(CacheConfig(), 90 * gib) == 4 * gib
+    assert checkpoint_reserve(CacheConfig(), 100 << 20) == 50 << 20   # floor 64 MiB, at most half
+    assert checkpoint_reserve(CacheConfig(num_kv_blocks=64), 36 * gib) == 0
