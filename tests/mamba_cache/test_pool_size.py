@@ -34,7 +34,7 @@ def test_engine_build_checks_the_pool_against_free_memory_left_after_the_kv_cach
 
     from hybrid_engine.config import EngineConfig
     from hybrid_engine.device_side import _check_mamba_pool_fits, _pool_args
-    cfg = EngineConfig.resolve(hybrid_dir, max_num_seqs=4)
+    cfg = EngineConfig.resolve(hybrid_dir, max_num_seqs=4, enable_prefix_caching=False)
     cfg = dataclasses.replace(cfg, device=torch.device("cuda", 0))
     need = MambaPool.bytes_for(*_pool_args(cfg, 2), cfg.dtype)
     kv_per_block = 4096
@@ -49,3 +49,12 @@ def test_engine_build_checks_the_pool_against_free_memory_left_after_the_kv_cach
     free["now"] -= 1
     with pytest.raises(ValueError, match="max_num_seqs=4"):
         _check_mamba_pool_fits(cfg, 1, 10, 2)
+    # prefix caching: the checkpoint pool (allocated after both) must fit what is left too
+    ckpt = 5 * kv_per_block
+    on = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix_caching=True,
+                                                            mamba_checkpoint_bytes=ckpt))
+    free["now"] = need + 10 * kv_per_block + ckpt - 600
+    _check_mamba_pool_fits(on, 1, 10, 2)
+    free["now"] -= 1
+    with pytest.raises(ValueError, match="checkpoint pool.*enable_prefix_caching=False"):
+        _check_mamba_pool_fits(on, 1, 10, 2)
