@@ -2,6 +2,8 @@
 the engine's."""
 import sys
 
+import pytest
+
 from hybrid_engine.cli import main
 
 
@@ -61,3 +63,29 @@ def test_warm_up_runs_on_cuda_unless_turned_off(monkeypatch):
     assert scli.maybe_warm_up(cuda, argparse.Namespace(warmup=True, seed=7)) and ran == [(cuda.engine, 7)]
     assert not scli.maybe_warm_up(cuda, argparse.Namespace(warmup=False, seed=7))
     assert not scli.maybe_warm_up(cpu, argparse.Namespace(warmup=True, seed=7)) and len(ran) == 1
+
+
+def test_prefix_caching_switch_of_generate_and_bench(monkeypatch):
+    """``generate`` / ``chat`` / ``bench`` build their engine with caching on unless
+    ``--no-enable-prefix-caching``; ``bench`` turns it off itself (its timed runs repeat prompts)."""
+    import hybrid_engine
+    from hybrid_engine import bench
+    from hybrid_engine.cli import _llm, build_parser
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model, **kw):
+        seen.append(kw["enable_prefix_caching"])
+        raise Stop
+    monkeypatch.setattr(hybrid_engine, "LLM", fake_llm)
+    p = build_parser()
+    for argv, want in ((["generate"], True), (["generate", "--no-enable-prefix-caching"], False),
+                       (["chat", "--enable-prefix-caching"], True)):
+        with pytest.raises(Stop):
+            _llm(p.parse_args(argv))
+        assert seen.pop() is want
+    with pytest.raises(Stop):
+        bench.run_cli(p.parse_args(["bench", "--enable-prefix-caching"]))
+    assert seen.pop() is False
