@@ -198,13 +198,13 @@ def auto_checkpoint_bytes(kv_bytes: int) -> int:
 
 
 def checkpoint_reserve(cc, budget: int) -> int:
-    """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: a ninth of it (the
-    KV cache then gets eight ninths, and an eighth of that is the pool), within the same 64 MiB -
-    4 GiB bounds and at most half the budget; 0 when caching is off, the pool's size is given, or
+    """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: what
+    ``auto_checkpoint_bytes`` gives a KV cache of eight ninths of the budget (a ninth of it, within
+    the same bounds), at most half the budget; 0 when caching is off, the pool's size is given, or
     ``num_kv_blocks`` fixes the KV cache."""
     if not cc.enable_prefix_caching or cc.mamba_checkpoint_bytes is not None or cc.num_kv_blocks is not None:
         return 0
-    return min(budget // 2, min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, budget // 9)))
+    return min(budget // 2, auto_checkpoint_bytes(budget // 9 * 8))
 
 
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """Decode-sized NVFP4-weight projections (weight-only, Hopper): Triton.
 
-``_nvfp4_dot_kernel`` (2..128 rows): one program per BLOCK_N outputs (and per tile of x rows) walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N]
-byte tiles (each byte = inputs 2j and 2j+1). The low and high nibbles are decoded to e2m1 values
-(``_nibble_f32``, below), multiplied by their float8 block scale (``weight_scale[n, j // 8]``; exact in bf16) and fed to
+``_nvfp4_dot_kernel`` (2..128 rows): one program per BLOCK_N outputs (and per tile of x rows)
+walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N] byte tiles (each byte = inputs 2j
+and 2j+1). The low and high nibbles are decoded to e2m1 values (``_nibble_f32``, below),
+multiplied by their float8 block scale (``weight_scale[n, j // 8]``; exact in bf16) and fed to
 two ``tl.dot`` with the even and odd columns of x (rows padded to 16, float32 accumulation);
 the global ``weight_scale_2`` multiplies each output once. Twin: ``nvfp4_linear_ref``.
 
