@@ -8,7 +8,8 @@ also costs a launch gap. These kernels give one launch per projection, float32 a
   times the [BLOCK_K, BLOCK_N] weight tile with ``tl.dot``, so Triton's pipeliner prefetches the
   weight tiles ``num_stages`` deep.
 - ``_linear_fma_kernel``: one program per BLOCK_N output features, products accumulated in a
-  [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no tensor cores; x rows <= 8).
+  [BLOCK_N, BLOCK_K] register tile per x row (one walk over K for all rows) and reduced once at
+  the end (no tensor cores; x rows <= 8).
   Each row runs the same code whatever the number of rows, so a row's result does not depend on
   the rows beside it: float32 models use it for 1-8 rows (``skinny_linear_f32``), and a verify step's
   rows then get the projections a one-token step computes, bit for bit.
@@ -23,6 +24,8 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+
+_NO_PDL = {"PDL": False}
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -59,28 +62,68 @@ def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
 
 
 @triton.jit
+def _row_store(acc, b_ptr, y_ptr, m: tl.constexpr, M, sym, offs_n, mn, HAS_BIAS: tl.constexpr):
+    if m < M:
+        out = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * sym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
 def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    # one walk over K for all M_ROWS (1, 2, 4 or 8) rows: each weight tile is loaded once and
+    # multiplied into one [BLOCK_N, BLOCK_K] accumulator per row (named, not a [M_ROWS, ...] tile,
+    # so each row's accumulator has the one-row kernel's layout). A row's sums are the same
+    # whatever M_ROWS (tests/gpu/test_kernels.py::test_skinny_linear_f32_rows_are_batch_invariant).
+    # The rows used to walk K one after another, re-reading the tile from L1/L2: bench-large's
+    # float32 projections at 4 rows 0.420 -> 0.352 ms (H100, 2026-11-26,
+    # benchmarks/results/2026-11-26-f32-rows-h100.md; written inline: the same FMAs in a helper
+    # function measured 0.434)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
-    for m in tl.static_range(M_ROWS):        # x rows re-read the same weight tiles from L1/L2
-        if m < M:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mk = offs_k < K
-                wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-                xv = tl.load(x_ptr + m * sxm + offs_k, mask=mk, other=0.0)
-                acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
-            out = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
-            tl.store(y_ptr + m * sym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        xp = x_ptr + offs_k
+        # row m >= M reads zeros (its sums are computed, never stored): offs_k + m K < M K
+        a0 += wt * tl.load(xp, mask=mk, other=0.0).to(tl.float32)[None, :]
+        if M_ROWS > 1:
+            a1 += wt * tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0).to(tl.float32)[None, :]
+        if M_ROWS > 2:
+            a2 += wt * tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a3 += wt * tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0).to(tl.float32)[None, :]
+        if M_ROWS > 4:
+            a4 += wt * tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a5 += wt * tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a6 += wt * tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a7 += wt * tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0).to(tl.float32)[None, :]
+    _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 1:
+        _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 2:
+        _row_store(a2, b_ptr, y_ptr, 2, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a3, b_ptr, y_ptr, 3, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 4:
+        _row_store(a4, b_ptr, y_ptr, 4, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a5, b_ptr, y_ptr, 5, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a6, b_ptr, y_ptr, 6, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a7, b_ptr, y_ptr, 7, M, sym, offs_n, mn, HAS_BIAS)
 
 
 def _check(x, weight):
@@ -91,8 +134,9 @@ def _check(x, weight):
         raise ValueError("skinny_linear: x and weight need a unit inner stride")
 
 
-def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, **consts):
-    """Checks, allocates y [M, N] in x.dtype and launches ``kernel`` over N / block_n programs."""
+def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, pdl=True, **consts):
+    """Checks, allocates y [M, N] in x.dtype and launches ``kernel`` over N / block_n programs (with
+    programmatic dependent launch where ``pdl`` and the device allow)."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
@@ -103,7 +147,7 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, *
     kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **consts, **pdl_kwargs(x.device))
+        num_warps=num_warps, num_stages=num_stages, **consts, **(pdl_kwargs(x.device) if pdl else _NO_PDL))
     return y
 
 
@@ -119,8 +163,10 @@ def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps
                       num_stages=2):
     """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
     M = x.shape[0]
-    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages,
-                   M_ROWS=1 if M <= 1 else (4 if M <= 4 else 8), BLOCK_K=block_k)
+    # PDL for one row only, as the FP8 dot kernel (PDL slowed its batch-8 steps); the multi-row
+    # timings of results/2026-11-26-f32-rows-h100.md were taken without it
+    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages, pdl=M <= 1,
+                   M_ROWS=1 if M <= 1 else (2 if M <= 2 else (4 if M <= 4 else 8)), BLOCK_K=block_k)
 
 
 # configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md);
@@ -143,8 +189,9 @@ def _dot_config(N: int, K: int) -> dict:
 
 # float32 (the exact-comparison dtype): one config for every row count, so a row's sums are the same
 # in a one-token step and in a verify step. From the H100 float32 sweep of 2026-11-26 over the
-# bench-large projections (benchmarks/gemv.py --dtype float32 --model bench-large): one step's
-# projections 0.256 ms at 1 row (cuBLAS 0.299), 0.395 at 4 (cuBLAS 0.471), 0.630 at 8 (cuBLAS 0.581)
+# bench-large projections (benchmarks/gemv.py --dtype float32 --model bench-large), kept when the rows
+# came to share one walk over K (results/2026-11-26-f32-rows-h100.md): one step's projections
+# 0.241 ms at 1 row (cuBLAS 0.297), 0.352 at 4 (cuBLAS 0.472), 0.675 at 8 (cuBLAS 0.578)
 _F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
 
 
