@@ -1,62 +1,84 @@
-"""NVFP4 decode projections at one row (M = 1) on the Nemotron-H-8B shapes: the dot kernel, the
-one-row dispatch ("rule": the FMA kernel at its configs) and the FMA kernel over a few configs,
-beside the bf16 skinny kernel on the same shapes (CUDA). Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
-shape and the totals weighted by calls per 8B decode step.
+"""NVFP4 decode projections on the Nemotron-H-8B shapes (CUDA): the dispatch rule
+(``nvfp4_skinny_linear``) and a config sweep of both kernels (the FMA kernel at one row, the dot
+kernel in both operand orders at more rows) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
+the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
+shape and the totals weighted by calls per 8B decode step (lm_head included).
 
-    python benchmarks/nvfp4_gemv.py
+    python benchmarks/nvfp4_gemv.py [--m 1 2 8 32]
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hybrid_engine.quantization.nvfp4_kernels as NK  # noqa: E402
-from benchmarks.common import copy_bandwidth, graph_ms  # noqa: E402
+from benchmarks.common import graph_ms, sweep_header  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
 from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4  # noqa: E402
-from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma  # noqa: E402
 
 SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24), ("mlp up_proj", 21504, 4096, 24),
           ("mlp down_proj", 4096, 21504, 24), ("attn q/o_proj", 4096, 4096, 8), ("attn k/v_proj", 1024, 4096, 8),
           ("lm_head", 131072, 4096, 1)]
-CFGS = [(8, 32, 4), (4, 64, 8), (4, 32, 4), (8, 64, 8), (4, 128, 8), (2, 64, 4), (8, 16, 4), (16, 32, 8),
-        (2, 128, 8)]
-bw = copy_bandwidth() / 1e9
-print(torch.cuda.get_device_name(), "copy GB/s", round(bw), flush=True)
-tot = {}
-for name, N, K, per in SHAPES:
-    w = torch.randn(N, K, device="cuda") * 0.02
-    p, bs, gs = quantize_nvfp4(w)
-    nb = p.numel() + bs.numel() + 4
-    ncopy = max(1, min(8, -(-(200 << 20) // nb)))
-    ws = [(p.clone(), bs.clone(), gs.clone()) for _ in range(ncopy)]
-    wb = [w.to(torch.bfloat16).clone() for _ in range(max(1, min(8, -(-(200 << 20) // (N * K * 2)))))]
-    del w
-    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
-    dotf = functools.partial(NK.nvfp4_skinny_linear, block_n=64 if N >= 20000 else 16)   # block_n given: the dot kernel
-    ref = nvfp4_linear_ref(x.float(), *ws[0])                     # the exact float32 twin
-    row = {}
-    row["bf16"] = graph_ms([lambda b=b: skinny_linear(x, b) for b in wb])
-    row["dot"] = graph_ms([lambda t=t: dotf(x, *t) for t in ws])
-    row["rule"] = graph_ms([lambda t=t: NK.nvfp4_skinny_linear(x, *t) for t in ws])     # the one-row dispatch
-    for c in CFGS:
-        f = functools.partial(nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2])
-        y = f(x, *ws[0])
-        err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
-        row[c] = graph_ms([lambda t=t: f(x, *t) for t in ws])
-        if err > 1e-2:
-            print("  err", name, c, err)
-    best = min(CFGS, key=lambda c: row[c])
-    print(f"{name:15s} bf16 {row['bf16']*1e3:7.1f} us | nvfp4 dot {row['dot']*1e3:7.1f} | rule {row['rule']*1e3:7.1f} | "
-          f"fma best {best} {row[best]*1e3:7.1f} "
-          f"({nb / row[best] / 1e6:.0f} GB/s) | " + " ".join(f"{c}:{row[c]*1e3:.1f}" for c in CFGS), flush=True)
-    for k, v in row.items():
-        tot[k] = tot.get(k, 0) + per * v
-    del ws, wb
-    torch.cuda.empty_cache()
-print("8B step totals ms: " + ", ".join(f"{k}: {v:.3f}" for k, v in tot.items()))
+FMA_CFGS = [(8, 64, 8), (4, 128, 8), (8, 32, 4), (4, 64, 4), (16, 32, 8)]
+# (block_n, block_w, swap, num_stages)
+DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16, False, 4), (64, 16, True, 4),
+            (64, 32, True, 3), (128, 16, True, 3)]
+
+
+def candidates(M):
+    if M == 1:
+        return [(f"fma {c}", functools.partial(NK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
+                for c in FMA_CFGS]
+    return [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
+             functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2], num_stages=c[3]))
+            for c in DOT_CFGS]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    sweep_header()
+    tot: dict[tuple[int, str], float] = {}
+    for name, N, K, per in SHAPES:
+        w = torch.randn(N, K, device="cuda") * 0.02
+        p, bs, gs = quantize_nvfp4(w)
+        nb = p.numel() + bs.numel() + 4
+        ws = [(p.clone(), bs.clone(), gs.clone()) for _ in range(max(1, min(8, -(-(200 << 20) // nb))))]
+        wb = [w.to(torch.bfloat16).clone() for _ in range(max(1, min(8, -(-(200 << 20) // (N * K * 2)))))]
+        del w
+        for M in args.m:
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            ref = nvfp4_linear_ref(x.float(), *ws[0]).float()            # the exact float32 twin
+            bf16 = skinny_linear if M <= 8 else F.linear
+            row = {"bf16": graph_ms([lambda b=b: bf16(x, b) for b in wb]),
+                   "rule": graph_ms([lambda t=t: NK.nvfp4_skinny_linear(x, *t) for t in ws])}
+            for label, f in candidates(M):
+                err = float((f(x, *ws[0]).float() - ref).abs().max() / ref.abs().max())
+                if err > 1e-2:
+                    print(f"  error {name} M={M} {label}: {err:.2e}", flush=True)
+                row[label] = graph_ms([lambda t=t, f=f: f(x, *t) for t in ws])
+            best = min((k for k in row if k not in ("bf16", "rule")), key=row.get)
+            print(f"{name:15s} M={M:3d} bf16 {row['bf16'] * 1e3:7.1f} us | rule {row['rule'] * 1e3:7.1f} "
+                  f"({nb / row['rule'] / 1e6:.0f} GB/s) | best {best} {row[best] * 1e3:.1f} | "
+                  + " ".join(f"{k}:{v * 1e3:.1f}" for k, v in row.items() if k not in ("bf16", "rule")), flush=True)
+            for k, v in row.items():
+                tot[(M, k)] = tot.get((M, k), 0.0) + per * v
+        del ws, wb
+        torch.cuda.empty_cache()
+    for M in args.m:
+        b = tot[(M, "bf16")]
+        print(f"8B step totals, {M} row(s), ms: " + ", ".join(
+            f"{k}: {v:.3f} (x{b / v:.2f} bf16)" for (m, k), v in sorted(tot.items(), key=lambda kv: kv[1]) if m == M))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,26 +1,33 @@
 """Decode-sized NVFP4-weight projections (weight-only, Hopper): Triton.
 
-``_nvfp4_dot_kernel`` (2..128 rows): one program per BLOCK_N outputs (and per tile of x rows)
-walks the packed weight [N, K/2] uint8 in [BLOCK_KH, BLOCK_N] byte tiles (each byte = inputs 2j
-and 2j+1). The low and high nibbles are decoded to e2m1 values (``_nibble_f32``, below),
-multiplied by their float8 block scale (``weight_scale[n, j // 8]``; exact in bf16) and fed to
-two ``tl.dot`` with the even and odd columns of x (rows padded to 16, float32 accumulation);
-the global ``weight_scale_2`` multiplies each output once. Twin: ``nvfp4_linear_ref``.
+Both kernels read the packed weight [N, K/2] uint8 as int32 words (8 nibbles = inputs 8w .. 8w+7;
+rows must be 4-byte aligned) and decode a word's 8 nibbles with a few integer ops per pair of
+values: on CUDA, inline PTX builds nibbles j and j+4 of a word as one 2 x 16-bit register (the
+magnitude bits shifted into a 16-bit float's low exponent / top mantissa bits, the sign to its
+sign bit: e2m1 times a power of two, exactly, subnormals included). Triton's interpreter (no PTX)
+runs the same kernels with ``_nibble_f32``, the one-value-at-a-time Triton twin of that decode,
+which gives the same values; ``tests/quant`` runs it on CPU, ``tests/gpu/test_quant_cuda.py`` the PTX.
 
-``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): for one row the dot kernel's 16-row MMA
-tiles and their operand shuffles are overhead, and the decode of the nibbles, not the bytes read,
-bounds the kernel. The packed weight is read as int32 words (8 nibbles = 8 consecutive inputs);
-``_nibble_f32`` turns a nibble into float32 with ~3 integer ops and one float16 -> float32
-conversion (e2m1 * 2^-14 is exactly a float16, subnormals included), each nibble position times
-its x column (a static loop of 8), summed per 16-input group, times the group's block scale, and
-reduced into a [BLOCK_N] accumulator every tile. On the H100 (2026-11-26,
-``benchmarks/results/2026-11-26-nvfp4-gemv-h100.md``, one call): one 8B step's projections with
-lm_head take 4.277 ms at the dispatch rule against 5.114 ms in bf16 (the previous decode, bytes
-with an int -> float conversion and ~11 ops per value, took 6.64 ms against 4.76 ms of bf16
-without lm_head in an earlier call). ``benchmarks/nvfp4_gemv.py`` compares it with the dot kernel
-and bf16 on the 8B shapes.
+``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): register FMAs, no tensor cores. A pair
+becomes float16 bits (e2m1 * 2^-14) and two hardware float16 -> float32 conversions; each nibble
+position times its x column, summed per 16-input group, times the group's block scale, reduced
+into a [BLOCK_N] accumulator every tile; 2^14 goes on the output scale.
+
+``_nvfp4_dot_kernel`` (2..128 rows): a pair is multiplied by its block scale in one packed 16-bit
+FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^7, both
+exact), so the tile [BLOCK_N, 8 * BLOCK_W] holds e2m1 * scale * 2^-SHIFT in x's dtype (joined in
+input order) and goes to one ``tl.dot`` per tile with float32 accumulation; the global scale and
+2^SHIFT multiply each output once. Wide projections (N >= 16384) put the weight on the MMA's M
+side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape.
+
+H100 (2026-11-26, ``benchmarks/results/2026-11-26-nvfp4-pair-decode-h100.md``): one 8B step's
+projections with lm_head, bf16 5.1 ms; NVFP4 at one row 4.15 -> 3.90 ms (3.78 summed over shapes
+at the final configs), at 8 rows 17.3 -> 8.04 ms (still slower than bf16: the long-row projections
+have few programs). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -31,6 +38,42 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 from .nvfp4 import GROUP, _check_k
 
 MAX_ROWS = 128
+
+
+def _shift(dst: str, n: int) -> str:
+    """PTX: dst = word ($8) shifted left by n (right by -n), logical."""
+    return f"shl.b32 {dst}, $8, {n};" if n > 0 else (f"shr.b32 {dst}, $8, {-n};" if n < 0 else f"mov.b32 {dst}, $8;")
+
+
+def _pairs_ptx(mag_at: int, mag_mask: int, tail) -> str:
+    """PTX over one int32 word ($8): for j = 0..3 the nibbles j (bits 4j..4j+3) and j+4 (bits
+    4j+16..) as a 2 x 16-bit register p: magnitude bits to bits mag_at.. of each half, sign bit to
+    bit 15 of each half; ``tail(j)`` then writes outputs $j and $j+4 from p."""
+    body = " ".join(f"{_shift('t0', mag_at - 4 * j)} {_shift('t1', 12 - 4 * j)} and.b32 t1, t1, 0x80008000; "
+                    f"and.b32 t0, t0, {mag_mask:#010x}; or.b32 p, t0, t1; {tail(j)}" for j in range(4))
+    return body
+
+
+# word -> 8 float32 e2m1 * 2^-14 (float16 bits e2m1 * 2^-14, then cvt): the one-row kernel's decode
+_ASM_F32 = ("{ .reg .b32 t0, t1, p; .reg .b16 h0, h1; "
+            + _pairs_ptx(9, 0x0E000E00, lambda j: f"mov.b32 {{h0, h1}}, p; cvt.f32.f16 ${j}, h0; cvt.f32.f16 ${j + 4}, h1;")
+            + " }")
+# word, 16-bit scale c ($9) -> 8 values (bits e2m1 * 2^-126 for bf16 / e2m1 * 2^-14 for fp16) * c
+_ASM_BF16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x80008000; "
+             + _pairs_ptx(6, 0x01C001C0, lambda j: f"fma.rn.bf16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
+             + " }")
+_ASM_F16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x80008000; "
+            + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
+            + " }")
+ASM_F32 = tl.constexpr(_ASM_F32)
+ASM_BF16 = tl.constexpr(_ASM_BF16)
+ASM_F16 = tl.constexpr(_ASM_F16)
+# the dot kernel's tile holds e2m1 * scale * 2^-SHIFT (exact in each dtype: module docstring)
+_SHIFT = {torch.bfloat16: 8, torch.float16: 7, torch.float32: 0}
+
+
+def _use_ptx(x: torch.Tensor) -> bool:
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 @triton.jit
@@ -53,13 +96,43 @@ def _nibble_f32(wd, J: tl.constexpr):
 
 
 @triton.jit
+def _decode8_f32(wd, PTX: tl.constexpr):
+    """int32 words -> 8 float32 tensors: nibble j = e2m1 * 2^-14."""
+    if PTX:
+        return tl.inline_asm_elementwise(ASM_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [wd], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    else:
+        return (_nibble_f32(wd, 0), _nibble_f32(wd, 1), _nibble_f32(wd, 2), _nibble_f32(wd, 3),
+                _nibble_f32(wd, 4), _nibble_f32(wd, 5), _nibble_f32(wd, 6), _nibble_f32(wd, 7))
+
+
+@triton.jit
+def _scaled8(wd, s, DT: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
+    """int32 words, float32 block scales (same shape) -> 8 tensors in DT: nibble j = e2m1 * s *
+    2^-SHIFT, exactly (PTX: one packed 16-bit FMA per pair; the twin: float32, then a cast)."""
+    if PTX:
+        if DT == tl.bfloat16:
+            return tl.inline_asm_elementwise(ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+                                             [wd, (s * 3.3230699894622245e+35).to(tl.bfloat16)],    # s * 2^118
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(ASM_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+                                             [wd, (s * 128.0).to(tl.float16)],                       # s * 2^7
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        c = s * (16384.0 / (1 << SHIFT))
+        return ((_nibble_f32(wd, 0) * c).to(DT), (_nibble_f32(wd, 1) * c).to(DT), (_nibble_f32(wd, 2) * c).to(DT),
+                (_nibble_f32(wd, 3) * c).to(DT), (_nibble_f32(wd, 4) * c).to(DT), (_nibble_f32(wd, 5) * c).to(DT),
+                (_nibble_f32(wd, 6) * c).to(DT), (_nibble_f32(wd, 7) * c).to(DT))
+
+
+@triton.jit
 def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sbn,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    # one row of x; the packed weight read as int32 words [N, KW = K / 8] (word w holds inputs
-    # 8w .. 8w+7, nibble j = input 8w + j), walked as [BLOCK_N, BLOCK_G, 2] words = BLOCK_G 16-input
-    # groups (one block scale each); nibble j of every word times x[16g + 8i + j], summed per group,
-    # the group's block scale, then reduced into [BLOCK_N] every tile
+                      PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    # one row of x; the packed weight as int32 words [N, KW = K / 8], walked as [BLOCK_N, BLOCK_G,
+    # 2] words = BLOCK_G 16-input groups (one block scale each); nibble j of every word times
+    # x[16g + 8i + j], summed per group, the group's block scale, then reduced into [BLOCK_N]
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -75,10 +148,16 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
         wd = tl.load(w_rows + (offs_g[:, None] * 2 + offs_i[None, :])[None, :, :],
                      mask=mn[:, None, None] & mg[None, :, None], other=0)                   # [BN, BG, 2]
         xb = x_ptr + offs_g[:, None] * 16 + offs_i[None, :] * 8                              # [BG, 2]
-        part = tl.zeros([BLOCK_N, BLOCK_G, 2], dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(xb + j, mask=mg[:, None], other=0.0).to(tl.float32)
-            part += _nibble_f32(wd, j) * xj[None, :, :]
+        xm = mg[:, None]
+        v0, v1, v2, v3, v4, v5, v6, v7 = _decode8_f32(wd, PTX)
+        part = v0 * tl.load(xb + 0, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v1 * tl.load(xb + 1, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v2 * tl.load(xb + 2, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v3 * tl.load(xb + 3, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v4 * tl.load(xb + 4, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v5 * tl.load(xb + 5, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v6 * tl.load(xb + 6, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        part += v7 * tl.load(xb + 7, mask=xm, other=0.0).to(tl.float32)[None, :, :]
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(tl.sum(part, axis=2) * bs, axis=1)
     out = acc * (tl.load(gs_ptr) * 16384.0)
@@ -88,66 +167,101 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
 
 
 @triton.jit
-def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KH, sxm, swn, sbn, sym,
+def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm, swn, sbn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_KH: tl.constexpr):
-    pid = tl.program_id(0)
+                      BLOCK_W: tl.constexpr, SWAP: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
+    # words [N, KW] walked in [BLOCK_N, BLOCK_W] tiles = [BLOCK_N, 8 * BLOCK_W] inputs; rows of x in
+    # tiles of BLOCK_M (grid axis 1)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, mn = offs_m < M, offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * swn
-    s_rows = bs_ptr + offs_n[None, :].to(tl.int64) * sbn
-    x_rows = x_ptr + offs_m[:, None] * sxm
-    for j0 in range(0, KH, BLOCK_KH):
-        offs_j = j0 + tl.arange(0, BLOCK_KH)
-        mj = offs_j < KH
-        mw = mj[:, None] & mn[None, :]
-        p = tl.load(w_rows + offs_j[:, None], mask=mw, other=0).to(tl.int32)      # [BKH, BN] bytes
-        # the block scale times 2^14 (exact) undoes _nibble_f32's 2^-14: lo / hi are e2m1 * scale,
-        # exact in bf16 / fp16 as before
-        bs = tl.load(s_rows + (offs_j // 8)[:, None], mask=mw, other=0.0).to(tl.float32) * 16384.0
-        lo = (_nibble_f32(p, 0) * bs).to(x_ptr.dtype.element_ty)
-        hi = (_nibble_f32(p, 1) * bs).to(x_ptr.dtype.element_ty)
-        mx = mm[:, None] & mj[None, :]
-        xe = tl.load(x_rows + 2 * offs_j[None, :], mask=mx, other=0.0)             # [BM, BKH]
-        xo = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=mx, other=0.0)
-        acc = tl.dot(xe, lo, acc)
-        acc = tl.dot(xo, hi, acc)
-    acc *= tl.load(gs_ptr)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mm[:, None] & mn[None, :])
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
+    s_rows = bs_ptr + offs_n[:, None].to(tl.int64) * sbn
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for w0 in range(0, KW, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        mw = mn[:, None] & (offs_w < KW)[None, :]
+        wd = tl.load(w_rows + offs_w[None, :], mask=mw, other=0)                                # [BN, BW]
+        s = tl.load(s_rows + (offs_w // 2)[None, :], mask=mw, other=0.0).to(tl.float32)         # a word's group
+        v0, v1, v2, v3, v4, v5, v6, v7 = _scaled8(wd, s, DT, SHIFT, PTX)
+        # back to input order: nibble j of word w is input 8w + j
+        wt = tl.reshape(tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                                tl.join(tl.join(v1, v5), tl.join(v3, v7))), [BLOCK_N, BLOCK_W * 8])
+        offs_k = w0 * 8 + tl.arange(0, BLOCK_W * 8)
+        mk = offs_k < KW * 8
+        if SWAP:
+            xt = tl.load(x_ptr + offs_m[None, :] * sxm + offs_k[:, None], mask=mm[None, :] & mk[:, None],
+                         other=0.0)                                                               # [BK, BM]
+            acc = tl.dot(wt, xt, acc)
+        else:
+            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mm[:, None] & mk[None, :],
+                         other=0.0)                                                               # [BM, BK]
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    gs = tl.load(gs_ptr) * (1 << SHIFT)
+    if SWAP:
+        out = acc * gs
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_m[None, :] * sym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=mm[None, :] & mn[:, None])
+    else:
+        out = acc * gs
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])
 
 
 def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=8, block_g=32,
                             num_warps=4):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
-    (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are pure overhead). The
-    packed weight is read as int32 words, so its rows must be 4-byte aligned (contiguous weights
-    are: K / 2 is a multiple of 8)."""
+    (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead)."""
     M, K = x.shape
     N = packed.shape[0]
-    _check_k(K)
     _check_layout(x, packed, weight_scale, weight_scale_2)
     assert M == 1, "the FMA kernel takes one row"
-    if packed.stride(0) % 4 or packed.data_ptr() % 4:
-        raise ValueError(f"nvfp4_skinny_linear: the packed weight's rows must start on 4-byte boundaries "
-                         f"(row stride {packed.stride(0)} bytes, offset {packed.data_ptr() % 4}); pass a "
-                         "contiguous weight")
     words = packed.view(torch.int32)                        # [N, K / 8], row stride packed.stride(0) / 4
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     _nvfp4_fma_kernel[(triton.cdiv(N, block_n),)](
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, N, K // 8,
         words.stride(0), weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_G=block_g, num_warps=num_warps, **pdl_kwargs(x.device))
+        BLOCK_G=block_g, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
+    return y
+
+
+def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=32, block_w=64,
+                            swap=False, num_warps=4, num_stages=3):
+    """x [M <= 128, K] @ dequant(packed)^T -> [M, N] in x.dtype (float32 only under the interpreter):
+    ``tl.dot`` on decoded tiles of [block_n, 8 * block_w]; rows in tiles of 16 / 32 / 64 (grid axis
+    1, each row tile decodes the weight again, from L2)."""
+    M, K = x.shape
+    N = packed.shape[0]
+    _check_layout(x, packed, weight_scale, weight_scale_2)
+    assert M <= MAX_ROWS, f"the NVFP4 kernel takes up to {MAX_ROWS} rows"
+    ptx = _use_ptx(x)
+    if ptx and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_skinny_linear: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    words = packed.view(torch.int32)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    _nvfp4_dot_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 8,
+        x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SWAP=swap, SHIFT=_SHIFT[x.dtype], PTX=ptx,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
 def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
     M, K = x.shape
     N = packed.shape[0]
+    _check_k(K)
     if (packed.shape != (N, K // 2) or packed.dtype != torch.uint8 or weight_scale.shape != (N, K // GROUP)
             or weight_scale.dtype != torch.float8_e4m3fn or weight_scale_2.numel() != 1):
         raise ValueError(f"nvfp4_skinny_linear: x {tuple(x.shape)} needs weight [N, K/2] uint8, weight_scale "
@@ -156,37 +270,41 @@ def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
                          f"{tuple(weight_scale_2.shape)}")
     if x.stride(1) != 1 or packed.stride(1) != 1 or weight_scale.stride(1) != 1:
         raise ValueError("nvfp4_skinny_linear: x, weight and weight_scale need a unit inner stride")
+    if packed.stride(0) % 4 or packed.data_ptr() % 4:
+        # the kernels read the packed weight as int32 words (contiguous weights qualify: K / 2 is a
+        # multiple of 8)
+        raise ValueError(f"nvfp4_skinny_linear: the packed weight's rows must start on 4-byte boundaries "
+                         f"(row stride {packed.stride(0)} bytes, offset {packed.data_ptr() % 4}); pass a "
+                         "contiguous weight")
 
 
-def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=None,
-                        block_kh=256, num_warps=4, num_stages=3):
+def _fma_config(N: int) -> dict:
+    # H100 sweeps of the 8B shapes (results/2026-11-26-nvfp4-pair-decode-h100.md): (8, 64, 8 warps)
+    # on the wide projections, (4, 128, 8) on the few long rows (out, down, q/o, k/v: N <= 4096;
+    # 21.4 / 51.4 / 11.3 us against 23.0 / 54.3 / 12.0), (8, 32, 4) on lm_head (131072 rows)
+    if N >= 65536:
+        return dict(block_n=8, block_g=32, num_warps=4)
+    if N <= 4096:
+        return dict(block_n=4, block_g=128, num_warps=8)
+    return dict(block_n=8, block_g=64, num_warps=8)
+
+
+def _dot_config(M: int, N: int) -> dict:
+    # same sweeps, 2 / 8 / 32 rows: wide projections (in_proj, up_proj, lm_head) fastest with the
+    # weight on the MMA's M side in 64-row tiles (about half the time of the other form); the long
+    # rows (N 1024-4096: out, down, q/o, k/v) with x on the M side, 16-32 output tiles (more
+    # programs). Above 32 rows (64-row x tiles) the weight goes on the M side everywhere: x on the
+    # M side does not compile there with 16-wide output tiles (Triton 3.6 "PassManager::run failed")
+    if N >= 16384 or M > 32:
+        return dict(block_n=64, block_w=16 if M <= 16 else 32, swap=True, num_stages=4 if M <= 16 else 3)
+    return dict(block_n=16 if (N <= 2048 or M > 16) else 32, block_w=64, swap=False, num_stages=3)
+
+
+def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
     """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype: the FMA kernel for one
-    row, else the dot kernel. Rows go in tiles of
-    16 / 32 / 64 (grid axis 1); each row tile decodes the weight tiles again (from L2)."""
-    M, K = x.shape
+    row, else the dot kernel, at the measured configs."""
+    M = x.shape[0]
     N = packed.shape[0]
-    if M == 1 and block_n is None:
-        # H100 sweep of 9 configs on the 8B shapes (results/2026-11-26-nvfp4-gemv-h100.md): (8, 64, 8
-        # warps) is the best or within 1.3 us of it on every projection but the few long rows (out,
-        # down, q/o, k/v: 128-group tiles) and lm_head (131072 rows: 32-group tiles, 4 warps)
-        if N <= 4096:
-            cfg = dict(block_n=4, block_g=128, num_warps=8)
-        elif N >= 65536:
-            cfg = dict(block_n=8, block_g=32, num_warps=4)
-        else:
-            cfg = dict(block_n=8, block_g=64, num_warps=8)
-        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **cfg)
-    _check_k(K)
-    _check_layout(x, packed, weight_scale, weight_scale_2)
-    assert M <= MAX_ROWS, f"the NVFP4 kernel takes up to {MAX_ROWS} rows"
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y
-    if block_n is None:
-        block_n = 64 if N >= 20000 else 16
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    _nvfp4_dot_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        x, packed, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 2,
-        x.stride(0), packed.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, num_warps=num_warps, num_stages=num_stages)
-    return y
+    if M == 1:
+        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N))
+    return nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias, **_dot_config(M, N))

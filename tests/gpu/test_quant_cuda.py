@@ -49,6 +49,42 @@ def test_nvfp4_kernel(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("M,N", [(1, 64), (1, 16424), (8, 64), (8, 16424), (3, 70000), (20, 100), (70, 20000)],
+                         ids=lambda v: str(v))
+def test_nvfp4_decode_is_exact_for_every_code_and_scale(M, N, dtype):
+    """One-hot x rows: each output is one dequantized weight (a single nonzero product), so the
+    kernels' PTX decode must give it exactly: every byte value in both nibbles, block scales over
+    the whole e4m3 range from 0 through the subnormals to 448, the FMA kernel (one row) and the dot
+    kernel in both operand orders (N >= 16384 puts the weight on the MMA's M side) and row tiles."""
+    from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4
+    K = 256
+    g = torch.Generator().manual_seed(N + M)
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bs = torch.randint(0, 127, (N, K // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    bs.view(torch.uint8).view(-1)[:127] = torch.arange(127, dtype=torch.int32).to(torch.uint8)
+    gs = torch.tensor(1.0)
+    want = dequantize_nvfp4(packed, bs, gs).t().to(dtype).to(DEV)              # [K, N], exact in dtype
+    p, s, g1 = packed.to(DEV), bs.to(DEV), gs.to(DEV)
+    eye = torch.eye(K, dtype=dtype, device=DEV)
+    for k0 in range(0, K, M):
+        rows = eye[k0:k0 + M]
+        y = nvfp4_skinny_linear(rows, p, s, g1)
+        assert torch.equal(y, want[k0:k0 + rows.shape[0]]), f"inputs {k0}..{k0 + rows.shape[0] - 1}"
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(2, 4096, 8192), (8, 1024, 4096), (8, 18560, 4096), (32, 4096, 4096),
+                                   (32, 21504, 4096), (128, 4096, 1024), (5, 33, 272)],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
+    """The dot kernel at the dispatch rule's configs (both operand orders, 16/32/64-row tiles)
+    against the float32 twin."""
+    m, n, k = shape
+    qc.check_nvfp4(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=n + m)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 18560, 4096), (1, 4096, 21504), (1, 33, 16), (1, 5, 272)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
 @pytest.mark.parametrize("config", [dict(block_n=8, block_g=32), dict(block_n=4, block_g=128, num_warps=8),

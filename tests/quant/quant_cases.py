@@ -161,7 +161,7 @@ NVFP4_FMA_SHAPES = [(1, 33, 16), (1, 70, 48), (1, 5, 272), (1, 130, 544)]   # gr
 def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
                                                         fp8_skinny_linear_fma, quantize_rows_fp8)
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
     def run(fn, shapes, **kw):
@@ -184,10 +184,14 @@ def _cases():
                                    device=cpu, dtype=f16, per_channel=True),
         "fp8_dispatch": run(check_fp8, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
                             device=cpu, dtype=f16, per_channel=True),
-        "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
-            x, p, s, g, b, block_n=16, block_kh=32), device=cpu, dtype=f32),
-        "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear(
-            x, p, s, g, b, block_n=32, block_kh=16), device=cpu, dtype=f16, bias=False),
+        "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
+            x, p, s, g, b, block_n=16, block_w=4), device=cpu, dtype=f32),
+        "nvfp4_dot_swap": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
+            x, p, s, g, b, block_n=16, block_w=2, swap=True), device=cpu, dtype=f32),
+        "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
+            x, p, s, g, b, block_n=32, block_w=2), device=cpu, dtype=f16, bias=False),
+        "nvfp4_dot_swap_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
+            x, p, s, g, b, block_n=16, block_w=4, swap=True), device=cpu, dtype=f16),
         "nvfp4_fma": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(

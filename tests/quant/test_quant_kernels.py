@@ -19,7 +19,7 @@ from triton_interpret import assert_case, run_cases
 
 HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
-         "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "nvfp4_dot", "nvfp4_dot_f16", "nvfp4_fma", "nvfp4_fma_f16", "fp8_experts_decode",
+         "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "fp8_experts_decode",
          "fp8_experts_grouped"]
 
 
@@ -145,11 +145,11 @@ def test_quantize_rows_refuses_bad_inputs():
         quantize_rows_fp8(x[None])
 
 
-def test_nvfp4_one_row_kernel_refuses_unaligned_packed_rows():
-    """The one-row NVFP4 kernel reads the packed weight as int32 words: a weight whose rows do not
-    start on 4-byte boundaries is refused by name before any launch (the loader's weights are
+def test_nvfp4_kernels_refuse_unaligned_packed_rows():
+    """Both NVFP4 kernels read the packed weight as int32 words: a weight whose rows do not start
+    on 4-byte boundaries is refused by name before any launch (the loader's weights are
     contiguous, K / 2 a multiple of 8)."""
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma
     p, bs, gs = quantize_nvfp4(torch.randn(4, 32))
     x = torch.randn(1, 32, dtype=torch.bfloat16)
     for width in (33, 20):                 # row stride 33: not a multiple of 4; 20: offsets 1-3
@@ -159,3 +159,5 @@ def test_nvfp4_one_row_kernel_refuses_unaligned_packed_rows():
             view.copy_(p)
             with pytest.raises(ValueError, match="4-byte boundaries"):
                 nvfp4_skinny_linear_fma(x, view, bs, gs)
+            with pytest.raises(ValueError, match="4-byte boundaries"):
+                nvfp4_skinny_linear_dot(x.expand(3, 32), view, bs, gs)
