@@ -144,16 +144,17 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
     8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
     (2, 4096, 8);
     ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); more rows 32-wide tiles, K tiles of
-    512 on the wide projections (``benchmarks/results/2026-11-26-fp8-h100.md``)."""
+    512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
     M, K = x.shape
     N = w_q.shape[0]
     if M == 1:
         if N <= 4096 and N * K >= (1 << 24):
             return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8)
         return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4)
-    if N >= 16384:
-        return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3)
-    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=256, num_stages=4)
+    # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
+    # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
+    # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us)
+    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3)
 
 
 @triton.jit
