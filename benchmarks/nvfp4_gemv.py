@@ -36,9 +36,10 @@ def candidates(M):
     if M == 1:
         return [(f"fma {c}", functools.partial(NK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
                 for c in FMA_CFGS]
+    # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles
     return [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
              functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2], num_stages=c[3]))
-            for c in DOT_CFGS]
+            for c in DOT_CFGS if c[2] or M <= 32]
 
 
 def main() -> int:

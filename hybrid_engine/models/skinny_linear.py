@@ -159,7 +159,7 @@ def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warp
                    BLOCK_M=16, BLOCK_K=block_k)
 
 
-def skinny_linear_fma(x, weight, bias=None, *, block_n=8, block_k=512, num_warps=4,
+def skinny_linear_fma(x, weight, bias=None, *, block_n=2, block_k=1024, num_warps=4,
                       num_stages=2):
     """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
     M = x.shape[0]

@@ -6,7 +6,9 @@ values: on CUDA, inline PTX builds nibbles j and j+4 of a word as one 2 x 16-bit
 magnitude bits shifted into a 16-bit float's low exponent / top mantissa bits, the sign to its
 sign bit: e2m1 times a power of two, exactly, subnormals included). Triton's interpreter (no PTX)
 runs the same kernels with ``_nibble_f32``, the one-value-at-a-time Triton twin of that decode,
-which gives the same values; ``tests/quant`` runs it on CPU, ``tests/gpu/test_quant_cuda.py`` the PTX.
+which gives the same values (float32 and fp16 x there: the interpreter's bf16 ``tl.dot`` is not
+exact, so the dot kernel refuses bf16 off CUDA); ``tests/quant`` runs it on CPU,
+``tests/gpu/test_quant_cuda.py`` the PTX.
 
 ``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): register FMAs, no tensor cores. A pair
 becomes float16 bits (e2m1 * 2^-14) and two hardware float16 -> float32 conversions; each nibble
@@ -18,7 +20,8 @@ FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scal
 exact), so the tile [BLOCK_N, 8 * BLOCK_W] holds e2m1 * scale * 2^-SHIFT in x's dtype (joined in
 input order) and goes to one ``tl.dot`` per tile with float32 accumulation; the global scale and
 2^SHIFT multiply each output once. Wide projections (N >= 16384) put the weight on the MMA's M
-side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape.
+side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape; above
+32 rows every projection swaps (the other form does not compile there at 16-wide output tiles).
 
 H100 (2026-11-26, ``benchmarks/results/2026-11-26-nvfp4-pair-decode-h100.md``): one 8B step's
 projections with lm_head, bf16 5.1 ms; NVFP4 at one row 4.15 -> 3.90 ms (3.78 summed over shapes
@@ -72,8 +75,15 @@ ASM_F16 = tl.constexpr(_ASM_F16)
 _SHIFT = {torch.bfloat16: 8, torch.float16: 7, torch.float32: 0}
 
 
+def _interpreting() -> bool:
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:                  # a Triton without knobs: its environment variable
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def _use_ptx(x: torch.Tensor) -> bool:
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return x.is_cuda and not _interpreting()
 
 
 @triton.jit
@@ -245,6 +255,9 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
     ptx = _use_ptx(x)
     if ptx and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nvfp4_skinny_linear: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    if not ptx and x.dtype == torch.bfloat16:
+        raise ValueError("nvfp4_skinny_linear: bfloat16 x needs CUDA (Triton's interpreter has no exact "
+                         "bfloat16 tl.dot); use float16 / float32, or nvfp4_linear, which dequantizes on CPU")
     words = packed.view(torch.int32)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:

@@ -161,3 +161,15 @@ def test_nvfp4_kernels_refuse_unaligned_packed_rows():
                 nvfp4_skinny_linear_fma(x, view, bs, gs)
             with pytest.raises(ValueError, match="4-byte boundaries"):
                 nvfp4_skinny_linear_dot(x.expand(3, 32), view, bs, gs)
+
+
+def test_nvfp4_dot_kernel_refuses_bfloat16_off_cuda():
+    """Off CUDA the dot kernel runs Triton's interpreter, whose bfloat16 tl.dot is not exact: a
+    bfloat16 x is refused by name (nvfp4_linear, the public op, dequantizes on CPU instead)."""
+    from hybrid_engine.quantization.nvfp4 import nvfp4_linear, nvfp4_linear_ref
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot
+    p, bs, gs = quantize_nvfp4(torch.randn(8, 32))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 x needs CUDA"):
+        nvfp4_skinny_linear_dot(x, p, bs, gs)
+    assert torch.equal(nvfp4_linear(x, p, bs, gs), nvfp4_linear_ref(x, p, bs, gs))
