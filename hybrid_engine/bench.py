@@ -8,8 +8,9 @@ import numpy as np
 
 
 def run_cli(args) -> int:
-    from hybrid_engine import SamplingParams
     import argparse
+
+    from hybrid_engine import SamplingParams
     from hybrid_engine.cli import _llm
     # the timed runs repeat the warm-up's prompts: a prefix cache would serve them
     llm = _llm(argparse.Namespace(**{**vars(args), "enable_prefix_caching": False}))

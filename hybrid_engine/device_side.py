@@ -143,8 +143,7 @@ def _check_mamba_pool_fits(cfg: EngineConfig, n_attn: int, num_blocks: int, k: i
     pool_bytes = MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype)
     check_pool_fits(pool_bytes, free - kv_bytes, max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
     if cc.enable_prefix_caching:         # the checkpoint pool is allocated after both
-        ckpt = cc.mamba_checkpoint_bytes
-        ckpt = auto_checkpoint_bytes(kv_bytes) if ckpt is None else ckpt
+        ckpt = checkpoint_budget(cc, kv_bytes)
         left = free - kv_bytes - pool_bytes
         if ckpt > left:
             raise ValueError(
@@ -197,6 +196,13 @@ def auto_checkpoint_bytes(kv_bytes: int) -> int:
     return min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, kv_bytes // 8))
 
 
+def checkpoint_budget(cc, kv_bytes: int) -> int:
+    """The checkpoint pool's byte budget: ``mamba_checkpoint_bytes``, or when None
+    ``auto_checkpoint_bytes`` of a KV cache of ``kv_bytes``."""
+    given = cc.mamba_checkpoint_bytes
+    return auto_checkpoint_bytes(kv_bytes) if given is None else given
+
+
 def checkpoint_reserve(cc, budget: int) -> int:
     """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: what
     ``auto_checkpoint_bytes`` gives a KV cache of eight ninths of the budget (a ninth of it, within
@@ -215,10 +221,7 @@ def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: 
     shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
     n_mamba = len(mc.mamba_layer_ids)
     row_bytes = MambaCheckpoints.bytes_per_row(n_mamba, *shape, cfg.dtype) + drafter.checkpoint_bytes_per_row()
-    budget = cc.mamba_checkpoint_bytes
-    if budget is None:
-        budget = auto_checkpoint_bytes(caches.kv.bytes)
-    rows = max(1, min(budget // max(row_bytes, 1), num_blocks - 1))
+    rows = max(1, min(checkpoint_budget(cc, caches.kv.bytes) // max(row_bytes, 1), num_blocks - 1))
     caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, cfg.dtype, cfg.device)
     drafter.attach_checkpoints(rows)
     return rows, row_bytes

@@ -25,8 +25,6 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
-_NO_PDL = {"PDL": False}
-
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     return F.linear(x, weight, bias)
@@ -147,7 +145,7 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, p
     kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **consts, **(pdl_kwargs(x.device) if pdl else _NO_PDL))
+        num_warps=num_warps, num_stages=num_stages, **consts, **(pdl_kwargs(x.device) if pdl else {}))
     return y
 
 

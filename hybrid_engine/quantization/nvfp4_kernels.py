@@ -30,6 +30,7 @@ have few programs). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` tim
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -75,7 +76,8 @@ ASM_F16 = tl.constexpr(_ASM_F16)
 _SHIFT = {torch.bfloat16: 8, torch.float16: 7, torch.float32: 0}
 
 
-def _interpreting() -> bool:
+@functools.cache                            # per process (the interpreter is chosen at start-up):
+def _interpreting() -> bool:                  # not re-read on every projection call
     try:
         return bool(triton.knobs.runtime.interpret)
     except AttributeError:                  # a Triton without knobs: its environment variable
