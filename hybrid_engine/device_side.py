@@ -105,10 +105,11 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
                                        drafter_follows_fused=not drafter.full_context)
     forced = forced_acceptance(cfg)
-    # greedy n-gram, MTP and draft-model verify steps replayed whole (prepare + forward + verify + propose)
-    spec_graphs = None if forced is not None else make_spec_graphs(
+    # greedy n-gram, MTP and draft-model verify steps replayed whole (prepare + forward + verify + propose);
+    # forced acceptance (benchmarks) draws its coins inside them
+    spec_graphs = make_spec_graphs(
         executor, drafter, num_spec=k, widths=counts, block_size=cc.block_size, max_blocks=max_blocks,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len, forced_acceptance_rate=forced)
     if forced is not None and (tp is None or tp.rank == 0):
         logger.warning("FORCED ACCEPTANCE (benchmark only): each draft is accepted with probability %g "
                        "without verification; outputs are NOT the model's and differ from greedy", forced)

@@ -150,19 +150,35 @@ def forced_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor, rate:
     accepted tokens) is that of a real step with this acceptance; the tokens are not the model's.
     row_keys[R] int64 (the rows' slots: rows at the same position draw differently), positions[R]
     the position of the token produced at column 0. No host synchronisation."""
-    num_rows, k1, _ = target_logits.shape
-    k = k1 - 1
-    target_argmax = target_logits.argmax(-1)                                   # [R, 1+K]
-    cols = torch.arange(k1, device=target_logits.device)
+    k = target_logits.shape[1] - 1
     if k == 0:
-        return target_argmax
-    u = rng.uniform(row_keys.to(torch.int64).repeat_interleave(k),
-                    (positions.to(torch.int64)[:, None] + cols[:k]).reshape(-1), 0, _FORCED_STREAM, 1)
-    num_acc = (u.view(num_rows, k) < rate).to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [R, 1]
+        return target_logits.argmax(-1)
+    return forced_output(target_logits, draft_tokens, forced_accept_mask(rate, row_keys, positions, k))
+
+
+def forced_output(target_logits: torch.Tensor, draft_tokens: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+    """``forced_accept``'s output[R, 1+K] from its coins accept[R, K] (bool): the drafts of the
+    prefix of passed coins, then the target's argmax, then -1."""
+    k = draft_tokens.shape[1]
+    target_argmax = target_logits.argmax(-1)                                   # [R, 1+K]
+    cols = torch.arange(k + 1, device=target_logits.device)
+    num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)   # [R, 1]
     emitted = torch.where(draft_tokens >= 0, draft_tokens, target_argmax[:, :k])     # [R, K]
     emitted = torch.cat([emitted, target_argmax[:, k:]], dim=1)                      # [R, 1+K]
     out = torch.where(cols < num_acc, emitted, target_argmax)
     return out.masked_fill(cols > num_acc, -1)
+
+
+def forced_accept_mask(rate: float, row_keys: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """BENCHMARK ONLY: [R, k] bool, draft j of row r passes its coin (u < rate, u keyed by
+    (row_keys[r], positions[r] + j, stream 3)); ``forced_accept`` accepts the prefix of passes. The
+    fused verify-step graphs draw the same coins (``triton_greedy_verify.greedy_verify(accept=)``),
+    so forced steps emit the same tokens on either path. No host synchronisation."""
+    num_rows = row_keys.shape[0]
+    cols = torch.arange(k, device=row_keys.device)
+    u = rng.uniform(row_keys.to(torch.int64).repeat_interleave(k),
+                    (positions.to(torch.int64)[:, None] + cols).reshape(-1), 0, _FORCED_STREAM, 1)
+    return u.view(num_rows, k) < rate
 
 
 def num_accepted(output: torch.Tensor) -> torch.Tensor:

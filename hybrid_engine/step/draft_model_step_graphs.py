@@ -40,9 +40,10 @@ class DraftModelStepGraphs(SpecStepGraphs):
     verifies_no_drafts = True    # the drafter follows every step (its caches)
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
-                 block_size: int, max_blocks: int, max_model_len: int):
+                 block_size: int, max_blocks: int, max_model_len: int,
+                 forced_acceptance_rate: float | None = None):
         super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                         max_blocks=max_blocks)
+                         max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
         # the length bound the draft's single-token step graphs were captured with (graphs.py)
         self.max_seq = max_model_len + 2
         self._capture_all()

@@ -41,9 +41,10 @@ class MTPStepGraphs(SpecStepGraphs):
     verifies_no_drafts = True    # the drafter follows every step (its caches)
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
-                 block_size: int, max_blocks: int, max_model_len: int):
+                 block_size: int, max_blocks: int, max_model_len: int,
+                 forced_acceptance_rate: float | None = None):
         super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                         max_blocks=max_blocks)
+                         max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
         # host bound of every row's length in a single-token step (as MTPGraphs)
         self.max_seq = max_model_len + 2 * (1 + num_spec) + 1
         self._capture_all()

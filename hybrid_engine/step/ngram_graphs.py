@@ -23,12 +23,13 @@ class NgramStepGraphs(SpecStepGraphs):
     verifies_no_drafts = True
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
-                 block_size: int, max_blocks: int):
+                 block_size: int, max_blocks: int,
+                 forced_acceptance_rate: float | None = None):
         kernel = getattr(drafter, "_kernel", None)
         if kernel is None:
             raise ValueError("n-gram step graphs need the n-gram drafter on its Triton kernel")
         super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
-                         max_blocks=max_blocks)
+                         max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
         self.kernel = kernel
         self._capture_all()
 

@@ -54,9 +54,9 @@ def _argmax_chunks_kernel(logits_ptr, cmax_ptr, cidx_ptr, V, s_row, chunk, n_chu
 
 
 @triton.jit
-def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr,
-                   k, n_chunks, V, s_dr, s_tok, s_pay, NONFINITE_ID: tl.constexpr,
-                   KP1_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr, coin_ptr,
+                   k, n_chunks, V, s_dr, s_tok, s_pay, s_coin, NONFINITE_ID: tl.constexpr,
+                   KP1_PAD: tl.constexpr, NC_PAD: tl.constexpr, FORCED: tl.constexpr = False):
     b = tl.program_id(0)
     kp1 = k + 1
     j = tl.arange(0, KP1_PAD)                                   # positions of the row
@@ -73,9 +73,15 @@ def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, n
     bad = tl.sum((mj & ~finite).to(tl.int32), axis=0) > 0
     md = j < k
     drafts = tl.load(drafts_ptr + b * s_dr + j, mask=md, other=-1)          # [KP1_PAD] int64
-    rejected = md & (drafts != argmax)
+    if FORCED:      # benchmark only: a draft passes on its coin; a -1 draft emits the argmax
+        coin = tl.load(coin_ptr + b * s_coin + j, mask=md, other=0).to(tl.int32)
+        rejected = md & (coin == 0)
+        emitted = tl.where(drafts >= 0, drafts, argmax)
+    else:           # an accepted draft equals the argmax it is compared with
+        rejected = md & (drafts != argmax)
+        emitted = argmax
     num_acc = tl.min(tl.where(rejected | ~md, j, KP1_PAD), axis=0)         # first rejected (or k)
-    sampled = tl.where(j <= num_acc, argmax, -1)
+    sampled = tl.where(j < num_acc, emitted, tl.where(j == num_acc, argmax, -1))
     num_valid = num_acc + 1
     tl.store(tok_ptr + b * s_tok + j, sampled, mask=mj)
     tl.store(nv_ptr + b, num_valid.to(tl.int64))
@@ -94,7 +100,7 @@ def chunk_buffers(max_logit_rows: int, vocab_size: int, device) -> tuple[torch.T
 
 def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tensor, *, tokens_out: torch.Tensor,
                   num_valid_out: torch.Tensor, next_start_out: torch.Tensor, payload_out: torch.Tensor,
-                  chunks: tuple[torch.Tensor, torch.Tensor]) -> None:
+                  chunks: tuple[torch.Tensor, torch.Tensor], accept: torch.Tensor | None = None) -> None:
     """logits [B * (1+k), V] (row-major by step row, then position); drafts [B, k] int64 (-1 = none);
     start [B] int64 (the rows' first input positions). Writes tokens_out [B, 1+k] (the target's
     argmax up to and including the first rejected position, then -1), num_valid_out [B],
@@ -102,7 +108,11 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
     for rows with a non-finite position. ``chunks``: ``chunk_buffers(>= B * (1+k), V)``.
     Same results as ``greedy_verify_ref`` except in NONFINITE rows, whose tokens, valid counts and
     next starts are unspecified (the kernel counts NaN as +inf, torch.argmax takes the first NaN;
-    the host fails those rows either way). Inner dimensions must be unit-stride (checked)."""
+    the host fails those rows either way). Inner dimensions must be unit-stride (checked).
+
+    ``accept`` [B, k] bool (benchmark only, forced acceptance): draft j passes iff accept[b, j],
+    whatever the argmax; the output is ``spec.rejection.forced_output``'s (accepted columns emit the
+    draft, or the argmax where the draft is -1)."""
     B, k = drafts.shape
     rows, V = logits.shape
     if rows != B * (1 + k):
@@ -112,6 +122,10 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
             or next_start_out.stride(0) != 1):
         raise ValueError("greedy_verify: logits / drafts / tokens_out / payload_out need unit-stride rows and "
                          "start / num_valid_out / next_start_out unit strides")
+    if accept is not None and (tuple(accept.shape) != (B, k) or accept.dtype != torch.bool
+                               or (k and accept.stride(1) != 1)):
+        raise ValueError(f"greedy_verify: accept must be a bool [B, k] = [{B}, {k}] tensor with unit-stride rows, "
+                         f"got {accept.dtype} {tuple(accept.shape)}")
     if B == 0:
         return
     n_chunks = triton.cdiv(V, CHUNK)
@@ -122,19 +136,24 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
         _argmax_chunks_kernel[(rows, n_chunks)](logits, cmax, cidx, V, logits.stride(0), CHUNK, n_chunks,
                                                 BLOCK=min(1024, next_pow2(V)), num_warps=4)
         _verify_kernel[(B,)](cmax, cidx, drafts, start, tokens_out, num_valid_out, next_start_out, payload_out,
+                             drafts if accept is None else accept,
                              k, n_chunks, V, drafts.stride(0), tokens_out.stride(0), payload_out.stride(0),
+                             0 if accept is None else accept.stride(0),
                              NONFINITE_ID=NONFINITE, KP1_PAD=next_pow2(k + 1), NC_PAD=next_pow2(n_chunks),
-                             num_warps=1)
+                             FORCED=accept is not None, num_warps=1)
 
 
 def greedy_verify_ref(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tensor, *, tokens_out: torch.Tensor,
                       num_valid_out: torch.Tensor, next_start_out: torch.Tensor, payload_out: torch.Tensor,
-                      chunks=None) -> None:
+                      chunks=None, accept: torch.Tensor | None = None) -> None:
     """The torch twin of ``greedy_verify`` (same arguments; ``chunks`` unused)."""
     from hybrid_engine.sampling.sampler import nonfinite_rows
-    from hybrid_engine.spec.rejection import _greedy
+    from hybrid_engine.spec.rejection import _greedy, forced_output
     B, k = drafts.shape
-    sampled = _greedy(logits.view(B, 1 + k, -1), drafts)                     # [B, 1+k]
+    if accept is None or not k:
+        sampled = _greedy(logits.view(B, 1 + k, -1), drafts)                 # [B, 1+k]
+    else:
+        sampled = forced_output(logits.view(B, 1 + k, -1), drafts, accept)
     num_valid = (sampled != -1).sum(1)
     bad = nonfinite_rows(logits).view(B, 1 + k).any(1)                        # [B]
     tokens_out.copy_(sampled)

@@ -18,10 +18,12 @@ from hybrid_engine.step.step_io import NONFINITE
 POISON = -7
 
 
-def oracle(logits, drafts, start):
+def oracle(logits, drafts, start, coins=None):
     """Per-row loops: (tokens, num_valid, next_start, payload, bad) as lists. A position's argmax is
     torch's first index of the maximum with NaN counted as +inf; a position is non-finite when that
-    maximum is NaN, +inf or -inf."""
+    maximum is NaN, +inf or -inf. ``coins`` [B, k] bool (forced acceptance): a draft is accepted
+    on its coin instead of on equality, and an accepted column emits the draft (the argmax where
+    the draft is -1)."""
     B, k = drafts.shape
     rows = logits.view(B, 1 + k, -1)
     out = {"tok": [], "nv": [], "ns": [], "pay": [], "bad": []}
@@ -34,9 +36,15 @@ def oracle(logits, drafts, start):
             bad |= math.isnan(m) or math.isinf(m)
             argmax.append(best)
         n_acc = 0
-        while n_acc < k and drafts[b, n_acc].item() == argmax[n_acc]:
-            n_acc += 1
-        tok = [argmax[j] if j <= n_acc else -1 for j in range(1 + k)]
+        if coins is None:
+            while n_acc < k and drafts[b, n_acc].item() == argmax[n_acc]:
+                n_acc += 1
+            tok = [argmax[j] if j <= n_acc else -1 for j in range(1 + k)]
+        else:
+            while n_acc < k and bool(coins[b, n_acc]):
+                n_acc += 1
+            emit = [int(d) if d >= 0 else a for d, a in zip(drafts[b].tolist(), argmax)]
+            tok = [emit[j] if j < n_acc else (argmax[j] if j == n_acc else -1) for j in range(1 + k)]
         out["tok"].append(tok)
         out["nv"].append(n_acc + 1)
         out["ns"].append(start[b].item() + n_acc + 1)
@@ -88,22 +96,32 @@ CASES = {
     "b3_k2_v5000_bf16": dict(B=3, k=2, V=5000, dtype=torch.bfloat16),
     # width 0: a model drafter's fused step while adaptive speculation rests every row
     "b4_k0_v5000": dict(B=4, k=0, V=5000),
+    # forced acceptance (benchmark only): coins decide, -1 drafts emit the argmax, wrong drafts pass
+    "forced_b8_k3_v5000": dict(B=8, k=3, V=5000, forced=0.7),
+    "forced_b3_k5_v300_f16_ties": dict(B=3, k=5, V=300, dtype=torch.float16, ties=True, forced=0.75, accept=0.2),
+    "forced_b5_k1_v9000_nonfinite": dict(B=5, k=1, V=9000, nonfinite=True, forced=0.5),
 }
 
 
-def check(impl, *, B, k, V, seed=0, device="cpu", buffer_rows=None, **kw):
+def check(impl, *, B, k, V, seed=0, device="cpu", buffer_rows=None, forced=None, **kw):
     """Run ``impl`` (greedy_verify or its twin) into poisoned outputs wider than needed (the
-    parity buffers are [Bmax, 1+K]) and compare with the oracle. Returns a detail string."""
+    parity buffers are [Bmax, 1+K]) and compare with the oracle. ``forced``: coins passed with that
+    probability (``accept=``, forced acceptance). Returns a detail string."""
     from hybrid_engine.step.triton_greedy_verify import chunk_buffers
     logits, drafts, start = make_inputs(B, k, V, seed=seed, device=device, **kw)
-    want = oracle(logits.float().cpu(), drafts.cpu(), start.cpu())
+    coins = None
+    if forced is not None:
+        coins = torch.rand(B, k, generator=torch.Generator().manual_seed(seed + 100)) < forced
+        assert coins.any() and not coins.all(), "a forced case needs passed and failed coins"
+    want = oracle(logits.float().cpu(), drafts.cpu(), start.cpu(), coins)
     K = k + 2                                                 # buffers sized for a wider K
     tok = torch.full((B + 2, 1 + K), POISON, dtype=torch.int64, device=device)
     nv = torch.full((B + 2,), POISON, dtype=torch.int64, device=device)
     ns = torch.full_like(nv, POISON)
     pay = torch.full((B + 2, 1 + 2 * k), POISON, dtype=torch.int64, device=device)
     impl(logits, drafts, start, tokens_out=tok[:B, :1 + k], num_valid_out=nv[:B], next_start_out=ns[:B],
-         payload_out=pay[:B], chunks=chunk_buffers(buffer_rows or B * (1 + k), V, device))
+         payload_out=pay[:B], chunks=chunk_buffers(buffer_rows or B * (1 + k), V, device),
+         **({} if coins is None else {"accept": coins.to(device)}))
     good = [b for b in range(B) if not want["bad"][b]]        # a non-finite row's tokens are unspecified
     assert pay[:B].tolist() == want["pay"], f"payload {pay[:B].tolist()} != {want['pay']}"
     assert [tok[b, :1 + k].tolist() for b in good] == [want["tok"][b] for b in good], "tokens"

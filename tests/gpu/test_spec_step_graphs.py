@@ -123,3 +123,27 @@ def test_spec_step_graphs_never_sync_the_host(mtp_target, small_draft, spec_step
     spec_step_log.clear()
     launch_steps_without_sync(eng, 30)
     assert all(spec_step_log) and len(spec_step_log) == 30
+
+
+@pytest.mark.parametrize("method, plan_name", [("ngram", "NgramStepGraphs"), ("mtp", "MTPStepGraphs"),
+                                               ("draft_model", "DraftModelStepGraphs")])
+def test_forced_acceptance_replays_fused_with_the_general_paths_tokens(mtp_target, small_draft, method, plan_name,
+                                                                       spec_step_log):
+    """Forced acceptance (benchmarks) runs in the fused verify-step graphs, drawing the general
+    path's coins: the same tokens as an engine whose verify steps all take the general path, and
+    the fused plan serves most steps (before, forced runs measured the general path only)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (7, 19, 3, 25, 11, 6, 14, 2)]
+    spec = SpeculativeConfig(method, 3, model=str(small_draft) if method == "draft_model" else None,
+                             forced_acceptance_rate=0.7)
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=8, speculative_config=spec)
+    general = LLM(mtp_target, **kw)
+    general.engine.runner.drop_fused_plans(proposing_only=True)
+    spec_step_log.clear()
+    want = drive(general, prompts)
+    assert sum(spec_step_log) == 0
+    llm = LLM(mtp_target, **kw)
+    assert any(type(p).__name__ == plan_name for p in llm.engine.runner.plans)
+    got = drive(llm, prompts)
+    assert got == want
+    assert sum(spec_step_log) >= 10, sum(spec_step_log)
