@@ -5,7 +5,7 @@ decoding, then profiles --steps engine steps with torch.profiler (CUDA activitie
 CUDA-graph replays are reported too) and prints, per step: the kernels grouped by name (calls,
 microseconds), the total kernel time, the wall time per step, and the share taken by GEMMs.
 
-    python benchmarks/profile_decode.py --shape 8b|nano --batch 1 [--eager] [--top 30] [--out f.txt]
+    python benchmarks/profile_decode.py --shape 8b|nano --batch 1 [--quantization fp8|nvfp4] [--eager] [--top 30] [--out f.txt]
 """
 from __future__ import annotations
 
@@ -52,13 +52,15 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda", help="cpu: smoke test of the script only")
+    ap.add_argument("--quantization", choices=("fp8", "nvfp4"), default=None,
+                    help="quantize the random bf16 weights at load (LLM(quantization=...))")
     args = ap.parse_args()
     torch.manual_seed(0)
     model_dir = write_config(Path(tempfile.mkdtemp()) / args.shape, SHAPES[args.shape])
     with random_weights():
         llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=max(8, args.batch),
                   max_model_len=1024, kv_cache_memory_fraction=0.25, enforce_eager=args.eager,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, quantization=args.quantization)
     eng = llm.engine
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
@@ -83,7 +85,7 @@ def main() -> int:
     total = sum(r[2] for r in rows)
     gemm = sum(r[2] for r in rows if any(k in r[0].lower() for k in GEMM_KEYS))
     ncalls = sum(r[1] for r in rows)
-    lines = [f"shape {args.shape}, batch {args.batch}, {'eager' if args.eager else 'CUDA graphs'}, "
+    lines = [f"shape {args.shape}, weights {args.quantization or 'bf16'}, batch {args.batch}, {'eager' if args.eager else 'CUDA graphs'}, "
              f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
              f"wall per step {wall_us:.0f} us (unprofiled); kernel time per step {total:.0f} us in "
              f"{ncalls:.0f} kernels; GEMM kernels {gemm:.0f} us ({100 * gemm / max(total, 1):.0f}%), "

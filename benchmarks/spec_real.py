@@ -259,19 +259,30 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                 vocab = llm.engine.cfg.model.vocab_size
                 g = torch.Generator().manual_seed(0)
                 for b in sorted(args.forced_batches):
-                    prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
-                    params = [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b
-                    secs, outs, st = time_cell(llm, [(prompts, params)], args, plans)
+                    if b == 1:
+                        # the coins are keyed by (slot, position), so one prompt repeated draws one coin
+                        # sequence per run: several prompts of distinct lengths, one after the other
+                        # (at 64 tokens, one sequence put MTP at AL 1.97 for an expected 2.57, H200)
+                        groups = [(torch.randint(3, vocab, (1, args.forced_prompt_tokens + 13 * i),
+                                                 generator=g).tolist(),
+                                   [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)])
+                                  for i in range(args.b1_prompts)]
+                    else:
+                        prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
+                        groups = [(prompts, [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b)]
+                    secs, outs, st = time_cell(llm, groups, args, plans)
                     n_tok = sum(len(o) for o in outs)
+                    expected_al = None if p is None else sum(p ** j for j in range(k + 1))
                     row = dict(shape=shape, method=method, k=0 if method == "none" else k, batch=b,
-                               forced_rate=p, tok_s=n_tok / secs, seconds=secs, **st)
+                               forced_rate=p, expected_acceptance_length=expected_al, tok_s=n_tok / secs,
+                               seconds=secs, **st)
                     if method == "none":
                         ref[b] = row["tok_s"]
                     row["speedup"] = row["tok_s"] / ref[b]
                     rows.append(row)
-                    logger.info("%-5s %-11s p=%s B=%-3d %8.1f tok/s  x%.2f  AL %.2f", shape, method,
+                    logger.info("%-5s %-11s p=%s B=%-3d %8.1f tok/s  x%.2f  AL %.2f (expected %s)", shape, method,
                                 "-" if p is None else f"{p:.2f}", b, row["tok_s"], row["speedup"],
-                                row["acceptance_length"])
+                                row["acceptance_length"], "-" if expected_al is None else f"{expected_al:.2f}")
                 del llm
                 free()
     return rows

@@ -7,7 +7,7 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
     python benchmarks/spec_step_cost.py --model DIR --methods none,ngram,mtp --k 3 --out $OUT
     python benchmarks/spec_step_cost.py --shape 8b --forced 0.81 --dtype bfloat16 --out $OUT
         # a random-weight shape (its MTP layer; draft: the small shape), every draft accepted with
-        # probability 0.81 (forced acceptance, benchmark only: the general verify path, no fused plan)
+        # probability 0.81 (forced acceptance, benchmark only; the fused verify-step plan draws the coins)
     --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
     --batch 8                        # B requests at once (the prompt rotated per row)
 
@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import StepClock, count_plans, random_weights, save_json  # noqa: E402
+from benchmarks.spec_timing import free  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
 
@@ -110,7 +111,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=["8b", "nano"], default=None,
                     help="a random-weight shape instead of --model (draft model: the small shape)")
     ap.add_argument("--forced", type=float, default=None,
-                    help="forced acceptance rate of every draft (benchmark only; the general verify path)")
+                    help="forced acceptance rate of every draft (benchmark only; drawn inside the fused verify-step plan)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
@@ -129,6 +130,7 @@ def main() -> int:
         for method in methods:
             r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0,
                         forced=args.forced, random=args.shape is not None, batch=args.batch)
+            free()        # the engine's cycles: else the next one sizes its KV cache beside it (8B on an H200: OOM)
             r["round"] = rnd
             rows.append(r)
             rounds[-1][method] = r["step_ms"]
