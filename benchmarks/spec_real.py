@@ -247,8 +247,10 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp, random_weights():
         for shape in args.forced_shapes:
             target, draft = shape_dirs(shape, Path(tmp))
+            b1_stride = args.forced_max_tokens + k + 2           # batch-1 prompts' length step (below)
             engine_kw = dict(device=args.device, dtype=args.forced_dtype, max_num_seqs=max(args.forced_batches), seed=0,
-                             max_model_len=args.forced_prompt_tokens + args.forced_max_tokens + 64,
+                             max_model_len=(args.forced_prompt_tokens + (args.b1_prompts - 1) * b1_stride
+                                            + args.forced_max_tokens + 64),
                              enable_prefix_caching=False)
             ref = {}
             for method in ["none"] + [m for m in args.forced_methods if m in rates]:
@@ -260,10 +262,11 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                 g = torch.Generator().manual_seed(0)
                 for b in sorted(args.forced_batches):
                     if b == 1:
-                        # the coins are keyed by (slot, position), so one prompt repeated draws one coin
-                        # sequence per run: several prompts of distinct lengths, one after the other
-                        # (at 64 tokens, one sequence put MTP at AL 1.97 for an expected 2.57, H200)
-                        groups = [(torch.randint(3, vocab, (1, args.forced_prompt_tokens + 13 * i),
+                        # the coins are keyed by (slot, position) and a batch-1 run reuses one slot:
+                        # prompts whose generated positions do not overlap, one after the other (one
+                        # prompt, or overlapping ranges, follow one coin path: MTP at AL 2.03 for an
+                        # expected 2.55 over 372 steps, H200)
+                        groups = [(torch.randint(3, vocab, (1, args.forced_prompt_tokens + i * b1_stride),
                                                  generator=g).tolist(),
                                    [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)])
                                   for i in range(args.b1_prompts)]
