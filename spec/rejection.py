@@ -172,8 +172,9 @@ def forced_output(target_logits: torch.Tensor, draft_tokens: torch.Tensor, accep
 def forced_accept_mask(rate: float, row_keys: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """BENCHMARK ONLY: [R, k] bool, draft j of row r passes its coin (u < rate, u keyed by
     (row_keys[r], positions[r] + j, stream 3)); ``forced_accept`` accepts the prefix of passes. The
-    fused verify-step graphs draw the same coins (``triton_greedy_verify.greedy_verify(accept=)``),
-    so forced steps emit the same tokens on either path. The coins are a function of (key,
+    fused verify-step graphs draw the same coins in their verification kernel
+    (``triton_greedy_verify.greedy_verify(forced_rate=, forced_keys=)``), so forced steps emit the
+    same tokens on either path. The coins are a function of (key,
     position): requests that reuse a slot over the same positions draw the same coins (a batch-1
     benchmark gives its prompts disjoint position ranges). No host synchronisation."""
     num_rows = row_keys.shape[0]

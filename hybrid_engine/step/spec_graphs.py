@@ -37,8 +37,6 @@ import logging
 
 import torch
 
-from hybrid_engine.spec.rejection import forced_accept_mask
-
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
@@ -77,9 +75,9 @@ class SpecStepGraphs:
         """``widths``: the draft counts a step may verify (``adaptive.draft_counts``; a count k
         runs the executor's forward of 1 + k tokens per row). Counts without a captured forward,
         and 0 unless ``verifies_no_drafts``, are left to other plans. ``forced_acceptance_rate``
-        (benchmark only): verification accepts each draft on a coin of that probability, drawn on
-        the device with the general path's keys (``spec.rejection.forced_accept_mask``), so forced
-        runs measure this plan, not the general path."""
+        (benchmark only): verification accepts each draft on a coin of that probability, drawn in
+        the verification kernel with the general path's keys (``spec.rejection.forced_accept_mask``),
+        so forced runs measure this plan, not the general path."""
         self.ex, self.drafter, self.block_size = executor, drafter, block_size
         self.forced_rate = forced_acceptance_rate
         self.num_spec = K = num_spec
@@ -144,12 +142,12 @@ class SpecStepGraphs:
         # tokens are the target's argmax up to the first rejected draft, then -1)
         sampled = self.tokens[parity][:bucket, :tokens_per_row]             # [B, tokens_per_row]
         num_valid, next_start = self.num_valid[parity][:bucket], self.next_start[parity][:bucket]
-        accept = None
-        if self.forced_rate is not None and k:       # the general path's coins: keys slots, positions start + 1
-            accept = forced_accept_mask(self.forced_rate, m.decode_slots[:bucket], self._start[:bucket] + 1, k)
+        # forced acceptance: the general path's coins (keys: the rows' slots), drawn in the kernel
+        forced = {} if self.forced_rate is None else dict(forced_rate=self.forced_rate,
+                                                          forced_keys=m.decode_slots[:bucket])
         greedy_verify(logits, verified[:bucket], self._start[:bucket], tokens_out=sampled, num_valid_out=num_valid,
                       next_start_out=next_start, payload_out=self.payload[(k, parity)][:bucket],
-                      chunks=self._argmax_chunks, accept=accept)
+                      chunks=self._argmax_chunks, **forced)
         drafts = self._propose(g, bucket, hidden, sampled, num_valid, next_start)   # [B, K]
         self.drafts[parity][:bucket].copy_(drafts)
 

@@ -54,8 +54,35 @@ def _argmax_chunks_kernel(logits_ptr, cmax_ptr, cidx_ptr, V, s_row, chunk, n_chu
 
 
 @triton.jit
-def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr, coin_ptr,
-                   k, n_chunks, V, s_dr, s_tok, s_pay, s_coin, NONFINITE_ID: tl.constexpr,
+def _shr(z, S: tl.constexpr):
+    """Logical right shift of int64 words, as ``sampling.rng._shr`` (arithmetic shift, then mask)."""
+    return (z >> S) & ((1 << (64 - S)) - 1)
+
+
+@triton.jit
+def _mix(z):
+    """``sampling.rng._mix`` (splitmix64's finaliser) in wrapping int64 arithmetic."""
+    z = (z ^ _shr(z, 30)) * -4658895280553007687        # rng._M1 as int64
+    z = (z ^ _shr(z, 27)) * -7723592293110705685        # rng._M2
+    return z ^ _shr(z, 31)
+
+
+@triton.jit
+def _forced_coin_u(key, position):
+    """``sampling.rng.uniform(key, position, 0, stream 3, 1)``: the forced-acceptance coin's uniform
+    (``spec.rejection.forced_accept_mask``), bit for bit."""
+    GAMMA: tl.constexpr = -7046029254386353131          # rng._GAMMA as int64
+    k = _mix(key ^ 7640891576956012808)                  # rng._SEED_XOR
+    k = _mix(k + position * GAMMA)
+    k = _mix(k)                                          # step 0
+    k = _mix(k + -2691343689449507777)                   # stream 3 (rejection._FORCED_STREAM): 3 G wrapped
+    z = _mix(k + GAMMA)                                  # element 0
+    return (_shr(z, 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2^-23
+
+
+@triton.jit
+def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr, key_ptr, rate,
+                   k, n_chunks, V, s_dr, s_tok, s_pay, NONFINITE_ID: tl.constexpr,
                    KP1_PAD: tl.constexpr, NC_PAD: tl.constexpr, FORCED: tl.constexpr = False):
     b = tl.program_id(0)
     kp1 = k + 1
@@ -74,8 +101,8 @@ def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, n
     md = j < k
     drafts = tl.load(drafts_ptr + b * s_dr + j, mask=md, other=-1)          # [KP1_PAD] int64
     if FORCED:      # benchmark only: a draft passes on its coin; a -1 draft emits the argmax
-        coin = tl.load(coin_ptr + b * s_coin + j, mask=md, other=0).to(tl.int32)
-        rejected = md & (coin == 0)
+        u = _forced_coin_u(tl.load(key_ptr + b).to(tl.int64), tl.load(start_ptr + b) + 1 + j)
+        rejected = md & ~(u < rate)
         emitted = tl.where(drafts >= 0, drafts, argmax)
     else:           # an accepted draft equals the argmax it is compared with
         rejected = md & (drafts != argmax)
@@ -100,7 +127,8 @@ def chunk_buffers(max_logit_rows: int, vocab_size: int, device) -> tuple[torch.T
 
 def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tensor, *, tokens_out: torch.Tensor,
                   num_valid_out: torch.Tensor, next_start_out: torch.Tensor, payload_out: torch.Tensor,
-                  chunks: tuple[torch.Tensor, torch.Tensor], accept: torch.Tensor | None = None) -> None:
+                  chunks: tuple[torch.Tensor, torch.Tensor], forced_rate: float | None = None,
+                  forced_keys: torch.Tensor | None = None) -> None:
     """logits [B * (1+k), V] (row-major by step row, then position); drafts [B, k] int64 (-1 = none);
     start [B] int64 (the rows' first input positions). Writes tokens_out [B, 1+k] (the target's
     argmax up to and including the first rejected position, then -1), num_valid_out [B],
@@ -110,9 +138,11 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
     next starts are unspecified (the kernel counts NaN as +inf, torch.argmax takes the first NaN;
     the host fails those rows either way). Inner dimensions must be unit-stride (checked).
 
-    ``accept`` [B, k] bool (benchmark only, forced acceptance): draft j passes iff accept[b, j],
-    whatever the argmax; the output is ``spec.rejection.forced_output``'s (accepted columns emit the
-    draft, or the argmax where the draft is -1)."""
+    ``forced_rate`` with ``forced_keys`` [B] int64 (benchmark only, forced acceptance): draft j of
+    row b passes on the coin ``spec.rejection.forced_accept_mask(forced_rate, forced_keys, start + 1,
+    k)[b, j]``, drawn in the kernel (the torch form is ~60 launches), whatever the argmax; the
+    output is ``spec.rejection.forced_output``'s (accepted columns emit the draft, or the argmax
+    where the draft is -1)."""
     B, k = drafts.shape
     rows, V = logits.shape
     if rows != B * (1 + k):
@@ -122,10 +152,12 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
             or next_start_out.stride(0) != 1):
         raise ValueError("greedy_verify: logits / drafts / tokens_out / payload_out need unit-stride rows and "
                          "start / num_valid_out / next_start_out unit strides")
-    if accept is not None and (tuple(accept.shape) != (B, k) or accept.dtype != torch.bool
-                               or (k and accept.stride(1) != 1)):
-        raise ValueError(f"greedy_verify: accept must be a bool [B, k] = [{B}, {k}] tensor with unit-stride rows, "
-                         f"got {accept.dtype} {tuple(accept.shape)}")
+    if (forced_rate is None) != (forced_keys is None):
+        raise ValueError("greedy_verify: forced_rate and forced_keys go together")
+    if forced_keys is not None and (tuple(forced_keys.shape) != (B,) or forced_keys.dtype != torch.int64
+                                    or forced_keys.stride(0) != 1):
+        raise ValueError(f"greedy_verify: forced_keys must be an int64 [B] = [{B}] unit-stride tensor, got "
+                         f"{forced_keys.dtype} {tuple(forced_keys.shape)}")
     if B == 0:
         return
     n_chunks = triton.cdiv(V, CHUNK)
@@ -136,23 +168,24 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
         _argmax_chunks_kernel[(rows, n_chunks)](logits, cmax, cidx, V, logits.stride(0), CHUNK, n_chunks,
                                                 BLOCK=min(1024, next_pow2(V)), num_warps=4)
         _verify_kernel[(B,)](cmax, cidx, drafts, start, tokens_out, num_valid_out, next_start_out, payload_out,
-                             drafts if accept is None else accept,
+                             start if forced_keys is None else forced_keys,
+                             0.0 if forced_rate is None else float(forced_rate),
                              k, n_chunks, V, drafts.stride(0), tokens_out.stride(0), payload_out.stride(0),
-                             0 if accept is None else accept.stride(0),
                              NONFINITE_ID=NONFINITE, KP1_PAD=next_pow2(k + 1), NC_PAD=next_pow2(n_chunks),
-                             FORCED=accept is not None, num_warps=1)
+                             FORCED=forced_rate is not None and k > 0, num_warps=1)
 
 
 def greedy_verify_ref(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tensor, *, tokens_out: torch.Tensor,
                       num_valid_out: torch.Tensor, next_start_out: torch.Tensor, payload_out: torch.Tensor,
-                      chunks=None, accept: torch.Tensor | None = None) -> None:
+                      chunks=None, forced_rate: float | None = None, forced_keys: torch.Tensor | None = None) -> None:
     """The torch twin of ``greedy_verify`` (same arguments; ``chunks`` unused)."""
     from hybrid_engine.sampling.sampler import nonfinite_rows
-    from hybrid_engine.spec.rejection import _greedy, forced_output
+    from hybrid_engine.spec.rejection import _greedy, forced_accept_mask, forced_output
     B, k = drafts.shape
-    if accept is None or not k:
+    if forced_rate is None or not k:
         sampled = _greedy(logits.view(B, 1 + k, -1), drafts)                 # [B, 1+k]
     else:
+        accept = forced_accept_mask(forced_rate, forced_keys, start + 1, k)      # [B, k]
         sampled = forced_output(logits.view(B, 1 + k, -1), drafts, accept)
     num_valid = (sampled != -1).sum(1)
     bad = nonfinite_rows(logits).view(B, 1 + k).any(1)                        # [B]

@@ -99,7 +99,7 @@ CASES = {
     # forced acceptance (benchmark only): coins decide, -1 drafts emit the argmax, wrong drafts pass
     "forced_b8_k3_v5000": dict(B=8, k=3, V=5000, forced=0.7),
     "forced_b3_k5_v300_f16_ties": dict(B=3, k=5, V=300, dtype=torch.float16, ties=True, forced=0.75, accept=0.2),
-    "forced_b5_k1_v9000_nonfinite": dict(B=5, k=1, V=9000, nonfinite=True, forced=0.5),
+    "forced_b5_k2_v9000_nonfinite": dict(B=5, k=2, V=9000, nonfinite=True, forced=0.5),
 }
 
 
@@ -109,10 +109,13 @@ def check(impl, *, B, k, V, seed=0, device="cpu", buffer_rows=None, forced=None,
     probability (``accept=``, forced acceptance). Returns a detail string."""
     from hybrid_engine.step.triton_greedy_verify import chunk_buffers
     logits, drafts, start = make_inputs(B, k, V, seed=seed, device=device, **kw)
-    coins = None
-    if forced is not None:
-        coins = torch.rand(B, k, generator=torch.Generator().manual_seed(seed + 100)) < forced
+    coins, forced_kw = None, {}
+    if forced is not None:       # the coins of spec.rejection (the kernel draws them itself)
+        from hybrid_engine.spec.rejection import forced_accept_mask
+        keys = torch.randint(0, 1 << 40, (B,), generator=torch.Generator().manual_seed(seed + 100))
+        coins = forced_accept_mask(forced, keys, start.cpu() + 1, k)
         assert coins.any() and not coins.all(), "a forced case needs passed and failed coins"
+        forced_kw = dict(forced_rate=forced, forced_keys=keys.to(device))
     want = oracle(logits.float().cpu(), drafts.cpu(), start.cpu(), coins)
     K = k + 2                                                 # buffers sized for a wider K
     tok = torch.full((B + 2, 1 + K), POISON, dtype=torch.int64, device=device)
@@ -121,7 +124,7 @@ def check(impl, *, B, k, V, seed=0, device="cpu", buffer_rows=None, forced=None,
     pay = torch.full((B + 2, 1 + 2 * k), POISON, dtype=torch.int64, device=device)
     impl(logits, drafts, start, tokens_out=tok[:B, :1 + k], num_valid_out=nv[:B], next_start_out=ns[:B],
          payload_out=pay[:B], chunks=chunk_buffers(buffer_rows or B * (1 + k), V, device),
-         **({} if coins is None else {"accept": coins.to(device)}))
+         **forced_kw)
     good = [b for b in range(B) if not want["bad"][b]]        # a non-finite row's tokens are unspecified
     assert pay[:B].tolist() == want["pay"], f"payload {pay[:B].tolist()} != {want['pay']}"
     assert [tok[b, :1 + k].tolist() for b in good] == [want["tok"][b] for b in good], "tokens"
