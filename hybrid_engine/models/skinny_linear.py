@@ -13,8 +13,11 @@ also costs a launch gap. These kernels give one launch per projection, float32 a
   Each row runs the same code whatever the number of rows, so a row's result does not depend on
   the rows beside it: float32 models use it for 1-8 rows (``skinny_linear_f32``), and a verify step's
   rows then get the projections a one-token step computes, bit for bit.
-``skinny_linear_ref`` (= ``F.linear``) is the reference twin. The choice between these and
-cuBLAS is made by ``hybrid_engine.models.linear`` from H100 measurements (benchmarks/gemv.py).
+``skinny_linear_ref`` (= ``F.linear``) is the reference twin. ``hybrid_engine.models.linear``
+sends 1-8 rows here; ``skinny_linear`` then picks per shape (``_fma_config`` for one row,
+``_multi_row_route`` for more, which sends the long-row projections back to cuBLAS: without
+split-K these kernels have too few output tiles there), from H100 and H200 sweeps
+(benchmarks/gemv.py).
 """
 from __future__ import annotations
 
@@ -177,12 +180,26 @@ def _fma_config(N: int, K: int) -> dict:
     return dict(block_n=2, block_k=1024, num_warps=4)
 
 
-def _dot_config(N: int, K: int) -> dict:
+def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
+    """(kernel, config) for 2..16 rows: "dot", "fma" or "cublas" (F.linear). From the H100 and H200
+    sweeps of 2026-11-26 (benchmarks/gemv.py --m 1 2 4 8; results/2026-11-26-gemv-rows-h100-h200.md):
+    the long-row projections (out_proj, down_proj, q/o_proj) have too few output tiles for a
+    kernel without split-K (down_proj at 4 rows: 71.7 us against cuBLAS's 64.4 on the H100, 71.8
+    against 45.0 on the H200), and the small k/v projections are fastest on register FMAs up to 4
+    rows. One 8B step's projections at 4 rows: 5.93 -> 5.68 ms (H100, two calls), 5.04 -> 4.17 ms
+    (H200, summed from the sweep's per-shape rows)."""
     if N >= 16384:                               # in_proj, up_proj, lm_head: wide, short rows
         # (in_proj, N 18560, took the narrow config until the H200 sweep of 2026-11-26: 47.2 ->
         # 40.3 us at M = 4 there, 56.4 -> 57.2 us on the H100 of 2026-11-22)
-        return dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+        return "dot", dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if N <= 4096 and N * K >= (1 << 24):         # few, long rows: cuBLAS splits K
+        return "cublas", {}
+    if N * K <= (1 << 22) and K >= 4096 and M <= 4:   # k/v_proj: 8.8 -> 6.6 us at 4 rows (H100)
+        return "fma", (dict(block_n=2, block_k=2048, num_warps=4) if M <= 2
+                       else dict(block_n=4, block_k=1024, num_warps=4))
+    if N * K <= (1 << 22) and K >= 4096:
+        return "cublas", {}
+    return "dot", dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
 
 # float32 (the exact-comparison dtype): one config for every row count, so a row's sums are the same
@@ -205,4 +222,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     N = weight.shape[0]
     if M == 1:
         return skinny_linear_fma(x, weight, bias, **_fma_config(N, K))
-    return skinny_linear_dot(x, weight, bias, **_dot_config(N, K))
+    kernel, cfg = _multi_row_route(M, N, K)
+    if kernel == "cublas":
+        return F.linear(x, weight, bias)
+    return (skinny_linear_fma if kernel == "fma" else skinny_linear_dot)(x, weight, bias, **cfg)

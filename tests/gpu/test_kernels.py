@@ -354,14 +354,16 @@ def test_nan_is_caught():
 # ----------------------------------------------------------------------------- skinny linear
 
 LINEAR = [(1, 37, 100), (1, 4096, 4096), (1, 1024, 4096), (1, 18560, 4096), (1, 4096, 21504),
-          (2, 200, 333), (4, 4096, 8192), (4, 21504, 4096), (8, 1000, 1024), (16, 65, 129)]
+          (2, 200, 333), (4, 4096, 8192), (4, 21504, 4096), (8, 1000, 1024), (16, 65, 129),
+          (2, 1024, 4096), (3, 1024, 4096), (8, 1024, 4096), (2, 4096, 21504)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(LINEAR)))
 def test_skinny_linear(dtype, case):
-    """The dispatcher's choice for M rows (FMA kernel for 1 row, dot kernel for 2..16; float32: the
-    FMA kernel for 1..8) and both kernels directly, with and without bias, against F.linear in
+    """The dispatcher's choice for M rows (FMA kernel for 1 row; for 2..16 ``_multi_row_route``: the
+    dot kernel, the FMA kernel (small k/v-like shapes up to 4 rows) or cuBLAS (long rows); float32:
+    the FMA kernel for 1..8) and both kernels directly, with and without bias, against F.linear in
     float64."""
     from hybrid_engine.models.skinny_linear import (skinny_linear, skinny_linear_dot, skinny_linear_f32,
                                                     skinny_linear_fma)
