@@ -265,7 +265,8 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                         # the coins are keyed by (slot, position) and a batch-1 run reuses one slot:
                         # prompts whose generated positions do not overlap, one after the other (one
                         # prompt, or overlapping ranges, follow one coin path: MTP at AL 2.03 for an
-                        # expected 2.55 over 372 steps, H200)
+                        # expected 2.55, 3 runs of one ~124-step path, H200). The expected AL ignores
+                        # the max_tokens cut-off of each request's last step (batch-1 ALs 2-6% under it)
                         groups = [(torch.randint(3, vocab, (1, args.forced_prompt_tokens + i * b1_stride),
                                                  generator=g).tolist(),
                                    [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)])
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
     meta = dict(device=args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
                 target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
                 max_tokens=args.max_tokens, repeats=args.repeats, b1_prompts=args.b1_prompts, forced_rates=rates,
+                forced=dict(k=args.forced_k, prompt_tokens=args.forced_prompt_tokens, max_tokens=args.forced_max_tokens,
+                            dtype=args.forced_dtype, draft_vocab_size=args.draft_vocab_size),
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 seconds=time.perf_counter() - t0)
     (out / "spec_real.json").write_text(json.dumps(dict(meta=meta, real=real, forced=forced), indent=2))

@@ -23,15 +23,15 @@ def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
                      f"{r['speedup']:.2f}x | {dec} | {tpot} | {r['acceptance_length']:.2f} | {per} | {eq} | {plans} |")
     if forced:
         lines += ["", "## Forced acceptance on random-weight shapes (outputs are not the model's)", "",
-                  "| shape | method | K | batch | forced p | tok/s | speed-up | AL (expected) | steps per run by plan |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| shape | method | K | batch | forced p | tok/s | speed-up | AL (expected) "
+                  "| steps per run by plan |", "|---|---|---|---|---|---|---|---|---|"]
         for r in forced:
             p = "-" if r["forced_rate"] is None else f"{r['forced_rate']:.2f}"
             exp = r.get("expected_acceptance_length")
             plans = ", ".join(f"{k} {v:g}" for k, v in (r.get("steps_by_plan") or {}).items())
+            exp_s = "-" if exp is None else f"{exp:.2f}"
             lines.append(f"| {r['shape']} | {r['method']} | {r['k']} | {r['batch']} | {p} | {r['tok_s']:.1f} | "
-                         f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} ({'-' if exp is None else f'{exp:.2f}'}) | "
-                         f"{plans} |")
+                         f"{r['speedup']:.2f}x | {r['acceptance_length']:.2f} ({exp_s}) | {plans} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,8 @@ import torch
 from hybrid_engine.sampling.sampler import SamplingTensors, filtered_logits, gumbel_argmax
 from hybrid_engine.sampling import rng
 
-_ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM, _FORCED_STREAM = 1, 2, 0, 3
+# FORCED_STREAM is read by the fused verification kernel too (triton_greedy_verify)
+_ACCEPT_STREAM, _RESIDUAL_STREAM, _SAMPLE_STREAM, FORCED_STREAM = 1, 2, 0, 3
 
 
 def _gather_col(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,7 @@ def forced_accept_mask(rate: float, row_keys: torch.Tensor, positions: torch.Ten
     num_rows = row_keys.shape[0]
     cols = torch.arange(k, device=row_keys.device)
     u = rng.uniform(row_keys.to(torch.int64).repeat_interleave(k),
-                    (positions.to(torch.int64)[:, None] + cols).reshape(-1), 0, _FORCED_STREAM, 1)
+                    (positions.to(torch.int64)[:, None] + cols).reshape(-1), 0, FORCED_STREAM, 1)
     return u.view(num_rows, k) < rate
 
 

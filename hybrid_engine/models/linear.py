@@ -4,7 +4,8 @@ projections of an 8B batch-1 decode step on an H100) and everything else to ``F.
 
 The fast path takes 2-D inputs with at most ``MAX_ROWS`` rows, a unit inner stride and weights of
 the input's dtype. 16-bit rows go to ``skinny_linear`` (FMA kernel for one row; for more, per
-shape, the dot kernel, the FMA kernel or cuBLAS); float32 rows go to ``skinny_linear_f32``, one FMA config for 1-8 rows, so a verify step of
+shape, the dot kernel, the FMA kernel or cuBLAS, so a 16-bit row's rounding may depend on how many
+rows share the step); float32 rows go to ``skinny_linear_f32``, one FMA config for 1-8 rows, so a verify step of
 at most 8 token rows (batch x (1 + k)) gets the same projection sums per row as a one-token step
 (cuBLAS picks different kernels, with different summation orders, for 1 and 4 rows; steps of more
 rows still go to cuBLAS). The backend is logged once through

@@ -216,8 +216,8 @@ def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [M <= 16, K] @ weight[N, K]^T (+ bias): the FMA kernel for one row, the dot kernel for
-    2..16 rows."""
+    """x [M <= 16, K] @ weight[N, K]^T (+ bias): the FMA kernel for one row; for 2..16 rows the dot
+    kernel, the FMA kernel or cuBLAS by ``_multi_row_route``."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 1:

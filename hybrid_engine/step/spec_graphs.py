@@ -139,15 +139,16 @@ class SpecStepGraphs:
                               next_start_out=None if k else self._k0_next_start, header=True)
         hidden, logits = EagerExecutor.forward(self.ex, g.fb)                # [B * tokens_per_row, D / V]
         # verification writes the step's outputs into the parity buffers (docs/design.md invariant 7:
-        # tokens are the target's argmax up to the first rejected draft, then -1)
+        # tokens are the target's argmax up to the first rejected draft, then -1; under forced
+        # acceptance, a benchmark option, the drafts of the passed coins instead)
         sampled = self.tokens[parity][:bucket, :tokens_per_row]             # [B, tokens_per_row]
         num_valid, next_start = self.num_valid[parity][:bucket], self.next_start[parity][:bucket]
         # forced acceptance: the general path's coins (keys: the rows' slots), drawn in the kernel
-        forced = {} if self.forced_rate is None else dict(forced_rate=self.forced_rate,
-                                                          forced_keys=m.decode_slots[:bucket])
+        forced_kwargs = {} if self.forced_rate is None else dict(forced_rate=self.forced_rate,
+                                                                 forced_keys=m.decode_slots[:bucket])
         greedy_verify(logits, verified[:bucket], self._start[:bucket], tokens_out=sampled, num_valid_out=num_valid,
                       next_start_out=next_start, payload_out=self.payload[(k, parity)][:bucket],
-                      chunks=self._argmax_chunks, **forced)
+                      chunks=self._argmax_chunks, **forced_kwargs)
         drafts = self._propose(g, bucket, hidden, sampled, num_valid, next_start)   # [B, K]
         self.drafts[parity][:bucket].copy_(drafts)
 

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.sampling import rng
+from hybrid_engine.spec.rejection import FORCED_STREAM
 
 from .step_io import NONFINITE
 
@@ -59,29 +61,39 @@ def _shr(z, S: tl.constexpr):
     return (z >> S) & ((1 << (64 - S)) - 1)
 
 
+# sampling.rng's constants as int64 (one owner: rng; the forced stream: spec.rejection)
+_RNG_M1 = tl.constexpr(rng._M1)
+_RNG_M2 = tl.constexpr(rng._M2)
+_RNG_GAMMA = tl.constexpr(rng._GAMMA)
+_RNG_SEED_XOR = tl.constexpr(rng._SEED_XOR)
+_FORCED_STREAM_GAMMA = tl.constexpr(rng._i64(FORCED_STREAM * rng._GAMMA))   # stream * G, wrapped
+assert rng._BITS == 23, "_forced_coin_u keeps rng's top 23 bits (shift 41)"
+_RNG_SCALE = tl.constexpr(rng._SCALE)
+
+
 @triton.jit
 def _mix(z):
     """``sampling.rng._mix`` (splitmix64's finaliser) in wrapping int64 arithmetic."""
-    z = (z ^ _shr(z, 30)) * -4658895280553007687        # rng._M1 as int64
-    z = (z ^ _shr(z, 27)) * -7723592293110705685        # rng._M2
+    z = (z ^ _shr(z, 30)) * _RNG_M1
+    z = (z ^ _shr(z, 27)) * _RNG_M2
     return z ^ _shr(z, 31)
 
 
 @triton.jit
 def _forced_coin_u(key, position):
-    """``sampling.rng.uniform(key, position, 0, stream 3, 1)``: the forced-acceptance coin's uniform
-    (``spec.rejection.forced_accept_mask``), bit for bit."""
-    GAMMA: tl.constexpr = -7046029254386353131          # rng._GAMMA as int64
-    k = _mix(key ^ 7640891576956012808)                  # rng._SEED_XOR
-    k = _mix(k + position * GAMMA)
-    k = _mix(k)                                          # step 0
-    k = _mix(k + -2691343689449507777)                   # stream 3 (rejection._FORCED_STREAM): 3 G wrapped
-    z = _mix(k + GAMMA)                                  # element 0
-    return (_shr(z, 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2^-23
+    """``sampling.rng.uniform(key, position, 0, FORCED_STREAM, 1)``: the forced-acceptance coin's
+    uniform (``spec.rejection.forced_accept_mask``), bit for bit."""
+    row_key = _mix(key ^ _RNG_SEED_XOR)
+    row_key = _mix(row_key + position * _RNG_GAMMA)
+    row_key = _mix(row_key)                                     # step 0
+    row_key = _mix(row_key + _FORCED_STREAM_GAMMA)
+    z = _mix(row_key + _RNG_GAMMA)                              # element 0
+    return (_shr(z, 41).to(tl.float32) + 0.5) * _RNG_SCALE
 
 
 @triton.jit
-def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr, key_ptr, rate,
+def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, ns_ptr, pay_ptr, forced_key_ptr,
+                   forced_rate,
                    k, n_chunks, V, s_dr, s_tok, s_pay, NONFINITE_ID: tl.constexpr,
                    KP1_PAD: tl.constexpr, NC_PAD: tl.constexpr, FORCED: tl.constexpr = False):
     b = tl.program_id(0)
@@ -101,8 +113,8 @@ def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, n
     md = j < k
     drafts = tl.load(drafts_ptr + b * s_dr + j, mask=md, other=-1)          # [KP1_PAD] int64
     if FORCED:      # benchmark only: a draft passes on its coin; a -1 draft emits the argmax
-        u = _forced_coin_u(tl.load(key_ptr + b).to(tl.int64), tl.load(start_ptr + b) + 1 + j)
-        rejected = md & ~(u < rate)
+        u = _forced_coin_u(tl.load(forced_key_ptr + b).to(tl.int64), tl.load(start_ptr + b) + 1 + j)
+        rejected = md & ~(u < forced_rate)
         emitted = tl.where(drafts >= 0, drafts, argmax)
     else:           # an accepted draft equals the argmax it is compared with
         rejected = md & (drafts != argmax)
@@ -131,7 +143,8 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
                   forced_keys: torch.Tensor | None = None) -> None:
     """logits [B * (1+k), V] (row-major by step row, then position); drafts [B, k] int64 (-1 = none);
     start [B] int64 (the rows' first input positions). Writes tokens_out [B, 1+k] (the target's
-    argmax up to and including the first rejected position, then -1), num_valid_out [B],
+    argmax up to and including the first rejected position, then -1; forced acceptance: below),
+    num_valid_out [B],
     next_start_out [B] = start + num_valid, payload_out [B, 1+2k] = [tokens | drafts], NONFINITE
     for rows with a non-finite position. ``chunks``: ``chunk_buffers(>= B * (1+k), V)``.
     Same results as ``greedy_verify_ref`` except in NONFINITE rows, whose tokens, valid counts and
@@ -155,9 +168,10 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
     if (forced_rate is None) != (forced_keys is None):
         raise ValueError("greedy_verify: forced_rate and forced_keys go together")
     if forced_keys is not None and (tuple(forced_keys.shape) != (B,) or forced_keys.dtype != torch.int64
-                                    or forced_keys.stride(0) != 1):
-        raise ValueError(f"greedy_verify: forced_keys must be an int64 [B] = [{B}] unit-stride tensor, got "
-                         f"{forced_keys.dtype} {tuple(forced_keys.shape)}")
+                                    or forced_keys.stride(0) != 1 or forced_keys.device != logits.device):
+        raise ValueError(f"greedy_verify: forced_keys must be an int64 [B] = [{B}] unit-stride tensor on "
+                         f"{logits.device}, got {forced_keys.dtype} {tuple(forced_keys.shape)} stride "
+                         f"{tuple(forced_keys.stride())} on {forced_keys.device}")
     if B == 0:
         return
     n_chunks = triton.cdiv(V, CHUNK)
@@ -168,7 +182,7 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
         _argmax_chunks_kernel[(rows, n_chunks)](logits, cmax, cidx, V, logits.stride(0), CHUNK, n_chunks,
                                                 BLOCK=min(1024, next_pow2(V)), num_warps=4)
         _verify_kernel[(B,)](cmax, cidx, drafts, start, tokens_out, num_valid_out, next_start_out, payload_out,
-                             start if forced_keys is None else forced_keys,
+                             start if forced_keys is None else forced_keys,     # (a dummy pointer unless forced)
                              0.0 if forced_rate is None else float(forced_rate),
                              k, n_chunks, V, drafts.stride(0), tokens_out.stride(0), payload_out.stride(0),
                              NONFINITE_ID=NONFINITE, KP1_PAD=next_pow2(k + 1), NC_PAD=next_pow2(n_chunks),
@@ -182,6 +196,8 @@ def greedy_verify_ref(logits: torch.Tensor, drafts: torch.Tensor, start: torch.T
     from hybrid_engine.sampling.sampler import nonfinite_rows
     from hybrid_engine.spec.rejection import _greedy, forced_accept_mask, forced_output
     B, k = drafts.shape
+    if (forced_rate is None) != (forced_keys is None):
+        raise ValueError("greedy_verify_ref: forced_rate and forced_keys go together")
     if forced_rate is None or not k:
         sampled = _greedy(logits.view(B, 1 + k, -1), drafts)                 # [B, 1+k]
     else:

@@ -34,3 +34,29 @@ def test_triton_kernels_in_interpreter():
     res = run_cases(HERE / "greedy_verify_cases.py")
     for name in CASES:
         assert_case(res, name)
+
+
+def test_forced_verification_compiles_for_sm90_with_wrapping_products():
+    """The forced coins' splitmix chain (module-level constexprs from sampling.rng) compiles for
+    sm_90 without a GPU, and its ten 64-bit products (two per mix, five mixes) are PTX
+    ``mul.lo.s64``: low 64 bits, i.e. the wrapping int64 arithmetic of rng's torch form (the
+    interpreter cases above check the values)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hybrid_engine.step.step_io import NONFINITE
+    from hybrid_engine.step.triton_greedy_verify import _verify_kernel
+    sig = dict(cmax_ptr="*fp32", cidx_ptr="*i32", drafts_ptr="*i64", start_ptr="*i64", tok_ptr="*i64",
+               nv_ptr="*i64", ns_ptr="*i64", pay_ptr="*i64", forced_key_ptr="*i64", forced_rate="fp32", k="i32",
+               n_chunks="i32", V="i32", s_dr="i32", s_tok="i32", s_pay="i32")
+
+    def wide_products(forced: bool) -> int:
+        consts = dict(NONFINITE_ID=NONFINITE, KP1_PAD=4, NC_PAD=1, FORCED=forced)
+        src = ASTSource(_verify_kernel, {n: sig.get(n, "constexpr") for n in _verify_kernel.arg_names},
+                        constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
+        return len(re.findall(r"\bmul\.lo\.s64\b", ptx))
+    assert wide_products(True) - wide_products(False) >= 10

@@ -1,0 +1,32 @@
+"""``skinny_linear._multi_row_route``, the 2-8 row choice for 16-bit projections, on the shapes it
+was measured on (benchmarks/results/2026-11-26-gemv-rows-h100-h200.md): a change of the route has
+to come with a new sweep. The kernels themselves are checked on CUDA (tests/gpu/test_kernels.py)."""
+import pytest
+
+pytest.importorskip("triton")
+from hybrid_engine.models.skinny_linear import _multi_row_route  # noqa: E402
+
+# 8B shapes (N, K) -> the kernel at 2, 3, 4 and 8 rows
+ROUTES = {
+    "mamba in_proj": ((18560, 4096), ("dot", "dot", "dot", "dot")),
+    "mlp up_proj": ((21504, 4096), ("dot", "dot", "dot", "dot")),
+    "lm_head": ((131072, 4096), ("dot", "dot", "dot", "dot")),
+    "mamba out_proj": ((4096, 8192), ("cublas",) * 4),
+    "mlp down_proj": ((4096, 21504), ("cublas",) * 4),
+    "attn q/o_proj": ((4096, 4096), ("cublas",) * 4),
+    "attn k/v_proj": ((1024, 4096), ("fma", "fma", "fma", "cublas")),
+    "nano in_proj (not swept: the old dot config)": ((10304, 2688), ("dot",) * 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTES))
+def test_route_of_the_swept_shapes(name):
+    (N, K), kernels = ROUTES[name]
+    got = tuple(_multi_row_route(M, N, K)[0] for M in (2, 3, 4, 8))
+    assert got == kernels, (name, got)
+
+
+def test_fma_route_configs_by_rows():
+    """k/v at 2 rows: one walk of (2, 2048); at 3-4 rows: (4, 1024) (H100 6.6 us vs 8.8 for the dot kernel)."""
+    assert _multi_row_route(2, 1024, 4096)[1] == dict(block_n=2, block_k=2048, num_warps=4)
+    assert _multi_row_route(4, 1024, 4096)[1] == dict(block_n=4, block_k=1024, num_warps=4)
