@@ -85,7 +85,8 @@ def main() -> int:
     total = sum(r[2] for r in rows)
     gemm = sum(r[2] for r in rows if any(k in r[0].lower() for k in GEMM_KEYS))
     ncalls = sum(r[1] for r in rows)
-    lines = [f"shape {args.shape}, weights {args.quantization or 'bf16'}, batch {args.batch}, {'eager' if args.eager else 'CUDA graphs'}, "
+    lines = [f"shape {args.shape}, weights {args.quantization or 'bf16'}, batch {args.batch}, "
+             f"{'eager' if args.eager else 'CUDA graphs'}, "
              f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
              f"wall per step {wall_us:.0f} us (unprofiled); kernel time per step {total:.0f} us in "
              f"{ncalls:.0f} kernels; GEMM kernels {gemm:.0f} us ({100 * gemm / max(total, 1):.0f}%), "

@@ -175,9 +175,9 @@ def forced_accept_mask(rate: float, row_keys: torch.Tensor, positions: torch.Ten
     (row_keys[r], positions[r] + j, stream 3)); ``forced_accept`` accepts the prefix of passes. The
     fused verify-step graphs draw the same coins in their verification kernel
     (``triton_greedy_verify.greedy_verify(forced_rate=, forced_keys=)``), so forced steps emit the
-    same tokens on either path. The coins are a function of (key,
-    position): requests that reuse a slot over the same positions draw the same coins (a batch-1
-    benchmark gives its prompts disjoint position ranges). No host synchronisation."""
+    same tokens on either path. The coins are a function of (key, position): requests that reuse a
+    slot over the same positions draw the same coins (a batch-1 benchmark gives its prompts disjoint
+    position ranges). No host synchronisation."""
     num_rows = row_keys.shape[0]
     cols = torch.arange(k, device=row_keys.device)
     u = rng.uniform(row_keys.to(torch.int64).repeat_interleave(k),

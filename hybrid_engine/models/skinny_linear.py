@@ -78,7 +78,7 @@ def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
     # one walk over K for all M_ROWS (1, 2, 4 or 8) rows: each weight tile is loaded once and
     # multiplied into one [BLOCK_N, BLOCK_K] accumulator per row (named, not a [M_ROWS, ...] tile,
     # so each row's accumulator has the one-row kernel's layout). A row's sums are the same
-    # whatever M_ROWS (tests/gpu/test_kernels.py::test_skinny_linear_f32_rows_are_batch_invariant).
+    # whatever M_ROWS (tests/gpu/test_skinny_linear_cuda.py::test_skinny_linear_f32_rows_are_batch_invariant).
     # The rows used to walk K one after another, re-reading the tile from L1/L2: bench-large's
     # float32 projections at 4 rows 0.420 -> 0.352 ms (H100, 2026-11-26,
     # benchmarks/results/2026-11-26-f32-rows-h100.md; written inline: the same FMAs in a helper
@@ -194,11 +194,11 @@ def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
         return "dot", dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
     if N <= 4096 and N * K >= (1 << 24):         # few, long rows: cuBLAS splits K
         return "cublas", {}
-    if N * K <= (1 << 22) and K >= 4096 and M <= 4:   # k/v_proj: 8.8 -> 6.6 us at 4 rows (H100)
+    if N * K <= (1 << 22) and K >= 4096:         # k/v_proj: 8.8 -> 6.6 us at 4 rows (H100)
+        if M > 4:
+            return "cublas", {}
         return "fma", (dict(block_n=2, block_k=2048, num_warps=4) if M <= 2
                        else dict(block_n=4, block_k=1024, num_warps=4))
-    if N * K <= (1 << 22) and K >= 4096:
-        return "cublas", {}
     return "dot", dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
 

@@ -1,6 +1,6 @@
 """``skinny_linear._multi_row_route``, the 2-8 row choice for 16-bit projections, on the shapes it
 was measured on (benchmarks/results/2026-11-26-gemv-rows-h100-h200.md): a change of the route has
-to come with a new sweep. The kernels themselves are checked on CUDA (tests/gpu/test_kernels.py)."""
+to come with a new sweep. The kernels themselves are checked on CUDA (tests/gpu/test_skinny_linear_cuda.py)."""
 import pytest
 
 pytest.importorskip("triton")

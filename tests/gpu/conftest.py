@@ -68,6 +68,7 @@ DEFAULT_TIER = {
     # test_fp8_kv_cuda.py
     "test_attention_fp8_kv": _bf16_or_first,
     "test_attention_fp8_kv_splits": _first_and(num_splits=(1, 3, 64)),
+    # test_skinny_linear_cuda.py
     "test_skinny_linear": _bf16_or_first,
     # test_kernels_ssu_norm.py
     "test_ssu_norm_all_k": lambda it: it.callspec.params["K"] in (0, 3) or
