@@ -8,6 +8,7 @@ One engine per process: the group is torch.distributed's default group.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -65,6 +66,11 @@ class TPGroup:
             logger.info("tensor parallel on CPU: %d threads per rank (set OMP_NUM_THREADS to choose)",
                         torch.get_num_threads())
         check_can_join(size)
+        # torch._dynamo first: imported after the default group exists (building the model on the
+        # meta device imports it), it keeps that group's gloo threads alive past
+        # destroy_process_group, and they race the interpreter's exit ("terminate called without
+        # an active exception", rank 0 aborts after a clean shutdown on a busy host; torch 2.13)
+        importlib.import_module("torch._dynamo")
         if not dist.is_initialized():
             kwargs = dict(backend=backend, rank=rank, world_size=size,
                           timeout=DEVICE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT)

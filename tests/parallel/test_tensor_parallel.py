@@ -247,7 +247,10 @@ def test_torchrun_launch(model_dirs, tmp_path):
         f"out = llm.generate([{prompt}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),"
         " use_tqdm=False)\n"
         "print('TOKENS', json.dumps(out[0].outputs[0].token_ids), flush=True)\n"
-        "llm.shutdown()\n")
+        "llm.shutdown()\n"
+        "import os\n"           # the group's gloo threads end with it (left alive, they raced the exit)
+        "print('THREADS', sorted(open(f'/proc/self/task/{t}/comm').read().strip()"
+        " for t in os.listdir('/proc/self/task')), flush=True)\n")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
@@ -258,6 +261,8 @@ def test_torchrun_launch(model_dirs, tmp_path):
     lines = [ln for ln in res.stdout.splitlines() if "TOKENS" in ln]
     assert len(lines) == 1                                   # only rank 0 got past LLM(...)
     assert json.loads(lines[0].split("TOKENS", 1)[1]) == hf_greedy(d, [prompt], 6)[0]
+    threads = [ln for ln in res.stdout.splitlines() if ln.startswith("THREADS")]
+    assert len(threads) == 1 and "gloo" not in threads[0], threads
 
 
 def _free_port() -> int:
