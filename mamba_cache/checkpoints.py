@@ -7,8 +7,9 @@ Two owners, one per side:
   checkpoint of which block hash, pins (rows being written by a step in flight or read by a
   restore about to be launched), and the LRU order of the unpinned cached rows. No device work.
 - ``MambaCheckpoints`` (device, in ``Caches``): per Mamba layer ``conv [R, C, W-1]`` (model dtype)
-  and ``ssm [R, H, P, N]`` (float32). The mixer saves boundary states into rows and restores a
-  row into a pool slot, with index tensors the step staged (no host sync).
+  and ``ssm [R, H, P, N]`` (float32). Each layer's mixer saves its boundary states into rows; the
+  first Mamba layer of a step restores rows into pool slots for every layer at once. Index
+  tensors come staged with the step (no host sync).
 """
 from __future__ import annotations
 
@@ -130,10 +131,13 @@ class MambaCheckpoints:
     def __init__(self, num_layers: int, num_rows: int, conv_dim: int, conv_kernel: int, num_heads: int,
                  head_dim: int, state_size: int, dtype: torch.dtype, device: torch.device):
         self.num_rows = num_rows
-        self.conv = [torch.zeros(num_rows, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-                     for _ in range(num_layers)]                            # [R, C, W-1]
-        self.ssm = [torch.zeros(num_rows, num_heads, head_dim, state_size, dtype=torch.float32, device=device)
-                    for _ in range(num_layers)]                             # [R, H, P, N] f32
+        # per layer: views of one tensor over all layers, so a restore is one op for every layer
+        self.conv_all = torch.zeros(num_layers, num_rows, conv_dim, conv_kernel - 1, dtype=dtype,
+                                    device=device)                          # [L, R, C, W-1]
+        self.ssm_all = torch.zeros(num_layers, num_rows, num_heads, head_dim, state_size, dtype=torch.float32,
+                                   device=device)                           # [L, R, H, P, N] f32
+        self.conv = list(self.conv_all.unbind(0))                           # [R, C, W-1] per layer
+        self.ssm = list(self.ssm_all.unbind(0))                             # [R, H, P, N] per layer
         logger.info("mamba prefix checkpoints: %d layers x %d rows, %.1f MiB", num_layers, num_rows,
                     self.bytes / 2**20)
 
@@ -145,15 +149,15 @@ class MambaCheckpoints:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
+        return sum(t.numel() * t.element_size() for t in (self.conv_all, self.ssm_all))
 
-    def restore(self, layer: int, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-                rows: torch.Tensor) -> None:
-        """Pool slots := checkpoint rows (conv window columns 0..W-2, SSM checkpoint 0).
-        slots, rows: [M] int64 device tensors."""
-        wm1 = self.conv[layer].shape[-1]
-        conv_state[slots, :, :wm1] = self.conv[layer][rows]
-        ssm_state[slots, 0] = self.ssm[layer][rows]
+    def restore(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Pool slots := checkpoint rows, in every Mamba layer at once (conv window columns
+        0..W-2, SSM checkpoint 0): four ops a step, not four per layer. ``pool``: the
+        ``MambaPool`` of the same model; slots, rows: [M] int64 device tensors."""
+        wm1 = self.conv_all.shape[-1]
+        pool.conv_all[:, slots, :, :wm1] = self.conv_all[:, rows]
+        pool.ssm_all[:, slots, 0] = self.ssm_all[:, rows]
 
     def save(self, layer: int, rows: torch.Tensor, windows: torch.Tensor, states: torch.Tensor) -> None:
         """rows [M] int64; windows [M, C, W-1]; states [M, H, P, N] float32."""

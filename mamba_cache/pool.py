@@ -31,16 +31,20 @@ class MambaPool:
         # layout made them 12-byte strided: 25% of copy bandwidth on an H100).  Every op takes
         # strides, so the logical [S, C, W-1+K] indexing is unchanged.
         # ssm_state[i]: [S, 1+K, H, P, N] float32
-        self.conv_state = [torch.zeros(self.num_slots, width, conv_dim, dtype=dtype,
-                                       device=device).transpose(1, 2) for _ in range(num_layers)]
-        self.ssm_state = [torch.zeros(self.num_slots, 1 + num_spec, num_heads, head_dim, state_size,
-                                      dtype=torch.float32, device=device) for _ in range(num_layers)]
+        # Each list holds views of one tensor over all layers (conv_all, ssm_all), so a per-slot
+        # operation on every layer (a prefix-cache restore, a fork) is one op, not one per layer.
+        self.conv_all = torch.zeros(num_layers, self.num_slots, width, conv_dim, dtype=dtype,
+                                    device=device).transpose(2, 3)              # [L, S, C, W-1+K]
+        self.ssm_all = torch.zeros(num_layers, self.num_slots, 1 + num_spec, num_heads, head_dim, state_size,
+                                   dtype=torch.float32, device=device)          # [L, S, 1+K, H, P, N]
+        self.conv_state = list(self.conv_all.unbind(0))
+        self.ssm_state = list(self.ssm_all.unbind(0))
         logger.info("mamba pool: %d layers x %d slots (K=%d), %.1f MiB", num_layers, self.num_slots,
                     num_spec, self.bytes / 2**20)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv_state + self.ssm_state)
+        return sum(t.numel() * t.element_size() for t in (self.conv_all, self.ssm_all))
 
     @staticmethod
     def bytes_for(num_layers: int, max_num_seqs: int, conv_dim: int, conv_kernel: int, num_heads: int,

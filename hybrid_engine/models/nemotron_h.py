@@ -114,12 +114,14 @@ class Mamba2Mixer(nn.Module):
             ys.append(y.reshape(nd, self.I))
         if md.num_prefill_rows:
             ckpts = caches.checkpoints
-            if md.restore_rows is not None:       # prefix-cache hit: the slot starts from a checkpoint
+            # prefix-cache hit: the slot starts from a checkpoint. The first Mamba layer restores
+            # it for every layer (one gather/scatter a step; ordinals follow the layer order, and
+            # no layer touches another's state)
+            if md.restore_rows is not None and self.ordinal == 0:
                 if ckpts is None:
                     raise RuntimeError("a prefix-cache restore reached a model without checkpoint storage "
                                        "(Caches.checkpoints is None)")
-                ckpts.restore(self.ordinal, conv_state, ssm_state, md.prefill_slots[md.restore_seq],
-                              md.restore_rows)
+                ckpts.restore(caches.mamba, md.restore_slots, md.restore_rows)
             saving = md.ckpt_rows is not None and ckpts is not None
             if saving:                            # conv windows after the saved boundaries: they read
                 windows = mops.conv_windows_before(  # the pool's old windows, so before the conv
@@ -129,17 +131,17 @@ class Mamba2Mixer(nn.Module):
                                               md.prefill_query_start_loc, md.prefill_slots,
                                               md.has_initial_state)
             xp, bp, cp = xbc_p.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
-            # a row that starts fresh reads zeros, whatever its slot holds (a stale NaN times 0 is NaN)
-            init = torch.where(md.has_initial_state.view(-1, 1, 1, 1), ssm_state[md.prefill_slots, 0], 0.0)
-            out = mops.ssd_scan_varlen(
+            # each row starts from its slot's checkpoint 0 (zeros where it starts fresh, whatever
+            # the slot holds: a stale NaN times 0 is NaN) and its final state lands there
+            out = mops.ssd_scan_varlen_pooled(
                 xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
-                cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, init, self.chunk_size,
-                dt_limit=self.dt_limit, max_seqlen=md.max_prefill_len, out_dtype=x.dtype,
-                **({"emit_at": md.ckpt_token} if saving else {}))
-            y, final = out[0], out[1]
-            ssm_state[md.prefill_slots, 0] = final
+                cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, ssm_state[:, 0],
+                md.prefill_slots, md.has_initial_state, self.chunk_size, dt_limit=self.dt_limit,
+                max_seqlen=md.max_prefill_len, out_dtype=x.dtype, emit_at=md.ckpt_token if saving else None,
+                chunk_layout=md.ssd_chunk_layout(self.chunk_size))
+            y = out[0] if saving else out
             if saving:                            # the states after the block boundaries the chunks crossed
-                ckpts.save(self.ordinal, md.ckpt_rows, windows, out[2])
+                ckpts.save(self.ordinal, md.ckpt_rows, windows, out[1])
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)

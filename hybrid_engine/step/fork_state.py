@@ -17,9 +17,8 @@ from ..scheduling.scheduler_output import ForkSource
 @torch.inference_mode()
 def fork_state(caches: Caches, fork: ForkSource, dst_slot: int) -> None:
     pool, kv = caches.mamba, caches.kv
-    for conv, ssm in zip(pool.conv_state, pool.ssm_state):
-        conv[dst_slot].copy_(conv[fork.src_slot])
-        ssm[dst_slot].copy_(ssm[fork.src_slot])
+    pool.conv_all[:, dst_slot].copy_(pool.conv_all[:, fork.src_slot])      # every Mamba layer at once
+    pool.ssm_all[:, dst_slot].copy_(pool.ssm_all[:, fork.src_slot])
     pairs = list(zip(fork.src_blocks, fork.dst_blocks))
     for k, v in zip(kv.k, kv.v):
         for src, dst in pairs:

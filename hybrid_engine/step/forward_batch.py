@@ -6,7 +6,7 @@ size padded buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +32,24 @@ class MambaMetadata:
     prefill_slots: torch.Tensor     # [B_p] int64 pool slots
     has_initial_state: torch.Tensor # [B_p] bool: chunk continues an earlier chunk
     # prefix caching (None when the step restores / saves nothing; only prefill rows do):
-    restore_seq: torch.Tensor | None = None   # [R] int64 prefill rows whose slot is restored first
-    restore_rows: torch.Tensor | None = None  # [R] int64 checkpoint rows they restore
+    restore_slots: torch.Tensor | None = None  # [R] int64 pool slots restored before the forward
+    restore_rows: torch.Tensor | None = None   # [R] int64 checkpoint rows they restore
     ckpt_seq: torch.Tensor | None = None      # [M] int64 prefill row of each save
     ckpt_token: torch.Tensor | None = None    # [M] int64 prefill-token index of the last token before the boundary
     ckpt_rows: torch.Tensor | None = None     # [M] int64 checkpoint rows written
+    # the SSD kernels' chunk layout by chunk size, made by ssd_chunk_layout once a step (see there)
+    _chunk_layouts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def ssd_chunk_layout(self, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prefill query_start_loc [B_p+1] int32, cumulative chunk counts [B_p] int32) for the
+        Triton SSD scan: computed on the device by the step's first Mamba layer, reused by the
+        others (a handful of small ops a step instead of per layer; no host sync)."""
+        got = self._chunk_layouts.get(chunk_size)
+        if got is None:
+            qsl = self.prefill_query_start_loc
+            cum = torch.cumsum((qsl[1:] - qsl[:-1] + (chunk_size - 1)) // chunk_size, 0).to(torch.int32)
+            got = self._chunk_layouts[chunk_size] = (qsl.to(torch.int32), cum)
+        return got
 
     @property
     def num_decode_tokens(self) -> int:

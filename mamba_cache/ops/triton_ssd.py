@@ -215,7 +215,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            block_k=None, num_warps=None, block_p=None, num_stages=None,
                            cb_dtype=None, heads_per_program=None, state_block_k=None,
                            state_num_warps=None, state_num_stages=None, state_block_p=None,
-                           emit_at=None):
+                           emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
     (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
@@ -240,6 +240,11 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     Chunk-state (step 2) options (``triton_ssd_state.launch_chunk_state``; None: its
     defaults): state_block_k (tokens per K step), state_block_p (head_dim columns per program),
     state_num_warps, state_num_stages.
+    state_indices [B] / has_initial_state [B] (``triton_ssd_scan_varlen_pooled``): initial_states is
+    the pool view [S,H,P,N]; the state pass reads row b's start at its slot (zeros where it starts
+    fresh) and writes its final state there; the second result is then None.
+    chunk_layout: (query_start_loc int32 [B+1], cumulative chunk counts int32 [B]) made once a step
+    (``MambaMetadata.ssd_chunk_layout``); None computes them here.
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -247,15 +252,20 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     dev = x.device
     cs = int(chunk_size)
     y = torch.empty((T, H, P), dtype=out_dtype, device=dev)
-    final = torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
+    pooled = state_indices is not None
+    final = initial_states if pooled else torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
     if Bn == 0:
+        final = None if pooled else final
         return (y, final) if emit_at is None else (y, final, torch.empty((0, H, P, N), device=dev))
     _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
     NC = max(NC, 1)
-    qsl = query_start_loc.to(dev)
-    lens = qsl[1:] - qsl[:-1]
-    cum = torch.cumsum((lens + (cs - 1)) // cs, 0).to(torch.int32)           # [B]
-    qsl = qsl.to(torch.int32) if T < 2**31 else qsl.long()
+    if chunk_layout is not None and T < 2**31:
+        qsl, cum = chunk_layout
+    else:
+        qsl = query_start_loc.to(dev)
+        lens = qsl[1:] - qsl[:-1]
+        cum = torch.cumsum((lens + (cs - 1)) // cs, 0).to(torch.int32)           # [B]
+        qsl = qsl.to(torch.int32) if T < 2**31 else qsl.long()
 
     BLOCK_L = max(16, next_pow2(cs))
     BLOCK_N = max(16, next_pow2(N))
@@ -319,11 +329,15 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         BN_PASS = min(BLOCK_N, 64)
         BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
         nnb = triton.cdiv(N, BN_PASS)
+        if pooled:      # bool -> uint8 (a view when contiguous): Triton loads bytes
+            has_init = has_initial_state.view(torch.uint8) if has_initial_state.is_contiguous() \
+                else has_initial_state.to(torch.uint8)
         _state_pass_kernel[(Bn, H, triton.cdiv(P, BP_PASS) * nnb)](
-            S, hin, cuma, cum, initial_states, final, H, P, N, nnb,
+            S, hin, cuma, cum, initial_states, final,
+            state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
             *initial_states.stride(), *final.stride(),
             BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
-            num_warps=4,
+            POOLED=pooled, num_warps=4,
         )
         npb = triton.cdiv(P, BP_OUT)
         nmb = triton.cdiv(cs, BLOCK_M)
@@ -342,10 +356,25 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 PREC=prec, LOWP=lowp, CB_PRE=cb_pre, BLOCK_L=BLOCK_L, BLOCK_M=BLOCK_M,
                 BLOCK_K=BLOCK_K, BLOCK_P=BP_OUT, BLOCK_N=BLOCK_N, **launch,
             )
+    final = None if pooled else final
     if emit_at is None:
         return y, final
     # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S)
     return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs)
+
+
+def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,
+                                  has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
+                                  out_dtype=torch.float32, emit_at=None, **options):
+    """Same arguments and results as ``ssd_scan_varlen_pooled_ref``; ``options``: the tuning
+    keywords of ``triton_ssd_scan_varlen``."""
+    if state_indices.shape[0] != query_start_loc.numel() - 1 or has_initial_state.shape != state_indices.shape:
+        raise ValueError(f"state_indices {tuple(state_indices.shape)} and has_initial_state "
+                         f"{tuple(has_initial_state.shape)} must both be [B] = [{query_start_loc.numel() - 1}]")
+    out = triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, chunk_size, dt_limit,
+                                 max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at,
+                                 state_indices=state_indices, has_initial_state=has_initial_state, **options)
+    return out[0] if emit_at is None else (out[0], out[2])
 
 
 # Defaults.  16-bit dot operands (lowp: bf16 / fp16 models) with more than one head per group:

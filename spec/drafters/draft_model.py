@@ -97,10 +97,11 @@ class DraftModelDrafter(Drafter):
     def _fork(self, slots: torch.Tensor, scratch: torch.Tensor, a: torch.Tensor) -> None:
         """scratch state := the state after the last accepted token (checkpoint a-1, conv offset a-1)."""
         cols = (a - 1)[:, None] + torch.arange(self.conv_width, device=self.device)   # [B, W-1]
-        for conv, ssm in zip(self.pool.conv_state, self.pool.ssm_state):
-            ssm[scratch, 0] = ssm[slots, a - 1]
-            win = conv[slots].gather(2, cols[:, None, :].expand(-1, conv.shape[1], -1))
-            conv[scratch, :, :self.conv_width] = win
+        conv, ssm = self.pool.conv_all, self.pool.ssm_all     # every layer at once: [L, S, C, W-1+K], [L, S, 1+K, ...]
+        ssm[:, scratch, 0] = ssm[:, slots, a - 1]
+        L, _, C, _ = conv.shape
+        win = conv[:, slots].gather(3, cols[None, :, None, :].expand(L, -1, C, -1))      # [L, B, C, W-1]
+        conv[:, scratch, :, :self.conv_width] = win
 
 
 def cache_footprint(cfg) -> CacheFootprint:

@@ -183,15 +183,16 @@ def test_checkpoint_and_restore_are_exact(hybrid_dir):
     ck = eng.caches.checkpoints
     orig = ck.restore
 
-    def spy(layer, conv_state, ssm_state, slots, rows):
-        orig(layer, conv_state, ssm_state, slots, rows)
-        w = ck.conv[layer].shape[-1]
-        seen.append((layer, rows.tolist(), conv_state[slots, :, :w].clone(), ssm_state[slots, 0].clone()))
+    def spy(pool, slots, rows):                            # one call restores every layer
+        orig(pool, slots, rows)
+        w = ck.conv[0].shape[-1]
+        seen.extend((layer, rows.tolist(), conv[slots, :, :w].clone(), ssm[slots, 0].clone())
+                    for layer, (conv, ssm) in enumerate(zip(pool.conv_state, pool.ssm_state)))
     ck.restore = spy
     other = prompt[:16] + [7, 8, 9]
     out = llm.generate([other], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens == 16
-    assert len(seen) == len(saved)
+    assert len(seen) == len(saved) == len(eng.caches.mamba.conv_state)
     for layer, rows, conv, ssm in seen:
         assert rows == [row]
         assert torch.equal(conv[0], saved[layer][0]) and torch.equal(ssm[0], saved[layer][1])

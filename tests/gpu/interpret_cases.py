@@ -21,7 +21,7 @@ from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varle
 from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
-from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen  # noqa: E402
+from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen, triton_ssd_scan_varlen_pooled  # noqa: E402,E501
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd_sequential import triton_ssd_scan_sequential  # noqa: E402
 from hybrid_engine.mamba_cache.ops import selective_state_update_gated  # noqa: E402
@@ -140,6 +140,12 @@ CASES = {
         selective_state_update_gated, "cpu", F32, 3, 2, 1, norm_groups=ng, seed=4))
         for ng in (1, 8)],
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
+    "ssd_pooled": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7],
+                                              fresh=(1, 2)),
+    "ssd_pooled_emit": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [21, 9],
+                                                   fresh=(0,), emit=[3, 15, 16, 20, 29], seed=1),
+    "ssd_pooled_step_layout": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [40, 3, 17],
+                                                          fresh=(2,), chunk_size=16, step_layout=True, seed=2),
     "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
                                     N=20, chunk_size=8, dt_limit=(0.0, 0.5), seed=1),
     "ssd_fp16_variants": lambda: kc.check_ssd(      # the per-head kernel with 16-bit dots

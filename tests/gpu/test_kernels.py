@@ -12,7 +12,7 @@ import attention_cases as ac
 import kernel_cases as kc
 from hybrid_engine.attention import ops as attn_ops
 from hybrid_engine.mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
-                             selective_state_update, ssd_scan_varlen)
+                             selective_state_update, ssd_scan_varlen, ssd_scan_varlen_pooled)
 from hybrid_engine.mamba_cache.ops import triton_common
 
 pytestmark = pytest.mark.gpu
@@ -185,6 +185,16 @@ def test_ssd(dtype, case):
     for seed in (0, 1):      # y in float32, then in the model dtype (what the model asks for)
         kc.check_ssd(ssd_scan_varlen, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed],
                      **SSD[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_ssd_pooled(dtype):
+    """The mixer's form: the state pass reads and writes the pool by slot (fresh rows read zeros
+    over NaN slots), with and without prefix-cache emits, on the multi-head (16-bit) and per-head
+    kernels."""
+    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7], fresh=(1, 2))
+    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
+                        chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
 
 
 SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]

@@ -100,6 +100,7 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hf_reference import NoHostSync
     from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
+    from hybrid_engine.mamba_cache.pool import MambaPool
     gen = torch.Generator().manual_seed(6)
     H, G, P, N, Cdim, W, cs = 4, 2, 3, 5, 6, 4, 8
     T = 19
@@ -108,14 +109,14 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
     emit = torch.tensor([3, 11, 15])
     seq = torch.tensor([0, 0, 1])
     ck = MambaCheckpoints(1, 4, Cdim, W, H, P, N, torch.float32, torch.device("cpu"))
-    conv_state = torch.zeros(3, Cdim, W - 1 + 2)
-    ssm_state = torch.zeros(3, 3, H, P, N)
+    pool = MambaPool(1, 2, Cdim, W, H, P, N, 2, torch.float32, torch.device("cpu"))   # 3 slots, K = 2
+    conv_state, ssm_state = pool.conv_state[0], pool.ssm_state[0]
     with NoHostSync():
         win = conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
         conv_windows_before_ref(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl,
                                 torch.tensor([1, 2]), torch.tensor([True, False]), seq, emit)
         ck.save(0, torch.tensor([0, 2, 3]), win, torch.randn(3, H, P, N))
-        ck.restore(0, conv_state, ssm_state, torch.tensor([1, 2]), torch.tensor([2, 0]))
+        ck.restore(pool, torch.tensor([1, 2]), torch.tensor([2, 0]))
     assert torch.equal(conv_state[1, :, :W - 1], win[1]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
     emit_mod = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd_emit")
     NC, BL = 4, 16
@@ -125,3 +126,31 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
         out = emit_mod.emit_states_ref(x, B, qsl, cum, meta, torch.rand(NC, H, BL), -torch.rand(NC, H, BL),
                                        torch.randn(NC, H, P, N), emit, cs)
     assert out.shape == (3, H, P, N) and torch.isfinite(out).all()
+
+
+def test_restore_writes_every_layers_slot_and_nothing_else():
+    """One restore call fills, in every Mamba layer, the given slots' conv window columns 0..W-2
+    and SSM checkpoint 0 from the given rows; the window's spec columns, checkpoints 1..K and the
+    other slots keep their values (the per-layer loop it replaced, written out here)."""
+    from hybrid_engine.mamba_cache.checkpoints import MambaCheckpoints
+    from hybrid_engine.mamba_cache.pool import MambaPool
+    gen = torch.Generator().manual_seed(11)
+    L, H, P, N, Cdim, W, K = 3, 2, 3, 4, 5, 4, 2
+    ck = MambaCheckpoints(L, 5, Cdim, W, H, P, N, torch.float32, torch.device("cpu"))
+    pool = MambaPool(L, 4, Cdim, W, H, P, N, K, torch.float32, torch.device("cpu"))      # 5 slots
+    for t in (ck.conv_all, ck.ssm_all, pool.conv_all, pool.ssm_all):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    want_conv = [c.clone() for c in pool.conv_state]
+    want_ssm = [s.clone() for s in pool.ssm_state]
+    slots, rows = torch.tensor([3, 1]), torch.tensor([4, 0])
+    for layer in range(L):
+        for s, r in zip(slots.tolist(), rows.tolist()):
+            want_conv[layer][s, :, :W - 1] = ck.conv[layer][r]
+            want_ssm[layer][s, 0] = ck.ssm[layer][r]
+    ck.restore(pool, slots, rows)
+    for layer in range(L):
+        assert torch.equal(pool.conv_state[layer], want_conv[layer])
+        assert torch.equal(pool.ssm_state[layer], want_ssm[layer])
+    # the per-layer lists are views of the stacked tensors: a write through one shows in the other
+    pool.ssm_state[1][2, 1].fill_(7.0)
+    assert torch.equal(pool.ssm_all[1, 2, 1], torch.full((H, P, N), 7.0))

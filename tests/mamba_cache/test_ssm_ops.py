@@ -10,6 +10,7 @@ from hybrid_engine.mamba_cache.ops import (
     selective_state_update,
     ssd_scan_naive,
     ssd_scan_varlen,
+    ssd_scan_varlen_pooled,
 )
 from oracles import F64, close, dt64, qsl_of, silu64, ssm_params, ssm_seq64, tol_of
 
@@ -184,3 +185,36 @@ def test_gated_rmsnorm(dtype, group_size):
             seg = g[s: s + group_size]
             ref[t, s: s + group_size] = seg / torch.sqrt((seg * seg).mean() + eps)
     close(out, w.to(F64) * ref, tol_of(dtype))
+
+
+def test_ssd_pooled_reads_and_writes_the_slots():
+    """The pooled form (what the mixer's prefill calls): each row starts from its slot's state, or
+    from zeros where it starts fresh whatever the slot holds (NaN here), and leaves its final state
+    there; the sequential float64 oracle decides, and no other slot changes."""
+    gen = torch.Generator().manual_seed(5)
+    lens, H, G, P, N, chunk = [9, 1, 20, 4], 4, 2, 3, 5, 8
+    T, S = sum(lens), 7
+    x = torch.randn(T, H, P, generator=gen)
+    dt_raw = torch.randn(T, H, generator=gen)
+    dt_bias, A, D = ssm_params(H, G, N, P, gen, False)
+    B = torch.randn(T, G, N, generator=gen)
+    C = torch.randn(T, G, N, generator=gen)
+    pool = torch.randn(S, 2, H, P, N, generator=gen)           # [S, 1+K, H, P, N], K = 1
+    slots = torch.tensor([5, 2, 6, 1])
+    has_init = torch.tensor([True, False, True, False])
+    pool[2] = math.nan                                         # a fresh row's stale slot
+    before = pool.clone()
+    qsl = qsl_of(lens, torch.int64)
+    y = ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, qsl, pool[:, 0], slots, has_init, chunk)
+    dt = dt64(dt_raw, dt_bias, (0.0, math.inf))
+    st = qsl.tolist()
+    for b, slot in enumerate(slots.tolist()):
+        h0 = before[slot, 0] if has_init[b] else torch.zeros(H, P, N)
+        yr, hs = ssm_seq64(h0, x[st[b]:st[b + 1]], dt[st[b]:st[b + 1]], A, B[st[b]:st[b + 1]],
+                           C[st[b]:st[b + 1]], D)
+        close(y[st[b]:st[b + 1]], yr, 1e-5)
+        close(pool[slot, 0], hs[-1], 1e-5)
+    untouched = torch.ones(S, 2, dtype=torch.bool)
+    untouched[slots, 0] = False
+    assert torch.equal(pool[untouched].nan_to_num(0.0), before[untouched].nan_to_num(0.0))
+    assert torch.equal(pool[untouched].isnan(), before[untouched].isnan())

@@ -51,7 +51,7 @@ class MixedPlan(StepPlan):
         host["start_p"] = start_p
         host["qsl_p"] = (qsl[num_decode:] - decode_tokens).astype(np.int64)   # Mamba: from the first prefill token
         host["init_p"] = start_p > 0                               # chunk continues an earlier chunk (or a restore)
-        ckpt = _prefix_cache_arrays(pre, host["qsl_p"])
+        ckpt = _prefix_cache_arrays(pre, host["qsl_p"], b.slot[rows_p])
         host.update(ckpt)
         # the token after each input token: -1 on decode rows and where not known on the host
         host["next_ids"] = np.concatenate([np.full(decode_tokens, -1, np.int64),
@@ -145,15 +145,15 @@ class MixedPlan(StepPlan):
 
 
 
-def _prefix_cache_arrays(pre, qsl_p: np.ndarray) -> dict[str, np.ndarray]:
+def _prefix_cache_arrays(pre, qsl_p: np.ndarray, slots_p: np.ndarray) -> dict[str, np.ndarray]:
     """Prefix-cache metadata of the prefill rows (``MambaMetadata.restore_*`` / ``ckpt_*``), only
-    the non-empty ones: which rows restore a checkpoint row into their slot before the forward,
-    and which (row, token, checkpoint row) states the chunk saves. Host-exact, staged with the
-    step's one H2D copy."""
+    the non-empty ones: which pool slots restore which checkpoint row before the forward
+    (``slots_p`` [B_p]: the prefill rows' slots), and which (row, token, checkpoint row) states
+    the chunk saves. Host-exact, staged with the step's one H2D copy."""
     out: dict[str, np.ndarray] = {}
-    restore = [(i, r.restore_row) for i, r in enumerate(pre) if r.restore_row >= 0]
+    restore = [(slots_p[i], r.restore_row) for i, r in enumerate(pre) if r.restore_row >= 0]
     if restore:
-        out["restore_seq"], out["restore_rows"] = (np.array(c, dtype=np.int64) for c in zip(*restore))
+        out["restore_slots"], out["restore_rows"] = (np.array(c, dtype=np.int64) for c in zip(*restore))
     saves = [(i, int(qsl_p[i]) + q - r.start_pos - 1, row) for i, r in enumerate(pre) for q, row in r.ckpt_saves]
     if saves:
         out["ckpt_seq"], out["ckpt_token"], out["ckpt_rows"] = (np.array(c, dtype=np.int64) for c in zip(*saves))
