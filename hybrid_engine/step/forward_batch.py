@@ -37,8 +37,9 @@ class MambaMetadata:
     ckpt_seq: torch.Tensor | None = None      # [M] int64 prefill row of each save
     ckpt_token: torch.Tensor | None = None    # [M] int64 prefill-token index of the last token before the boundary
     ckpt_rows: torch.Tensor | None = None     # [M] int64 checkpoint rows written
-    # the SSD kernels' chunk layout by chunk size, made by ssd_chunk_layout once a step (see there)
-    _chunk_layouts: dict = field(default_factory=dict, compare=False, repr=False)
+    # the SSD kernels' chunk layout by chunk size, made by ssd_chunk_layout once a step (see there);
+    # not an __init__ field, so dataclasses.replace (a new query_start_loc) starts an empty one
+    _chunk_layouts: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def ssd_chunk_layout(self, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(prefill query_start_loc [B_p+1] int32, cumulative chunk counts [B_p] int32) for the

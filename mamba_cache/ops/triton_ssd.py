@@ -368,9 +368,19 @@ def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_lo
                                   out_dtype=torch.float32, emit_at=None, **options):
     """Same arguments and results as ``ssd_scan_varlen_pooled_ref``; ``options``: the tuning
     keywords of ``triton_ssd_scan_varlen``."""
-    if state_indices.shape[0] != query_start_loc.numel() - 1 or has_initial_state.shape != state_indices.shape:
+    # metadata checks only (no host sync): the state pass reads slot_ptr + b and has_init_ptr + b
+    nb = query_start_loc.numel() - 1
+    if state_indices.dim() != 1 or state_indices.shape[0] != nb or has_initial_state.shape != state_indices.shape:
         raise ValueError(f"state_indices {tuple(state_indices.shape)} and has_initial_state "
-                         f"{tuple(has_initial_state.shape)} must both be [B] = [{query_start_loc.numel() - 1}]")
+                         f"{tuple(has_initial_state.shape)} must both be [B] = [{nb}]")
+    if has_initial_state.dtype != torch.bool:
+        raise TypeError(f"has_initial_state must be a bool tensor, got {has_initial_state.dtype}")
+    if state_indices.dtype not in (torch.int32, torch.int64) or state_indices.stride(0) != 1:
+        raise ValueError(f"state_indices must be a contiguous int32/int64 tensor, got {state_indices.dtype} "
+                         f"with stride {state_indices.stride()}")
+    layout = options.get("chunk_layout")
+    if layout is not None and (layout[0].numel() != nb + 1 or layout[1].numel() != nb):
+        raise ValueError(f"chunk_layout holds {layout[1].numel()} rows, the call {nb}")
     out = triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, chunk_size, dt_limit,
                                  max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at,
                                  state_indices=state_indices, has_initial_state=has_initial_state, **options)

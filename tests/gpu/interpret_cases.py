@@ -66,7 +66,34 @@ def check_ssd_emit(dtype, lens, emit, chunk_size=16, H=4, G=2, P=16, N=16, seed=
     return {"emit": err}
 
 
+def check_engine_prefix_hits():
+    """End to end on the Triton Mamba ops: chunked prefills that save checkpoints, requests that
+    restore them (the first Mamba layer restores every layer; the pooled scan reads and writes the
+    slots; the chunk layout is shared by the layers) give transformers' greedy tokens."""
+    import tempfile
+    from pathlib import Path
+    from hf_reference import hf_greedy
+    from hybrid_engine import LLM, SamplingParams
+    from hybrid_engine.models.synthetic import make_hf_model
+    d = make_hf_model(Path(tempfile.mkdtemp(prefix="interp_prefix_")) / "m", pattern="M-M*-ME*", seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 256, (30,), generator=g).tolist()
+    fresh = torch.randint(3, 256, (9,), generator=g).tolist()     # no hit: starts from zeros in a used slot
+    batch = [prompt, prompt[:16] + [7, 8, 9], prompt[:21] + [5], fresh]
+    want = hf_greedy(d, batch, 3)
+    llm = LLM(str(d), dtype="float32", device="cpu", max_num_batched_tokens=16, block_size=4, num_kv_blocks=64,
+              async_scheduling=False, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    out = [o for part in (batch[:1], batch[1:3], batch[3:]) for o in llm.generate(part, sp, use_tqdm=False)]
+    got = [list(o.outputs[0].token_ids) for o in out]
+    cached = [o.num_cached_tokens for o in out]
+    assert got == want, (got, want)
+    assert cached[0] == cached[3] == 0 and min(cached[1:3]) >= 16, cached
+    return {"cached": cached}
+
+
 CASES = {
+    "engine_prefix_hits": lambda: _on_triton(check_engine_prefix_hits),
     "emit_kernel": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1],
                                          [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], 16),
     "emit_kernel_long_chunks": lambda: cc.check_emit(emit_states, "cpu", F32, [70, 5],

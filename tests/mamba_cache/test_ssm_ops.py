@@ -218,3 +218,22 @@ def test_ssd_pooled_reads_and_writes_the_slots():
     untouched[slots, 0] = False
     assert torch.equal(pool[untouched].nan_to_num(0.0), before[untouched].nan_to_num(0.0))
     assert torch.equal(pool[untouched].isnan(), before[untouched].isnan())
+
+
+def test_step_chunk_layout_per_chunk_size_and_fresh_after_replace():
+    """MambaMetadata.ssd_chunk_layout: the prefill rows' int32 query_start_loc and cumulative chunk
+    counts sum_b ceil(L_b / chunk) (written out here), one entry per chunk size (a draft model may
+    scan with another), reused within the step; a replaced MambaMetadata starts empty."""
+    import dataclasses
+    from hybrid_engine.step.forward_batch import MambaMetadata
+    z = torch.zeros(0, dtype=torch.int64)
+    lens = [5, 0, 9, 16]
+    qsl = qsl_of(lens, torch.int64)
+    md = MambaMetadata(0, 1, z, z, qsl, tuple(qsl.tolist()), torch.arange(1, 5), torch.ones(4, dtype=torch.bool))
+    for chunk in (4, 8, 4):
+        q32, cum = md.ssd_chunk_layout(chunk)
+        assert q32.dtype == cum.dtype == torch.int32 and q32.tolist() == qsl.tolist()
+        assert cum.tolist() == [sum(-(-n // chunk) for n in lens[:b + 1]) for b in range(len(lens))]
+    assert md.ssd_chunk_layout(4) is md.ssd_chunk_layout(4)
+    other = dataclasses.replace(md, prefill_query_start_loc=qsl_of([3, 3], torch.int64))
+    assert other.ssd_chunk_layout(4)[1].tolist() == [1, 2]
