@@ -7,9 +7,10 @@ Two owners, one per side:
   checkpoint of which block hash, pins (rows being written by a step in flight or read by a
   restore about to be launched), and the LRU order of the unpinned cached rows. No device work.
 - ``MambaCheckpoints`` (device, in ``Caches``): per Mamba layer ``conv [R, C, W-1]`` (model dtype)
-  and ``ssm [R, H, P, N]`` (float32). Each layer's mixer saves its boundary states into rows; the
-  first Mamba layer of a step restores rows into pool slots for every layer at once. Index
-  tensors come staged with the step (no host sync).
+  and ``ssm [R, H, P, N]`` (float32). Each layer's mixer has its window and scan kernels store the
+  boundary states straight into its rows (``conv_windows_before`` / ``ssd_scan_varlen_pooled``
+  with ``out_rows`` / ``emit_rows``); the first Mamba layer of a step restores rows into pool slots
+  for every layer at once. Index tensors come staged with the step (no host sync).
 """
 from __future__ import annotations
 
@@ -159,7 +160,3 @@ class MambaCheckpoints:
         pool.conv_all[:, slots, :, :wm1] = self.conv_all[:, rows]
         pool.ssm_all[:, slots, 0] = self.ssm_all[:, rows]
 
-    def save(self, layer: int, rows: torch.Tensor, windows: torch.Tensor, states: torch.Tensor) -> None:
-        """rows [M] int64; windows [M, C, W-1]; states [M, H, P, N] float32."""
-        self.conv[layer][rows] = windows.to(self.conv[layer].dtype)
-        self.ssm[layer][rows] = states

@@ -123,25 +123,25 @@ class Mamba2Mixer(nn.Module):
                                        "(Caches.checkpoints is None)")
                 ckpts.restore(caches.mamba, md.restore_slots, md.restore_rows)
             saving = md.ckpt_rows is not None and ckpts is not None
-            if saving:                            # conv windows after the saved boundaries: they read
-                windows = mops.conv_windows_before(  # the pool's old windows, so before the conv
+            if saving:      # conv windows after the saved boundaries, into their checkpoint rows: they
+                mops.conv_windows_before(   # read the pool's old windows, so before the conv
                     xbc[nd:], conv_state, weight.shape[-1], md.prefill_query_start_loc, md.prefill_slots,
-                    md.has_initial_state, md.ckpt_seq, md.ckpt_token)
+                    md.has_initial_state, md.ckpt_seq, md.ckpt_token, out=ckpts.conv[self.ordinal],
+                    out_rows=md.ckpt_rows)
             xbc_p = mops.causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state,
                                               md.prefill_query_start_loc, md.prefill_slots,
                                               md.has_initial_state)
             xp, bp, cp = xbc_p.split([self.I, self.G * self.N, self.G * self.N], dim=-1)
             # each row starts from its slot's checkpoint 0 (zeros where it starts fresh, whatever
-            # the slot holds: a stale NaN times 0 is NaN) and its final state lands there
-            out = mops.ssd_scan_varlen_pooled(
+            # the slot holds: a stale NaN times 0 is NaN) and its final state lands there; the
+            # states after the block boundaries the chunks crossed go into their checkpoint rows
+            y = mops.ssd_scan_varlen_pooled(
                 xp.reshape(-1, self.H, self.P), dt[nd:], self.dt_bias, A, bp.reshape(-1, self.G, self.N),
                 cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, ssm_state[:, 0],
                 md.prefill_slots, md.has_initial_state, self.chunk_size, dt_limit=self.dt_limit,
-                max_seqlen=md.max_prefill_len, out_dtype=x.dtype, emit_at=md.ckpt_token if saving else None,
-                chunk_layout=md.ssd_chunk_layout(self.chunk_size))
-            y = out[0] if saving else out
-            if saving:                            # the states after the block boundaries the chunks crossed
-                ckpts.save(self.ordinal, md.ckpt_rows, windows, out[1])
+                max_seqlen=md.max_prefill_len, out_dtype=x.dtype, chunk_layout=md.ssd_chunk_layout(self.chunk_size),
+                **(dict(emit_at=md.ckpt_token, emit_out=ckpts.ssm[self.ordinal], emit_rows=md.ckpt_rows)
+                   if saving else {}))
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)

@@ -189,13 +189,22 @@ def conv_windows_before_ref(
     return conv_windows_at(x, win0, query_start_loc, seq, token)
 
 
-def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, has_initial_state, seq, token):
+def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, has_initial_state, seq, token,
+                        out=None, out_rows=None):
     """Public entry point (CONTRACT item 3, prefix-cache windows): Triton kernel on CUDA, torch
-    reference elsewhere."""
+    reference elsewhere. With ``out`` [R, C, W-1] and ``out_rows`` [M]: window m is written to
+    ``out[out_rows[m]]`` (the checkpoint rows; the kernel stores there directly) and ``out`` is
+    returned."""
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("conv_windows_before", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before
         return triton_conv_windows_before(x, conv_state, width, query_start_loc, state_indices,
-                                          has_initial_state, seq, token)
-    return conv_windows_before_ref(x, conv_state, width, query_start_loc, state_indices, has_initial_state,
-                                   seq, token)
+                                          has_initial_state, seq, token, out=out, out_rows=out_rows)
+    win = conv_windows_before_ref(x, conv_state, width, query_start_loc, state_indices, has_initial_state,
+                                  seq, token)
+    if out_rows is not None:
+        out[out_rows] = win.to(out.dtype)
+        return out
+    if out is not None:
+        return out.copy_(win)
+    return win

@@ -195,17 +195,23 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
 def ssd_scan_varlen_pooled_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,
                                has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *,
                                max_seqlen: int | None = None, out_dtype: torch.dtype = torch.float32,
-                               emit_at: torch.Tensor | None = None):
+                               emit_at: torch.Tensor | None = None, emit_out: torch.Tensor | None = None,
+                               emit_rows: torch.Tensor | None = None):
     """CONTRACT item 3, pooled form: ``ssd_scan_varlen_ref`` with row b starting from
     ``states[state_indices[b]]`` where ``has_initial_state[b]`` (zeros otherwise, whatever the slot
     holds) and its final state written back there. states [S, H, P, N] float32 (any strides: the
     pool's checkpoint-0 view ``ssm_state[:, 0]``); state_indices [B] int64, distinct; has_initial_state
-    [B] bool. -> y [T, H, P], plus the emitted states as a second result with ``emit_at``."""
+    [B] bool. With ``emit_at`` [M], the state after each of those tokens goes to
+    ``emit_out[emit_rows[m]]`` (emit_out [R, H, P, N] float32: a layer's checkpoint rows). -> y [T, H, P]."""
+    if emit_at is not None and (emit_out is None or emit_rows is None):
+        raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
     init = torch.where(has_initial_state.view(-1, 1, 1, 1), states[state_indices], 0.0)
     out = ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init, chunk_size, dt_limit,
                               max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at)
     states[state_indices] = out[1]
-    return out[0] if emit_at is None else (out[0], out[2])
+    if emit_at is not None:
+        emit_out[emit_rows] = out[2]
+    return out[0]
 
 
 def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_states, chunk_size,
@@ -228,7 +234,8 @@ def ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_sta
 def ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,
                            has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *,
                            max_seqlen: int | None = None, out_dtype: torch.dtype = torch.float32,
-                           emit_at: torch.Tensor | None = None, chunk_layout=None):
+                           emit_at: torch.Tensor | None = None, emit_out: torch.Tensor | None = None,
+                           emit_rows: torch.Tensor | None = None, chunk_layout=None):
     """Public entry point of the pooled form (``ssd_scan_varlen_pooled_ref``; what the mixer's
     prefill calls): on CUDA the state pass reads and writes the pool by slot, so the step spends
     no gather, select or scatter on the initial and final states. ``chunk_layout``: the Triton
@@ -237,7 +244,7 @@ def ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, stat
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     args = (x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices, has_initial_state, chunk_size,
             dt_limit)
-    kw = dict(max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at)
+    kw = dict(max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
         return triton_ssd_scan_varlen_pooled(*args, **kw, chunk_layout=chunk_layout)

@@ -14,11 +14,12 @@ from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
 
 @triton.jit
 def _conv_windows_kernel(
-    x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, seq_ptr, tok_ptr, out_ptr,
+    x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, seq_ptr, tok_ptr, out_ptr, out_row_ptr,
     Cdim, sx_t, sx_c, ss_s, ss_c, ss_k, so_m, so_c, so_k,
-    WM1: tl.constexpr, BLOCK_C: tl.constexpr,
+    WM1: tl.constexpr, BLOCK_C: tl.constexpr, OUT_ROWS: tl.constexpr = False,
 ):
     m = tl.program_id(0).to(tl.int64)
+    orow = tl.load(out_row_ptr + m).to(tl.int64) if OUT_ROWS else m    # where window m is stored
     cb = tl.program_id(1)
     seq = tl.load(seq_ptr + m).to(tl.int64)
     q0 = tl.load(qsl_ptr + seq).to(tl.int64)
@@ -34,26 +35,32 @@ def _conv_windows_kernel(
         from_w = tl.load(state_ptr + slot * ss_s + c * ss_c + (WM1 + src) * ss_k,
                          mask=mc & (src < 0) & init, other=0.0)
         val = tl.where(src >= 0, from_x.to(out_ptr.dtype.element_ty), from_w.to(out_ptr.dtype.element_ty))
-        tl.store(out_ptr + m * so_m + c * so_c + k * so_k, val, mask=mc)
+        tl.store(out_ptr + orow * so_m + c * so_c + k * so_k, val, mask=mc)
 
 
 def triton_conv_windows_before(x, conv_state, width: int, query_start_loc, state_indices,
-                               has_initial_state, seq, token, out=None) -> torch.Tensor:
+                               has_initial_state, seq, token, out=None, out_rows=None) -> torch.Tensor:
     """Same arguments and result as ``conv_windows_before_ref`` (``out``: a [M, C, W-1] tensor of
-    the pool's dtype to write, default a new one)."""
+    the pool's dtype to write, default a new one; with ``out_rows`` [M] int64, window m goes to
+    ``out[out_rows[m]]`` of an [R, C, W-1] ``out``: the checkpoint rows, written in place)."""
     M, Cdim, wm1 = token.numel(), x.shape[-1], int(width) - 1
+    rows = out_rows is not None
     if out is None:
+        if rows:
+            raise ValueError("conv_windows_before: out_rows needs out")
         out = torch.empty((M, Cdim, wm1), dtype=conv_state.dtype, device=x.device)
-    elif out.shape != (M, Cdim, wm1) or out.dtype != conv_state.dtype:
-        raise ValueError(f"conv_windows_before: out must be {conv_state.dtype} {(M, Cdim, wm1)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    elif out.shape[1:] != (Cdim, wm1) or (not rows and out.shape[0] != M) or out.dtype != conv_state.dtype:
+        raise ValueError(f"conv_windows_before: out must be {conv_state.dtype} {('R' if rows else M, Cdim, wm1)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
+        raise ValueError(f"conv_windows_before: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
     if M == 0 or wm1 == 0:
         return out
     BLOCK_C = min(1024, max(16, next_pow2(Cdim)))
     with device_ctx(x):
         _conv_windows_kernel[(M, triton.cdiv(Cdim, BLOCK_C))](
             x, conv_state, query_start_loc, state_indices, has_initial_state, seq, token, out,
-            Cdim, *x.stride(), *conv_state.stride(), *out.stride(),
-            WM1=wm1, BLOCK_C=BLOCK_C, num_warps=4,
+            out_rows if rows else token, Cdim, *x.stride(), *conv_state.stride(), *out.stride(),
+            WM1=wm1, BLOCK_C=BLOCK_C, OUT_ROWS=rows, num_warps=4,
         )
     return out

@@ -215,7 +215,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            block_k=None, num_warps=None, block_p=None, num_stages=None,
                            cb_dtype=None, heads_per_program=None, state_block_k=None,
                            state_num_warps=None, state_num_stages=None, state_block_p=None,
-                           emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None):
+                           emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None,
+                           emit_out=None, emit_rows=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
     (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
@@ -245,6 +246,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     fresh) and writes its final state there; the second result is then None.
     chunk_layout: (query_start_loc int32 [B+1], cumulative chunk counts int32 [B]) made once a step
     (``MambaMetadata.ssd_chunk_layout``); None computes them here.
+    emit_out [R,H,P,N] / emit_rows [M]: the emitted states go to emit_out[emit_rows] (checkpoint
+    rows, in place; ``emit_states``' out / out_rows) and the third result is emit_out.
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -256,7 +259,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     final = initial_states if pooled else torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
     if Bn == 0:
         final = None if pooled else final
-        return (y, final) if emit_at is None else (y, final, torch.empty((0, H, P, N), device=dev))
+        return (y, final) if emit_at is None else \
+            (y, final, emit_out if emit_rows is not None else torch.empty((0, H, P, N), device=dev))
     _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
     NC = max(NC, 1)
     if chunk_layout is not None and T < 2**31:
@@ -360,14 +364,16 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     if emit_at is None:
         return y, final
     # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S)
-    return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs)
+    return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs, out=emit_out, out_rows=emit_rows)
 
 
 def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,
                                   has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *, max_seqlen=None,
-                                  out_dtype=torch.float32, emit_at=None, **options):
-    """Same arguments and results as ``ssd_scan_varlen_pooled_ref``; ``options``: the tuning
-    keywords of ``triton_ssd_scan_varlen``."""
+                                  out_dtype=torch.float32, emit_at=None, emit_out=None, emit_rows=None,
+                                  **options):
+    """Same arguments and results as ``ssd_scan_varlen_pooled_ref`` (the emits stored straight into
+    emit_out's rows by the emit kernel); ``options``: the tuning keywords of
+    ``triton_ssd_scan_varlen``."""
     # metadata checks only (no host sync): the state pass reads slot_ptr + b and has_init_ptr + b
     nb = query_start_loc.numel() - 1
     if state_indices.dim() != 1 or state_indices.shape[0] != nb or has_initial_state.shape != state_indices.shape:
@@ -381,10 +387,13 @@ def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_lo
     layout = options.get("chunk_layout")
     if layout is not None and (layout[0].numel() != nb + 1 or layout[1].numel() != nb):
         raise ValueError(f"chunk_layout holds {layout[1].numel()} rows, the call {nb}")
+    if emit_at is not None and (emit_out is None or emit_rows is None):
+        raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
     out = triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, chunk_size, dt_limit,
                                  max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at,
-                                 state_indices=state_indices, has_initial_state=has_initial_state, **options)
-    return out[0] if emit_at is None else (out[0], out[2])
+                                 state_indices=state_indices, has_initial_state=has_initial_state,
+                                 emit_out=emit_out, emit_rows=emit_rows, **options)
+    return out[0]
 
 
 # Defaults.  16-bit dot operands (lowp: bf16 / fp16 models) with more than one head per group:

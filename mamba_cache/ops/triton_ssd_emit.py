@@ -20,12 +20,14 @@ from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
 
 @triton.jit
 def _emit_kernel(
-    x_ptr, B_ptr, qsl_ptr, cum_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, emit_ptr, out_ptr,
+    x_ptr, B_ptr, qsl_ptr, cum_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, emit_ptr, out_ptr, out_row_ptr,
     nseq, T, H, P, N, heads_per_group, cs,
     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    OUT_ROWS: tl.constexpr = False,
 ):
     m = tl.program_id(0).to(tl.int64)
+    orow = tl.load(out_row_ptr + m).to(tl.int64) if OUT_ROWS else m    # where state m is stored
     h = tl.program_id(1)
     pb = tl.program_id(2)
     t = tl.load(emit_ptr + m).to(tl.int64)                 # packed token index of the emit
@@ -60,25 +62,33 @@ def _emit_kernel(
     mask = (p[:, None] < P) & (n[None, :] < N)
     tile = p[:, None] * N + n[None, :]
     h_in = tl.load(hin_ptr + (c * H + h) * P * N + tile, mask=mask, other=0.0)
-    tl.store(out_ptr + (m * H + h) * P * N + tile, tl.exp(cum_i) * h_in + acc, mask=mask)
+    tl.store(out_ptr + (orow * H + h) * P * N + tile, tl.exp(cum_i) * h_in + acc, mask=mask)
 
 
-def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=None) -> torch.Tensor:
+def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=None, out_rows=None) -> torch.Tensor:
     """The states after the packed tokens ``emit_at`` [M] -> [M, H, P, N] float32.
 
     x [T, H, P], B [T, G, N]: the scan's inputs; qsl [nseq + 1] and cum [nseq] (inclusive cumsum
     of each sequence's chunk count): its layout; meta [NC, 2] (chunk start token, length), dtc and
     cuma [NC, H, BLOCK_L] float32 (dt and the cumsum of dt * A inside each chunk) and h_in
     [NC, H, P, N] float32 (chunk-entry states): what its steps 1 and 3 computed. ``out``: a
-    contiguous float32 [M, H, P, N] to write (default: a new one)."""
+    contiguous float32 [M, H, P, N] to write (default: a new one); with ``out_rows`` [M] int64 a
+    contiguous float32 [R, H, P, N] whose rows ``out_rows`` receive the states (the checkpoint
+    rows, written in place)."""
     M = emit_at.numel()
     T, H, P = x.shape
     G, N = B.shape[-2:]
+    rows = out_rows is not None
     if out is None:
+        if rows:
+            raise ValueError("emit_states: out_rows needs out")
         out = torch.empty((M, H, P, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (M, H, P, N) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"emit_states: out must be a contiguous float32 {(M, H, P, N)}, got "
+    elif out.shape[1:] != (H, P, N) or (not rows and out.shape[0] != M) or out.dtype != torch.float32 \
+            or not out.is_contiguous():
+        raise ValueError(f"emit_states: out must be a contiguous float32 {('R' if rows else M, H, P, N)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
+    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
+        raise ValueError(f"emit_states: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
     if M == 0:
         return out
     if not (dtc.is_contiguous() and cuma.is_contiguous() and h_in.is_contiguous() and meta.is_contiguous()):
@@ -89,10 +99,10 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
     BLOCK_P = min(32, max(16, next_pow2(P)))
     with device_ctx(x):
         _emit_kernel[(M, H, triton.cdiv(P, BLOCK_P))](
-            x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, out,
+            x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, out, out_rows if rows else emit_at,
             qsl.numel() - 1, T, H, P, N, H // G, cs, *x.stride(), *B.stride(),
             BLOCK_L=BLOCK_L, BLOCK_K=min(32, BLOCK_L), BLOCK_P=BLOCK_P, BLOCK_N=max(16, next_pow2(N)),
-            num_warps=4,
+            OUT_ROWS=rows, num_warps=4,
         )
     return out
 

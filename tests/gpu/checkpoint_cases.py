@@ -12,11 +12,12 @@ import torch
 from kernel_cases import _clone_like, _conv_pool, _gen, _qsl, _slots, assert_close, assert_pool
 
 
-def check_emit(impl, device, dtype, lens, emit, cs, H=4, G=2, P=20, N=10, seed=0, tol=None):
+def check_emit(impl, device, dtype, lens, emit, cs, H=4, G=2, P=20, N=10, seed=0, tol=None, rows=False):
     """``impl`` (triton_ssd_emit.emit_states) against ``emit_states_ref`` on random chunk
     quantities laid out as the SSD scan lays them out (a spare empty chunk row, as its T-bound
     grid has); the output is poisoned with NaN first. P, N off powers of two (masked tiles) and
-    chunks longer than one dot step are the interesting cases."""
+    chunks longer than one dot step are the interesting cases. ``rows``: into shuffled rows of a
+    larger NaN buffer (``out_rows``: the checkpoint rows), the spare rows left NaN."""
     from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
     from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states_ref
     g = _gen(seed)
@@ -37,18 +38,28 @@ def check_emit(impl, device, dtype, lens, emit, cs, H=4, G=2, P=20, N=10, seed=0
     h_in = torch.randn(NC, H, P, N, generator=g).to(device)
     e = torch.tensor(emit, dtype=torch.int64).to(device)
     want = emit_states_ref(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs)
+    if rows:
+        R = len(emit) + 3
+        out_rows = torch.randperm(R, generator=g)[:len(emit)].to(device)
+        out = torch.full((R, H, P, N), float("nan"), device=device)
+        got = impl(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs, out=out, out_rows=out_rows)
+        assert got is out
+        full = torch.full_like(out, float("nan"))
+        full[out_rows] = want
+        return {"emit": assert_pool(got, full, tol or 1e-5, "emit rows")}
     out = torch.full((len(emit), H, P, N), float("nan"), device=device)
     got = impl(x, B, qsl, cum, meta, dtc, cuma, h_in, e, cs, out=out)
     assert got is out
     return {"emit": assert_close(got, want, tol or 1e-5, "emit")}
 
 
-def check_conv_windows(impl, device, dtype, lens, emits, C=24, W=4, K=3, seed=0, token_major=True):
+def check_conv_windows(impl, device, dtype, lens, emits, C=24, W=4, K=3, seed=0, token_major=True, rows=False):
     """``impl`` (triton_conv_windows_before) against ``conv_windows_before_ref``: the conv window
     after each emit token, reading the pool's old window where the token is within W-2 of its
     chunk's start (rows with and without an initial state). The pool is NaN outside the rows'
     windows (a read of anything else shows), must stay untouched, and the output starts as NaN.
-    ``emits``: (row, position in the row's chunk) pairs."""
+    ``emits``: (row, position in the row's chunk) pairs. ``rows``: into shuffled rows of a larger NaN
+    buffer (``out_rows``: the checkpoint rows), the spare rows left NaN."""
     from hybrid_engine.mamba_cache.ops import conv_windows_before_ref
     g = _gen(seed)
     S = len(lens) + 3
@@ -65,9 +76,18 @@ def check_conv_windows(impl, device, dtype, lens, emits, C=24, W=4, K=3, seed=0,
     pool, x, qsl, slots, init, seq, tok = (t.to(device) for t in (pool, x, qsl, slots, init, seq, tok))
     want = conv_windows_before_ref(x, pool, W, qsl, slots, init, seq, tok)
     before = _clone_like(pool)
-    out = torch.full((len(emits), C, W - 1), math.nan, dtype=dtype, device=device)
-    got = impl(x, pool, W, qsl, slots, init, seq, tok, out=out)
+    if rows:
+        R = len(emits) + 2
+        out_rows = torch.randperm(R, generator=g)[:len(emits)].to(device)
+        out = torch.full((R, C, W - 1), math.nan, dtype=dtype, device=device)
+        got = impl(x, pool, W, qsl, slots, init, seq, tok, out=out, out_rows=out_rows)
+        full = torch.full_like(out, math.nan)
+        full[out_rows] = want
+        want = full
+    else:
+        out = torch.full((len(emits), C, W - 1), math.nan, dtype=dtype, device=device)
+        got = impl(x, pool, W, qsl, slots, init, seq, tok, out=out)
     assert got is out
-    assert torch.equal(got, want), "conv windows differ (a copy: must be bit-exact)"
+    assert_pool(got, want, None, "conv windows (a copy: bit-exact; spare rows NaN)")
     assert_pool(pool, before, None, "conv pool")
     return {"windows": 0.0}

@@ -104,6 +104,11 @@ CASES = {
     "conv_windows_w2_channel_major": lambda: cc.check_conv_windows(
         triton_conv_windows_before, "cpu", F32, [3, 4], [(0, 0), (1, 3)], W=2, K=0, token_major=False, seed=1),
     "emit_kernel_one_seq": lambda: cc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
+    "emit_kernel_rows": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1], [0, 15, 16, 27, 43], 16,
+                                              seed=3, rows=True),
+    "conv_windows_rows": lambda: cc.check_conv_windows(
+        triton_conv_windows_before, "cpu", F32, [5, 1, 9, 2], [(0, 0), (0, 4), (1, 0), (2, 1), (2, 8), (3, 1)],
+        seed=2, rows=True),
     "ssd_emit": lambda: check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44]),
     "ssd_emit_lowp_f16": lambda: check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48],
                                                  chunk_size=16, seed=1, lowp=True),

@@ -252,8 +252,14 @@ def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chu
     want_pool = pool.clone()
     want_pool[slots, 0] = ref[1]
     pool_ref = pool.clone()
+    # emits go to shuffled rows of a NaN checkpoint buffer with spare rows (which must stay NaN)
+    R = 0 if e is None else e.numel() + 2
+    rows = None if e is None else d((torch.randperm(R, generator=g)[:e.numel()]).long())
+    emit_ref = torch.full((R, H, P, N), math.nan, device=device)
+    emit_out = emit_ref.clone()
+    ekw = {} if e is None else dict(emit_at=e, emit_rows=rows)
     ref_pooled = ssd_scan_varlen_pooled_ref(x, dt, dt_bias, A, B, C, D, qsl, pool_ref[:, 0], slots, has_init,
-                                            chunk_size, emit_at=e)
+                                            chunk_size, emit_out=emit_ref, **ekw)
     kw = {}
     if step_layout:
         from hybrid_engine.step.forward_batch import MambaMetadata
@@ -261,9 +267,10 @@ def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chu
         md = MambaMetadata(0, 1, none, none, qsl.long(), tuple(qsl.tolist()), slots, has_init)
         kw["chunk_layout"] = md.ssd_chunk_layout(chunk_size)
     poison_allocator(device)
-    out = impl(x, dt, dt_bias, A, B, C, D, qsl, pool[:, 0], slots, has_init, chunk_size, emit_at=e, **kw)
-    y = out if e is None else out[0]
+    y = impl(x, dt, dt_bias, A, B, C, D, qsl, pool[:, 0], slots, has_init, chunk_size, emit_out=emit_out,
+             **ekw, **kw)
     tol = tol or TOL["ssd"][dtype]
+    assert torch.equal(ref_pooled, ref[0])
     assert torch.equal(pool_ref.nan_to_num(0.0), want_pool.nan_to_num(0.0)), "pooled reference pool"
     errs = {"y": assert_close(y, ref[0], tol, "ssd pooled y"),
             "pool": assert_pool(pool, want_pool, tol, "ssd pooled pool")}
@@ -273,8 +280,10 @@ def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chu
     assert torch.equal(pool[~moved].nan_to_num(0.0), want_pool[~moved].nan_to_num(0.0)), "ssd pooled: other slots"
     assert torch.equal(torch.isnan(pool[~moved]), torch.isnan(want_pool[~moved]))
     if e is not None:
-        assert torch.equal(ref_pooled[1], ref[2])
-        errs["emit"] = assert_close(out[1], ref[2], tol, "ssd pooled emit")
+        want_emit = torch.full((R, H, P, N), math.nan, device=device)
+        want_emit[rows] = ref[2]
+        assert torch.equal(emit_ref.nan_to_num(0.0), want_emit.nan_to_num(0.0)), "pooled reference emits"
+        errs["emit"] = assert_pool(emit_out, want_emit, tol, "ssd pooled emit rows")
     return errs
 
 

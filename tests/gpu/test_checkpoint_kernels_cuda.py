@@ -2,9 +2,10 @@
 (``triton_ssd_emit.emit_states``: the SSM state after chosen tokens, from the SSD scan's chunk
 quantities; float32 and bf16 inputs, masked tiles, chunks of several dot steps, one sequence, the
 8B shape's head layout: P 64, N 128, 128-token chunks) and the conv-window kernel
-(``triton_conv_windows_before``: bit-exact copies, pool untouched). The whole scan with emits
-against the torch scan: test_kernels_interpret.py's ``ssd_emit`` cases (CPU) and
-test_prefix_cache_cuda.py (engine, caching on == off)."""
+(``triton_conv_windows_before``: bit-exact copies, pool untouched), both also storing into
+checkpoint rows (``out_rows``). The whole scan with emits against the torch scan:
+test_kernels_interpret.py's ``ssd_emit`` cases (CPU) and test_prefix_cache_cuda.py (engine,
+caching on == off)."""
 import pytest
 import torch
 
@@ -32,3 +33,13 @@ def test_conv_windows_kernel_matches_ref(dtype, token_major):
     cc.check_conv_windows(triton_conv_windows_before, "cuda", dtype, [5, 1, 9, 2, 300],
                           [(0, 0), (0, 1), (0, 2), (0, 4), (1, 0), (2, 0), (2, 1), (2, 8), (3, 1), (4, 299)],
                           C=1536, seed=4, token_major=token_major)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_kernels_store_into_rows(dtype):
+    """``out_rows``: each state / window stored at its checkpoint row of a larger buffer (what the
+    mixer passes: the layer's checkpoint rows), the other rows untouched."""
+    cc.check_emit(emit_states, "cuda", dtype, [300, 129, 5], [127, 128, 299, 300, 433], 128, H=16, G=2, P=64,
+                  N=128, seed=5, rows=True)
+    cc.check_conv_windows(triton_conv_windows_before, "cuda", dtype, [5, 9, 300], [(0, 0), (1, 8), (2, 299)],
+                          C=1536, seed=6, rows=True)

@@ -6,8 +6,10 @@ import torch
 from hybrid_engine.mamba_cache.ops import (
     causal_conv1d_varlen_ref,
     conv_windows_at,
+    conv_windows_before,
     conv_windows_before_ref,
     ssd_scan_varlen,
+    ssd_scan_varlen_pooled,
     ssd_scan_varlen_ref,
 )
 from oracles import close, dt64, qsl_of, ssm_params, ssm_seq64
@@ -111,13 +113,21 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
     ck = MambaCheckpoints(1, 4, Cdim, W, H, P, N, torch.float32, torch.device("cpu"))
     pool = MambaPool(1, 2, Cdim, W, H, P, N, 2, torch.float32, torch.device("cpu"))   # 3 slots, K = 2
     conv_state, ssm_state = pool.conv_state[0], pool.ssm_state[0]
+    # the scan's emits into checkpoint rows (outside the guard: with a CPU query_start_loc the
+    # reference sizes its grid exactly from it, which reads it; the mixer's is on the device)
+    ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, qsl, pool.ssm_state[0][:, 0], torch.tensor([1, 2]),
+                           torch.tensor([True, False]), cs, emit_at=emit, emit_out=ck.ssm[0],
+                           emit_rows=torch.tensor([0, 2, 3]))
     with NoHostSync():
-        win = conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
+        conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
         conv_windows_before_ref(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl,
                                 torch.tensor([1, 2]), torch.tensor([True, False]), seq, emit)
-        ck.save(0, torch.tensor([0, 2, 3]), win, torch.randn(3, H, P, N))
+        conv_windows_before(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl, torch.tensor([1, 2]),
+                            torch.tensor([True, False]), seq, emit, out=ck.conv[0], out_rows=torch.tensor([0, 2, 3]))
         ck.restore(pool, torch.tensor([1, 2]), torch.tensor([2, 0]))
-    assert torch.equal(conv_state[1, :, :W - 1], win[1]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
+    assert torch.equal(conv_state[1, :, :W - 1], ck.conv[0][2]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
+    assert not torch.equal(ck.conv[0][2], torch.zeros_like(ck.conv[0][2]))     # the windows landed in rows 0, 2, 3
+    assert not torch.equal(ck.ssm[0][0], torch.zeros_like(ck.ssm[0][0]))       # and the emitted states
     emit_mod = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd_emit")
     NC, BL = 4, 16
     meta = torch.tensor([[0, 8], [8, 4], [12, 7], [19, 0]], dtype=torch.int32)
