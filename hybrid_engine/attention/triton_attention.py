@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -200,7 +200,7 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qsl = query_start_loc.to(q.device)
     sl = seq_lens.to(q.device)
-    nqb = triton.cdiv(Qm, BLOCK_Q)
+    nqb = cdiv(Qm, BLOCK_Q)
 
     n_splits = 1
     if nqb == 1:
@@ -209,11 +209,11 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         if num_splits is not None:
             n_splits = max(1, int(num_splits))
         elif programs < sms:
-            n_splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(Sm, 128), 64)
+            n_splits = min(cdiv(2 * sms, programs), cdiv(Sm, 128), 64)
             if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
-                n_splits = min(2 * n_splits, triton.cdiv(Sm, 128), 64)
-    split_len = triton.cdiv(triton.cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
-    n_splits = triton.cdiv(Sm, split_len)
+                n_splits = min(2 * n_splits, cdiv(Sm, 128), 64)
+    split_len = cdiv(cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
+    n_splits = cdiv(Sm, split_len)
     split = n_splits > 1
     if split:
         pm = torch.empty((n_splits, T, nH), dtype=torch.float32, device=q.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend, triton_available
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, kernel_backend, triton_available
 
 BLOCK = 1024                      # elements per program
 
@@ -39,7 +39,7 @@ def relu2_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)                       # [..., I]
     n = x.numel()
     if n:
-        _relu2_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK, num_warps=4)
+        _relu2_kernel[(cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK, num_warps=4)
     return out
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -145,7 +146,7 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, p
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    kernel[(triton.cdiv(N, block_n),)](
+    kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages, **consts, **(pdl_kwargs(x.device) if pdl else {}))

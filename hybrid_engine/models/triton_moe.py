@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
@@ -160,7 +160,7 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     out_dtype = x.dtype if out_dtype is None else out_dtype
     out = torch.empty(T, N, dtype=out_dtype, device=x.device)
     bn, bk, warps = gemv_tiles("rowwise", T, weight)
-    _pair_gemv_kernel[(triton.cdiv(N, bn), T)](
+    _pair_gemv_kernel[(cdiv(N, bn), T)](
         x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
         RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
         ROUND=out_dtype == x.dtype, num_warps=warps, ws_ptr=x, **pdl_kwargs(x.device))
@@ -289,12 +289,12 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     if T <= DECODE_MAX_TOKENS and not force_grouped:
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
         bn, bk, warps = gemv_tiles("up", T, w_up)
-        _pair_gemv_kernel[(triton.cdiv(F, bn), P)](
+        _pair_gemv_kernel[(cdiv(F, bn), P)](
             h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
             inter.stride(0), RELU2=not swiglu, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
             num_warps=warps, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **pdl)
         bn, bk, warps = gemv_tiles("down", T, w_down)
-        _pair_gemv_kernel[(triton.cdiv(D_out, bn), P)](
+        _pair_gemv_kernel[(cdiv(D_out, bn), P)](
             inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
             w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled, **pdl)
@@ -307,12 +307,12 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         ieee = h.dtype == torch.float32
-        _grouped_gemm_kernel[(triton.cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
+        _grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
             h, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             F, h.shape[1], P, k, h.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
             A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm,
             SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **cfg)
-        _grouped_gemm_kernel[(triton.cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
+        _grouped_gemm_kernel[(cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
             inter, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             D_out, F, P, 1, inter.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
             A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm,
@@ -322,6 +322,6 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):
         raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
     bn = 256
-    _combine_kernel[(T, triton.cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
+    _combine_kernel[(T, cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
                                                   HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4, **pdl)
     return out

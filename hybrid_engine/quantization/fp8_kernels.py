@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -108,7 +109,7 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
     N = w_q.shape[0]
     assert M == 1, "the FMA kernel takes one row"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _fp8_fma_kernel[(triton.cdiv(N, block_n),)](
+    _fp8_fma_kernel[(cdiv(N, block_n),)](
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0),
         PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
@@ -129,7 +130,7 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
     # launched without programmatic dependent launch (its PDL flag stays False): with it, 8B FP8
     # decode at batch 8 ran at 1418 tok/s against 1554 without (H100,
     # benchmarks/results/2026-11-26-pdl-h100.md)
-    _fp8_dot_kernel[(triton.cdiv(N, block_n),)](
+    _fp8_dot_kernel[(cdiv(N, block_n),)](
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -255,7 +256,7 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
                                                                           device=x.device)
     if M == 0:
         return x_q, scale
-    bk = min(block_k, max(16, triton.next_power_of_2(K)))
+    bk = min(block_k, max(16, next_pow2(K)))
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
                                 STATIC=static, BLOCK_K=bk, ONE_PASS=K <= bk, num_warps=4 if bk <= 2048 else 8)
     return x_q, scale

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .nvfp4 import GROUP, _check_k
@@ -238,7 +239,7 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     assert M == 1, "the FMA kernel takes one row"
     words = packed.view(torch.int32)                        # [N, K / 8], row stride packed.stride(0) / 4
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _nvfp4_fma_kernel[(triton.cdiv(N, block_n),)](
+    _nvfp4_fma_kernel[(cdiv(N, block_n),)](
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, N, K // 8,
         words.stride(0), weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_G=block_g, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
@@ -265,7 +266,7 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
     if M == 0:
         return y
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    _nvfp4_dot_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+    _nvfp4_dot_kernel[(cdiv(N, block_n), cdiv(M, block_m))](
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 8,
         x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SWAP=swap, SHIFT=_SHIFT[x.dtype], PTX=ptx,

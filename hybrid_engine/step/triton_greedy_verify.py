@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 from hybrid_engine.sampling import rng
 from hybrid_engine.spec.rejection import FORCED_STREAM
 
@@ -132,7 +132,7 @@ def _verify_kernel(cmax_ptr, cidx_ptr, drafts_ptr, start_ptr, tok_ptr, nv_ptr, n
 def chunk_buffers(max_logit_rows: int, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax chunks' scratch for up to ``max_logit_rows`` rows of ``vocab_size``:
     ([rows * chunks] float32 maxima, [rows * chunks] int32 indices)."""
-    n = max_logit_rows * triton.cdiv(vocab_size, CHUNK)
+    n = max_logit_rows * cdiv(vocab_size, CHUNK)
     return (torch.empty(n, dtype=torch.float32, device=device),
             torch.empty(n, dtype=torch.int32, device=device))
 
@@ -174,7 +174,7 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, start: torch.Tenso
                          f"{tuple(forced_keys.stride())} on {forced_keys.device}")
     if B == 0:
         return
-    n_chunks = triton.cdiv(V, CHUNK)
+    n_chunks = cdiv(V, CHUNK)
     cmax, cidx = chunks
     if cmax.numel() < rows * n_chunks:
         raise ValueError(f"chunk buffers hold {cmax.numel()} entries, {rows * n_chunks} needed")

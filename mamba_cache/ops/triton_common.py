@@ -61,6 +61,12 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: plain integer arithmetic (``triton.cdiv`` is a constexpr
+    function on newer Triton, ~1.5 us a call through its wrapper: several per launch on eager steps)."""
+    return -(-a // b)
+
+
 class device_ctx:
     """``with device_ctx(t):`` makes t's CUDA device current for a launch (no-op on CPU)."""
 

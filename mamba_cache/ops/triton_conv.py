@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 
 _softplus, _silu = tl_helpers()
 
@@ -127,7 +127,7 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
     iters = max(1, (Bn).bit_length() + 1)
     bias_arg = bias if bias is not None else weight
     with device_ctx(x):
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(Cdim, BLOCK_C))
+        grid = (cdiv(T, BLOCK_T), cdiv(Cdim, BLOCK_C))
         _conv_varlen_kernel[grid](
             x, weight, bias_arg, conv_state, qsl, state_indices, init, out,
             T, Cdim, Bn, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
@@ -136,7 +136,7 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
         )
         if W > 1:
             BC = min(256, next_pow2(Cdim))
-            _conv_varlen_state_kernel[(Bn, triton.cdiv(Cdim, BC))](
+            _conv_varlen_state_kernel[(Bn, cdiv(Cdim, BC))](
                 x, conv_state, qsl, state_indices, init,
                 Cdim, *x.stride(), *conv_state.stride(),
                 WM1=W - 1, BLOCK_W=next_pow2(W - 1), NULL=NULL_SLOT, BLOCK_C=BC, num_warps=4,

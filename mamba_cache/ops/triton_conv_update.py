@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 _softplus, _silu = tl_helpers()
@@ -277,7 +277,7 @@ def _launch_cols(x, weight, bias, conv_state, state_indices, num_accepted, out, 
     assert weight_load in ("auto", "flat", "taps"), "weight_load: auto, flat or taps"
     wflat = flat_possible and (weight_load == "flat" or (
         weight_load == "auto" and per_thread * W * weight.element_size() <= 16))
-    nrb, ncb = triton.cdiv(N, rows), triton.cdiv(Cdim, BLOCK_C)
+    nrb, ncb = cdiv(N, rows), cdiv(Cdim, BLOCK_C)
     grid = (ncb, nrb) if channels_fast else (nrb, ncb)
     launch = dict(launch_pdl=True) if pdl else {}
     with device_ctx(x):
@@ -342,7 +342,7 @@ def triton_causal_conv1d_update(x, weight, bias, conv_state, state_indices, num_
     # 512 channels; 8 warps for one token per row, 4 for verify rows
     BLOCK_C = block_c or min(512, next_pow2(Cdim))
     with device_ctx(x):
-        _conv_update_kernel[(N, triton.cdiv(Cdim, BLOCK_C))](
+        _conv_update_kernel[(N, cdiv(Cdim, BLOCK_C))](
             x, weight, bias_arg, conv_state, state_indices, num_accepted, out,
             s, Cdim, ncols, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
             W=W, HAS_BIAS=bias is not None, NULL=NULL_SLOT, BLOCK_S=next_pow2(s),

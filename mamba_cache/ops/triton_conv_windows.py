@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def triton_conv_windows_before(x, conv_state, width: int, query_start_loc, state
         return out
     BLOCK_C = min(1024, max(16, next_pow2(Cdim)))
     with device_ctx(x):
-        _conv_windows_kernel[(M, triton.cdiv(Cdim, BLOCK_C))](
+        _conv_windows_kernel[(M, cdiv(Cdim, BLOCK_C))](
             x, conv_state, query_start_loc, state_indices, has_initial_state, seq, token, out,
             out_rows if rows else token, Cdim, *x.stride(), *conv_state.stride(), *out.stride(),
             WM1=wm1, BLOCK_C=BLOCK_C, OUT_ROWS=rows, num_warps=4,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 
 _softplus, _silu = tl_helpers()
 
@@ -82,7 +82,7 @@ def triton_gated_rmsnorm(y, z, weight, group_size, eps, *, block_t=None, num_war
         nw = 4 if BLOCK_T * BLOCK_G <= 4096 else 8
     BLOCK_T, nw = block_t or BLOCK_T, num_warps or nw
     with device_ctx(y):
-        _gated_rmsnorm_kernel[(triton.cdiv(T, BLOCK_T), I // group_size)](
+        _gated_rmsnorm_kernel[(cdiv(T, BLOCK_T), I // group_size)](
             y, z, weight if weight is not None else y, out, T, group_size, float(eps),
             *y.stride(), *z.stride(), *out.stride(),
             BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, LD_EV="evict_first" if streaming else "",

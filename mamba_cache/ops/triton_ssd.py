@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
@@ -316,7 +316,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                      dtype=x.dtype if cb_round else torch.float32, device=dev)
     BLOCK_H = max(1, min(next_pow2(H), 4096 // BLOCK_L))
     with device_ctx(x):
-        _chunk_dt_kernel[(NC, triton.cdiv(H, BLOCK_H))](
+        _chunk_dt_kernel[(NC, cdiv(H, BLOCK_H))](
             dt_raw, dt_bias, A, qsl, cum, meta, dtc, cuma,
             Bn, H, cs, lo, hi, *dt_raw.stride(),
             CLAMP=clamp, SEARCH_ITERS=max(1, Bn.bit_length() + 1),
@@ -324,7 +324,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         )
         if cb_pre:
             BM_CB = min(64, BLOCK_L)
-            _chunk_cb_kernel[(NC, G, triton.cdiv(BLOCK_L, BM_CB))](
+            _chunk_cb_kernel[(NC, G, cdiv(BLOCK_L, BM_CB))](
                 B, C, meta, cb, G, N, *B.stride(), *C.stride(),
                 PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
             )
@@ -332,22 +332,22 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            state_block_k, state_num_warps, state_num_stages, state_block_p)
         BN_PASS = min(BLOCK_N, 64)
         BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
-        nnb = triton.cdiv(N, BN_PASS)
+        nnb = cdiv(N, BN_PASS)
         if pooled:      # bool -> uint8 (a view when contiguous): Triton loads bytes
             has_init = has_initial_state.view(torch.uint8) if has_initial_state.is_contiguous() \
                 else has_initial_state.to(torch.uint8)
-        _state_pass_kernel[(Bn, H, triton.cdiv(P, BP_PASS) * nnb)](
+        _state_pass_kernel[(Bn, H, cdiv(P, BP_PASS) * nnb)](
             S, hin, cuma, cum, initial_states, final,
             state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
             *initial_states.stride(), *final.stride(),
             BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
             POOLED=pooled, num_warps=4,
         )
-        npb = triton.cdiv(P, BP_OUT)
-        nmb = triton.cdiv(cs, BLOCK_M)
+        npb = cdiv(P, BP_OUT)
+        nmb = cdiv(cs, BLOCK_M)
         strides = (*x.stride(), *B.stride(), *C.stride(), *y.stride())
         if hpp > 1:
-            nhb = triton.cdiv(hpg, hpp)
+            nhb = cdiv(hpg, hpp)
             _chunk_out_heads_kernel[(NC * nmb * npb, G * nhb)](
                 x, B, C, D, A, meta, dtc, cuma, hin, cb, y, H, P, N, G, hpg, nhb, npb, *strides,
                 PREC=prec, LOWP=lowp, CB_PRE=cb_pre, CB_ROUND=cb_round, BLOCK_L=BLOCK_L,

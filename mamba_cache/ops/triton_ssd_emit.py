@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
     BLOCK_L = cuma.shape[-1]
     BLOCK_P = min(32, max(16, next_pow2(P)))
     with device_ctx(x):
-        _emit_kernel[(M, H, triton.cdiv(P, BLOCK_P))](
+        _emit_kernel[(M, H, cdiv(P, BLOCK_P))](
             x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, out, out_rows if rows else emit_at,
             qsl.numel() - 1, T, H, P, N, H // G, cs, *x.stride(), *B.stride(),
             BLOCK_L=BLOCK_L, BLOCK_K=min(32, BLOCK_L), BLOCK_P=BLOCK_P, BLOCK_N=max(16, next_pow2(N)),

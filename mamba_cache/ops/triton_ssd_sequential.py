@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_ssd import _dt_args
 
 _softplus, _silu = tl_helpers()
@@ -72,7 +72,7 @@ def triton_ssd_scan_sequential(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, 
     BLOCK_N = next_pow2(N)
     BLOCK_P = min(next_pow2(P), block_p)
     with device_ctx(x):
-        _ssd_seq_kernel[(Bn, H, triton.cdiv(P, BLOCK_P))](
+        _ssd_seq_kernel[(Bn, H, cdiv(P, BLOCK_P))](
             x, dt_raw, dt_bias, A, B, C, D, query_start_loc.to(x.device), initial_states, y, final,
             P, N, H // G, lo, hi,
             *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(), *initial_states.stride(),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 
 
 @triton.jit
@@ -81,6 +81,6 @@ def launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_
     stages = num_stages or d["num_stages"]
     if stages:
         launch["num_stages"] = stages
-    _chunk_state_kernel[(NC, H, triton.cdiv(P, BP))](
+    _chunk_state_kernel[(NC, H, cdiv(P, BP))](
         x, B, meta, dtc, cuma, S, H, P, B.shape[-1], H // G, *x.stride(), *B.stride(),
         PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BLOCK_N, **launch)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.mamba_cache.ops.triton_common import device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 _softplus, _silu = tl_helpers()
@@ -174,7 +174,7 @@ def triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, 
     cnt = reserve_ssu_norm_counters(x.device, nrows, NG)
     BLOCK_P = block_p or _config(P, B.shape[-1], nrows * H)[0]
     fused = [z3, norm_weight, cnt, *z3.stride(), group_size // P, NG, group_size, float(eps),
-             (group_size // P) * triton.cdiv(P, BLOCK_P)]
+             (group_size // P) * cdiv(P, BLOCK_P)]
     BLOCK_G = next_pow2(group_size)
     BLOCK_S = block_s or min(next_pow2(s), max(1, 4096 // BLOCK_G))
     _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit,
@@ -234,7 +234,7 @@ def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accept
         nw = num_warps
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     clamp = lo > 0.0 or hi < math.inf
-    grid = (nrows, H, triton.cdiv(P, BLOCK_P))
+    grid = (nrows, H, cdiv(P, BLOCK_P))
     with device_ctx(x):
         _ssu_kernel[grid](
             ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, y,

@@ -77,3 +77,12 @@ def test_env_forces_reference(monkeypatch):
     assert triton_common.kernel_backend("ssd_scan_varlen", torch.device("cuda")) == "torch_ref"
     from hybrid_engine.attention.ops import _backend_for
     assert _backend_for(torch.device("cuda")) == "torch_ref"
+
+
+def test_cdiv_is_the_ceiling_of_the_quotient():
+    """The launch grids' host-side ceil division (plain ints, not triton.cdiv's wrapper)."""
+    import math
+    from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+    for a in range(0, 70):
+        for b in (1, 2, 16, 64):
+            assert cdiv(a, b) == math.ceil(a / b) and isinstance(cdiv(a, b), int)
