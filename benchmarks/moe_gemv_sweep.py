@@ -21,6 +21,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv  # noqa: E402
 from hybrid_engine.models import triton_moe  # noqa: E402
 
 D, F, FS, E, K_TOP = 2688, 1856, 3712, 128, 6     # hidden, expert inner, shared inner, experts, top-k
@@ -91,7 +92,7 @@ def case(name: str, T: int, bn: int, bk: int, warps: int, stages: int | None, re
     kw = dict(RELU2=relu2, WEIGHTED=weighted, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=one, ROUND=rnd, num_warps=warps)
     if stages is not None:
         kw["num_stages"] = stages
-    grid = (triton.cdiv(N, bn), P)
+    grid = (cdiv(N, bn), P)
 
     def fn():
         triton_moe._pair_gemv_kernel[grid](x, w, ids, wts, out, N, Kd, a_div, x.stride(0), s_we,

@@ -202,9 +202,17 @@ def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, ha
                                           has_initial_state, seq, token, out=out, out_rows=out_rows)
     win = conv_windows_before_ref(x, conv_state, width, query_start_loc, state_indices, has_initial_state,
                                   seq, token)
-    if out_rows is not None:
-        out[out_rows] = win.to(out.dtype)
-        return out
-    if out is not None:
+    if out is None:
+        if out_rows is not None:
+            raise ValueError("conv_windows_before: out_rows needs out")
+        return win
+    # the kernel's rules: the pool's dtype, [R or M, C, W-1]
+    if out.dtype != conv_state.dtype or out.shape[1:] != win.shape[1:] or \
+            (out_rows is None and out.shape[0] != win.shape[0]):
+        raise ValueError(f"conv_windows_before: out must be {conv_state.dtype} "
+                         f"{('R' if out_rows is not None else win.shape[0], *win.shape[1:])}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if out_rows is None:
         return out.copy_(win)
-    return win
+    out[out_rows] = win
+    return out

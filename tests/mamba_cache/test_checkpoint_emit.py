@@ -113,21 +113,26 @@ def test_checkpoint_ops_never_read_device_data_on_the_host():
     ck = MambaCheckpoints(1, 4, Cdim, W, H, P, N, torch.float32, torch.device("cpu"))
     pool = MambaPool(1, 2, Cdim, W, H, P, N, 2, torch.float32, torch.device("cpu"))   # 3 slots, K = 2
     conv_state, ssm_state = pool.conv_state[0], pool.ssm_state[0]
+    ssm_state.copy_(torch.randn(ssm_state.shape, generator=gen))
+    slots, has_init, rows = torch.tensor([1, 2]), torch.tensor([True, False]), torch.tensor([0, 2, 3])
+    xc, cpool = torch.randn(T, Cdim, generator=gen), torch.randn(3, Cdim, W - 1 + 2, generator=gen)
+    # what lands in the checkpoint rows: the windows and the states after the emit tokens
+    want_conv, want_ssm = torch.zeros_like(ck.conv[0]), torch.zeros_like(ck.ssm[0])
+    want_conv[rows] = conv_windows_before_ref(xc, cpool, W, qsl, slots, has_init, seq, emit)
+    init = torch.where(has_init.view(-1, 1, 1, 1), ssm_state[slots, 0], 0.0)
+    want_ssm[rows] = ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, qsl, init, cs, emit_at=emit)[2]
     # the scan's emits into checkpoint rows (outside the guard: with a CPU query_start_loc the
     # reference sizes its grid exactly from it, which reads it; the mixer's is on the device)
-    ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, qsl, pool.ssm_state[0][:, 0], torch.tensor([1, 2]),
-                           torch.tensor([True, False]), cs, emit_at=emit, emit_out=ck.ssm[0],
-                           emit_rows=torch.tensor([0, 2, 3]))
+    ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, qsl, ssm_state[:, 0], slots, has_init, cs,
+                           emit_at=emit, emit_out=ck.ssm[0], emit_rows=rows)
     with NoHostSync():
         conv_windows_at(torch.randn(T, Cdim), torch.zeros(3, Cdim, W - 1), qsl, seq, emit)
-        conv_windows_before_ref(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl,
-                                torch.tensor([1, 2]), torch.tensor([True, False]), seq, emit)
-        conv_windows_before(torch.randn(T, Cdim), torch.randn(3, Cdim, W - 1 + 2), W, qsl, torch.tensor([1, 2]),
-                            torch.tensor([True, False]), seq, emit, out=ck.conv[0], out_rows=torch.tensor([0, 2, 3]))
+        conv_windows_before(xc, cpool, W, qsl, slots, has_init, seq, emit, out=ck.conv[0], out_rows=rows)
+    assert torch.equal(ck.conv[0], want_conv)                  # rows 0, 2, 3 written, row 1 untouched
+    assert torch.equal(ck.ssm[0], want_ssm)
+    with NoHostSync():
         ck.restore(pool, torch.tensor([1, 2]), torch.tensor([2, 0]))
     assert torch.equal(conv_state[1, :, :W - 1], ck.conv[0][2]) and torch.equal(ssm_state[2, 0], ck.ssm[0][0])
-    assert not torch.equal(ck.conv[0][2], torch.zeros_like(ck.conv[0][2]))     # the windows landed in rows 0, 2, 3
-    assert not torch.equal(ck.ssm[0][0], torch.zeros_like(ck.ssm[0][0]))       # and the emitted states
     emit_mod = __import__("pytest").importorskip("hybrid_engine.mamba_cache.ops.triton_ssd_emit")
     NC, BL = 4, 16
     meta = torch.tensor([[0, 8], [8, 4], [12, 7], [19, 0]], dtype=torch.int32)
