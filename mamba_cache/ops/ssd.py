@@ -202,13 +202,18 @@ def ssd_scan_varlen_pooled_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, 
     holds) and its final state written back there. states [S, H, P, N] float32 (any strides: the
     pool's checkpoint-0 view ``ssm_state[:, 0]``); state_indices [B] int64, distinct; has_initial_state
     [B] bool. With ``emit_at`` [M], the state after each of those tokens goes to
-    ``emit_out[emit_rows[m]]`` (emit_out [R, H, P, N] float32: a layer's checkpoint rows). -> y [T, H, P]."""
+    ``emit_out[emit_rows[m]]`` (emit_out [R, H, P, N] float32: a layer's checkpoint rows). A row on
+    NULL_SLOT starts from zeros and writes nothing (its y is unspecified). -> y [T, H, P]."""
+    from hybrid_engine.mamba_cache import NULL_SLOT
     if emit_at is not None and (emit_out is None or emit_rows is None):
         raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
-    init = torch.where(has_initial_state.view(-1, 1, 1, 1), states[state_indices], 0.0)
+    live = (state_indices != NULL_SLOT).view(-1, 1, 1, 1)
+    old = states[state_indices]
+    init = torch.where(has_initial_state.view(-1, 1, 1, 1) & live, old, 0.0)
     out = ssd_scan_varlen_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init, chunk_size, dt_limit,
                               max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at)
-    states[state_indices] = out[1]
+    # NULL rows write back what the slot held (every NULL row the same value: no sync, no mask)
+    states[state_indices] = torch.where(live, out[1], old)
     if emit_at is not None:
         emit_out[emit_rows] = out[2]
     return out[0]

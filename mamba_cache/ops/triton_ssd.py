@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
@@ -341,7 +342,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
             *initial_states.stride(), *final.stride(),
             BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
-            POOLED=pooled, num_warps=4,
+            POOLED=pooled, NULL=NULL_SLOT, num_warps=4,
         )
         npb = cdiv(P, BP_OUT)
         nmb = cdiv(cs, BLOCK_M)

@@ -4,7 +4,8 @@
 sequence's chunks: h_in(c) = h; h = exp(cum_last_c) h + S_c, starting from the initial state; the
 final state is written out. ``POOLED``: the initial state is read at the sequence's pool slot
 (zeros where it starts fresh) and the final state written back there (init and final are the
-same pool view; the program reads its tile before it writes it, slots are distinct). h_in is stored in the dtype the chunk-output dots take (in place over
+same pool view; the program reads its tile before it writes it, slots are distinct); a row on
+NULL_SLOT starts from zeros and stores nothing (the pool contract). h_in is stored in the dtype the chunk-output dots take (in place over
 S_c when that is float32); ``STORE32`` also keeps the float32 entry state in S for the prefix-cache
 emits (``triton_ssd_emit``).
 """
@@ -20,7 +21,7 @@ def _state_pass_kernel(
     H, P, N, n_nblocks,
     si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
     BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE32: tl.constexpr = False, POOLED: tl.constexpr = False,
+    STORE32: tl.constexpr = False, POOLED: tl.constexpr = False, NULL: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -31,14 +32,16 @@ def _state_pass_kernel(
     m2 = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     cum_b = tl.load(cum_ptr + b)
     first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+    m_out = m2
     if POOLED:      # [S, H, P, N] pool view: row b's slot
         row = tl.load(slot_ptr + b).to(tl.int64)
+        m_out = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + row) != NULL)
     else:
         row = b.to(tl.int64)
     st = tl.load(init_ptr + row * si_b + h * si_h + offs_p[:, None] * si_p
                  + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
-    if POOLED:      # a fresh start is zeros, whatever the slot holds (a select: a stale NaN stays out)
-        st = tl.where(tl.load(has_init_ptr + b) != 0, st, 0.0)
+    if POOLED:      # a fresh start (or NULL_SLOT) is zeros, whatever the slot holds (a select: a stale NaN stays out)
+        st = tl.where((tl.load(has_init_ptr + b) != 0) & (row != NULL), st, 0.0)
     tile = offs_p[:, None] * N + offs_n[None, :]
     # two-stage software pipeline: chunk c+1's partial state and decay are loaded while chunk c
     # is processed (the chain h -> h' is latency-bound otherwise)
@@ -60,4 +63,4 @@ def _state_pass_kernel(
             tl.store(S_ptr + crow * P * N + tile, st, mask=m2)
         st = dec * st + s_c
     tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p
-             + offs_n[None, :] * sf_n, st, mask=m2)
+             + offs_n[None, :] * sf_n, st, mask=m_out)

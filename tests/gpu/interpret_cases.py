@@ -172,8 +172,8 @@ CASES = {
         selective_state_update_gated, "cpu", F32, 3, 2, 1, norm_groups=ng, seed=4))
         for ng in (1, 8)],
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
-    "ssd_pooled": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7],
-                                              fresh=(1, 2)),
+    "ssd_pooled": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7, 9, 4],
+                                              fresh=(1, 2, 5), null_rows=(4, 5)),
     "ssd_pooled_emit": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [21, 9],
                                                    fresh=(0,), emit=[3, 15, 16, 20, 29], seed=1),
     "ssd_pooled_step_layout": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [40, 3, 17],

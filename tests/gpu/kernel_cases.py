@@ -222,13 +222,15 @@ def check_ssd(impl, device, dtype, lens, H=4, G=2, P=16, N=16, chunk_size=16,
 
 
 def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chunk_size=16, K=2, seed=0,
-                     emit=None, tol=None, step_layout=False):
+                     emit=None, tol=None, step_layout=False, null_rows=()):
     """The pooled scan (``impl`` has ``ssd_scan_varlen_pooled_ref``'s signature) on a pool
     [S, 1+K, H, P, N] poisoned with NaN in its unused slots and in the slots of the rows that start
     fresh (``fresh``: row indices; they must read zeros, not the slot); rows get shuffled distinct
     slots. y (and the emitted states) match the reference; the rows' slots hold the reference's
     final states; every other pool value (other slots, checkpoints 1..K) is untouched.
-    ``step_layout``: pass the chunk layout the mixer passes (``MambaMetadata.ssd_chunk_layout``)."""
+    ``step_layout``: pass the chunk layout the mixer passes (``MambaMetadata.ssd_chunk_layout``).
+    ``null_rows``: rows on NULL_SLOT (padding): their y is unspecified and slot 0 (NaN) must stay
+    untouched."""
     g = _gen(seed)
     Bn, T = len(lens), sum(lens)
     x = torch.randn(T, H, P, generator=g).to(dtype)
@@ -238,19 +240,24 @@ def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chu
     dt_bias, A, D = ssm_params(H, g)
     S = Bn + 3
     slots = (torch.randperm(S - 1, generator=g)[:Bn] + 1).long()          # distinct, never NULL_SLOT
+    slots[list(null_rows)] = NULL_SLOT
+    live = slots != NULL_SLOT
     has_init = torch.tensor([b not in fresh for b in range(Bn)])
     pool = torch.full((S, 1 + K, H, P, N), math.nan)
-    pool[slots[has_init]] = torch.randn(int(has_init.sum()), 1 + K, H, P, N, generator=g)
-    pool[slots[~has_init], 1:] = torch.randn(int((~has_init).sum()), K, H, P, N, generator=g)
+    pool[slots[has_init & live]] = torch.randn(int((has_init & live).sum()), 1 + K, H, P, N, generator=g)
+    pool[slots[~has_init & live], 1:] = torch.randn(int((~has_init & live).sum()), K, H, P, N, generator=g)
     qsl = _qsl(lens, torch.int64 if seed % 2 else torch.int32)
     d = lambda t: t.to(device)                                   # noqa: E731
-    x, dt, B, C, dt_bias, A, D, qsl, slots, has_init, pool = map(d, (x, dt, B, C, dt_bias, A, D, qsl, slots,
-                                                                     has_init, pool))
+    tok_live = torch.repeat_interleave(live, torch.tensor(lens))                 # [T] tokens of live rows
+    x, dt, B, C, dt_bias, A, D, qsl, slots, has_init, pool, live, tok_live = map(
+        d, (x, dt, B, C, dt_bias, A, D, qsl, slots, has_init, pool, live, tok_live))
     e = None if emit is None else d(torch.tensor(emit, dtype=torch.int64))
-    init = torch.where(has_init.view(-1, 1, 1, 1), pool[slots, 0], 0.0)
+    init = torch.where((has_init & live).view(-1, 1, 1, 1), pool[slots, 0], 0.0)
     ref = ssd_scan_varlen_ref(x, dt, dt_bias, A, B, C, D, qsl, init, chunk_size, emit_at=e)
     want_pool = pool.clone()
-    want_pool[slots, 0] = ref[1]
+    for b in range(Bn):
+        if b not in null_rows:
+            want_pool[slots[b], 0] = ref[1][b]
     pool_ref = pool.clone()
     # emits go to shuffled rows of a NaN checkpoint buffer with spare rows (which must stay NaN)
     R = 0 if e is None else e.numel() + 2
@@ -270,13 +277,13 @@ def check_ssd_pooled(impl, device, dtype, lens, fresh, H=4, G=2, P=16, N=16, chu
     y = impl(x, dt, dt_bias, A, B, C, D, qsl, pool[:, 0], slots, has_init, chunk_size, emit_out=emit_out,
              **ekw, **kw)
     tol = tol or TOL["ssd"][dtype]
-    assert torch.equal(ref_pooled, ref[0])
+    assert torch.equal(ref_pooled[tok_live], ref[0][tok_live])
     assert torch.equal(pool_ref.nan_to_num(0.0), want_pool.nan_to_num(0.0)), "pooled reference pool"
-    errs = {"y": assert_close(y, ref[0], tol, "ssd pooled y"),
+    errs = {"y": assert_close(y[tok_live], ref[0][tok_live], tol, "ssd pooled y"),
             "pool": assert_pool(pool, want_pool, tol, "ssd pooled pool")}
     # outside the rows' checkpoint 0 nothing moved, bit for bit
     moved = torch.zeros(pool.shape, dtype=torch.bool, device=pool.device)
-    moved[slots, 0] = True
+    moved[slots[live], 0] = True
     assert torch.equal(pool[~moved].nan_to_num(0.0), want_pool[~moved].nan_to_num(0.0)), "ssd pooled: other slots"
     assert torch.equal(torch.isnan(pool[~moved]), torch.isnan(want_pool[~moved]))
     if e is not None:

@@ -190,9 +190,9 @@ def test_ssd(dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_ssd_pooled(dtype):
     """The mixer's form: the state pass reads and writes the pool by slot (fresh rows read zeros
-    over NaN slots), with and without prefix-cache emits, on the multi-head (16-bit) and per-head
-    kernels."""
-    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7], fresh=(1, 2))
+    over NaN slots, NULL_SLOT rows write nothing), with and without prefix-cache emits, on the
+    multi-head (16-bit) and per-head kernels."""
+    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
     kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
                         chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
 
