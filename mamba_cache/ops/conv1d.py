@@ -189,6 +189,21 @@ def conv_windows_before_ref(
     return conv_windows_at(x, win0, query_start_loc, seq, token)
 
 
+def check_windows_out(out, out_rows, dtype: torch.dtype, M: int, C: int, wm1: int) -> None:
+    """``conv_windows_before``'s rules for ``out`` / ``out_rows`` (kernel and reference alike): out
+    [M, C, W-1] in the pool's dtype, or with ``out_rows`` a contiguous [M] an [R, C, W-1] out."""
+    rows = out_rows is not None
+    if out is None:
+        if rows:
+            raise ValueError("conv_windows_before: out_rows needs out")
+        return
+    if out.shape[1:] != (C, wm1) or (not rows and out.shape[0] != M) or out.dtype != dtype:
+        raise ValueError(f"conv_windows_before: out must be {dtype} {('R' if rows else M, C, wm1)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
+        raise ValueError(f"conv_windows_before: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
+
+
 def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, has_initial_state, seq, token,
                         out=None, out_rows=None):
     """Public entry point (CONTRACT item 3, prefix-cache windows): Triton kernel on CUDA, torch
@@ -200,18 +215,11 @@ def conv_windows_before(x, conv_state, width, query_start_loc, state_indices, ha
         from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before
         return triton_conv_windows_before(x, conv_state, width, query_start_loc, state_indices,
                                           has_initial_state, seq, token, out=out, out_rows=out_rows)
+    check_windows_out(out, out_rows, conv_state.dtype, token.numel(), x.shape[-1], int(width) - 1)
     win = conv_windows_before_ref(x, conv_state, width, query_start_loc, state_indices, has_initial_state,
                                   seq, token)
     if out is None:
-        if out_rows is not None:
-            raise ValueError("conv_windows_before: out_rows needs out")
         return win
-    # the kernel's rules: the pool's dtype, [R or M, C, W-1]
-    if out.dtype != conv_state.dtype or out.shape[1:] != win.shape[1:] or \
-            (out_rows is None and out.shape[0] != win.shape[0]):
-        raise ValueError(f"conv_windows_before: out must be {conv_state.dtype} "
-                         f"{('R' if out_rows is not None else win.shape[0], *win.shape[1:])}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
     if out_rows is None:
         return out.copy_(win)
     out[out_rows] = win

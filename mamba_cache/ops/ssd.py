@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.conv1d import token_seq_index
 
 
@@ -192,6 +193,12 @@ def ssd_scan_naive(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, initial_stat
     return y, finals
 
 
+def check_pooled_emits(emit_at, emit_out, emit_rows) -> None:
+    """The pooled scan writes its emits into checkpoint rows: ``emit_at`` needs both."""
+    if emit_at is not None and (emit_out is None or emit_rows is None):
+        raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
+
+
 def ssd_scan_varlen_pooled_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,
                                has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *,
                                max_seqlen: int | None = None, out_dtype: torch.dtype = torch.float32,
@@ -204,9 +211,7 @@ def ssd_scan_varlen_pooled_ref(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, 
     [B] bool. With ``emit_at`` [M], the state after each of those tokens goes to
     ``emit_out[emit_rows[m]]`` (emit_out [R, H, P, N] float32: a layer's checkpoint rows). A row on
     NULL_SLOT starts from zeros and writes nothing (its y is unspecified). -> y [T, H, P]."""
-    from hybrid_engine.mamba_cache import NULL_SLOT
-    if emit_at is not None and (emit_out is None or emit_rows is None):
-        raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
+    check_pooled_emits(emit_at, emit_out, emit_rows)
     live = (state_indices != NULL_SLOT).view(-1, 1, 1, 1)
     old = states[state_indices]
     init = torch.where(has_initial_state.view(-1, 1, 1, 1) & live, old, 0.0)

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.conv1d import check_windows_out
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
@@ -45,15 +46,9 @@ def triton_conv_windows_before(x, conv_state, width: int, query_start_loc, state
     ``out[out_rows[m]]`` of an [R, C, W-1] ``out``: the checkpoint rows, written in place)."""
     M, Cdim, wm1 = token.numel(), x.shape[-1], int(width) - 1
     rows = out_rows is not None
+    check_windows_out(out, out_rows, conv_state.dtype, M, Cdim, wm1)
     if out is None:
-        if rows:
-            raise ValueError("conv_windows_before: out_rows needs out")
         out = torch.empty((M, Cdim, wm1), dtype=conv_state.dtype, device=x.device)
-    elif out.shape[1:] != (Cdim, wm1) or (not rows and out.shape[0] != M) or out.dtype != conv_state.dtype:
-        raise ValueError(f"conv_windows_before: out must be {conv_state.dtype} {('R' if rows else M, Cdim, wm1)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
-        raise ValueError(f"conv_windows_before: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
     if M == 0 or wm1 == 0:
         return out
     BLOCK_C = min(1024, max(16, next_pow2(Cdim)))

@@ -18,7 +18,7 @@ ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four la
      per (chunk, 64-row block, 4 heads of one group) reusing C and the C.B tile of its rows x
      the whole chunk (model dtype) for the 4 heads (1.11x the whole scan on an H100);
    - float32 models (and ``lowp=False``), one head per group, ``heads_per_program=1``:
-     ``_chunk_out_kernel`` (chunk, head, 128-row block), C.B recomputed per head.
+     ``triton_ssd_out._chunk_out_kernel`` (chunk, head, 128-row block), C.B recomputed per head.
    Optionally ``_chunk_cb_kernel`` (chunk, group, row block) precomputes C.B (``cb_pre``).
 
 All accumulation in float32.  For bf16/fp16 models every dot takes 16-bit operands by default
@@ -38,10 +38,11 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.mamba_cache.ops.ssd import _grid_size
+from hybrid_engine.mamba_cache.ops.ssd import _grid_size, check_pooled_emits
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
+from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
@@ -132,76 +133,6 @@ def _chunk_cb_kernel(
         out = ((c * G + g).to(tl.int64) * BLOCK_L + offs_m[:, None]) * BLOCK_L + offs_j[None, :]
         tl.store(cb_ptr + out, cb.to(cb_ptr.dtype.element_ty),
                  mask=mm[:, None] & (offs_j < BLOCK_L)[None, :])
-
-
-@triton.jit
-def _chunk_out_kernel(
-    x_ptr, B_ptr, C_ptr, D_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, cb_ptr, y_ptr,
-    H, P, N, G, nheads_per_group, n_pblocks,
-    sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, sy_t, sy_h, sy_p,
-    PREC: tl.constexpr, LOWP: tl.constexpr, CB_PRE: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    c = tl.program_id(0)               # grid (NC, H, row blocks * column blocks)
-    mb = tl.program_id(2) // n_pblocks
-    pb = tl.program_id(2) % n_pblocks
-    h = tl.program_id(1)
-    clen = tl.load(meta_ptr + c * 2 + 1)
-    m0 = mb * BLOCK_M
-    if m0 < clen:
-        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
-        g = h // nheads_per_group
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mm = offs_m < clen
-        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mp = offs_p < P
-        mn = offs_n < N
-        row = (c * H + h).to(tl.int64) * BLOCK_L
-        tok_m = cstart + offs_m
-        cm = tl.load(C_ptr + tok_m[:, None] * sc_t + g * sc_g + offs_n[None, :] * sc_n,
-                     mask=mm[:, None] & mn[None, :], other=0.0)                       # [M, N]
-        cum_m = tl.load(cuma_ptr + row + offs_m, mask=mm, other=0.0)
-        # state entering the chunk
-        hin = tl.load(hin_ptr + ((c * H + h).to(tl.int64) * P + offs_p[None, :]) * N
-                      + offs_n[:, None], mask=mn[:, None] & mp[None, :], other=0.0)    # [N, P]
-        if LOWP:
-            acc = tl.dot(cm, hin.to(cm.dtype))                                          # [M, P]
-        else:
-            acc = tl.dot(cm.to(tl.float32), hin, input_precision=PREC)
-        acc = acc * tl.exp(cum_m)[:, None]
-        cb_row = cb_ptr + ((c * G + g).to(tl.int64) * BLOCK_L + offs_m[:, None]) * BLOCK_L
-        for k0 in range(0, m0 + BLOCK_M, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < clen
-            tok_k = cstart + offs_k
-            if CB_PRE:
-                cb = tl.load(cb_row + offs_k[None, :], mask=mm[:, None] & mk[None, :],
-                             other=0.0).to(tl.float32)
-            else:
-                bk = tl.load(B_ptr + tok_k[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
-                             mask=mn[:, None] & mk[None, :], other=0.0)               # [N, K]
-                if PREC == "ieee":
-                    cb = tl.dot(cm.to(tl.float32), bk.to(tl.float32), input_precision=PREC)
-                else:
-                    cb = tl.dot(cm, bk)                                                # [M, K]
-            cum_k = tl.load(cuma_ptr + row + offs_k, mask=mk, other=0.0)
-            dt_k = tl.load(dtc_ptr + row + offs_k, mask=mk, other=0.0)
-            causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :]
-            decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
-            wgt = cb * decay * dt_k[None, :]
-            xk = tl.load(x_ptr + tok_k[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
-            if LOWP:
-                acc = tl.dot(wgt.to(xk.dtype), xk, acc)
-            else:
-                acc = tl.dot(wgt, xk.to(tl.float32), acc, input_precision=PREC)
-        xm = tl.load(x_ptr + tok_m[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                     mask=mm[:, None] & mp[None, :], other=0.0).to(tl.float32)
-        acc += tl.load(D_ptr + h).to(tl.float32) * xm
-        tl.store(y_ptr + tok_m[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
-                 acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mp[None, :])
 
 
 def _dt_args(dt_limit):
@@ -388,8 +319,7 @@ def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_lo
     layout = options.get("chunk_layout")
     if layout is not None and (layout[0].numel() != nb + 1 or layout[1].numel() != nb):
         raise ValueError(f"chunk_layout holds {layout[1].numel()} rows, the call {nb}")
-    if emit_at is not None and (emit_out is None or emit_rows is None):
-        raise ValueError("the pooled scan writes its emits into checkpoint rows: emit_at needs emit_out and emit_rows")
+    check_pooled_emits(emit_at, emit_out, emit_rows)
     out = triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, chunk_size, dt_limit,
                                  max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at,
                                  state_indices=state_indices, has_initial_state=has_initial_state,

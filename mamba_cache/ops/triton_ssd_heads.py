@@ -2,7 +2,7 @@
 ``_chunk_out_heads_kernel``, the chunk-output kernel that ``triton_ssd_scan_varlen`` runs by
 default for bf16/fp16 models (16-bit dot operands, ``heads_per_program`` > 1).  The C rows and the
 C.B tile of a (chunk, row block) are loaded / computed once per program and reused for its heads
-instead of once per head as in ``triton_ssd._chunk_out_kernel``.
+instead of once per head as in ``triton_ssd_out._chunk_out_kernel``.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ torch.set_num_threads(1)
 import checkpoint_cases as cc  # noqa: E402
 import attention_cases as ac  # noqa: E402
 import kernel_cases as kc  # noqa: E402
+import ssd_pooled_cases as spc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
@@ -172,11 +173,11 @@ CASES = {
         selective_state_update_gated, "cpu", F32, 3, 2, 1, norm_groups=ng, seed=4))
         for ng in (1, 8)],
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
-    "ssd_pooled": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7, 9, 4],
+    "ssd_pooled": lambda: spc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7, 9, 4],
                                               fresh=(1, 2, 5), null_rows=(4, 5)),
-    "ssd_pooled_emit": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [21, 9],
+    "ssd_pooled_emit": lambda: spc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [21, 9],
                                                    fresh=(0,), emit=[3, 15, 16, 20, 29], seed=1),
-    "ssd_pooled_step_layout": lambda: kc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [40, 3, 17],
+    "ssd_pooled_step_layout": lambda: spc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [40, 3, 17],
                                                           fresh=(2,), chunk_size=16, step_layout=True, seed=2),
     "ssd_odd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [20, 3], H=6, G=3, P=12,
                                     N=20, chunk_size=8, dt_limit=(0.0, 0.5), seed=1),

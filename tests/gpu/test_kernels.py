@@ -10,6 +10,7 @@ import torch
 
 import attention_cases as ac
 import kernel_cases as kc
+import ssd_pooled_cases as spc
 from hybrid_engine.attention import ops as attn_ops
 from hybrid_engine.mamba_cache.ops import (causal_conv1d_update, causal_conv1d_varlen, gated_rmsnorm,
                              selective_state_update, ssd_scan_varlen, ssd_scan_varlen_pooled)
@@ -192,8 +193,8 @@ def test_ssd_pooled(dtype):
     """The mixer's form: the state pass reads and writes the pool by slot (fresh rows read zeros
     over NaN slots, NULL_SLOT rows write nothing), with and without prefix-cache emits, on the
     multi-head (16-bit) and per-head kernels."""
-    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
-    kc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
+    spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
+    spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
                         chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
 
 
