@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--checkpoint-gib", type=float, default=12.0,
                     help="Mamba checkpoint pool in GiB (0: the engine's default, sized from the KV cache)")
     ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--no-prefill-graphs", action="store_true",
+                    help="prefill_cuda_graphs=False (one-request prefills eager, as before 2026-11-27)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.checkpoint_gib < 0:
@@ -159,7 +161,8 @@ def main():
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       speculative_config=spec, enable_prefix_caching=on,
                       mamba_checkpoint_interval=args.checkpoint_interval,
-                      mamba_checkpoint_bytes=int(args.checkpoint_gib * 2**30) if args.checkpoint_gib > 0 else None)
+                      mamba_checkpoint_bytes=int(args.checkpoint_gib * 2**30) if args.checkpoint_gib > 0 else None,
+                      prefill_cuda_graphs=not args.no_prefill_graphs)
             if args.device == "cpu":
                 kw["num_kv_blocks"] = 512
             else:
@@ -189,7 +192,8 @@ def main():
                 t0 = time.perf_counter()
                 done = SCENARIOS[scenario](engine, args, rng, vocab)
                 _sync(args.device)
-                row = dict(scenario=scenario, mtp=k, caching=on, **summarize(done, time.perf_counter() - t0, engine))
+                row = dict(scenario=scenario, mtp=k, caching=on, prefill_graphs=not args.no_prefill_graphs,
+                           **summarize(done, time.perf_counter() - t0, engine))
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
             del llm, engine

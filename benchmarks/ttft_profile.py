@@ -4,7 +4,12 @@ Per request: wall ms of each engine.step; for one more request a torch profiler 
 launches, GPU busy time, aten ops, the top host-side ops by self CPU time and the top kernels.
 
     python benchmarks/ttft_profile.py          # CUDA, ~30 s
+    python benchmarks/ttft_profile.py --requests 12 --uncached 4   # medians; uncached TTFT beside
+
+With --uncached N it also times N requests of as many fresh tokens (no shared prefix), so the
+cached/uncached TTFT ratio (the issue's 5x goal) comes from one run on one machine.
 """
+import argparse
 import sys
 import tempfile
 import time
@@ -19,12 +24,18 @@ from benchmarks.prefix_cache import make_model_dir  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--requests", type=int, default=4, help="cached-prefix requests timed before the profiled one")
+ap.add_argument("--uncached", type=int, default=0, help="also time this many requests with no shared prefix")
+ap.add_argument("--cprofile", action="store_true", help="also a cProfile of one more cached request's steps")
+ap.add_argument("--no-prefill-graphs", action="store_true", help="prefill_cuda_graphs=False (the eager prefill)")
+args = ap.parse_args()
 root = Path(tempfile.mkdtemp())
 md = make_model_dir("8b", root)
 with random_weights():
     llm = LLM(str(md), dtype="bfloat16", device="cuda", max_num_seqs=32, max_num_batched_tokens=8192,
               enable_prefix_caching=True, mamba_checkpoint_interval=64, mamba_checkpoint_bytes=12 << 30,
-              kv_cache_memory_fraction=0.5)
+              kv_cache_memory_fraction=0.5, **({"prefill_cuda_graphs": False} if args.no_prefill_graphs else {}))
 eng = llm.engine
 rng = np.random.default_rng(0)
 V = eng.cfg.model.vocab_size
@@ -33,9 +44,10 @@ sp = SamplingParams(max_tokens=1, ignore_eos=True)
 llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
-def one(i, prof=None):
+def one(i, prof=None, shared=True):
     user = rng.integers(3, V, 300).tolist()
-    req = eng.make_request(system + user, sp, f"s{i}")
+    prompt = system + user if shared else rng.integers(3, V, len(system) + len(user)).tolist()
+    req = eng.make_request(prompt, sp, f"s{i}" if shared else f"u{i}")
     eng.add_request(req)
     steps = []
     torch.cuda.synchronize()
@@ -50,10 +62,38 @@ def one(i, prof=None):
     return (time.perf_counter() - t0) * 1e3, steps, req
 
 
-for i in range(4):
+def ttft_ms(req):
+    return 1e3 * (req.metrics.first_token_time - req.metrics.arrival_time)
+
+
+cached_ttft = []
+for i in range(args.requests):
     wall, steps, req = one(i)
     print(f"req {i}: wall {wall:.1f} ms, steps {[round(s, 1) for s in steps]}, cached {req.num_cached_tokens}, "
-          f"ttft {1e3 * (req.metrics.first_token_time - req.metrics.arrival_time):.1f} ms", flush=True)
+          f"ttft {ttft_ms(req):.1f} ms", flush=True)
+    if i >= 2:  # request 0 computes the prefix, request 1 is the first restore (compiles)
+        cached_ttft.append(ttft_ms(req))
+uncached_ttft = []
+for i in range(args.uncached):
+    wall, steps, req = one(i, shared=False)
+    print(f"uncached {i}: wall {wall:.1f} ms, steps {[round(s, 1) for s in steps]}, cached {req.num_cached_tokens}, "
+          f"ttft {ttft_ms(req):.1f} ms", flush=True)
+    if i >= 1:
+        uncached_ttft.append(ttft_ms(req))
+if cached_ttft:
+    print(f"cached TTFT median {np.median(cached_ttft):.1f} ms over {len(cached_ttft)} requests")
+if uncached_ttft:
+    print(f"uncached TTFT median {np.median(uncached_ttft):.1f} ms over {len(uncached_ttft)} requests; "
+          f"ratio {np.median(uncached_ttft) / np.median(cached_ttft):.2f}x")
+if args.cprofile:                      # where the host time before the GPU starts goes (Python level)
+    import cProfile
+    import pstats
+    cp = cProfile.Profile()
+    cp.enable()
+    wall, steps, req = one(98)
+    cp.disable()
+    print(f"cProfiled: wall {wall:.1f} ms, steps {[round(s, 1) for s in steps]}")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(30)
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     wall, steps, req = one(99)
 print(f"profiled: wall {wall:.1f} ms, steps {[round(s, 1) for s in steps]}, cached {req.num_cached_tokens}")

@@ -278,6 +278,8 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    # CUDA graphs for prefill-only steps of one request (step/prefill_graphs.py); CUDA graphs only
+    prefill_cuda_graphs: bool = True
     # the quantization the model runs with (the checkpoint's, or one applied at load); None: none
     quantization: QuantConfig | None = None
     # ranks the model is split over (parallel/): one process per rank, rank 0 in this process
@@ -292,6 +294,8 @@ class EngineConfig:
             raise ValueError("speculative method 'mtp' needs a model with MTP layers "
                              "(num_nextn_predict_layers >= 1 in config.json), this model has none")
         _check_int("seed", self.seed, 0)
+        if not isinstance(self.prefill_cuda_graphs, bool):
+            raise TypeError(f"prefill_cuda_graphs must be a bool, got {self.prefill_cuda_graphs!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative is not None and self.speculative.draft_vocab_size is not None:
             self._check_draft_vocab(self.speculative.draft_vocab_size)
@@ -345,7 +349,8 @@ class EngineConfig:
                 speculative_config: SpeculativeConfig | None = None,
                 async_scheduling: bool = True, seed: int = 0,
                 enforce_eager: bool = False, quantization: str | None = None,
-                kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> "EngineConfig":
+                kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                prefill_cuda_graphs: bool = True) -> "EngineConfig":
         """Build an EngineConfig from user-level arguments (as ``LLM(...)`` takes them). ``model``
         is a local folder or a Hugging Face Hub repo id (see ``hybrid_engine.hub``). ``quantization``:
         None (the checkpoint's own, if any), "fp8" / "nvfp4" (quantize a 16/32-bit checkpoint at load,
@@ -354,7 +359,10 @@ class EngineConfig:
         in the model dtype; a checkpoint's FP8 KV scales are then unused, as in vLLM) or "fp8" /
         "fp8_e4m3" (float8_e4m3fn K and V with per-layer scales: the checkpoint's ``k_scale`` /
         ``v_scale``, else 1.0; see ``CacheConfig``). ``tensor_parallel_size``: ranks the model is
-        split over (``hybrid_engine.parallel``; one GPU each on CUDA, processes sharing the CPU else)."""
+        split over (``hybrid_engine.parallel``; one GPU each on CUDA, processes sharing the CPU else).
+        ``prefill_cuda_graphs``: replay CUDA graphs for prefill-only steps of one request of up to
+        2048 tokens (the time to first token of a request arriving at an idle engine; captured the
+        first time each padded size is seen); off, or with ``enforce_eager``, they run eagerly."""
         # the cache arguments are checked first: a bad one fails before the model is looked up
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                             kv_cache_memory_fraction=kv_cache_memory_fraction,
@@ -373,5 +381,6 @@ class EngineConfig:
                                       max_model_len=max_model_len),
             speculative=speculative_config, dtype=dt, device=dev,
             async_scheduling=bool(async_scheduling), seed=seed, enforce_eager=bool(enforce_eager),
+            prefill_cuda_graphs=prefill_cuda_graphs,
             quantization=resolve_quantization(quantization, model_cfg.quantization, dev, dt),
             tensor_parallel_size=tensor_parallel_size)

@@ -17,7 +17,7 @@ def build_engine(model=None, **engine_args) -> EngineCore:
     max_num_seqs, max_num_batched_tokens, max_model_len, speculative_config, async_scheduling, seed,
     block_size, num_kv_blocks, kv_cache_memory_fraction, kv_cache_bytes, enable_prefix_caching,
     mamba_checkpoint_interval, mamba_checkpoint_bytes, enforce_eager, quantization, kv_cache_dtype,
-    tensor_parallel_size). ``kv_cache_dtype``: "auto" (K and V in the model dtype) or "fp8" /
+    tensor_parallel_size, prefill_cuda_graphs). ``kv_cache_dtype``: "auto" (K and V in the model dtype) or "fp8" /
     "fp8_e4m3" (float8_e4m3fn with per-layer K and V scales: the checkpoint's, else 1.0).
     ``model=None`` uses the embedded default model."""
     if model is None:

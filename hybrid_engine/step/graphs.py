@@ -7,7 +7,9 @@ adaptive speculation also the narrower widths a step may verify, ``1`` included:
 verifies no drafts replays the plain decode graph).
 Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
 pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
-only covers the null block. Mixed batches (any prefill row) run eagerly.
+only covers the null block. Prefill-only steps of one request replay the graphs of
+``prefill_graphs.PrefillGraphs`` (``prefill_cuda_graphs``); other batches with a prefill row run
+eagerly.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from .prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -54,8 +57,9 @@ class _Graph:
 class CudaGraphExecutor(EagerExecutor):
     def __init__(self, model, caches, *, num_spec: int, max_blocks: int, max_model_len: int,
                  block_size: int, buckets: tuple[int, ...], device: torch.device,
-                 widths: tuple[int, ...] | None = None):
-        """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``."""
+                 widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
+        """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``.
+        ``prefill_graphs``: also replay prefill-only steps of one request (captured lazily)."""
         super().__init__(model, caches)
         self.max_tokens_per_row = 1 + num_spec                     # the widest row
         self.widths = tuple(sorted(set(widths or (self.max_tokens_per_row,))))   # tokens per row
@@ -73,6 +77,11 @@ class CudaGraphExecutor(EagerExecutor):
         self._outs: dict[tuple[int, int], tuple[_Graph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None                  # the graphs' memory pool (greedy_graphs captures into it too)
         self._capture_all()
+        self.prefill = (PrefillGraphs(lambda fb: EagerExecutor.forward(self, fb), max_blocks=max_blocks,
+                                      max_model_len=max_model_len, device=device) if prefill_graphs else None)
+        if self.prefill is not None:
+            logger.info("prefill CUDA graphs: one-request prefill-only steps of up to %d tokens, captured on "
+                        "first use", self.prefill.max_tokens)
 
     def _static_batch(self, bucket: int, tokens_per_row: int) -> ForwardBatch:
         dev = self.device
@@ -116,6 +125,10 @@ class CudaGraphExecutor(EagerExecutor):
     def forward(self, fb: ForwardBatch):
         md = fb.mamba
         num_rows, tokens_per_row = md.num_decode_rows, md.decode_len
+        if md.num_prefill_rows and self.prefill is not None:
+            got = self.prefill.forward(fb)            # None: not a one-request prefill-only step
+            if got is not None:
+                return got
         if (md.num_prefill_rows or num_rows == 0 or tokens_per_row not in self.graphs_by_width
                 or num_rows > self.buckets[-1]):
             return super().forward(fb)
@@ -207,12 +220,13 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
-                  name: str = "target", widths: tuple[int, ...] | None = None):
+                  name: str = "target", widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
     """CUDA graphs for decode batches of ``[B, tokens_per_row]`` on CUDA (tokens_per_row in
-    ``widths``, default ``1 + num_spec``), eager otherwise."""
+    ``widths``, default ``1 + num_spec``), and with ``prefill_graphs`` for prefill-only steps of
+    one request; eager otherwise."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)
     return CudaGraphExecutor(model, caches, num_spec=num_spec, max_blocks=max_blocks, max_model_len=max_model_len,
                              block_size=block_size, buckets=default_buckets(cfg.scheduler.max_num_seqs),
-                             device=cfg.device, widths=widths)
+                             device=cfg.device, widths=widths, prefill_graphs=prefill_graphs)

@@ -1,0 +1,220 @@
+"""CUDA graphs for prefill-only steps of one request (issue 19: a cached-prefix prefill is
+host-bound: on the 8B shape its 300 new tokens cost ~11 ms of GPU work and ~27 ms of launches).
+
+A step qualifies when it has no decode rows and one prefill row of ``T <= max_tokens`` tokens:
+a request arriving at an idle engine, the TTFT a user waits for. Its forward replays a graph of
+``bucket > T`` tokens keyed by ``PrefillKey`` (the bucket; how many prefix-cache restores,
+checkpoint saves and logits rows the step has: each changes the kernels launched). Every host
+number the kernels size their grids by is fixed by the key:
+
+- the pad tokens ``T..bucket-1`` form a second Mamba row at ``NULL_SLOT`` that starts fresh
+  (zeros in, nothing stored: the pool contract), so every Mamba kernel computes finite values
+  there and the chunk count bound ``bucket / chunk + 2`` holds whatever ``T`` is;
+- attention sees one row; tokens past its ``query_start_loc`` are graph padding (zero output),
+  and the pad tokens write the null KV block (slot 0), as decode graphs' pad rows do;
+- ``max_query_len`` is the bucket and ``max_seq_len`` the model length: upper bounds (the kernels
+  stop at the device lengths).
+
+Graphs are captured lazily, the first time a key is seen (a sync and ~two forwards, once per
+key, logged), at most ``max_graphs`` of them; other steps run eagerly. The capture's warm-up
+forward runs on a harmless copy of the real step: its Mamba rows at ``NULL_SLOT``, its KV writes
+in the null block, its restores into ``NULL_SLOT``; its checkpoint saves go to the step's own
+rows (pinned for this step, rewritten by the replay that follows).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybrid_engine.mamba_cache import NULL_SLOT
+
+from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+
+logger = logging.getLogger("hybrid_engine")
+
+MAX_GRAPH_TOKENS = 2048     # longer prefills are GPU-bound: their launches hide behind the kernels
+MAX_GRAPHS = 64
+
+
+def prefill_bucket(num_tokens: int) -> int:
+    """The graph size for a prefill of ``num_tokens``: the smallest multiple of
+    ``max(16, p / 16)`` above ``num_tokens``, p the largest power of two <= num_tokens + 1 (at
+    least one pad token; at most max(16, (num_tokens + 1) / 16) of them: the pad tokens cost GPU
+    time, the sizes captures)."""
+    n = num_tokens + 1
+    step = max(16, (1 << (n.bit_length() - 1)) // 16)
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class PrefillKey:
+    bucket: int       # padded tokens (> the step's tokens)
+    restores: int     # prefix-cache restores before the forward (0 or 1)
+    saves: int        # Mamba checkpoint saves in the chunk
+    logits: int       # rows whose logits are computed (1 on a request's last chunk, else 0)
+
+    @classmethod
+    def of(cls, fb: ForwardBatch, max_tokens: int) -> "PrefillKey | None":
+        """The key of a qualifying step, else None."""
+        md = fb.mamba
+        num_tokens = fb.input_ids.shape[0]
+        if md.num_decode_rows or md.num_prefill_rows != 1 or not 0 < num_tokens <= max_tokens:
+            return None
+        n = lambda t: 0 if t is None else t.shape[0]      # noqa: E731
+        return cls(bucket=prefill_bucket(num_tokens), restores=n(md.restore_rows), saves=n(md.ckpt_rows),
+                   logits=fb.logits_indices.shape[0])
+
+
+def static_prefill_batch(key: PrefillKey, *, max_blocks: int, max_model_len: int,
+                         device: torch.device) -> ForwardBatch:
+    """The persistent input buffers of ``key``'s graph (``load_prefill`` fills them)."""
+    tb = key.bucket
+    i64 = lambda n: torch.zeros(n, dtype=torch.int64, device=device)     # noqa: E731
+    opt = lambda n: i64(n) if n else None                                # noqa: E731
+    attn = AttnMetadata(query_start_loc=torch.zeros(2, dtype=torch.int32, device=device),
+                        seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
+                        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32, device=device),
+                        slot_mapping=i64(tb), max_query_len=tb, max_seq_len=max_model_len)
+    mamba = MambaMetadata(
+        num_decode_rows=0, decode_len=1, decode_slots=i64(0), num_accepted=i64(0),
+        prefill_query_start_loc=torch.tensor([0, 0, tb], dtype=torch.int64, device=device),   # [real, pad]
+        prefill_qsl_cpu=(0, tb - 1, tb),            # host bounds only: two rows, none longer than tb - 1
+        prefill_slots=torch.full((2,), NULL_SLOT, dtype=torch.int64, device=device),
+        has_initial_state=torch.zeros(2, dtype=torch.bool, device=device),
+        restore_slots=opt(key.restores), restore_rows=opt(key.restores),
+        ckpt_seq=opt(key.saves), ckpt_token=opt(key.saves), ckpt_rows=opt(key.saves))
+    return ForwardBatch(input_ids=i64(tb), positions=i64(tb), attn=attn, mamba=mamba,
+                        logits_indices=i64(key.logits))
+
+
+def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False) -> None:
+    """Copy a qualifying step's batch ``src`` into the static buffers ``dst`` of its key (device
+    copies, no sync). The pad tokens write the null KV block. ``harmless``: the capture's warm-up
+    copy (Mamba rows and restores at NULL_SLOT, every KV write in the null block, nothing
+    continuing an earlier chunk)."""
+    num_tokens = src.input_ids.shape[0]
+    dst.input_ids[:num_tokens].copy_(src.input_ids)
+    dst.positions[:num_tokens].copy_(src.positions)
+    da, sa = dst.attn, src.attn
+    da.query_start_loc.copy_(sa.query_start_loc)
+    da.seq_lens.copy_(sa.seq_lens)
+    cols = sa.block_tables.shape[1]
+    da.block_tables[:, :cols].copy_(sa.block_tables)
+    da.block_tables[:, cols:].zero_()
+    if harmless:
+        da.slot_mapping.zero_()
+    else:
+        da.slot_mapping[:num_tokens].copy_(sa.slot_mapping)
+        da.slot_mapping[num_tokens:].zero_()                      # pad tokens write the null block
+    dm, sm = dst.mamba, src.mamba
+    dm.prefill_query_start_loc[:2].copy_(sm.prefill_query_start_loc)
+    if harmless:
+        dm.prefill_slots[:1].fill_(NULL_SLOT)
+        dm.has_initial_state[:1].fill_(False)
+    else:
+        dm.prefill_slots[:1].copy_(sm.prefill_slots)
+        dm.has_initial_state[:1].copy_(sm.has_initial_state)
+    if dm.restore_rows is not None:
+        dm.restore_rows.copy_(sm.restore_rows)
+        if harmless:
+            dm.restore_slots.fill_(NULL_SLOT)
+        else:
+            dm.restore_slots.copy_(sm.restore_slots)
+    if dm.ckpt_rows is not None:
+        for name in ("ckpt_seq", "ckpt_token", "ckpt_rows"):
+            getattr(dm, name).copy_(getattr(sm, name))
+    dst.logits_indices.copy_(src.logits_indices)
+
+
+@dataclass
+class _PrefillGraph:
+    graph: torch.cuda.CUDAGraph   # (anything with replay(): tests record an eager rerun)
+    fb: ForwardBatch              # static inputs (load_prefill fills them)
+    hidden: torch.Tensor          # [bucket, D] static output
+    logits: torch.Tensor          # [key.logits, V] static output
+
+
+class PrefillGraphs:
+    """The prefill graphs of one model (owned by its ``CudaGraphExecutor``)."""
+
+    def __init__(self, forward, *, max_blocks: int, max_model_len: int, device: torch.device,
+                 max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS):
+        """``forward(fb) -> (hidden [T, D], logits [L, V])``: the eager forward to capture."""
+        self._forward = forward
+        self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
+        self.max_tokens, self.max_graphs = max_tokens, max_graphs
+        self.graphs: dict[PrefillKey, _PrefillGraph] = {}
+        self.pool = None                  # one memory pool for all of them (never replayed concurrently)
+        self._full_logged = False
+
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden [T, D], logits [L, V]) from a graph replay; None: the step does not qualify,
+        or no more graphs may be captured (the caller runs it eagerly). The outputs are views of
+        static buffers, valid until the next replay of the same graph."""
+        key = PrefillKey.of(fb, self.max_tokens)
+        if key is None:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                if not self._full_logged:
+                    self._full_logged = True
+                    logger.warning("prefill CUDA graphs: %d captured (the limit); prefills of new shapes run "
+                                   "eagerly", self.max_graphs)
+                return None
+            try:
+                g = self.graphs[key] = self._capture(key, fb)
+            except torch.cuda.OutOfMemoryError as e:
+                # the KV cache took the memory a capture needs: stop capturing, say so once
+                self.max_graphs = len(self.graphs)
+                logger.warning("prefill CUDA graphs: capturing %s ran out of memory (%s); prefills of new "
+                               "shapes run eagerly (lower kv_cache_memory_fraction to keep them)", key, e)
+                self._full_logged = True
+                return None
+        load_prefill(g.fb, fb)
+        g.graph.replay()
+        return g.hidden[:fb.input_ids.shape[0]], g.logits
+
+    def _capture(self, key: PrefillKey, fb: ForwardBatch) -> _PrefillGraph:
+        t0 = time.perf_counter()
+        with _sync_check_paused(self.device):     # capturing allocates and syncs, once per key
+            static = static_prefill_batch(key, max_blocks=self.max_blocks, max_model_len=self.max_model_len,
+                                          device=self.device)
+            fresh = lambda: replace(static, mamba=replace(static.mamba))   # noqa: E731  (an empty chunk-layout memo)
+            load_prefill(static, fb, harmless=True)
+            graph, hidden, logits = self._record(fresh)
+        logger.info("captured a prefill CUDA graph %s in %.2fs (%d now)", key, time.perf_counter() - t0,
+                    len(self.graphs) + 1)
+        return _PrefillGraph(graph=graph, fb=static, hidden=hidden, logits=logits)
+
+    def _record(self, fresh):
+        """-> (graph, hidden, logits) of ``self._forward(fresh())``, after one warm-up run of it on
+        the harmless inputs ``fresh()`` holds (Triton compiles there). ``graph.replay()`` reruns the
+        forward on whatever the static inputs hold then."""
+        self._forward(fresh())
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden, logits = self._forward(fresh())
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, hidden, logits
+
+
+@contextmanager
+def _sync_check_paused(device: torch.device):
+    """torch.cuda's sync debug mode off inside (a capture is a deliberate, once-per-key sync; the
+    steps around it keep their checks)."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

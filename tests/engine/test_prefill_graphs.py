@@ -1,0 +1,206 @@
+"""Prefill graphs on CPU (hybrid_engine/step/prefill_graphs.py): the padded static batch a graph
+replays, and the capture's warm-up, through the engine. On CPU the graph is replaced by an eager
+rerun of the forward on the static buffers (``RerunPrefillGraphs``), so everything but the CUDA
+capture itself runs here: bucketing, padding (a NULL_SLOT Mamba row, tokens past attention's
+last row), the copy-in of each step, the harmless warm-up. The CUDA replay is
+tests/gpu/test_prefill_graphs_cuda.py.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_engine import LLM, SamplingParams
+from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.step.graphs import EagerExecutor
+from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, prefill_bucket
+from hf_reference import hf_greedy
+
+DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
+BS = 4
+
+
+def test_prefill_bucket_pads_at_least_one_token_and_at_most_a_sixteenth():
+    prev = 0
+    for n in range(1, 5000):
+        b = prefill_bucket(n)
+        assert b > n and b % 16 == 0 and b >= prev
+        assert b - n <= max(16, (n + 1) / 16), (n, b)
+        prev = b
+    assert prefill_bucket(300) == 304 and prefill_bucket(600) == 608 and prefill_bucket(15) == 16 and prefill_bucket(16) == 32
+
+
+def _snapshot(caches):
+    ck = caches.checkpoints
+    return {"conv": caches.mamba.conv_all.clone(), "ssm": caches.mamba.ssm_all.clone(),
+            "k": [t.clone() for t in caches.kv.k], "v": [t.clone() for t in caches.kv.v],
+            "ck_conv": ck.conv_all.clone(), "ck_ssm": ck.ssm_all.clone()}
+
+
+def _changed_outside(before, caches, save_rows):
+    """Names of the cache tensors the warm-up changed outside what it may write: pool slot
+    NULL_SLOT, KV block 0 (the null block) and the step's own checkpoint rows."""
+    ck = caches.checkpoints
+    keep_slots = [s for s in range(caches.mamba.conv_all.shape[1]) if s != NULL_SLOT]
+    keep_rows = [r for r in range(ck.conv_all.shape[1]) if r not in set(save_rows)]
+    bad = []
+    for name, now, slots_dim, keep in (("conv", caches.mamba.conv_all, 1, keep_slots),
+                                       ("ssm", caches.mamba.ssm_all, 1, keep_slots),
+                                       ("ck_conv", ck.conv_all, 1, keep_rows), ("ck_ssm", ck.ssm_all, 1, keep_rows)):
+        idx = torch.tensor(keep, dtype=torch.long)
+        if not torch.equal(before[name].index_select(slots_dim, idx), now.index_select(slots_dim, idx)):
+            bad.append(name)
+    for name in ("k", "v"):
+        for layer, (a, b) in enumerate(zip(before[name], getattr(caches.kv, name))):
+            if not torch.equal(a[1:], b[1:]):
+                bad.append(f"{name}{layer}")
+    return bad
+
+
+class RerunPrefillGraphs(PrefillGraphs):
+    """CPU stand-in for the CUDA capture: the warm-up runs as on CUDA (and is checked to leave the
+    caches alone outside slot NULL_SLOT, the null block and the step's checkpoint rows); a
+    "replay" reruns the eager forward on the static buffers into the static outputs."""
+
+    def __init__(self, *a, caches, **kw):
+        super().__init__(*a, **kw)
+        self.caches = caches
+        self.captured: list[tuple[PrefillKey, list[str]]] = []
+        self.replays = 0
+
+    def _capture(self, key, fb):
+        self._key, self._before = key, _snapshot(self.caches)
+        self._saves = [] if fb.mamba.ckpt_rows is None else fb.mamba.ckpt_rows.tolist()
+        return super()._capture(key, fb)
+
+    def _record(self, fresh):
+        self._forward(fresh())                                     # the warm-up, as on CUDA
+        self.captured.append((self._key, _changed_outside(self._before, self.caches, self._saves)))
+        hidden, logits = (t.clone() for t in self._forward(fresh()))
+        graphs = self
+
+        class Rerun:
+            def replay(self):
+                graphs.replays += 1
+                h, lg = graphs._forward(fresh())
+                hidden.copy_(h)
+                logits.copy_(lg)
+        return Rerun(), hidden, logits
+
+
+class PrefillRerunExecutor(EagerExecutor):
+    def __init__(self, inner, prefill):
+        super().__init__(inner.model, inner.caches)
+        self.prefill = prefill
+
+    def forward(self, fb):
+        got = self.prefill.forward(fb)
+        return got if got is not None else super().forward(fb)
+
+
+def install_reruns(llm, max_tokens=2048):
+    eng = llm.engine
+    runner = eng.runner
+    inner = runner.executor
+    pg = RerunPrefillGraphs(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
+                            max_model_len=eng.max_model_len, device=torch.device(DEV), max_tokens=max_tokens,
+                            caches=inner.caches)
+    runner.executor = PrefillRerunExecutor(inner, pg)
+    return pg
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, async_scheduling):
+    """A conversation one turn at a time (each turn a prefill-only step of one request: chunks
+    that save checkpoints, turns that restore one) through padded static batches: greedy tokens
+    equal transformers', and every capture's warm-up left the caches alone."""
+    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
+              num_kv_blocks=48, async_scheduling=async_scheduling, enable_prefix_caching=True,
+              mamba_checkpoint_interval=2)
+    pg = install_reruns(llm)
+    rng = np.random.default_rng(3)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    convo = rng.integers(3, 256, 21).tolist()
+    cached = []
+    for turn in range(7):
+        prompt = convo + rng.integers(3, 256, int(rng.integers(2, 12))).tolist()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 3)[0], f"turn {turn}"
+        cached.append(out.num_cached_tokens)
+        convo = prompt + out.outputs[0].token_ids
+    keys = [k for k, _ in pg.captured]
+    assert all(not bad for _, bad in pg.captured), pg.captured
+    assert any(k.restores for k in keys) and any(k.saves for k in keys), keys
+    assert {k.logits for k in keys} == {0, 1}, keys
+    assert pg.replays > len(keys) and sum(c > 0 for c in cached) >= 5, (pg.replays, cached)
+
+
+def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
+    """Loading a long step and then a short one of the same key: the short step's pad tokens
+    write the null KV block (not the long step's slots), form a fresh NULL_SLOT Mamba row, and
+    attention's one row ends at the real tokens."""
+    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+    from hybrid_engine.step.prefill_graphs import load_prefill, static_prefill_batch
+
+    def step(n, slot):
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
+        attn = AttnMetadata(torch.tensor([0, n], dtype=torch.int32), torch.tensor([40 + n], dtype=torch.int32),
+                            torch.arange(1, 4, dtype=torch.int32)[None], i64(list(range(100, 100 + n))), n, 40 + n)
+        mamba = MambaMetadata(0, 1, i64([]), i64([]), i64([0, n]), (0, n), i64([slot]), torch.tensor([True]),
+                              ckpt_seq=i64([0]), ckpt_token=i64([n - 2]), ckpt_rows=i64([5]))
+        return ForwardBatch(i64(list(range(7, 7 + n))), i64(list(range(40, 40 + n))), attn, mamba, i64([n - 1]))
+
+    long, short = step(13, 3), step(9, 2)
+    key = PrefillKey.of(long, 2048)
+    assert key == PrefillKey.of(short, 2048) == PrefillKey(bucket=16, restores=0, saves=1, logits=1)
+    dst = static_prefill_batch(key, max_blocks=6, max_model_len=64, device=torch.device("cpu"))
+    load_prefill(dst, long)
+    load_prefill(dst, short)
+    assert dst.attn.slot_mapping.tolist() == list(range(100, 109)) + [0] * 7
+    assert dst.attn.query_start_loc.tolist() == [0, 9] and dst.attn.block_tables.tolist() == [[1, 2, 3, 0, 0, 0]]
+    m = dst.mamba
+    assert m.prefill_query_start_loc.tolist() == [0, 9, 16] and m.prefill_slots.tolist() == [2, NULL_SLOT]
+    assert m.has_initial_state.tolist() == [True, False] and m.ckpt_token.tolist() == [7]
+    assert dst.logits_indices.tolist() == [8] and dst.input_ids[:9].tolist() == list(range(7, 16))
+    load_prefill(dst, short, harmless=True)
+    assert m.prefill_slots.tolist() == [NULL_SLOT] * 2 and not m.has_initial_state.any()
+    assert not dst.attn.slot_mapping.any()
+    assert PrefillKey.of(step(13, 3), 12) is None
+
+
+def test_warmup_check_catches_a_warmup_that_writes_the_real_slot(hybrid_dir, monkeypatch):
+    """The harmless copy is what keeps the warm-up off the request's state: copying the real
+    slots in for the warm-up is caught by the snapshot check above."""
+    import hybrid_engine.step.prefill_graphs as pgm
+    real = pgm.load_prefill
+    monkeypatch.setattr(pgm, "load_prefill", lambda dst, src, harmless=False: real(dst, src))
+    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=16, block_size=BS,
+              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    pg = install_reruns(llm)
+    llm.generate([list(range(3, 30))], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert any(bad for _, bad in pg.captured)
+
+
+def test_prefill_cuda_graphs_must_be_a_bool(hybrid_dir):
+    with pytest.raises(TypeError, match="prefill_cuda_graphs must be a bool"):
+        LLM(hybrid_dir, dtype="float32", device=DEV, prefill_cuda_graphs="yes")
+
+
+def test_a_capture_out_of_memory_falls_back_to_eager_for_good(hybrid_dir, caplog):
+    class NoMemory(RerunPrefillGraphs):
+        def _record(self, fresh):
+            self.tries = getattr(self, "tries", 0) + 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
+              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    eng = llm.engine
+    inner = eng.runner.executor
+    pg = NoMemory(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
+                  max_model_len=eng.max_model_len, device=torch.device(DEV), caches=inner.caches)
+    eng.runner.executor = PrefillRerunExecutor(inner, pg)
+    prompt = list(range(3, 30))
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 3)[0]
+    assert pg.tries == 1 and not pg.graphs and "ran out of memory" in caplog.text

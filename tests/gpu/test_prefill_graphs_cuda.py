@@ -1,0 +1,73 @@
+"""Prefill CUDA graphs (hybrid_engine/step/prefill_graphs.py): one-request prefill-only steps
+replayed from lazily captured graphs give transformers' greedy tokens (float32, O(1) weights,
+the Triton Mamba kernels: chunks that save checkpoints, turns that restore one), equal the eager
+engine's state, and launch with no host sync once captured. The padding and the warm-up are
+tested on CPU in tests/engine/test_prefill_graphs.py."""
+import numpy as np
+import pytest
+import torch
+
+from engine_steps import launch_steps_without_sync
+from hf_reference import hf_greedy
+from hybrid_engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def target(model_dirs):
+    return model_dirs("gpu_prefill_graphs", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
+
+
+def one_turn_at_a_time(llm, rng, turns=6):
+    convo = rng.integers(3, 256, 45).tolist()
+    out = []
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for _ in range(turns):
+        prompt = convo + rng.integers(3, 256, int(rng.integers(2, 30))).tolist()
+        o = llm.generate([prompt], sp, use_tqdm=False)[0]
+        out.append((prompt, o.outputs[0].token_ids, o.num_cached_tokens))
+        convo = prompt + o.outputs[0].token_ids
+    return out
+
+
+def test_prefill_graphs_match_transformers_and_the_eager_engine(target):
+    runs, states = {}, {}
+    for graphs in (False, True):
+        llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=4, max_num_batched_tokens=40, block_size=4,
+                  num_kv_blocks=128, enable_prefix_caching=True, mamba_checkpoint_interval=2,
+                  prefill_cuda_graphs=graphs)
+        runs[graphs] = one_turn_at_a_time(llm, np.random.default_rng(0))
+        pg = llm.engine.runner.executor.prefill
+        if graphs:
+            keys = list(pg.graphs)
+            assert any(k.restores for k in keys) and any(k.saves for k in keys), keys
+            assert {k.logits for k in keys} == {0, 1}, keys
+        else:
+            assert pg is None
+        ck = llm.engine.caches.checkpoints
+        states[graphs] = (llm.engine.caches.mamba.ssm_all[:, 1:].clone(), ck.ssm_all.clone())
+    for (p, a, c), (_, b, _) in zip(runs[True], runs[False]):
+        assert a == b == hf_greedy(target, [p], 4)[0]
+    assert sum(c > 0 for _, _, c in runs[True]) >= 4
+    for a, b in zip(states[True], states[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_captured_prefill_steps_never_sync_the_host(target):
+    llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+              num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    eng = llm.engine
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 256, 40).tolist()
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    user = lambda: rng.integers(3, 256, 12).tolist()      # noqa: E731
+    llm.generate([system + user()], sp, use_tqdm=False)  # publishes the prefix
+    llm.generate([system + user()], sp, use_tqdm=False)  # captures the restoring step's graph
+    n = len(eng.runner.executor.prefill.graphs)
+    eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=8, ignore_eos=True)))
+    launch_steps_without_sync(eng, 5)                    # the restoring prefill (a replay), then decode
+    assert len(eng.runner.executor.prefill.graphs) == n  # no new capture: the step above was a replay
+    assert eng.stats(expert_load=False)["prefix_cache_hits"] >= 2
+    for r in list(eng.scheduler.running):
+        eng.abort(r.request_id)
