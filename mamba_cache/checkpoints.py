@@ -154,9 +154,21 @@ class MambaCheckpoints:
 
     def restore(self, pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Pool slots := checkpoint rows, in every Mamba layer at once (conv window columns
-        0..W-2, SSM checkpoint 0): four ops a step, not four per layer. ``pool``: the
+        0..W-2, SSM checkpoint 0): two Triton launches on CUDA (``ops/triton_restore.py``; the
+        torch twin elsewhere), not ops per layer. ``pool``: the
         ``MambaPool`` of the same model; slots, rows: [M] int64 device tensors."""
+        from .ops.triton_common import kernel_backend
+        if kernel_backend("checkpoint_restore", self.ssm_all.device) == "triton":
+            from .ops.triton_restore import triton_restore_rows as restore_rows   # 2 launches
+        else:
+            restore_rows = restore_rows_ref
         wm1 = self.conv_all.shape[-1]
-        pool.conv_all[:, slots, :, :wm1] = self.conv_all[:, rows]
-        pool.ssm_all[:, slots, 0] = self.ssm_all[:, rows]
+        restore_rows(self.conv_all, pool.conv_all[..., :wm1], rows, slots)
+        restore_rows(self.ssm_all, pool.ssm_all[:, :, 0], rows, slots)
 
+
+
+def restore_rows_ref(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """``dst[:, slots[m]] = src[:, rows[m]]`` for each m (src [L, R, *inner], dst [L, S, *inner],
+    a view of the pool): the torch twin of ``ops/triton_restore.triton_restore_rows``."""
+    dst[:, slots] = src[:, rows].to(dst.dtype)

@@ -91,3 +91,31 @@ def check_conv_windows(impl, device, dtype, lens, emits, C=24, W=4, K=3, seed=0,
     assert_pool(got, want, None, "conv windows (a copy: bit-exact; spare rows NaN)")
     assert_pool(pool, before, None, "conv pool")
     return {"windows": 0.0}
+
+
+def check_restore(impl, device, dtype, L=3, R=5, S=6, C=40, W=4, K=2, H=3, P=5, N=7, slots=(4, 1, 5), rows=(2, 0, 4),
+                  seed=0):
+    """``impl`` (triton_restore.triton_restore_rows) against the torch twin, as
+    ``MambaCheckpoints.restore`` calls it: checkpoint rows [L, R, C, W-1] into the pool's conv
+    window columns 0..W-2 ([L, S, C, W-1+K], a strided, token-major view) and [L, R, H, P, N] float32 into the
+    pool's SSM checkpoint 0 ([L, S, 1+K, H, P, N]). Pools start NaN: every other slot, column and
+    checkpoint stays NaN, every restored element is bit-equal."""
+    from hybrid_engine.mamba_cache.checkpoints import restore_rows_ref
+    g = _gen(seed)
+    conv_rows = torch.randn(L, R, C, W - 1, generator=g).to(dtype).to(device)
+    ssm_rows = torch.randn(L, R, H, P, N, generator=g).to(device)
+    r = torch.tensor(rows, dtype=torch.int64, device=device)
+    s = torch.tensor(slots, dtype=torch.int64, device=device)
+    out = {}
+    for name, src, pool, view in (
+            # the pool keeps windows token-major in memory ([L, S, W-1+K, C] seen transposed), as
+            # MambaPool does; the rows are channel-major
+            ("conv", conv_rows, torch.full((L, S, W - 1 + K, C), float("nan"), dtype=dtype,
+                                            device=device).transpose(-1, -2), lambda t: t[..., :W - 1]),
+            ("ssm", ssm_rows, torch.full((L, S, 1 + K, H, P, N), float("nan"), device=device),
+             lambda t: t[:, :, 0])):
+        want = pool.clone()
+        restore_rows_ref(src, view(want), r, s)
+        impl(src, view(pool), r, s)
+        out[name] = assert_pool(pool, want, None, f"restore {name}")
+    return out

@@ -93,6 +93,11 @@ def check_engine_prefix_hits():
     return {"cached": cached}
 
 
+def _restore():
+    from hybrid_engine.mamba_cache.ops.triton_restore import triton_restore_rows
+    return triton_restore_rows
+
+
 CASES = {
     "engine_prefix_hits": lambda: _on_triton(check_engine_prefix_hits),
     "emit_kernel": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1],
@@ -105,6 +110,9 @@ CASES = {
     "conv_windows_w2_channel_major": lambda: cc.check_conv_windows(
         triton_conv_windows_before, "cpu", F32, [3, 4], [(0, 0), (1, 3)], W=2, K=0, token_major=False, seed=1),
     "emit_kernel_one_seq": lambda: cc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
+    "restore_rows": lambda: cc.check_restore(_restore(), "cpu", F32),
+    "restore_rows_f16": lambda: cc.check_restore(_restore(), "cpu", torch.float16, C=33, W=2, K=0, H=2, P=3, N=130,
+                                                 slots=(2,), rows=(4,), seed=1),
     "emit_kernel_rows": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1], [0, 15, 16, 27, 43], 16,
                                               seed=3, rows=True),
     "conv_windows_rows": lambda: cc.check_conv_windows(

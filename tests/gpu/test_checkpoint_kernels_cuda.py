@@ -43,3 +43,12 @@ def test_checkpoint_kernels_store_into_rows(dtype):
                   N=128, seed=5, rows=True)
     cc.check_conv_windows(triton_conv_windows_before, "cuda", dtype, [5, 9, 300], [(0, 0), (1, 8), (2, 299)],
                           C=1536, seed=6, rows=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_restore_kernel_matches_ref(dtype):
+    """The restore's two launches against the torch twin, at a published width (Nano: 64 heads
+    x 64 x 128 state, conv 6144 channels), into NaN pools."""
+    from hybrid_engine.mamba_cache.ops.triton_restore import triton_restore_rows
+    cc.check_restore(triton_restore_rows, "cuda", dtype, L=3, R=4, S=5, C=6144, W=4, K=3, H=64, P=64, N=128,
+                     slots=(3, 1), rows=(0, 3), seed=7)
