@@ -99,7 +99,7 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     counts = draft_counts(cfg.speculative, k)          # drafts a step may verify (adaptive: several)
     executor = make_executor(model, caches, local, num_spec=k, max_blocks=max_blocks,
                              max_model_len=max_model_len, block_size=cc.block_size,
-                             widths=tuple(1 + c for c in counts), 
+                             widths=tuple(1 + c for c in counts),
                              prefill_graphs=cfg.prefill_cuda_graphs and tp is None)
     # with speculation, steps that verify no drafts replay the fused greedy graphs when the
     # drafter follows a step from its tokens alone (n-gram: full_context False)

@@ -167,7 +167,6 @@ class MambaCheckpoints:
         restore_rows(self.ssm_all, pool.ssm_all[:, :, 0], rows, slots)
 
 
-
 def restore_rows_ref(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """``dst[:, slots[m]] = src[:, rows[m]]`` for each m (src [L, R, *inner], dst [L, S, *inner],
     a view of the pool): the torch twin of ``ops/triton_restore.triton_restore_rows``."""

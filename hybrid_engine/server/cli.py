@@ -63,6 +63,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="draft model folder (--spec draft_model; default with the embedded model: its embedded draft)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="run one-request prefill-only steps eagerly (default: CUDA graphs captured on first use)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="on CUDA, skip the start-up warm-up (a few throw-away requests that compile the Triton "
                         "kernels before the first client's request instead of inside it)")
@@ -112,7 +114,7 @@ def build_llm(args):
                     mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                     async_scheduling=not args.sync, seed=args.seed, enforce_eager=args.enforce_eager,
                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                    tensor_parallel_size=args.tensor_parallel_size)
+                    tensor_parallel_size=args.tensor_parallel_size, prefill_cuda_graphs=args.prefill_cuda_graphs)
 
 
 def maybe_warm_up(llm, args) -> bool:

@@ -16,7 +16,8 @@ number the kernels size their grids by is fixed by the key:
   stop at the device lengths).
 
 Graphs are captured lazily, the first time a key is seen (a sync and ~two forwards, once per
-key, logged), at most ``max_graphs`` of them; other steps run eagerly. The capture's warm-up
+key, logged), at most ``max_graphs`` of them; other steps run eagerly, and so do keys whose
+capture raised (logged; an out-of-memory capture stops all further captures). The capture's warm-up
 forward runs on a harmless copy of the real step: its Mamba rows at ``NULL_SLOT``, its KV writes
 in the null block, its restores into ``NULL_SLOT``; its checkpoint saves go to the step's own
 rows (pinned for this step, rewritten by the replay that follows).
@@ -134,7 +135,7 @@ def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False
 class _PrefillGraph:
     graph: torch.cuda.CUDAGraph   # (anything with replay(): tests record an eager rerun)
     fb: ForwardBatch              # static inputs (load_prefill fills them)
-    hidden: torch.Tensor          # [bucket, D] static output
+    hidden: torch.Tensor          # [bucket, D] static output (a view of the graphs' one hidden buffer)
     logits: torch.Tensor          # [key.logits, V] static output
 
 
@@ -150,16 +151,24 @@ class PrefillGraphs:
         self.graphs: dict[PrefillKey, _PrefillGraph] = {}
         self.pool = None                  # one memory pool for all of them (never replayed concurrently)
         self._full_logged = False
+        self._failed: set[PrefillKey] = set()     # keys whose capture raised: eager from then on
+        # [prefill_bucket(max_tokens), D]: every graph's hidden output (one buffer, not one per graph:
+        # up to 64 of those would hold ~1 GB of an 8B model outside the KV budget)
+        self._hidden_out: torch.Tensor | None = None
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden [T, D], logits [L, V]) from a graph replay; None: the step does not qualify,
-        or no more graphs may be captured (the caller runs it eagerly). The outputs are views of
-        static buffers, valid until the next replay of the same graph."""
+        no more graphs may be captured, or its key's capture failed (the caller runs it eagerly).
+        The outputs are views of static buffers, valid until the next replay of *any* prefill
+        graph (they share one memory pool, so a later graph's outputs may sit in an earlier one's
+        scratch): the step consumes them in stream order, nothing keeps them past it."""
         key = PrefillKey.of(fb, self.max_tokens)
         if key is None:
             return None
         g = self.graphs.get(key)
         if g is None:
+            if key in self._failed:
+                return None
             if len(self.graphs) >= self.max_graphs:
                 if not self._full_logged:
                     self._full_logged = True
@@ -174,6 +183,11 @@ class PrefillGraphs:
                 logger.warning("prefill CUDA graphs: capturing %s ran out of memory (%s); prefills of new "
                                "shapes run eagerly (lower kv_cache_memory_fraction to keep them)", key, e)
                 self._full_logged = True
+                return None
+            except Exception as e:            # e.g. an op a capture does not allow: this key runs eagerly
+                self._failed.add(key)
+                logger.warning("prefill CUDA graphs: capturing %s failed (%s: %s); steps of this shape run "
+                               "eagerly", key, type(e).__name__, e)
                 return None
         load_prefill(g.fb, fb)
         g.graph.replay()
@@ -195,14 +209,20 @@ class PrefillGraphs:
         """-> (graph, hidden, logits) of ``self._forward(fresh())``, after one warm-up run of it on
         the harmless inputs ``fresh()`` holds (Triton compiles there). ``graph.replay()`` reruns the
         forward on whatever the static inputs hold then."""
-        self._forward(fresh())
+        warm, _ = self._forward(fresh())
+        if self._hidden_out is None:     # one hidden buffer for every graph (outside the pool)
+            self._hidden_out = torch.empty((prefill_bucket(self.max_tokens), warm.shape[1]), dtype=warm.dtype,
+                                           device=self.device)
+        hidden_out = self._hidden_out[:warm.shape[0]]
+        del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden, logits = self._forward(fresh())
+            hidden_out.copy_(hidden)     # the model's own output buffer returns to the pool
         if self.pool is None:
             self.pool = graph.pool()
-        return graph, hidden, logits
+        return graph, hidden_out, logits
 
 
 @contextmanager

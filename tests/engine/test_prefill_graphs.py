@@ -204,3 +204,31 @@ def test_a_capture_out_of_memory_falls_back_to_eager_for_good(hybrid_dir, caplog
     out = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 3)[0]
     assert pg.tries == 1 and not pg.graphs and "ran out of memory" in caplog.text
+
+
+def test_a_failed_capture_runs_that_shape_eagerly_without_retrying(hybrid_dir, caplog):
+    """A capture that raises (an op a CUDA graph does not allow, say) costs that step nothing but
+    the attempt: the step runs eagerly, the key is never tried again, other keys still capture."""
+    class FailsOnce(RerunPrefillGraphs):
+        def _record(self, fresh):
+            self.tries = getattr(self, "tries", 0) + 1
+            if self.tries == 1:
+                raise RuntimeError("operation not permitted when stream is capturing (test)")
+            return super()._record(fresh)
+
+    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
+              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    eng = llm.engine
+    inner = eng.runner.executor
+    pg = FailsOnce(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
+                   max_model_len=eng.max_model_len, device=torch.device(DEV), caches=inner.caches)
+    eng.runner.executor = PrefillRerunExecutor(inner, pg)
+    rng = np.random.default_rng(5)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(3):
+        prompt = rng.integers(3, 256, 30).tolist()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 2)[0]
+    failed = list(pg._failed)
+    assert len(failed) == 1 and failed[0] not in pg.graphs and pg.graphs, (failed, list(pg.graphs))
+    assert pg.tries == 1 + len(pg.graphs) and "capturing" in caplog.text and "failed" in caplog.text
