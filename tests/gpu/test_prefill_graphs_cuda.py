@@ -19,12 +19,12 @@ def target(model_dirs):
     return model_dirs("gpu_prefill_graphs", pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1)
 
 
-def one_turn_at_a_time(llm, rng, turns=6):
-    convo = rng.integers(3, 256, 45).tolist()
+def one_turn_at_a_time(llm, rng, turns=6, first=45, user=(2, 30)):
+    convo = rng.integers(3, 256, first).tolist()
     out = []
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     for _ in range(turns):
-        prompt = convo + rng.integers(3, 256, int(rng.integers(2, 30))).tolist()
+        prompt = convo + rng.integers(3, 256, int(rng.integers(*user))).tolist()
         o = llm.generate([prompt], sp, use_tqdm=False)[0]
         out.append((prompt, o.outputs[0].token_ids, o.num_cached_tokens))
         convo = prompt + o.outputs[0].token_ids
@@ -52,6 +52,21 @@ def test_prefill_graphs_match_transformers_and_the_eager_engine(target):
     assert sum(c > 0 for _, _, c in runs[True]) >= 4
     for a, b in zip(states[True], states[False]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_long_prefills_with_mtp_match_transformers(target):
+    """Buckets of several SSD chunks (prompts of ~150-400 tokens, one chunk each) on an MTP engine:
+    the drafter reads the replayed hidden states of every prefill token; greedy tokens equal
+    transformers'."""
+    from hybrid_engine import SpeculativeConfig
+    llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=4, max_num_batched_tokens=512, block_size=4,
+              num_kv_blocks=512, enable_prefix_caching=True, mamba_checkpoint_interval=8,
+              speculative_config=SpeculativeConfig("mtp", 2))
+    out = one_turn_at_a_time(llm, np.random.default_rng(2), turns=4, first=150, user=(20, 90))
+    keys = list(llm.engine.runner.executor.prefill.graphs)
+    assert max(k.bucket for k in keys) >= 144 and any(k.restores for k in keys), keys
+    for p, toks, _ in out:
+        assert toks == hf_greedy(target, [p], 4)[0]
 
 
 def test_captured_prefill_steps_never_sync_the_host(target):
