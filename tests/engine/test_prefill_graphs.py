@@ -99,15 +99,22 @@ class PrefillRerunExecutor(EagerExecutor):
         return got if got is not None else super().forward(fb)
 
 
-def install_reruns(llm, max_tokens=2048):
+def install_reruns(llm, max_tokens=2048, cls=None):
+    """Route ``llm``'s one-request prefills through ``cls`` (default RerunPrefillGraphs) -> it."""
     eng = llm.engine
     runner = eng.runner
     inner = runner.executor
-    pg = RerunPrefillGraphs(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
-                            max_model_len=eng.max_model_len, device=torch.device(DEV), max_tokens=max_tokens,
-                            caches=inner.caches)
+    pg = (cls or RerunPrefillGraphs)(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
+                                     max_model_len=eng.max_model_len, device=torch.device(DEV),
+                                     max_tokens=max_tokens, caches=inner.caches)
     runner.executor = PrefillRerunExecutor(inner, pg)
     return pg
+
+
+def small_engine(hybrid_dir, **kw):
+    """The CPU engine of these tests: chunks of at most 12 tokens, a checkpoint every 2 blocks."""
+    return LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
+               num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2, **kw)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -115,9 +122,7 @@ def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, a
     """A conversation one turn at a time (each turn a prefill-only step of one request: chunks
     that save checkpoints, turns that restore one) through padded static batches: greedy tokens
     equal transformers', and every capture's warm-up left the caches alone."""
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
-              num_kv_blocks=48, async_scheduling=async_scheduling, enable_prefix_caching=True,
-              mamba_checkpoint_interval=2)
+    llm = small_engine(hybrid_dir, async_scheduling=async_scheduling)
     pg = install_reruns(llm)
     rng = np.random.default_rng(3)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -175,8 +180,7 @@ def test_warmup_check_catches_a_warmup_that_writes_the_real_slot(hybrid_dir, mon
     import hybrid_engine.step.prefill_graphs as pgm
     real = pgm.load_prefill
     monkeypatch.setattr(pgm, "load_prefill", lambda dst, src, harmless=False: real(dst, src))
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=16, block_size=BS,
-              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    llm = small_engine(hybrid_dir)
     pg = install_reruns(llm)
     llm.generate([list(range(3, 30))], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert any(bad for _, bad in pg.captured)
@@ -193,13 +197,8 @@ def test_a_capture_out_of_memory_falls_back_to_eager_for_good(hybrid_dir, caplog
             self.tries = getattr(self, "tries", 0) + 1
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
-              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
-    eng = llm.engine
-    inner = eng.runner.executor
-    pg = NoMemory(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
-                  max_model_len=eng.max_model_len, device=torch.device(DEV), caches=inner.caches)
-    eng.runner.executor = PrefillRerunExecutor(inner, pg)
+    llm = small_engine(hybrid_dir)
+    pg = install_reruns(llm, cls=NoMemory)
     prompt = list(range(3, 30))
     out = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 3)[0]
@@ -216,13 +215,8 @@ def test_a_failed_capture_runs_that_shape_eagerly_without_retrying(hybrid_dir, c
                 raise RuntimeError("operation not permitted when stream is capturing (test)")
             return super()._record(fresh)
 
-    llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
-              num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2)
-    eng = llm.engine
-    inner = eng.runner.executor
-    pg = FailsOnce(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
-                   max_model_len=eng.max_model_len, device=torch.device(DEV), caches=inner.caches)
-    eng.runner.executor = PrefillRerunExecutor(inner, pg)
+    llm = small_engine(hybrid_dir)
+    pg = install_reruns(llm, cls=FailsOnce)
     rng = np.random.default_rng(5)
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     for _ in range(3):

@@ -70,12 +70,12 @@ def test_long_prefills_with_mtp_match_transformers(target):
 
 
 def test_captured_prefill_steps_never_sync_the_host(target):
+    """The first restoring step of a shape captures (a deliberate sync, out of the detector's
+    sight); the next one of that shape replays under the sync detector, with the decode after."""
     llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
               num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2)
-    eng = llm.engine
-    rng = np.random.default_rng(1)
+    eng, rng, sp = llm.engine, np.random.default_rng(1), SamplingParams(max_tokens=2, ignore_eos=True)
     system = rng.integers(3, 256, 40).tolist()
-    sp = SamplingParams(max_tokens=2, ignore_eos=True)
     user = lambda: rng.integers(3, 256, 12).tolist()      # noqa: E731
     llm.generate([system + user()], sp, use_tqdm=False)  # publishes the prefix
     llm.generate([system + user()], sp, use_tqdm=False)  # captures the restoring step's graph
