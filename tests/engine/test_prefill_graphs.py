@@ -117,12 +117,15 @@ def small_engine(hybrid_dir, **kw):
                num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2, **kw)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, spec", [(True, None), (False, None), (True, "mtp"), (True, "ngram")])
+def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, async_scheduling, spec):
     """A conversation one turn at a time (each turn a prefill-only step of one request: chunks
     that save checkpoints, turns that restore one) through padded static batches: greedy tokens
-    equal transformers', and every capture's warm-up left the caches alone."""
-    llm = small_engine(hybrid_dir, async_scheduling=async_scheduling)
+    equal transformers', and every capture's warm-up left the caches alone. With MTP the drafter
+    reads the replayed hidden states of every prefill token."""
+    from hybrid_engine import SpeculativeConfig
+    llm = small_engine(hybrid_dir, async_scheduling=async_scheduling,
+                       speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
     pg = install_reruns(llm)
     rng = np.random.default_rng(3)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -226,3 +229,22 @@ def test_a_failed_capture_runs_that_shape_eagerly_without_retrying(hybrid_dir, c
     failed = list(pg._failed)
     assert len(failed) == 1 and failed[0] not in pg.graphs and pg.graphs, (failed, list(pg.graphs))
     assert pg.tries == 1 + len(pg.graphs) and "capturing" in caplog.text and "failed" in caplog.text
+
+
+def test_prompt_logprobs_read_every_replayed_hidden_state(hybrid_dir):
+    """prompt_logprobs take the logits of every prompt position from the forward's hidden states:
+    through padded replays (chunks of up to 12 tokens) they equal the plain engine's."""
+    sp = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompt = np.random.default_rng(9).integers(3, 256, 29).tolist()
+    got = {}
+    for rerun in (False, True):
+        llm = small_engine(hybrid_dir)
+        pg = install_reruns(llm) if rerun else None
+        got[rerun] = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert pg.replays >= 3
+    a, b = got[True], got[False]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert len(a.prompt_logprobs) == len(prompt) and a.prompt_logprobs[0] is None
+    for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert pa.keys() == pb.keys()
+        assert all(abs(pa[t] - pb[t]) < 1e-4 for t in pa)
