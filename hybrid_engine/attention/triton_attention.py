@@ -30,15 +30,16 @@ def _paged_attn_kernel(
     sq_t, sq_h, sq_d, sk_b, sk_o, sk_h, sk_d, sv_b, sv_o, sv_h, sv_d, sbt_b, sbt_m,
     so_t, so_h, so_d,
     PREC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, ROW_SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     z = pdl_enter(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     b = tl.program_id(0) + z
     kvh = tl.program_id(1) + z
-    if SPLIT:                      # one query block per row; axis 2 = key range split
-        qb = 0
-        sp = tl.program_id(2) + z
+    if SPLIT:                      # axis 2 = query block x key range split
+        qb = (tl.program_id(2) + z) // n_splits
+        sp = (tl.program_id(2) + z) % n_splits
     else:
         qb = tl.program_id(2) + z
         sp = 0
@@ -60,6 +61,8 @@ def _paged_attn_kernel(
         qpos = seq_len - q_len + qi                                                 # [M]
         kv_end = seq_len - q_len + tl.minimum(i0 + BLOCK_Q, q_len)   # keys 0..kv_end-1 needed
         if SPLIT:
+            if ROW_SPLIT:          # ranges of this row's own keys (its seq_len, not the batch bound)
+                split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
             kv_lo = sp * split_len
             kv_hi = tl.minimum(kv_end, kv_lo + split_len)
         else:
@@ -123,7 +126,7 @@ def _combine_splits_kernel(
     h = tl.program_id(1) + z
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    offs_i = tl.arange(0, BLOCK_Q)
+    offs_i = (tl.program_id(2) + z) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     mi = offs_i < q_len
     tok = (q_start + offs_i).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -162,14 +165,17 @@ def _num_sms(device) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len: int, max_seq_len: int, *, k_scale=None, v_scale=None,
-                           block_n=None, num_warps=None, num_splits=None, num_stages=None):
+                           block_n=None, num_warps=None, num_splits=None, num_stages=None, block_q=None):
     """Same arguments and result as ``paged_attention_ref`` (``k_scale`` / ``v_scale``: [] float32
     device tensors for an FP8 cache, read inside the kernel; None for a 16/32-bit cache).
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
     each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
-    softmax results in a second launch; ``num_splits`` overrides the choice (1 = no split);
-    ``block_n``, ``num_warps`` and ``num_stages`` override the tile configuration (sweeps).
+    softmax results in a second launch. A prefill whose query tiles fill less than two waves of
+    the SMs over a long context (one request's chunk after a cached prefix) splits its keys the
+    same way, into ranges of >= 512 positions. ``num_splits`` overrides the choice (1 = no split);
+    ``block_q`` (query tokens per tile), ``block_n``, ``num_warps`` and ``num_stages`` override the
+    tile configuration (sweeps).
     """
     T, nH, hd = q.shape
     NB, bs, nkv, _ = k_cache.shape
@@ -181,15 +187,22 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         return out
     G = nH // nkv
     G_PAD = next_pow2(G)
-    if Qm <= 16:                       # decode / verify rows: one tile covers the whole row
-        BLOCK_Q = next_pow2(Qm)
-    else:                              # prefill chunks: ~64 query rows x heads per tile
-        BLOCK_Q = max(1, 64 // G_PAD)
-    BLOCK_Q = max(BLOCK_Q, -(-16 // G_PAD))          # tl.dot needs M >= 16
-    BLOCK_D = max(16, next_pow2(hd))
-    BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
-    nw = num_warps or (4 if BLOCK_Q * G_PAD <= 64 else 8)
     kv_fp8 = k_scale is not None
+    BLOCK_D = max(16, next_pow2(hd))
+    # 16-bit prefill tiles over a 16-bit cache, head dim <= 128: 128 query rows x heads by 32 keys,
+    # 4 warps (H100 sweep, 2026-11-27, benchmarks/attn_prefill_sweep.py: 259 us against 287 us of
+    # the 64 x 64 tiles for a 2352-token prompt; with key splits 71 against 113 us for 304 tokens
+    # after 2048). FP8 caches and float32 keep the 64-row tiles they were checked with.
+    wide = not kv_fp8 and q.dtype != torch.float32 and BLOCK_D <= 128 and Qm > 16
+    if block_q is not None:
+        BLOCK_Q = next_pow2(block_q)
+    elif Qm <= 16:                     # decode / verify rows: one tile covers the whole row
+        BLOCK_Q = next_pow2(Qm)
+    else:                              # prefill chunks: 64 (128 when wide) query rows x heads per tile
+        BLOCK_Q = max(1, (128 if wide else 64) // G_PAD)
+    BLOCK_Q = max(BLOCK_Q, -(-16 // G_PAD))          # tl.dot needs M >= 16
+    BLOCK_N = block_n or (32 if wide or BLOCK_D > 128 else 64)
+    nw = num_warps or (4 if wide or BLOCK_Q * G_PAD <= 64 else 8)
     # FP8 tiles with 16-bit queries are converted in registers before each dot, so they miss the
     # 16-bit tiles' load pipelining; a 2-deep pipeline and twice the key-range splits at small
     # batches hide that best (H200 sweep, 2026-11-26, benchmarks/results/2026-11-26-fp8-kv-cache-h200.md).
@@ -203,15 +216,17 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     nqb = cdiv(Qm, BLOCK_Q)
 
     n_splits = 1
-    if nqb == 1:
-        programs = B * nkv
-        sms = _num_sms(q.device)
-        if num_splits is not None:
-            n_splits = max(1, int(num_splits))
-        elif programs < sms:
-            n_splits = min(cdiv(2 * sms, programs), cdiv(Sm, 128), 64)
-            if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
-                n_splits = min(2 * n_splits, cdiv(Sm, 128), 64)
+    programs = B * nkv * nqb
+    sms = _num_sms(q.device)
+    if num_splits is not None:
+        n_splits = max(1, int(num_splits))
+    elif nqb == 1 and programs < sms:
+        n_splits = min(cdiv(2 * sms, programs), cdiv(Sm, 128), 64)
+        if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
+            n_splits = min(2 * n_splits, cdiv(Sm, 128), 64)
+    elif nqb > 1 and wide and programs < sms:
+        # the most splits whose programs still fit two to an SM (same sweep: 3 splits for 80 tiles)
+        n_splits = max(1, min(2 * sms // programs, cdiv(Sm, 512), 8))
     split_len = cdiv(cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
     n_splits = cdiv(Sm, split_len)
     split = n_splits > 1
@@ -221,7 +236,7 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         po = torch.empty((n_splits, T, nH, BLOCK_D), dtype=torch.float32, device=q.device)
     else:
         pm = pl = po = out
-    grid = (B, nkv, n_splits if split else nqb)
+    grid = (B, nkv, nqb * n_splits)
     with device_ctx(q):
         _paged_attn_kernel[grid](
             q, k_cache, v_cache, qsl, sl, block_tables, out, po, pm, pl, k_scale, v_scale,
@@ -229,12 +244,13 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *out.stride(),
             PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, num_warps=nw, **pdl_kwargs(q.device),
+            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, ROW_SPLIT=split and nqb > 1, num_warps=nw, **pdl_kwargs(q.device),
             **({} if num_stages is None else {"num_stages": num_stages}),
         )
         if split:
-            _combine_splits_kernel[(B, nH)](
+            cq = min(next_pow2(Qm), 32)             # query tokens per combine program
+            _combine_splits_kernel[(B, nH, cdiv(Qm, cq))](
                 qsl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),
-                BLOCK_Q=next_pow2(Qm), BLOCK_D=BLOCK_D, num_warps=4, **pdl_kwargs(q.device),
+                BLOCK_Q=cq, BLOCK_D=BLOCK_D, num_warps=4, **pdl_kwargs(q.device),
             )
     return out

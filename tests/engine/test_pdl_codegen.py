@@ -60,7 +60,8 @@ CASES = {
         **{n: "i32" for n in ("G", "hd", "bs", "split_len", "n_splits", "T", "nH", "sq_t", "sq_h", "sq_d",
                               "sk_b", "sk_o", "sk_h", "sk_d", "sv_b", "sv_o", "sv_h", "sv_d", "sbt_b", "sbt_m",
                               "so_t", "so_h", "so_d")}),
-        dict(PREC="tf32", SPLIT=True, BLOCK_Q=1, G_PAD=16, BLOCK_N=64, BLOCK_D=128, KV_FP8=False),
+        dict(PREC="tf32", SPLIT=True, BLOCK_Q=1, G_PAD=16, BLOCK_N=64, BLOCK_D=128, KV_FP8=False,
+             ROW_SPLIT=False),
         dict(num_warps=4)),
 }
 ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "D", "sxm", "swn", "sym",

@@ -259,6 +259,14 @@ CASES = {
     "attention_prefill": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                     seed=1),
+    # prefill tiles with their keys split into ranges (several query blocks a row, causal), forced
+    # and by the automatic rule (a short chunk after a long context: few tiles, many keys)
+    "attention_prefill_split": lambda: ac.check_attention(
+        lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_q=8, block_n=16, **k), "cpu", F32,
+        [20, 3, 37], [0, 5, 90], nH=4, nkv=2, hd=16, bs=4, seed=4),
+    "attention_prefill_split_auto_f16": lambda: ac.check_attention(
+        lambda *a, **k: triton_paged_attention(*a, block_q=8, **k), "cpu", torch.float16,
+        [21, 2], [1100, 7], nH=4, nkv=2, hd=16, bs=16, seed=5),
     # FP8 KV cache (codes over the whole e4m3 range, non-unit scales): float32 and float16 q
     "attention_fp8_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                        [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,

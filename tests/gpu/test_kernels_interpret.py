@@ -23,6 +23,7 @@ KERNEL_CASES = ["conv_varlen", "conv_varlen_w2", "conv_update", "conv_update_k8"
                 "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma",
                 "linear_fma_rows_invariant", "linear_dot",
                 "attention_decode", "attention_split", "attention_prefill",
+                "attention_prefill_split", "attention_prefill_split_auto_f16",
                 "attention_fp8_decode", "attention_fp8_split_f16", "attention_fp8_prefill"]
 KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/
 KERNEL_CASES += ["conv_update_window", "conv_update_cols", "conv_update_cols_rows", "conv_update_cols_taps_w3",  # conv
