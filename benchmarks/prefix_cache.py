@@ -1,7 +1,7 @@
 """Prefix caching on a multi-turn chat workload: TTFT and throughput with caching on vs off, with
 and without MTP, and the memory the Mamba checkpoints take.
 
-Workload (closed loop): ``--conversations`` concurrent conversations share one system prompt of
+Workload (closed loop, or open with ``--think-time``): ``--conversations`` concurrent conversations share one system prompt of
 ``--system-len`` tokens; each runs ``--turns`` turns: the prompt is the whole history (system +
 earlier user turns + the replies generated) plus a new user message of ``--user-len`` tokens
 (uniform in [lo, hi]); the reply is ``--reply-len`` greedy tokens; a conversation sends its next
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import sys
 import tempfile
 import time
@@ -63,7 +64,41 @@ def drive(engine, submit_next, first):
     return done
 
 
+def drive_timed(engine, submit_next, first):
+    """``drive`` with arrivals at set times (open loop). ``first``: (due seconds from now, factory)
+    pairs; ``submit_next(req)`` returns the next (delay after now, factory) or None. A factory makes
+    the request when it is due; its arrival time is the due time, so a wait behind a step that was
+    running when it arrived counts in its TTFT, as in a server."""
+    t0 = time.perf_counter()
+    heap = [(t0 + due, i, make) for i, (due, make) in enumerate(first)]
+    heapq.heapify(heap)
+    seq, done = len(heap), []
+    while heap or engine.has_work():
+        now = time.perf_counter()
+        while heap and heap[0][0] <= now:
+            due, _, make = heapq.heappop(heap)
+            req = make()
+            req.metrics.arrival_time = due
+            engine.add_request(req)
+        if not engine.has_work():
+            time.sleep(max(0.0, heap[0][0] - time.perf_counter()))
+            continue
+        for req in engine.step():
+            if req.finished:
+                done.append(req)
+                engine.forget(req)
+                nxt = submit_next(req)
+                if nxt is not None:
+                    heapq.heappush(heap, (time.perf_counter() + nxt[0], seq, nxt[1]))
+                    seq += 1
+    return done
+
+
 def run_chat(engine, args, rng, vocab):
+    """Closed loop (--think-time 0): a conversation sends its next turn when its reply finishes.
+    With --think-time T (open loop): T seconds after it, and the conversations start spread evenly
+    over T seconds; the offered load then barely depends on how fast the engine answers, so TTFT
+    with caching on and off compare at the same load."""
     system = rng.integers(3, vocab, args.system_len).tolist()
     users = [[rng.integers(3, vocab, int(rng.integers(args.user_len[0], args.user_len[1] + 1))).tolist()
               for _ in range(args.turns)] for _ in range(args.conversations)]
@@ -81,7 +116,18 @@ def run_chat(engine, args, rng, vocab):
         if turn + 1 < args.turns:
             return make(conv, turn + 1, prompt + list(req.output_token_ids))
         return None
-    return drive(engine, submit_next, [make(c, 0, list(system)) for c in range(args.conversations)])
+    if args.think_time <= 0:
+        return drive(engine, submit_next, [make(c, 0, list(system)) for c in range(args.conversations)])
+
+    def submit_later(req):
+        conv, turn, prompt = state[req.request_id]
+        if turn + 1 < args.turns:
+            history = prompt + list(req.output_token_ids)
+            return args.think_time, lambda: make(conv, turn + 1, history)
+        return None
+    gap = args.think_time / args.conversations
+    return drive_timed(engine, submit_later, [(c * gap, lambda c=c: make(c, 0, list(system)))
+                                              for c in range(args.conversations)])
 
 
 def run_nosharing(engine, args, rng, vocab):
@@ -94,13 +140,16 @@ def run_nosharing(engine, args, rng, vocab):
 
 def run_single(engine, args, rng, vocab):
     """One request at a time (no queueing in the TTFT): the shared system prompt plus a fresh user
-    message of --user-len's upper bound, one output token, --single-requests times. The first
-    request computes the prefix either way and is left out; with caching the others restore it."""
+    message of --user-len's upper bound (with --single-vary: uniform in --user-len, as the chat's
+    turns), one output token, --single-requests times. The first request computes the prefix
+    either way and is left out; with caching the others restore it."""
     system = rng.integers(3, vocab, args.system_len).tolist()
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     done = []
+    lo, hi = args.user_len
     for i in range(args.single_requests):
-        user = rng.integers(3, vocab, args.user_len[1]).tolist()
+        n = int(rng.integers(lo, hi + 1)) if args.single_vary else hi
+        user = rng.integers(3, vocab, n).tolist()
         done += drive(engine, lambda r: None, [engine.make_request(system + user, sp, f"s{i}")])
     return done[1:]
 
@@ -135,9 +184,14 @@ def main():
     ap.add_argument("--system-len", type=int, default=2048)
     ap.add_argument("--user-len", type=int, nargs=2, default=[100, 300])
     ap.add_argument("--reply-len", type=int, default=64)
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="chat: seconds between a reply and the next turn (0: closed loop, the next turn at "
+                         "once); > 0 is an open loop whose offered load is the same with caching on and off")
     ap.add_argument("--nosharing-requests", type=int, default=64)
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 2], help="MTP draft counts to run (0: none)")
     ap.add_argument("--single-requests", type=int, default=9, help="requests of the 'single' scenario")
+    ap.add_argument("--single-vary", action="store_true",
+                    help="single: user messages of uniform length in --user-len (default: its upper bound)")
     ap.add_argument("--scenarios", nargs="+", default=["chat", "nosharing", "single"], choices=list(SCENARIOS))
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -193,6 +247,8 @@ def main():
                 done = SCENARIOS[scenario](engine, args, rng, vocab)
                 _sync(args.device)
                 row = dict(scenario=scenario, mtp=k, caching=on, prefill_graphs=not args.no_prefill_graphs,
+                           think_time_s=args.think_time if scenario == "chat" else 0.0,
+                           single_vary=bool(args.single_vary and scenario == "single"),
                            **summarize(done, time.perf_counter() - t0, engine))
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)

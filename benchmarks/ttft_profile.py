@@ -78,10 +78,32 @@ def _timed(name, fn):
     return wrapper
 
 
+_inside: dict[str, float] = {}
+
+
+def _summed(name, fn):
+    """Adds the inclusive ms of each call to _inside[name] (the finer breakdown of --phases)."""
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            _inside[name] = _inside.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+    return wrapper
+
+
 if args.phases:          # instance attributes shadow the methods: only this engine is timed
     eng.launch = _timed("launch", eng.launch)
     eng.scheduler.schedule = _timed("schedule", eng.scheduler.schedule)
     eng.runner.executor.forward = _timed("forward", eng.runner.executor.forward)
+    run, sch = eng.runner, eng.scheduler
+    for obj, attr in ((sch.prefix, "match"), (sch.prefix, "hashes"), (sch.prefix, "plan_chunk"),
+                      (sch.prefix, "begin_step"), (sch.blocks, "lookup"), (run, "_update_batch"),
+                      (run.h2d, "put"), (run.sampler, "sample"), (run, "_finish"), (run, "_d2h_payload"),
+                      (run, "_advance"), (run, "_nonfinite_step_rows"), (run.drafter, "propose")):
+        setattr(obj, attr, _summed(f"{type(obj).__name__}.{attr}", getattr(obj, attr)))
+    for plan in (p for p in run.plans if hasattr(p, "prepare")):
+        plan.prepare = _summed(f"{type(plan).__name__}.prepare", plan.prepare)
 
 
 def phases_ms() -> str:
@@ -93,7 +115,8 @@ def phases_ms() -> str:
         return ""
     z = t["launch>"]
     return ("; first launch ms: schedule {:.2f}-{:.2f}, forward {:.2f}-{:.2f}, end {:.2f}".format(
-        *((t[k] - z) * 1e3 for k in ("schedule>", "schedule<", "forward>", "forward<", "launch<"))))
+        *((t[k] - z) * 1e3 for k in ("schedule>", "schedule<", "forward>", "forward<", "launch<")))
+        + "\n    inside (ms, both steps): " + ", ".join(f"{k} {v:.3f}" for k, v in _inside.items()))
 
 
 def ttft_ms(req):
@@ -103,6 +126,7 @@ def ttft_ms(req):
 cached_ttft = []
 for i in range(args.requests):
     _marks.clear()
+    _inside.clear()
     wall, steps, req = one(i)
     print(f"req {i}: wall {wall:.1f} ms, steps {[round(s, 1) for s in steps]}, cached {req.num_cached_tokens}, "
           f"ttft {ttft_ms(req):.1f} ms{phases_ms()}", flush=True)
@@ -143,5 +167,5 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max
 gk = {}
 for e in gpu:
     gk.setdefault(e.name[:50], [0, 0.0]); gk[e.name[:50]][0] += 1; gk[e.name[:50]][1] += e.device_time_total / 1e3
-for n, (c, t) in sorted(gk.items(), key=lambda kv: -kv[1][1])[:20]:
+for n, (c, t) in sorted(gk.items(), key=lambda kv: -kv[1][1])[:40]:
     print(f"{t:8.2f} ms {c:5d}x {n}")
