@@ -12,8 +12,11 @@ Two caches share the chain:
   new request takes references on the longest cached prefix of its blocks.
 - Mamba checkpoints (``CheckpointIndex`` rows + ``MambaCheckpoints`` tensors): the conv window
   and SSM state after block boundary ``q`` (keyed by the hash of the block ending at ``q``),
-  saved by the prefill chunk that crosses ``q``: every ``interval`` blocks and at the last full
-  block of the prefill target.
+  saved by the prefill chunk that crosses ``q``: every ``interval`` blocks, at the last full
+  block of the prefill target, and where an admitted request's cached KV blocks end beyond its
+  deepest checkpoint (the point where it leaves a prefix that an earlier request computed: the
+  next request sharing that prefix restores there, wherever the interval's boundaries fall and
+  whatever the lookahead cut off).
 
 Restore rule: a new (or resumed) request restores the deepest boundary ``q`` such that its KV
 blocks 0..q/bs-1 are all cached, the checkpoint at ``q`` is cached, and ``q <= L - 1`` (the last
@@ -60,6 +63,7 @@ class PrefixHit:
     num_tokens: int = 0                 # tokens restored (a multiple of the block size)
     blocks: tuple[int, ...] = ()        # cached KV blocks of those tokens
     row: int = -1                       # checkpoint row restored into the slot (-1: none)
+    shared_tokens: int = 0              # tokens whose KV blocks are all cached (>= num_tokens)
 
 
 NO_HIT = PrefixHit()
@@ -119,6 +123,7 @@ class PrefixCache(NoPrefixCache):
         self._pending: list[_Pending] = []
         self._restoring: list[tuple[Request, int]] = []   # (request, row) pinned by a restore not yet launched
         self._kv_upto: dict[str, int] = {}         # req id -> blocks already planned for registration
+        self._divergence: dict[str, int] = {}      # req id -> boundary past its restore to save at
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
     # ---- hashes -----------------------------------------------------------------------------
@@ -148,11 +153,12 @@ class PrefixCache(NoPrefixCache):
         hs = self.hashes(req)
         bs = self.block_size
         cached = self.blocks.lookup(hs[:max(target - 1, 0) // bs])          # q <= target - 1
+        shared = len(cached) * bs
         for k in range(len(cached), 0, -1):
             row = self.index.get(hs[k - 1])
             if row is not None:
-                return PrefixHit(k * bs, tuple(cached[:k]), row)
-        return NO_HIT
+                return PrefixHit(k * bs, tuple(cached[:k]), row, shared)
+        return PrefixHit(shared_tokens=shared) if shared else NO_HIT
 
     def num_unreferenced(self, hit: PrefixHit) -> int:
         return self.blocks.num_unreferenced(hit.blocks)
@@ -164,6 +170,10 @@ class PrefixCache(NoPrefixCache):
         self.query_tokens += req.num_tokens
         req.num_cached_tokens = hit.num_tokens
         self._kv_upto[req.request_id] = len(hit.blocks)
+        if hit.shared_tokens > hit.num_tokens:
+            self._divergence[req.request_id] = hit.shared_tokens
+        else:
+            self._divergence.pop(req.request_id, None)
         if hit.num_tokens:
             self.hits += 1
             self.hit_tokens += hit.num_tokens
@@ -184,8 +194,9 @@ class PrefixCache(NoPrefixCache):
         entry.kv = [(k, hs[k]) for k in range(first, last)]
         self._kv_upto[req.request_id] = max(first, last)
         saves = []
+        diverge = self._divergence.get(req.request_id, -1)
         for q in range((start // bs + 1) * bs, end + 1, bs):
-            if q // bs > len(hs) or not self.is_boundary(q, target):
+            if q // bs > len(hs) or not (q == diverge or self.is_boundary(q, target)):
                 continue
             h = hs[q // bs - 1]
             have = self.index.get(h)
@@ -225,6 +236,7 @@ class PrefixCache(NoPrefixCache):
         """``req`` left the running set (finished, aborted, failed, preempted): its saves in flight
         are never published."""
         self._kv_upto.pop(req.request_id, None)
+        self._divergence.pop(req.request_id, None)
         for r, row in [x for x in self._restoring if x[0] is req]:
             self.index.unpin(row)
             self._restoring.remove((r, row))

@@ -148,6 +148,28 @@ def test_hit_depth_is_independent_of_the_chunk_budget(hybrid_dir):
     assert depths[6][1] == 24 and depths[6][4] == 36      # every 2 blocks; the last full block of prompt 1
 
 
+@pytest.mark.parametrize("spec_name", ["nospec", "mtp2"])
+@pytest.mark.parametrize("system_len", [27, 32])
+def test_a_shared_prefix_is_restored_where_requests_diverge(spec_name, system_len, hybrid_dir, refs):
+    """Checkpoints every 4 blocks (16 tokens). The second request sharing a system prompt restores
+    the deepest interval checkpoint and saves one where its cached KV blocks end; the third restores
+    there. With MTP the blocks hash one token ahead, so a 32-token prompt's last block is not shared
+    and the divergence point is 28, where no interval boundary lies."""
+    rng = np.random.default_rng(11)
+    system = rng.integers(3, 256, system_len).tolist()
+    prompts = [system + rng.integers(3, 256, 5).tolist() for _ in range(4)]
+    llm = make_engine(hybrid_dir, on=True, spec=make_spec(spec_name, hybrid_dir), blocks=64, interval=4)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+    depths = [o.num_cached_tokens for o in outs]
+    expected = {("nospec", 27): [0, 16, 24, 24], ("nospec", 32): [0, 32, 32, 32],
+                ("mtp2", 27): [0, 16, 24, 24], ("mtp2", 32): [0, 16, 28, 28]}[(spec_name, system_len)]
+    assert depths == expected
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == refs(p)
+    assert_drained(llm)
+
+
 def _slot_state(engine, slot):
     pool, w = engine.caches.mamba, engine.cfg.model.conv_kernel - 1
     return [(c[slot, :, :w].clone(), s[slot, 0].clone()) for c, s in zip(pool.conv_state, pool.ssm_state)]
