@@ -190,6 +190,8 @@ def main():
     ap.add_argument("--nosharing-requests", type=int, default=64)
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 2], help="MTP draft counts to run (0: none)")
     ap.add_argument("--single-requests", type=int, default=9, help="requests of the 'single' scenario")
+    ap.add_argument("--caching", choices=["both", "on", "off"], default="both",
+                    help="run with prefix caching off and on (default), or only one of them")
     ap.add_argument("--single-vary", action="store_true",
                     help="single: user messages of uniform length in --user-len (default: its upper bound)")
     ap.add_argument("--scenarios", nargs="+", default=["chat", "nosharing", "single"], choices=list(SCENARIOS))
@@ -209,7 +211,7 @@ def main():
     model_dir = make_model_dir(args.shape, root)
     results = []
     for k in args.mtp:
-        for on in (False, True):
+        for on in {"both": (False, True), "on": (True,), "off": (False,)}[args.caching]:
             spec = SpeculativeConfig("mtp", k) if k else None
             kw = dict(dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
