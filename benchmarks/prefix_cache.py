@@ -54,14 +54,20 @@ def drive(engine, submit_next, first):
     for req in first:
         engine.add_request(req)
     while engine.has_work():
-        for req in engine.step():
-            if req.finished:
-                done.append(req)
-                engine.forget(req)
-                nxt = submit_next(req)
-                if nxt is not None:
-                    engine.add_request(nxt)
+        _step(engine, done, submit_next, engine.add_request)
     return done
+
+
+def _step(engine, done, submit_next, then) -> None:
+    """One engine step: finished requests go to ``done`` and their ``submit_next`` result, if
+    any, to ``then``."""
+    for req in engine.step():
+        if req.finished:
+            done.append(req)
+            engine.forget(req)
+            nxt = submit_next(req)
+            if nxt is not None:
+                then(nxt)
 
 
 def drive_timed(engine, submit_next, first):
@@ -73,6 +79,11 @@ def drive_timed(engine, submit_next, first):
     heap = [(t0 + due, i, make) for i, (due, make) in enumerate(first)]
     heapq.heapify(heap)
     seq, done = len(heap), []
+
+    def later(nxt):
+        nonlocal seq
+        heapq.heappush(heap, (time.perf_counter() + nxt[0], seq, nxt[1]))
+        seq += 1
     while heap or engine.has_work():
         now = time.perf_counter()
         while heap and heap[0][0] <= now:
@@ -83,14 +94,7 @@ def drive_timed(engine, submit_next, first):
         if not engine.has_work():
             time.sleep(max(0.0, heap[0][0] - time.perf_counter()))
             continue
-        for req in engine.step():
-            if req.finished:
-                done.append(req)
-                engine.forget(req)
-                nxt = submit_next(req)
-                if nxt is not None:
-                    heapq.heappush(heap, (time.perf_counter() + nxt[0], seq, nxt[1]))
-                    seq += 1
+        _step(engine, done, submit_next, later)
     return done
 
 
