@@ -46,15 +46,19 @@ def hash_blocks(tokens: list[int], block_size: int, lookahead: int, parent: byte
                 start_block: int = 0) -> list[bytes]:
     """Chain hashes of the full blocks ``start_block, start_block+1, ...`` of ``tokens`` (block k
     covers tokens [k*bs, (k+1)*bs + lookahead)); ``parent`` is the hash of block start_block-1."""
+    end_block = (len(tokens) - lookahead) // block_size         # blocks whose lookahead is known
+    if end_block <= start_block:
+        return []
+    # one int64 byte string of the tokens involved, sliced per block (no numpy op per block)
+    data = memoryview(np.asarray(tokens[start_block * block_size:end_block * block_size + lookahead],
+                                 dtype=np.int64).tobytes())
+    step, span = 8 * block_size, 8 * (block_size + lookahead)
     out = []
-    arr = np.asarray(tokens, dtype=np.int64)
-    k = start_block
-    while (k + 1) * block_size + lookahead <= len(arr):
+    for off in range(0, (end_block - start_block) * step, step):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(arr[k * block_size:(k + 1) * block_size + lookahead].tobytes())
+        h.update(data[off:off + span])
         parent = h.digest()
         out.append(parent)
-        k += 1
     return out
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from hybrid_engine import LLM, SamplingParams
@@ -118,6 +119,10 @@ def test_large_top_k_and_bad_neighbours_harm_nobody(llm):
     ([[5, -1]], "vocabulary"),
     ([list(range(3, 67))], "max_model_len"),
     ([[1.5, 2]], "token ids"),
+    ([[5, True]], "token ids"),
+    ([[5, np.bool_(True)]], "token ids"),
+    ([[np.int32(5), 2.0]], "token ids"),
+    ([[np.int64(5), np.int64(256)]], "vocabulary"),
 ])
 def test_bad_prompts_leave_engine_serving(llm, prompt, words):
     if prompt == []:
