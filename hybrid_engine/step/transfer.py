@@ -38,8 +38,8 @@ class H2D:
         """Copy int64/int32/float32/bool arrays to the device in one transfer; returns device tensors.
 
         The arrays are packed word-aligned into one int64 staging run; the device copy is cut back
-        into per-array tensors with one ``view(dtype)`` + ``split`` per dtype (views, no kernels),
-        so a put costs one copy plus O(dtypes) dispatches, not O(arrays)."""
+        into per-array tensors by views (no kernels), so a put costs one copy plus a few view ops
+        an array."""
         flat = [np.ascontiguousarray(a) for a in arrays]
         words = [(a.nbytes + 7) // 8 for a in flat]
         total = sum(words)
@@ -103,21 +103,20 @@ class H2D:
 
     @staticmethod
     def _unpack(dev: torch.Tensor, flat: list[np.ndarray], words: list[int]) -> list[torch.Tensor]:
-        """dev[total] int64 holding the packed arrays -> one tensor per array (views of dev)."""
-        out: list[torch.Tensor | None] = [None] * len(flat)
-        by_dtype: dict[str, list[int]] = {}
-        for i, a in enumerate(flat):
-            by_dtype.setdefault(a.dtype.str[1:], []).append(i)
-        for code, idx in by_dtype.items():
-            dt = _TORCH_DTYPE[code]
-            per_word = 8 // flat[idx[0]].itemsize
-            typed = dev if dt is torch.int64 else dev.view(dt)
-            parts = typed.split([w * per_word for w in words])   # every array's words, in this dtype
-            for i in idx:
-                a, t = flat[i], parts[i]
+        """dev[total] int64 holding the packed arrays -> one tensor per array (views of dev): each
+        array's words sliced, viewed in its dtype, cut to its size and shape (2-4 view ops an
+        array)."""
+        out: list[torch.Tensor] = []
+        off = 0
+        for a, w in zip(flat, words):
+            t = dev[off:off + w]
+            off += w
+            dt = _TORCH_DTYPE[a.dtype.str[1:]]
+            if dt is not torch.int64:
+                t = t.view(dt)
                 if t.numel() != a.size:
                     t = t[:a.size]                                 # drop the word padding
-                out[i] = t if a.ndim == 1 else t.view(a.shape)
+            out.append(t if a.ndim == 1 else t.view(a.shape))
         return out
 
 
