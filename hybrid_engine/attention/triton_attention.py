@@ -6,7 +6,9 @@ or verify row (1+K queries) is one tile.  Keys are walked in blocks of BLOCK_N p
 the block table (position s -> block_tables[row, s // bs], offset s % bs), only up to the last
 position any query of the tile may see; online softmax in float32 (exp2, scale folded in).
 Small decode/verify batches split the key range over several programs (flash-decoding) and a
-second launch combines the partial (max, sum, weighted-V) triples.
+second launch combines the partial (max, sum, weighted-V) triples; so do prefill chunks whose
+query tiles are fewer than the SMs (a short chunk after a long context), each row's keys split by
+its own length (ROW_SPLIT), the combine then running per block of query tokens.
 Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
 FP8 caches (KV_FP8): the K / V tiles are converted to q's dtype before each dot (exact: every
 float8_e4m3fn value is a bf16 / fp16 / fp32 value); the per-layer K scale, read from device memory,
