@@ -45,6 +45,10 @@ class StepConstants:
         w = self.tokens_per_row if tokens_per_row is None else tokens_per_row
         return self._get(("qsl32", n, w), lambda: self.qsl64(n, w).to(torch.int32))
 
+    def empty_rows(self, k: int) -> torch.Tensor:
+        """[0, k] int64 (no rows of k columns)."""
+        return self._get(("emptyrows", k), lambda: torch.empty(0, k, dtype=torch.int64, device=self.device))
+
     def no_drafts(self, n: int) -> torch.Tensor:
         """[n, 0] int64."""
         return self._get(("nodrafts", n), lambda: torch.empty(n, 0, dtype=torch.int64, device=self.device))

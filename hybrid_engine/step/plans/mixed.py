@@ -1,6 +1,8 @@
 """Mixed plan: prefill chunks, alone or after decode/verify rows (any step the others leave)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -63,6 +65,8 @@ class MixedPlan(StepPlan):
         host["qsl"] = qsl
         host["qsl64"] = qsl.astype(np.int64)                        # drafters index hidden with it
         host["is_decode"] = np.arange(num_decode + num_prefill) < num_decode
+        if not num_decode:                                          # host-exact: no device ops for it
+            host["seq_p"] = (start_p + len_p).astype(np.int32)
         host["logits_idx"] = np.concatenate([np.arange(decode_tokens),
                                              (qsl[num_decode + 1:] - 1)[samples_p]]).astype(np.int64)
         max_blocks = int(b.num_blocks[rows].max()) if len(rows) else 1
@@ -86,11 +90,11 @@ class MixedPlan(StepPlan):
             ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev, k)
         else:
             ids_d = pos_d = slot_d = start_d = None
-            a_prev = torch.zeros(0, dtype=torch.int64, device=dev)
-            drafts, draft_probs = torch.empty(0, k, dtype=torch.int64, device=dev), None   # [0, K]
+            a_prev = res.consts.full(0, 0)                                    # [0] (cached: no op a step)
+            drafts, draft_probs = res.consts.empty_rows(k), None               # [0, K]
         start = cat_rows(start_d, staged["start_p"], num_decode, num_prefill)
         num_tokens = staged["num_tokens"]
-        seq_lens = (start + num_tokens).to(torch.int32)
+        seq_lens = (start + num_tokens).to(torch.int32) if num_decode else staged["seq_p"]
         max_seq = int(max([r.start_pos + r.num_tokens for r in order], default=1))
         fb = ForwardBatch(
             input_ids=cat_rows(ids_d, staged["ids_p"], num_decode, num_prefill),
@@ -102,7 +106,7 @@ class MixedPlan(StepPlan):
             mamba=MambaMetadata(num_decode_rows=num_decode, decode_len=tokens_per_row,
                                 decode_slots=staged["slots"][:num_decode], num_accepted=a_prev,
                                 prefill_query_start_loc=staged["qsl_p"],
-                                prefill_qsl_cpu=tuple(int(x) for x in np.concatenate([[0], np.cumsum(len_p)])),
+                                prefill_qsl_cpu=(0, *itertools.accumulate(len_p.tolist())),
                                 prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"],
                                 **{name: staged[name] for name in ckpt}),
             logits_indices=staged["logits_idx"])
