@@ -174,10 +174,8 @@ class PrefixCache(NoPrefixCache):
         self.query_tokens += req.num_tokens
         req.num_cached_tokens = hit.num_tokens
         self._kv_upto[req.request_id] = len(hit.blocks)
-        if hit.shared_tokens > hit.num_tokens:
+        if hit.shared_tokens > hit.num_tokens:        # (drop() forgets it when the request leaves)
             self._divergence[req.request_id] = hit.shared_tokens
-        else:
-            self._divergence.pop(req.request_id, None)
         if hit.num_tokens:
             self.hits += 1
             self.hit_tokens += hit.num_tokens

@@ -85,7 +85,6 @@ class MixedPlan(StepPlan):
                 host["a_prev"] = np.ones(num_decode, dtype=np.int64)
         random_np = stage_sampling(b, host, rows)
         staged = dict(zip(host, res.h2d.put(*host.values())))                 # the step's one H2D copy
-        dev = res.device
         if num_decode:
             ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev, k)
         else:
@@ -106,7 +105,7 @@ class MixedPlan(StepPlan):
             mamba=MambaMetadata(num_decode_rows=num_decode, decode_len=tokens_per_row,
                                 decode_slots=staged["slots"][:num_decode], num_accepted=a_prev,
                                 prefill_query_start_loc=staged["qsl_p"],
-                                prefill_qsl_cpu=(0, *itertools.accumulate(len_p.tolist())),
+                                prefill_qsl_cpu=(0, *itertools.accumulate(len_p.tolist())),   # numpy: host
                                 prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"],
                                 **{name: staged[name] for name in ckpt}),
             logits_indices=staged["logits_idx"])
