@@ -173,9 +173,9 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
     each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
-    softmax results in a second launch. A prefill whose query tiles fill less than two waves of
-    the SMs over a long context (one request's chunk after a cached prefix) splits its keys the
-    same way, into ranges of >= 512 positions. ``num_splits`` overrides the choice (1 = no split);
+    softmax results in a second launch. A 16-bit prefill with fewer query tiles than SMs (one
+    request's short chunk after a long context) splits each row's keys the same way, by the row's
+    own length, into at most 8 ranges and at most one per 512 positions of ``max_seq_len``. ``num_splits`` overrides the choice (1 = no split);
     ``block_q`` (query tokens per tile), ``block_n``, ``num_warps`` and ``num_stages`` override the
     tile configuration (sweeps).
     """
