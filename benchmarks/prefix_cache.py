@@ -23,6 +23,7 @@ writes prefix-cache-<shape>.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import heapq
 import sys
@@ -176,7 +177,40 @@ def summarize(done, wall, engine):
                 checkpoint_bytes=st.get("mamba_checkpoint_bytes", 0),
                 checkpoint_bytes_used=(st.get("mamba_checkpoint_bytes", 0) * st.get("mamba_checkpoints_used", 0)
                                        // max(st.get("mamba_checkpoints_total", 1), 1)),
-                acceptance_length=st.get("mean_acceptance_length", 0.0))
+                acceptance_length=st.get("mean_acceptance_length", 0.0), **graph_counts(engine))
+
+
+def count_step_kinds(engine) -> None:
+    """Wrap the target's forward executor to count its steps by kind: 'decode+1' is decode rows
+    beside one prefill row (a split step where the executor has prefill graphs), 'prefill:2+' has
+    several prefill rows (always eager)."""
+    ex = engine.runner.executor
+    ex.step_kinds = collections.Counter()
+    inner = ex.forward
+
+    def forward(fb):
+        md = fb.mamba
+        nd, npf = md.num_decode_rows, md.num_prefill_rows
+        ex.step_kinds[("decode" if nd else "") + ("+" if nd and npf else "") +
+                      (f"prefill:{npf if npf < 2 else '2+'}" if npf else "")] += 1
+        return inner(fb)
+    ex.forward = forward
+
+
+def graph_counts(engine) -> dict:
+    """What the target's executor did since the last call: step kinds, split steps, prefill graphs
+    captured and the seconds spent capturing them (the counters are reset)."""
+    ex = engine.runner.executor
+    out = {}
+    if hasattr(ex, "step_kinds"):
+        out["step_kinds"] = dict(ex.step_kinds)
+        ex.step_kinds.clear()
+    pg = getattr(ex, "prefill", None)
+    if pg is not None:
+        out.update(split_steps=getattr(ex, "split_steps", 0), prefill_graphs_captured=len(pg.graphs),
+                   prefill_capture_s=getattr(pg, "capture_s", 0.0))
+        ex.split_steps, pg.capture_s = 0, 0.0
+    return out
 
 
 def main():
@@ -244,6 +278,8 @@ def main():
                 past = [7] * (args.checkpoint_interval * engine.cfg.cache.block_size + 40)
                 for _ in range(2):
                     llm.generate([past], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+            graph_counts(engine)                       # the warm-up's counts dropped
+            count_step_kinds(engine)
             for scenario in args.scenarios:
                 if on:
                     engine.scheduler.blocks.reset_cache()

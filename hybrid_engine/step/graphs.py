@@ -8,8 +8,9 @@ verifies no drafts replays the plain decode graph).
 Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
 pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
 only covers the null block. Prefill-only steps of one request replay the graphs of
-``prefill_graphs.PrefillGraphs`` (``prefill_cuda_graphs``); other batches with a prefill row run
-eagerly.
+``prefill_graphs.PrefillGraphs`` (``prefill_cuda_graphs``), and so does the prefill row of a step
+that also has decode rows (those replay a decode graph: ``prefill_graphs.forward_split``); other
+batches with a prefill row run eagerly.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import PrefillGraphs, forward_split
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -38,6 +39,12 @@ class EagerExecutor:
         """-> (hidden [T, D], logits [L, V] float32 at fb.logits_indices)."""
         hidden = self.model(fb, self.caches)
         return hidden, self.model.compute_logits(hidden[fb.logits_indices])
+
+    def _splits(self, md: MambaMetadata) -> bool:
+        """Whether a step with these rows runs as a decode graph plus a prefill graph: decode rows
+        of a captured width and count, and exactly one prefill row."""
+        return (md.num_prefill_rows == 1 and 0 < md.num_decode_rows <= self.buckets[-1]
+                and md.decode_len in self.graphs_by_width)
 
     def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """Persistent buffers a decode-only batch of ``num_rows`` rows of ``tokens_per_row`` tokens
@@ -59,7 +66,8 @@ class CudaGraphExecutor(EagerExecutor):
                  block_size: int, buckets: tuple[int, ...], device: torch.device,
                  widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
         """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``.
-        ``prefill_graphs``: also replay prefill-only steps of one request (captured lazily)."""
+        ``prefill_graphs``: also replay prefill-only steps of one request, and the prefill row of
+        a step beside decode rows (captured lazily)."""
         super().__init__(model, caches)
         self.max_tokens_per_row = 1 + num_spec                     # the widest row
         self.widths = tuple(sorted(set(widths or (self.max_tokens_per_row,))))   # tokens per row
@@ -77,8 +85,12 @@ class CudaGraphExecutor(EagerExecutor):
         self._outs: dict[tuple[int, int], tuple[_Graph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None                  # the graphs' memory pool (greedy_graphs captures into it too)
         self._capture_all()
+        ckpts = caches.checkpoints
+        self.split_steps = 0              # steps run as a decode graph plus a prefill graph
         self.prefill = (PrefillGraphs(lambda fb: EagerExecutor.forward(self, fb), max_blocks=max_blocks,
-                                      max_model_len=max_model_len, device=device) if prefill_graphs else None)
+                                      max_model_len=max_model_len, device=device,
+                                      pad_restores=ckpts is not None and ckpts.num_rows > 0)
+                        if prefill_graphs else None)
         if self.prefill is not None:
             logger.info("prefill CUDA graphs: one-request prefill-only steps of up to %d tokens, captured on "
                         "first use", self.prefill.max_tokens)
@@ -127,6 +139,9 @@ class CudaGraphExecutor(EagerExecutor):
         num_rows, tokens_per_row = md.num_decode_rows, md.decode_len
         if md.num_prefill_rows and self.prefill is not None:
             got = self.prefill.forward(fb)            # None: not a one-request prefill-only step
+            if got is None and self._splits(md):      # decode rows + one prefill row: two replays
+                got = forward_split(fb, self.prefill.forward, self.forward)
+                self.split_steps += got is not None
             if got is not None:
                 return got
         if (md.num_prefill_rows or num_rows == 0 or tokens_per_row not in self.graphs_by_width
@@ -143,6 +158,12 @@ class CudaGraphExecutor(EagerExecutor):
             self._load(g.fb, fb, num_rows, tokens_per_row)
         g.graph.replay()
         return hidden, logits
+
+    def _splits(self, md: MambaMetadata) -> bool:
+        """Whether a step with these rows runs as a decode graph plus a prefill graph: decode rows
+        of a captured width and count, and exactly one prefill row."""
+        return (md.num_prefill_rows == 1 and 0 < md.num_decode_rows <= self.buckets[-1]
+                and md.decode_len in self.graphs_by_width)
 
     def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad

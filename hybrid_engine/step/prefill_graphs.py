@@ -2,10 +2,15 @@
 host-bound: on the 8B shape its 300 new tokens cost ~11 ms of GPU work and ~27 ms of launches).
 
 A step qualifies when it has no decode rows and one prefill row of ``T <= max_tokens`` tokens:
-a request arriving at an idle engine, the TTFT a user waits for. Its forward replays a graph of
-``bucket > T`` tokens keyed by ``PrefillKey`` (the bucket; how many prefix-cache restores,
-checkpoint saves and logits rows the step has: each changes the kernels launched). Every host
-number the kernels size their grids by is fixed by the key:
+a request arriving at an idle engine, the TTFT a user waits for. A step of decode rows and one
+such prefill row runs as two replays (``forward_split``): its prefill row here, its decode rows in
+the executor's decode graph. Its forward replays a graph of ``bucket > T`` tokens keyed by
+``PrefillKey`` (the bucket; how many prefix-cache restores, checkpoint saves and logits rows the
+step has: each changes the kernels launched). Restores and saves are padded so that few keys
+exist (each new key costs a capture, ~0.1 s on the 8B shape, while requests wait): with checkpoint
+storage every step restores one row (a step with none restores any row into ``NULL_SLOT``), and
+the saves are rounded up to a power of two by repeating the step's last save (the same values
+into the same row). Every host number the kernels size their grids by is fixed by the key:
 
 - the pad tokens ``T..bucket-1`` form a second Mamba row at ``NULL_SLOT`` that starts fresh
   (zeros in, nothing stored: the pool contract), so every Mamba kernel computes finite values
@@ -59,15 +64,17 @@ class PrefillKey:
     logits: int       # rows whose logits are computed (1 on a request's last chunk, else 0)
 
     @classmethod
-    def of(cls, fb: ForwardBatch, max_tokens: int) -> "PrefillKey | None":
-        """The key of a qualifying step, else None."""
+    def of(cls, fb: ForwardBatch, max_tokens: int, *, pad_restores: bool = False) -> "PrefillKey | None":
+        """The key of a qualifying step, else None. ``pad_restores`` (the model has checkpoint
+        storage): every key restores one row, so a step without a restore shares its graph."""
         md = fb.mamba
         num_tokens = fb.input_ids.shape[0]
         if md.num_decode_rows or md.num_prefill_rows != 1 or not 0 < num_tokens <= max_tokens:
             return None
         n = lambda t: 0 if t is None else t.shape[0]      # noqa: E731
-        return cls(bucket=prefill_bucket(num_tokens), restores=n(md.restore_rows), saves=n(md.ckpt_rows),
-                   logits=fb.logits_indices.shape[0])
+        saves = n(md.ckpt_rows)
+        return cls(bucket=prefill_bucket(num_tokens), restores=1 if pad_restores else n(md.restore_rows),
+                   saves=saves and 1 << (saves - 1).bit_length(), logits=fb.logits_indices.shape[0])
 
 
 def static_prefill_batch(key: PrefillKey, *, max_blocks: int, max_model_len: int,
@@ -120,15 +127,69 @@ def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False
         dm.prefill_slots[:1].copy_(sm.prefill_slots)
         dm.has_initial_state[:1].copy_(sm.has_initial_state)
     if dm.restore_rows is not None:
-        dm.restore_rows.copy_(sm.restore_rows)
-        if harmless:
+        if sm.restore_rows is None:        # the padded restore: row 0 (any row) into NULL_SLOT
+            dm.restore_rows.zero_()
             dm.restore_slots.fill_(NULL_SLOT)
         else:
-            dm.restore_slots.copy_(sm.restore_slots)
+            dm.restore_rows.copy_(sm.restore_rows)
+            if harmless:
+                dm.restore_slots.fill_(NULL_SLOT)
+            else:
+                dm.restore_slots.copy_(sm.restore_slots)
     if dm.ckpt_rows is not None:
+        saves = sm.ckpt_rows.shape[0]
         for name in ("ckpt_seq", "ckpt_token", "ckpt_rows"):
-            getattr(dm, name).copy_(getattr(sm, name))
+            d, s = getattr(dm, name), getattr(sm, name)
+            d[:saves].copy_(s)
+            if saves < d.shape[0]:         # the padded saves repeat the last one (same values, same row)
+                d[saves:].copy_(s[saves - 1:].expand(d.shape[0] - saves))
     dst.logits_indices.copy_(src.logits_indices)
+
+
+def split_decode_prefill(fb: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+    """A step of decode/verify rows and one prefill row -> (its decode rows, its prefill row), each
+    a ForwardBatch of its own (views, plus two small device ops for the prefill row's offsets).
+    The two touch disjoint Mamba slots and KV blocks, so they may run one after the other."""
+    md, a = fb.mamba, fb.attn
+    nd, td = md.num_decode_rows, md.num_decode_tokens
+    empty_i64 = md.decode_slots[:0]
+    dec = ForwardBatch(
+        input_ids=fb.input_ids[:td], positions=fb.positions[:td],
+        attn=AttnMetadata(query_start_loc=a.query_start_loc[:nd + 1], seq_lens=a.seq_lens[:nd],
+                          block_tables=a.block_tables[:nd], slot_mapping=a.slot_mapping[:td],
+                          max_query_len=md.decode_len, max_seq_len=a.max_seq_len),
+        mamba=MambaMetadata(num_decode_rows=nd, decode_len=md.decode_len, decode_slots=md.decode_slots,
+                            num_accepted=md.num_accepted, prefill_query_start_loc=md.prefill_query_start_loc[:1],
+                            prefill_qsl_cpu=(0,), prefill_slots=md.prefill_slots[:0],
+                            has_initial_state=md.has_initial_state[:0]),
+        logits_indices=fb.logits_indices[:td])
+    pre = ForwardBatch(
+        input_ids=fb.input_ids[td:], positions=fb.positions[td:],
+        attn=AttnMetadata(query_start_loc=a.query_start_loc[nd:] - td, seq_lens=a.seq_lens[nd:],
+                          block_tables=a.block_tables[nd:], slot_mapping=a.slot_mapping[td:],
+                          max_query_len=md.max_prefill_len, max_seq_len=a.max_seq_len),
+        mamba=replace(md, num_decode_rows=0, decode_slots=empty_i64, num_accepted=empty_i64),
+        logits_indices=fb.logits_indices[td:] - td)
+    return dec, pre
+
+
+def forward_split(fb: ForwardBatch, prefill_forward, decode_forward) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A step of decode rows and one prefill row as two forwards: ``prefill_forward(prefill part)``
+    (a prefill graph; None: it has none, and nothing ran) first, then ``decode_forward(decode
+    part)`` (a decode graph). -> (hidden [T, D], logits [L, V]) in the step's token and logits
+    order (decode rows first), or None (the caller runs the whole step eagerly).
+
+    Why: such a step is what a chat workload runs most (conversations decoding while a new turn
+    prefills), and eagerly it is bound by its launches (~27 ms of host work on the 8B shape,
+    ``benchmarks/results/2026-11-26-ttft-host-profile-h100.md``). Two replays read the weights twice
+    (more GPU time) but cost little host time."""
+    dec, pre = split_decode_prefill(fb)
+    got = prefill_forward(pre)
+    if got is None:
+        return None
+    hidden_p, logits_p = got
+    hidden_d, logits_d = decode_forward(dec)
+    return torch.cat([hidden_d, hidden_p]), torch.cat([logits_d, logits_p])
 
 
 @dataclass
@@ -143,14 +204,18 @@ class PrefillGraphs:
     """The prefill graphs of one model (owned by its ``CudaGraphExecutor``)."""
 
     def __init__(self, forward, *, max_blocks: int, max_model_len: int, device: torch.device,
-                 max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS):
-        """``forward(fb) -> (hidden [T, D], logits [L, V])``: the eager forward to capture."""
+                 max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS, pad_restores: bool = False):
+        """``forward(fb) -> (hidden [T, D], logits [L, V])``: the eager forward to capture.
+        ``pad_restores``: the model has checkpoint storage, so every graph restores one row (see
+        ``PrefillKey.of``)."""
         self._forward = forward
+        self.pad_restores = pad_restores
         self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
         self.graphs: dict[PrefillKey, _PrefillGraph] = {}
         self.pool = None                  # one memory pool for all of them (never replayed concurrently)
         self._full_logged = False
+        self.capture_s = 0.0              # seconds spent capturing (requests wait meanwhile)
         self._failed: set[PrefillKey] = set()     # keys whose capture raised: eager from then on
         # [prefill_bucket(max_tokens), D]: every graph's hidden output (one buffer, not one per graph:
         # up to 64 of those would hold ~1 GB of an 8B model outside the KV budget)
@@ -162,7 +227,7 @@ class PrefillGraphs:
         The outputs are views of static buffers, valid until the next replay of *any* prefill
         graph (they share one memory pool, so a later graph's outputs may sit in an earlier one's
         scratch): the step consumes them in stream order, nothing keeps them past it."""
-        key = PrefillKey.of(fb, self.max_tokens)
+        key = PrefillKey.of(fb, self.max_tokens, pad_restores=self.pad_restores)
         if key is None:
             return None
         g = self.graphs.get(key)
@@ -201,8 +266,9 @@ class PrefillGraphs:
             fresh = lambda: replace(static, mamba=replace(static.mamba))   # noqa: E731  (an empty chunk-layout memo)
             load_prefill(static, fb, harmless=True)
             graph, hidden, logits = self._record(fresh)
-        logger.info("captured a prefill CUDA graph %s in %.2fs (%d now)", key, time.perf_counter() - t0,
-                    len(self.graphs) + 1)
+        took = time.perf_counter() - t0
+        self.capture_s += took
+        logger.info("captured a prefill CUDA graph %s in %.2fs (%d now)", key, took, len(self.graphs) + 1)
         return _PrefillGraph(graph=graph, fb=static, hidden=hidden, logits=logits)
 
     def _record(self, fresh):

@@ -14,7 +14,7 @@ import torch
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.step.graphs import EagerExecutor
-from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, prefill_bucket
+from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, forward_split, prefill_bucket
 from hf_reference import hf_greedy
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
@@ -90,12 +90,21 @@ class RerunPrefillGraphs(PrefillGraphs):
 
 
 class PrefillRerunExecutor(EagerExecutor):
+    """CudaGraphExecutor's routing on CPU: one-request prefill-only steps through the prefill
+    graphs, steps of decode rows plus one prefill row split (the decode part runs eagerly here, in
+    place of the decode graph), everything else eager."""
+
     def __init__(self, inner, prefill):
         super().__init__(inner.model, inner.caches)
         self.prefill = prefill
+        self.splits = 0
 
     def forward(self, fb):
         got = self.prefill.forward(fb)
+        md = fb.mamba
+        if got is None and md.num_prefill_rows == 1 and md.num_decode_rows:
+            got = forward_split(fb, self.prefill.forward, super().forward)
+            self.splits += got is not None
         return got if got is not None else super().forward(fb)
 
 
@@ -106,7 +115,8 @@ def install_reruns(llm, max_tokens=2048, cls=None):
     inner = runner.executor
     pg = (cls or RerunPrefillGraphs)(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
                                      max_model_len=eng.max_model_len, device=torch.device(DEV),
-                                     max_tokens=max_tokens, caches=inner.caches)
+                                     max_tokens=max_tokens, caches=inner.caches,
+                                     pad_restores=inner.caches.checkpoints is not None)
     runner.executor = PrefillRerunExecutor(inner, pg)
     return pg
 
@@ -139,9 +149,103 @@ def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, a
         convo = prompt + out.outputs[0].token_ids
     keys = [k for k, _ in pg.captured]
     assert all(not bad for _, bad in pg.captured), pg.captured
-    assert any(k.restores for k in keys) and any(k.saves for k in keys), keys
+    assert all(k.restores == 1 for k in keys) and any(k.saves for k in keys), keys   # restores padded
     assert {k.logits for k in keys} == {0, 1}, keys
     assert pg.replays > len(keys) and sum(c > 0 for c in cached) >= 5, (pg.replays, cached)
+
+
+@pytest.mark.parametrize("async_scheduling, spec", [(True, None), (False, None), (True, "mtp"), (True, "ngram")])
+def test_decode_rows_beside_a_prefill_row_split_into_two_forwards(hybrid_dir, async_scheduling, spec):
+    """Requests that arrive while others decode: their prefill chunks share steps with the
+    decode (or verify) rows, and such a step runs as its prefill row through a padded graph plus
+    its decode rows apart (``forward_split``). Greedy tokens equal transformers'; the split and
+    the replays really happened, and no capture's warm-up touched a real state."""
+    from hybrid_engine import SpeculativeConfig
+    llm = small_engine(hybrid_dir, async_scheduling=async_scheduling,
+                       speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
+    pg = install_reruns(llm)
+    eng = llm.engine
+    rng = np.random.default_rng(12)
+    system = rng.integers(3, 256, 17).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    done, waiting = {}, list(enumerate(prompts))
+    while waiting or eng.has_work():
+        if waiting and len(eng.scheduler.running) < 2 and (not eng.has_work() or eng._stats["steps"] % 3 == 2):
+            i, p = waiting.pop(0)
+            eng.add_request(eng.make_request(p, sp, f"r{i}"))
+        for r in eng.step() if eng.has_work() else ():
+            if r.finished:
+                done[r.request_id] = list(r.output_token_ids)
+                eng.forget(r)
+    want = hf_greedy(hybrid_dir, prompts, 6)
+    assert [done[f"r{i}"] for i in range(len(prompts))] == want
+    assert eng.runner.executor.splits >= 2 and pg.replays >= 4, (eng.runner.executor.splits, pg.replays)
+    assert all(not bad for _, bad in pg.captured), pg.captured
+    # padded keys: every graph restores one row, and saves come in powers of two
+    assert all(k.restores == 1 and k.saves in (0, 1, 2, 4) for k in pg.graphs), list(pg.graphs)
+
+
+def test_split_decode_prefill_views_each_part_in_its_own_offsets():
+    """Two verify rows of 3 tokens, then a prefill row of 5 tokens that restores and saves: the
+    decode part keeps the first rows and tokens; the prefill part's query and logits offsets
+    start at its first token."""
+    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+    from hybrid_engine.step.prefill_graphs import split_decode_prefill
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
+    attn = AttnMetadata(torch.tensor([0, 3, 6, 11], dtype=torch.int32), torch.tensor([9, 12, 25], dtype=torch.int32),
+                        torch.arange(12, dtype=torch.int32).view(3, 4), i64(list(range(50, 61))), 5, 25)
+    mamba = MambaMetadata(2, 3, i64([4, 6]), i64([1, 2]), i64([0, 5]), (0, 5), i64([8]), torch.tensor([True]),
+                          restore_slots=i64([8]), restore_rows=i64([3]), ckpt_seq=i64([0]), ckpt_token=i64([2]),
+                          ckpt_rows=i64([7]))
+    fb = ForwardBatch(i64(list(range(100, 111))), i64(list(range(200, 211))), attn, mamba, i64([0, 1, 2, 3, 4, 5, 10]))
+    dec, pre = split_decode_prefill(fb)
+    assert dec.input_ids.tolist() == list(range(100, 106)) and pre.input_ids.tolist() == list(range(106, 111))
+    assert dec.attn.query_start_loc.tolist() == [0, 3, 6] and pre.attn.query_start_loc.tolist() == [0, 5]
+    assert dec.attn.seq_lens.tolist() == [9, 12] and pre.attn.seq_lens.tolist() == [25]
+    assert dec.attn.block_tables.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and pre.attn.block_tables.tolist() == [[8, 9, 10, 11]]
+    assert dec.attn.slot_mapping.tolist() == list(range(50, 56)) and pre.attn.slot_mapping.tolist() == list(range(56, 61))
+    assert (dec.attn.max_query_len, pre.attn.max_query_len) == (3, 5)
+    assert dec.mamba.num_decode_rows == 2 and dec.mamba.num_prefill_rows == 0 and dec.mamba.num_accepted.tolist() == [1, 2]
+    assert pre.mamba.num_decode_rows == 0 and pre.mamba.num_prefill_rows == 1 and pre.mamba.restore_rows.tolist() == [3]
+    assert pre.mamba.ckpt_token.tolist() == [2] and pre.mamba.prefill_slots.tolist() == [8]
+    assert dec.logits_indices.tolist() == [0, 1, 2, 3, 4, 5] and pre.logits_indices.tolist() == [4]
+    assert PrefillKey.of(pre, 2048) == PrefillKey(bucket=16, restores=1, saves=1, logits=1)
+
+
+def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
+    """Fewer keys, fewer captures: a step without a restore gets a restore of row 0 into
+    NULL_SLOT (only where checkpoint storage exists), and 3 saves become 4 by repeating the last
+    one (same boundary, same row)."""
+    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+    from hybrid_engine.step.prefill_graphs import load_prefill, static_prefill_batch
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
+    n = 10
+    attn = AttnMetadata(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                        torch.arange(1, 4, dtype=torch.int32)[None], i64(list(range(100, 100 + n))), n, n)
+    mamba = MambaMetadata(0, 1, i64([]), i64([]), i64([0, n]), (0, n), i64([3]), torch.tensor([False]),
+                          ckpt_seq=i64([0, 0, 0]), ckpt_token=i64([3, 7, 9]), ckpt_rows=i64([5, 6, 2]))
+    fb = ForwardBatch(i64(list(range(7, 7 + n))), i64(list(range(n))), attn, mamba, i64([n - 1]))
+    assert PrefillKey.of(fb, 2048) == PrefillKey(bucket=16, restores=0, saves=4, logits=1)
+    key = PrefillKey.of(fb, 2048, pad_restores=True)
+    assert key == PrefillKey(bucket=16, restores=1, saves=4, logits=1)
+    dst = static_prefill_batch(key, max_blocks=6, max_model_len=64, device=torch.device("cpu"))
+    dst.mamba.restore_rows.fill_(9)
+    load_prefill(dst, fb)
+    m = dst.mamba
+    assert m.restore_rows.tolist() == [0] and m.restore_slots.tolist() == [NULL_SLOT]
+    assert m.ckpt_token.tolist() == [3, 7, 9, 9] and m.ckpt_rows.tolist() == [5, 6, 2, 2]
+    assert m.ckpt_seq.tolist() == [0, 0, 0, 0]
+    one = replace_saves(fb, 1)
+    assert PrefillKey.of(one, 2048).saves == 1 and PrefillKey.of(replace_saves(fb, 0), 2048).saves == 0
+
+
+def replace_saves(fb, k):
+    from dataclasses import replace
+    m = fb.mamba
+    if k == 0:
+        return replace(fb, mamba=replace(m, ckpt_seq=None, ckpt_token=None, ckpt_rows=None))
+    return replace(fb, mamba=replace(m, ckpt_seq=m.ckpt_seq[:k], ckpt_token=m.ckpt_token[:k], ckpt_rows=m.ckpt_rows[:k]))
 
 
 def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():

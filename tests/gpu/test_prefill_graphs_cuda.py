@@ -1,7 +1,8 @@
 """Prefill CUDA graphs (hybrid_engine/step/prefill_graphs.py): one-request prefill-only steps
 replayed from lazily captured graphs give transformers' greedy tokens (float32, O(1) weights,
 the Triton Mamba kernels: chunks that save checkpoints, turns that restore one), equal the eager
-engine's state, and launch with no host sync once captured. The padding and the warm-up are
+engine's state, and launch with no host sync once captured; steps of decode rows plus one
+prefill row replay a decode graph and a prefill graph. The padding and the warm-up are
 tested on CPU in tests/engine/test_prefill_graphs.py."""
 import numpy as np
 import pytest
@@ -69,9 +70,45 @@ def test_long_prefills_with_mtp_match_transformers(target):
         assert toks == hf_greedy(target, [p], 4)[0]
 
 
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_decode_rows_beside_a_prefill_row_replay_two_graphs(target, spec, monkeypatch):
+    """Requests that arrive while others decode: steps of decode (verify) rows plus one prefill
+    row run as a decode graph and a prefill graph (``forward_split``). float32, O(1) weights: greedy
+    tokens equal transformers', and such steps really took the split path."""
+    import hybrid_engine.step.graphs as graphs_mod
+    from hybrid_engine import SpeculativeConfig
+    splits = []
+    real = graphs_mod.forward_split
+
+    def counted(fb, *a):
+        got = real(fb, *a)
+        splits.append((fb.mamba.num_decode_rows, got is not None))
+        return got
+    monkeypatch.setattr(graphs_mod, "forward_split", counted)
+    llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=4, max_num_batched_tokens=40, block_size=4,
+              num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2,
+              speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
+    eng, rng = llm.engine, np.random.default_rng(4)
+    system = rng.integers(3, 256, 30).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (5, 17, 3, 26, 9)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    done, waiting = {}, list(enumerate(prompts))
+    while waiting or eng.has_work():
+        if waiting and (not eng.has_work() or eng._stats["steps"] % 4 == 3):
+            i, p = waiting.pop(0)
+            eng.add_request(eng.make_request(p, sp, f"r{i}"))
+        for r in eng.step() if eng.has_work() else ():
+            if r.finished:
+                done[r.request_id] = list(r.output_token_ids)
+                eng.forget(r)
+    assert [done[f"r{i}"] for i in range(len(prompts))] == hf_greedy(target, prompts, 8)
+    assert sum(ok for _, ok in splits) >= 3, splits
+
+
 def test_captured_prefill_steps_never_sync_the_host(target):
     """The first restoring step of a shape captures (a deliberate sync, out of the detector's
-    sight); the next one of that shape replays under the sync detector, with the decode after."""
+    sight); the next one of that shape replays under the sync detector, with the decode after, and
+    so does a third one's step beside that decode (the split into two replays)."""
     llm = LLM(target, dtype="bfloat16", device="cuda", max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
               num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2)
     eng, rng, sp = llm.engine, np.random.default_rng(1), SamplingParams(max_tokens=2, ignore_eos=True)
@@ -83,6 +120,11 @@ def test_captured_prefill_steps_never_sync_the_host(target):
     eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=8, ignore_eos=True)))
     launch_steps_without_sync(eng, 5)                    # the restoring prefill (a replay), then decode
     assert len(eng.runner.executor.prefill.graphs) == n  # no new capture: the step above was a replay
-    assert eng.stats(expert_load=False)["prefix_cache_hits"] >= 2
+    # a request of the same shape arrives while that one decodes: its step splits into the decode
+    # graph and the same prefill graph, still without a sync
+    eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=2, ignore_eos=True)))
+    launch_steps_without_sync(eng, 2)
+    assert len(eng.runner.executor.prefill.graphs) == n
+    assert eng.stats(expert_load=False)["prefix_cache_hits"] >= 3
     for r in list(eng.scheduler.running):
         eng.abort(r.request_id)
