@@ -31,6 +31,7 @@ logger = logging.getLogger("hybrid_engine")
 
 class EagerExecutor:
     widths = None                 # any decode row width (no graphs)
+    prefill = None                # no prefill graphs (CudaGraphExecutor's PrefillGraphs)
 
     def __init__(self, model, caches):
         self.model, self.caches = model, caches
@@ -39,12 +40,6 @@ class EagerExecutor:
         """-> (hidden [T, D], logits [L, V] float32 at fb.logits_indices)."""
         hidden = self.model(fb, self.caches)
         return hidden, self.model.compute_logits(hidden[fb.logits_indices])
-
-    def _splits(self, md: MambaMetadata) -> bool:
-        """Whether a step with these rows runs as a decode graph plus a prefill graph: decode rows
-        of a captured width and count, and exactly one prefill row."""
-        return (md.num_prefill_rows == 1 and 0 < md.num_decode_rows <= self.buckets[-1]
-                and md.decode_len in self.graphs_by_width)
 
     def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """Persistent buffers a decode-only batch of ``num_rows`` rows of ``tokens_per_row`` tokens
