@@ -239,6 +239,9 @@ def main():
     ap.add_argument("--checkpoint-gib", type=float, default=12.0,
                     help="Mamba checkpoint pool in GiB (0: the engine's default, sized from the KV cache)")
     ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
+    ap.add_argument("--server-warmup", action="store_true",
+                    help="also run the server's start-up warm-up (hybrid_engine/warmup.py: it captures the "
+                         "prefill graphs of chat turns, which otherwise are captured during the first turns)")
     ap.add_argument("--no-prefill-graphs", action="store_true",
                     help="prefill_cuda_graphs=False (one-request prefills eager, as before 2026-11-27)")
     ap.add_argument("--out", type=Path, default=None)
@@ -278,6 +281,9 @@ def main():
                 past = [7] * (args.checkpoint_interval * engine.cfg.cache.block_size + 40)
                 for _ in range(2):
                     llm.generate([past], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+            if args.server_warmup:
+                from hybrid_engine.warmup import warm_up
+                warm_up(engine)
             graph_counts(engine)                       # the warm-up's counts dropped
             count_step_kinds(engine)
             for scenario in args.scenarios:

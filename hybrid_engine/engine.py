@@ -343,6 +343,12 @@ class EngineCore(FaultIsolation):
         for j, a in enumerate(m.accepted_per_position):
             per[j] += a
 
+    @property
+    def prefill_graphs(self):
+        """The target's prefill CUDA graphs (``step/prefill_graphs.PrefillGraphs``), or None (CPU,
+        ``enforce_eager``, ``prefill_cuda_graphs=False``, tensor parallelism)."""
+        return None if self.tp is not None else self.runner.executor.prefill
+
     def occupancy(self) -> dict:
         """Host-side load: running / waiting request counts and free / total KV blocks and Mamba
         slots (no device read; cheap enough to call per request)."""

@@ -12,7 +12,13 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
 1. every length of ``warmup_lengths`` at once, greedy: multi-request prefill chunks, mixed steps
    (later prompts' chunks next to earlier ones' decodes), decode batches of several sizes;
 2. a few lengths one at a time: single-request prefill and batch-1 decode;
-3. sampled requests (temperature, top-k / top-p, a seed, logprobs, ``n`` = 2 sharing a prefill).
+3. sampled requests (temperature, top-k / top-p, a seed, logprobs, ``n`` = 2 sharing a prefill);
+4. with prefill CUDA graphs (``EngineCore.prefill_graphs``): one request decoding while prompts of
+   one length per prefill-graph bucket up to ``SPLIT_WARMUP_TOKENS`` arrive one a step, so each
+   step is a split step (decode rows + one prefill row, ``prefill_graphs.forward_split``) and
+   captures its bucket's graph now, not in a user's turn. A chat turn's prefill (its new message
+   after the restored checkpoint) is such a step; the captures that remain lazy are those of
+   steps that save more than once or compute no logits.
 
 Every request carries its own seed, so the engine's seed stream is untouched and later sampled
 requests get the seeds they would have had without a warm-up. Requests the engine's limits refuse
@@ -37,6 +43,7 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("hybrid_engine")
 
 WARMUP_TOKENS = 4               # new tokens per warm-up request: a few decode steps each
+SPLIT_WARMUP_TOKENS = 512       # wave 4's longest prompt: a chat turn's new tokens after its restore
 SMALL_LENGTHS = (1, 2, 15, 16, 17, 31, 64, 100, 255, 256, 257)
 
 
@@ -55,6 +62,51 @@ def warmup_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]
     cap = max_model_len - WARMUP_TOKENS - 1
     lengths = {n for n in (*SMALL_LENGTHS, b - 1, b, b + 1, 2 * b + 5) if 1 <= n <= cap}
     return sorted(lengths)
+
+
+def split_warmup_lengths(max_tokens: int, max_num_batched_tokens: int) -> list[int]:
+    """Wave 4's prompt lengths: the longest length of each prefill-graph bucket below ``max_tokens``
+    (``prefill_bucket(b - 1) == b``) that one step's token budget takes beside a decode row."""
+    from .step.prefill_graphs import prefill_bucket
+    out, n = [], 1
+    while n < max_tokens:
+        b = prefill_bucket(n)
+        if b - 1 <= max_num_batched_tokens - 1:
+            out.append(b - 1)
+        n = b
+    return out
+
+
+def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
+    """Wave 4 (module docstring) -> (requests, prompt tokens, steps)."""
+    sc = engine.cfg.scheduler
+    lengths = [n for n in split_warmup_lengths(SPLIT_WARMUP_TOKENS, sc.max_num_batched_tokens)
+               if n + WARMUP_TOKENS + 1 <= engine.max_model_len]
+    if sc.max_num_seqs < 2 or not lengths:
+        return 0, 0, 0
+    # the decoding row: enough tokens to outlive the wave even when every draft is accepted
+    anchor = SamplingParams(max_tokens=(len(lengths) + 2 * WARMUP_TOKENS + 4) * (1 + engine.num_spec),
+                            ignore_eos=True, seed=seed)
+    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=seed)
+    reqs = engine.make_requests(prompt(8), anchor, request_id="warmup-split-anchor")
+    engine.add_requests(reqs)
+    steps = 0
+    for _ in range(2):                  # its prefill, then it decodes
+        engine.step()
+        steps += 1
+    for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
+        group = engine.make_requests(prompt(n), greedy, request_id=f"warmup-split-{i}")
+        engine.add_requests(group)
+        reqs += group
+        engine.step()
+        steps += 1
+    engine.abort("warmup-split-anchor")
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    for r in reqs:
+        engine.forget(r)
+    return 1 + len(lengths), 8 + sum(lengths), steps
 
 
 def warm_up(engine, *, seed: int = 0) -> WarmupReport:
@@ -93,6 +145,9 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
             steps += 1
         for r in reqs:
             engine.forget(r)
+    if engine.prefill_graphs is not None:
+        got = _split_wave(engine, prompt, seed)
+        requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
     engine.reset_stats()
     report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)
     logger.info("warm-up: %d requests, %d prompt tokens, %d steps in %.1f s", report.requests,

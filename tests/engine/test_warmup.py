@@ -64,3 +64,48 @@ def test_warm_up_skips_what_the_engine_refuses(hybrid_dir):
     lengths = warmup_lengths(llm.engine.cfg.scheduler.max_num_batched_tokens, llm.engine.max_model_len)
     assert report.requests == len(lengths) + len(lengths[::4]) + 1
     assert not llm.engine.has_work() and llm.engine.stats()["steps"] == 0
+
+
+def test_split_lengths_hit_each_prefill_graph_bucket_once():
+    from hybrid_engine.step.prefill_graphs import prefill_bucket
+    from hybrid_engine.warmup import split_warmup_lengths
+    lengths = split_warmup_lengths(512, 8192)
+    assert lengths == list(range(15, 512, 16))
+    assert [prefill_bucket(n) for n in lengths] == list(range(16, 513, 16))
+    assert split_warmup_lengths(512, 64) == [15, 31, 47, 63]
+    assert split_warmup_lengths(1024, 8192)[-3:] == [959, 991, 1023]       # buckets of 32 past 512
+
+
+def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir):
+    """With prefill graphs (the CPU stand-in), wave 4 runs one split step per bucket that fits the
+    chunk budget: each bucket's graph is captured during the warm-up (restore padded, one save,
+    one logits row: the keys of a chat turn), no capture touched a real state, and the engine
+    then serves transformers' tokens with nothing held."""
+    from hf_reference import hf_greedy
+    from prefill_graph_harness import install_reruns
+    from hybrid_engine.warmup import split_warmup_lengths
+    llm = LLM(hybrid_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=128, block_size=4,
+              num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    eng = llm.engine
+    pg = install_reruns(llm)
+    assert eng.prefill_graphs is pg
+    free = eng.occupancy()
+    warm_up(eng)
+    lengths = split_warmup_lengths(512, 128)
+    assert lengths == [15, 31, 47, 63, 79, 95, 111, 127]
+    split_keys = {(k.bucket, k.restores, k.logits) for k in pg.graphs}
+    assert {(n + 1, 1, 1) for n in lengths} <= split_keys, sorted(split_keys)
+    assert eng.runner.executor.splits >= len(lengths) and all(not bad for _, bad in pg.captured)
+    assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
+    prompts = [list(range(3, 40)), [9, 10, 11] * 7]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(hybrid_dir, prompts, 6)
+
+
+def test_warm_up_without_prefill_graphs_skips_the_split_wave(hybrid_dir):
+    llm = LLM(hybrid_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    assert llm.engine.prefill_graphs is None
+    report = warm_up(llm.engine)
+    lengths = warmup_lengths(64, llm.engine.max_model_len)
+    assert report.requests == len(lengths) + len(lengths[::4]) + 2
