@@ -17,8 +17,9 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
    one length per prefill-graph bucket up to ``SPLIT_WARMUP_TOKENS`` arrive one a step, so each
    step is a split step (decode rows + one prefill row, ``prefill_graphs.forward_split``) and
    captures its bucket's graph now, not in a user's turn. A chat turn's prefill (its new message
-   after the restored checkpoint) is such a step; the captures that remain lazy are those of
-   steps that save more than once or compute no logits.
+   after the restored checkpoint, one or two checkpoint saves) has the same key (restores padded
+   to one, saves to two: ``PrefillKey.of``); the captures that remain lazy are those of steps
+   that save more than twice or compute no logits.
 
 Every request carries its own seed, so the engine's seed stream is untouched and later sampled
 requests get the seeds they would have had without a warm-up. Requests the engine's limits refuse

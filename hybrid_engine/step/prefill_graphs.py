@@ -9,8 +9,10 @@ the executor's decode graph. Its forward replays a graph of ``bucket > T`` token
 step has: each changes the kernels launched). Restores and saves are padded so that few keys
 exist (each new key costs a capture, ~0.1 s on the 8B shape, while requests wait): with checkpoint
 storage every step restores one row (a step with none restores any row into ``NULL_SLOT``), and
-the saves are rounded up to a power of two by repeating the step's last save (the same values
-into the same row). Every host number the kernels size their grids by is fixed by the key:
+a step that saves saves a power of two times, at least twice, by repeating its last save (the
+same values into the same row): a chat turn saves once or twice (where the request diverges
+from the cached blocks, and at its prompt's last full block), so its steps share one key per
+bucket, and the start-up warm-up's single saves capture it. Every host number the kernels size their grids by is fixed by the key:
 
 - the pad tokens ``T..bucket-1`` form a second Mamba row at ``NULL_SLOT`` that starts fresh
   (zeros in, nothing stored: the pool contract), so every Mamba kernel computes finite values
@@ -60,7 +62,7 @@ def prefill_bucket(num_tokens: int) -> int:
 class PrefillKey:
     bucket: int       # padded tokens (> the step's tokens)
     restores: int     # prefix-cache restores before the forward (0 or 1)
-    saves: int        # Mamba checkpoint saves in the chunk
+    saves: int        # Mamba checkpoint saves in the chunk (0, or padded: 2, 4, 8, ...)
     logits: int       # rows whose logits are computed (1 on a request's last chunk, else 0)
 
     @classmethod
@@ -74,7 +76,7 @@ class PrefillKey:
         n = lambda t: 0 if t is None else t.shape[0]      # noqa: E731
         saves = n(md.ckpt_rows)
         return cls(bucket=prefill_bucket(num_tokens), restores=1 if pad_restores else n(md.restore_rows),
-                   saves=saves and 1 << (saves - 1).bit_length(), logits=fb.logits_indices.shape[0])
+                   saves=saves and max(2, 1 << (saves - 1).bit_length()), logits=fb.logits_indices.shape[0])
 
 
 def static_prefill_batch(key: PrefillKey, *, max_blocks: int, max_model_len: int,

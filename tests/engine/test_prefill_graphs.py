@@ -93,7 +93,7 @@ def test_decode_rows_beside_a_prefill_row_split_into_two_forwards(hybrid_dir, as
     assert eng.runner.executor.splits >= 2 and pg.replays >= 4, (eng.runner.executor.splits, pg.replays)
     assert all(not bad for _, bad in pg.captured), pg.captured
     # padded keys: every graph restores one row, and saves come in powers of two
-    assert all(k.restores == 1 and k.saves in (0, 1, 2, 4) for k in pg.graphs), list(pg.graphs)
+    assert all(k.restores == 1 and k.saves in (0, 2, 4) for k in pg.graphs), list(pg.graphs)
 
 
 def test_split_decode_prefill_views_each_part_in_its_own_offsets():
@@ -120,7 +120,7 @@ def test_split_decode_prefill_views_each_part_in_its_own_offsets():
     assert pre.mamba.num_decode_rows == 0 and pre.mamba.num_prefill_rows == 1 and pre.mamba.restore_rows.tolist() == [3]
     assert pre.mamba.ckpt_token.tolist() == [2] and pre.mamba.prefill_slots.tolist() == [8]
     assert dec.logits_indices.tolist() == [0, 1, 2, 3, 4, 5] and pre.logits_indices.tolist() == [4]
-    assert PrefillKey.of(pre, 2048) == PrefillKey(bucket=16, restores=1, saves=1, logits=1)
+    assert PrefillKey.of(pre, 2048) == PrefillKey(bucket=16, restores=1, saves=2, logits=1)
 
 
 def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
@@ -147,7 +147,10 @@ def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
     assert m.ckpt_token.tolist() == [3, 7, 9, 9] and m.ckpt_rows.tolist() == [5, 6, 2, 2]
     assert m.ckpt_seq.tolist() == [0, 0, 0, 0]
     one = replace_saves(fb, 1)
-    assert PrefillKey.of(one, 2048).saves == 1 and PrefillKey.of(replace_saves(fb, 0), 2048).saves == 0
+    assert PrefillKey.of(one, 2048).saves == 2 and PrefillKey.of(replace_saves(fb, 0), 2048).saves == 0
+    dst1 = static_prefill_batch(PrefillKey.of(one, 2048), max_blocks=6, max_model_len=64, device=torch.device("cpu"))
+    load_prefill(dst1, one)                      # one save, padded to two: the same save twice
+    assert dst1.mamba.ckpt_token.tolist() == [3, 3] and dst1.mamba.ckpt_rows.tolist() == [5, 5]
 
 
 def replace_saves(fb, k):
@@ -175,7 +178,7 @@ def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
 
     long, short = step(13, 3), step(9, 2)
     key = PrefillKey.of(long, 2048)
-    assert key == PrefillKey.of(short, 2048) == PrefillKey(bucket=16, restores=0, saves=1, logits=1)
+    assert key == PrefillKey.of(short, 2048) == PrefillKey(bucket=16, restores=0, saves=2, logits=1)
     dst = static_prefill_batch(key, max_blocks=6, max_model_len=64, device=torch.device("cpu"))
     load_prefill(dst, long)
     load_prefill(dst, short)
@@ -183,7 +186,7 @@ def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
     assert dst.attn.query_start_loc.tolist() == [0, 9] and dst.attn.block_tables.tolist() == [[1, 2, 3, 0, 0, 0]]
     m = dst.mamba
     assert m.prefill_query_start_loc.tolist() == [0, 9, 16] and m.prefill_slots.tolist() == [2, NULL_SLOT]
-    assert m.has_initial_state.tolist() == [True, False] and m.ckpt_token.tolist() == [7]
+    assert m.has_initial_state.tolist() == [True, False] and m.ckpt_token.tolist() == [7, 7]
     assert dst.logits_indices.tolist() == [8] and dst.input_ids[:9].tolist() == list(range(7, 16))
     load_prefill(dst, short, harmless=True)
     assert m.prefill_slots.tolist() == [NULL_SLOT] * 2 and not m.has_initial_state.any()

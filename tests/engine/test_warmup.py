@@ -95,6 +95,7 @@ def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir):
     assert lengths == [15, 31, 47, 63, 79, 95, 111, 127]
     split_keys = {(k.bucket, k.restores, k.logits) for k in pg.graphs}
     assert {(n + 1, 1, 1) for n in lengths} <= split_keys, sorted(split_keys)
+    assert all(k.saves in (0, 2, 4, 8, 16, 32) for k in pg.graphs), list(pg.graphs)
     assert eng.runner.executor.splits >= len(lengths) and all(not bad for _, bad in pg.captured)
     assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
     prompts = [list(range(3, 40)), [9, 10, 11] * 7]
