@@ -102,3 +102,19 @@ def install_reruns(llm, max_tokens=2048, cls=None):
                                      pad_restores=inner.caches.checkpoints is not None)
     runner.executor = PrefillRerunExecutor(inner, pg)
     return pg
+
+
+def serve_with_arrivals(eng, prompts, sp, admit) -> list[list[int]]:
+    """Step ``eng`` until every prompt has finished, adding the next prompt when the engine is
+    idle or ``admit(eng)`` says so (requests that arrive while others decode) -> each prompt's
+    output tokens, in prompt order."""
+    done, waiting = {}, list(enumerate(prompts))
+    while waiting or eng.has_work():
+        if waiting and (not eng.has_work() or admit(eng)):
+            i, p = waiting.pop(0)
+            eng.add_request(eng.make_request(p, sp, f"r{i}"))
+        for r in eng.step() if eng.has_work() else ():
+            if r.finished:
+                done[r.request_id] = list(r.output_token_ids)
+                eng.forget(r)
+    return [done[f"r{i}"] for i in range(len(prompts))]

@@ -15,7 +15,7 @@ from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.step.prefill_graphs import PrefillKey, prefill_bucket
 from hf_reference import hf_greedy
-from prefill_graph_harness import RerunPrefillGraphs, install_reruns
+from prefill_graph_harness import RerunPrefillGraphs, install_reruns, serve_with_arrivals
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 BS = 4
@@ -78,18 +78,9 @@ def test_decode_rows_beside_a_prefill_row_split_into_two_forwards(hybrid_dir, as
     rng = np.random.default_rng(12)
     system = rng.integers(3, 256, 17).tolist()
     prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    done, waiting = {}, list(enumerate(prompts))
-    while waiting or eng.has_work():
-        if waiting and len(eng.scheduler.running) < 2 and (not eng.has_work() or eng._stats["steps"] % 3 == 2):
-            i, p = waiting.pop(0)
-            eng.add_request(eng.make_request(p, sp, f"r{i}"))
-        for r in eng.step() if eng.has_work() else ():
-            if r.finished:
-                done[r.request_id] = list(r.output_token_ids)
-                eng.forget(r)
-    want = hf_greedy(hybrid_dir, prompts, 6)
-    assert [done[f"r{i}"] for i in range(len(prompts))] == want
+    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
+                              lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
+    assert got == hf_greedy(hybrid_dir, prompts, 6)
     assert eng.runner.executor.splits >= 2 and pg.replays >= 4, (eng.runner.executor.splits, pg.replays)
     assert all(not bad for _, bad in pg.captured), pg.captured
     # padded keys: every graph restores one row, and saves come in powers of two

@@ -10,6 +10,7 @@ import torch
 
 from engine_steps import launch_steps_without_sync
 from hf_reference import hf_greedy
+from prefill_graph_harness import serve_with_arrivals
 from hybrid_engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -91,17 +92,9 @@ def test_decode_rows_beside_a_prefill_row_replay_two_graphs(target, spec, monkey
     eng, rng = llm.engine, np.random.default_rng(4)
     system = rng.integers(3, 256, 30).tolist()
     prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (5, 17, 3, 26, 9)]
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    done, waiting = {}, list(enumerate(prompts))
-    while waiting or eng.has_work():
-        if waiting and (not eng.has_work() or eng._stats["steps"] % 4 == 3):
-            i, p = waiting.pop(0)
-            eng.add_request(eng.make_request(p, sp, f"r{i}"))
-        for r in eng.step() if eng.has_work() else ():
-            if r.finished:
-                done[r.request_id] = list(r.output_token_ids)
-                eng.forget(r)
-    assert [done[f"r{i}"] for i in range(len(prompts))] == hf_greedy(target, prompts, 8)
+    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=8, ignore_eos=True),
+                              lambda e: e._stats["steps"] % 4 == 3)
+    assert got == hf_greedy(target, prompts, 8)
     assert sum(ok for _, ok in splits) >= 3, splits
 
 
