@@ -65,14 +65,15 @@ def warmup_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]
     return sorted(lengths)
 
 
-def split_warmup_lengths(max_tokens: int, max_num_batched_tokens: int) -> list[int]:
+def split_warmup_lengths(max_tokens: int, max_prefill_tokens: int) -> list[int]:
     """Wave 4's prompt lengths: the longest length of each prefill-graph bucket below ``max_tokens``
-    (``prefill_bucket(b - 1) == b``) that one step's token budget takes beside a decode row."""
+    (``prefill_bucket(b - 1) == b``) that fits ``max_prefill_tokens`` (what a step's token budget
+    leaves beside the decode row: the prompt must prefill in one chunk to be a split step)."""
     from .step.prefill_graphs import prefill_bucket
     out, n = [], 1
     while n < max_tokens:
         b = prefill_bucket(n)
-        if b - 1 <= max_num_batched_tokens - 1:
+        if b - 1 <= max_prefill_tokens:
             out.append(b - 1)
         n = b
     return out
@@ -81,24 +82,35 @@ def split_warmup_lengths(max_tokens: int, max_num_batched_tokens: int) -> list[i
 def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
     """Wave 4 (module docstring) -> (requests, prompt tokens, steps)."""
     sc = engine.cfg.scheduler
-    lengths = [n for n in split_warmup_lengths(SPLIT_WARMUP_TOKENS, sc.max_num_batched_tokens)
-               if n + WARMUP_TOKENS + 1 <= engine.max_model_len]
+    # the anchor's decode row (1 + K tokens) shares each step's budget with the new prompt
+    lengths = [n for n in split_warmup_lengths(SPLIT_WARMUP_TOKENS, sc.max_num_batched_tokens - 1 - engine.num_spec)
+               if n + 2 <= engine.max_model_len]
     if sc.max_num_seqs < 2 or not lengths:
         return 0, 0, 0
     # the decoding row: enough tokens to outlive the wave even when every draft is accepted
-    anchor = SamplingParams(max_tokens=(len(lengths) + 2 * WARMUP_TOKENS + 4) * (1 + engine.num_spec),
-                            ignore_eos=True, seed=seed)
-    greedy = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, seed=seed)
-    reqs = engine.make_requests(prompt(8), anchor, request_id="warmup-split-anchor")
+    anchor = SamplingParams(max_tokens=(len(lengths) + 8) * (1 + engine.num_spec), ignore_eos=True, seed=seed)
+    # one output token: each prompt finishes in its prefill step, so every step is the anchor's
+    # decode row plus one new prefill row (no queue builds up behind max_num_seqs)
+    once = SamplingParams(max_tokens=1, ignore_eos=True, seed=seed)
+    try:
+        reqs = engine.make_requests(prompt(8), anchor, request_id="warmup-split-anchor")
+    except ValueError as e:             # a limit of this engine (a tiny KV cache, ...): skip the wave
+        logger.info("warm-up: skipped the split-step wave: %s", e)
+        return 0, 0, 0
     engine.add_requests(reqs)
-    steps = 0
+    requests, tokens, steps = 1, 8, 0
     for _ in range(2):                  # its prefill, then it decodes
         engine.step()
         steps += 1
     for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
-        group = engine.make_requests(prompt(n), greedy, request_id=f"warmup-split-{i}")
+        try:
+            group = engine.make_requests(prompt(n), once, request_id=f"warmup-split-{i}")
+        except ValueError as e:
+            logger.info("warm-up: skipped a request the engine's limits refuse: %s", e)
+            continue
         engine.add_requests(group)
         reqs += group
+        requests, tokens = requests + 1, tokens + n
         engine.step()
         steps += 1
     engine.abort("warmup-split-anchor")
@@ -107,7 +119,7 @@ def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
         steps += 1
     for r in reqs:
         engine.forget(r)
-    return 1 + len(lengths), 8 + sum(lengths), steps
+    return requests, tokens, steps
 
 
 def warm_up(engine, *, seed: int = 0) -> WarmupReport:

@@ -156,7 +156,8 @@ class MambaCheckpoints:
         """Pool slots := checkpoint rows, in every Mamba layer at once (conv window columns
         0..W-2, SSM checkpoint 0): two Triton launches on CUDA (``ops/triton_restore.py``; the
         torch twin elsewhere), not ops per layer. ``pool``: the
-        ``MambaPool`` of the same model; slots, rows: [M] int64 device tensors."""
+        ``MambaPool`` of the same model; slots, rows: [M] int64 device tensors (a negative row:
+        a padding entry, skipped)."""
         from .ops.triton_common import kernel_backend
         if kernel_backend("checkpoint_restore", self.ssm_all.device) == "triton":
             from .ops.triton_restore import triton_restore_rows as restore_rows   # 2 launches
@@ -168,6 +169,9 @@ class MambaCheckpoints:
 
 
 def restore_rows_ref(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    """``dst[:, slots[m]] = src[:, rows[m]]`` for each m (src [L, R, *inner], dst [L, S, *inner],
-    a view of the pool): the torch twin of ``ops/triton_restore.triton_restore_rows``."""
-    dst[:, slots] = src[:, rows].to(dst.dtype)
+    """``dst[:, slots[m]] = src[:, rows[m]]`` for each m with ``rows[m] >= 0``; a negative row is a
+    padding entry that leaves its slot as it is (src [L, R, *inner], dst [L, S, *inner], a view of
+    the pool): the torch twin of ``ops/triton_restore.triton_restore_rows``. No host read: a
+    padding entry writes its slot's own value back."""
+    keep = (rows >= 0).view(1, -1, *([1] * (src.dim() - 2)))
+    dst[:, slots] = torch.where(keep, src[:, rows.clamp(min=0)].to(dst.dtype), dst[:, slots])

@@ -8,7 +8,8 @@ the executor's decode graph. Its forward replays a graph of ``bucket > T`` token
 ``PrefillKey`` (the bucket; how many prefix-cache restores, checkpoint saves and logits rows the
 step has: each changes the kernels launched). Restores and saves are padded so that few keys
 exist (each new key costs a capture, ~0.1 s on the 8B shape, while requests wait): with checkpoint
-storage every step restores one row (a step with none restores any row into ``NULL_SLOT``), and
+storage every step restores one row (a step with none has a padding restore, row -1, which the
+restore kernel skips), and
 a step that saves saves a power of two times, at least twice, by repeating its last save (the
 same values into the same row): a chat turn saves once or twice (where the request diverges
 from the cached blocks, and at its prompt's last full block), so its steps share one key per
@@ -45,7 +46,7 @@ from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 logger = logging.getLogger("hybrid_engine")
 
 MAX_GRAPH_TOKENS = 2048     # longer prefills are GPU-bound: their launches hide behind the kernels
-MAX_GRAPHS = 64
+MAX_GRAPHS = 128            # the start-up warm-up captures ~32 (one per bucket up to 512 tokens)
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -129,8 +130,8 @@ def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False
         dm.prefill_slots[:1].copy_(sm.prefill_slots)
         dm.has_initial_state[:1].copy_(sm.has_initial_state)
     if dm.restore_rows is not None:
-        if sm.restore_rows is None:        # the padded restore: row 0 (any row) into NULL_SLOT
-            dm.restore_rows.zero_()
+        if sm.restore_rows is None:        # the padded restore: row -1 (skipped) at NULL_SLOT
+            dm.restore_rows.fill_(-1)
             dm.restore_slots.fill_(NULL_SLOT)
         else:
             dm.restore_rows.copy_(sm.restore_rows)
@@ -220,7 +221,7 @@ class PrefillGraphs:
         self.capture_s = 0.0              # seconds spent capturing (requests wait meanwhile)
         self._failed: set[PrefillKey] = set()     # keys whose capture raised: eager from then on
         # [prefill_bucket(max_tokens), D]: every graph's hidden output (one buffer, not one per graph:
-        # up to 64 of those would hold ~1 GB of an 8B model outside the KV budget)
+        # up to 128 of those would hold ~2 GB of an 8B model outside the KV budget)
         self._hidden_out: torch.Tensor | None = None
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -18,14 +18,15 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx
 def _restore_kernel(src_ptr, dst_ptr, rows_ptr, slots_ptr, M, A, Bc,
                     s_l, s_r, s_a, s_b, d_l, d_s, d_a, d_b, BLOCK: tl.constexpr):
     # program (l * M + m, block): elements [block * BLOCK, +BLOCK) of the [A, Bc] tile of restore m
-    # in layer l (each side with its own strides: the pool's conv windows are channel-major)
+    # in layer l (each side with its own strides: the pool's conv windows are channel-major); a
+    # negative row is a padding entry (prefill graphs' padded restores): nothing read or written
     pid = tl.program_id(0).to(tl.int64)
     layer = pid // M
     m = pid % M
     row = tl.load(rows_ptr + m).to(tl.int64)
     slot = tl.load(slots_ptr + m).to(tl.int64)
     i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < A * Bc
+    mask = i < tl.where(row >= 0, A * Bc, 0)       # a padding entry: no element
     a = i // Bc
     b = i % Bc
     v = tl.load(src_ptr + layer * s_l + row * s_r + a * s_a + b * s_b, mask=mask)
@@ -33,9 +34,10 @@ def _restore_kernel(src_ptr, dst_ptr, rows_ptr, slots_ptr, M, A, Bc,
 
 
 def triton_restore_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    """``dst[:, slots[m]] = src[:, rows[m]]`` for each m; src [L, R, *inner], dst [L, S, *inner]
-    (same inner shape; dst may be a strided view such as the pool's conv window columns 0..W-2).
-    rows, slots [M] int64 device tensors (no host read)."""
+    """``dst[:, slots[m]] = src[:, rows[m]]`` for each m with ``rows[m] >= 0`` (a negative row is a
+    padding entry: its slot is left alone); src [L, R, *inner], dst [L, S, *inner] (same inner
+    shape; dst may be a strided view such as the pool's conv window columns 0..W-2). rows, slots
+    [M] int64 device tensors (no host read)."""
     if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
         raise ValueError(f"restore src {tuple(src.shape)} and dst {tuple(dst.shape)} differ beyond dim 1")
     if rows.shape != slots.shape or rows.dim() != 1:

@@ -115,9 +115,9 @@ def test_split_decode_prefill_views_each_part_in_its_own_offsets():
 
 
 def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
-    """Fewer keys, fewer captures: a step without a restore gets a restore of row 0 into
-    NULL_SLOT (only where checkpoint storage exists), and 3 saves become 4 by repeating the last
-    one (same boundary, same row)."""
+    """Fewer keys, fewer captures: a step without a restore gets a padding restore (row -1,
+    skipped by the restore, at NULL_SLOT; only where checkpoint storage exists), and 3 saves become
+    4 by repeating the last one (same boundary, same row); one save becomes two."""
     from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
     from hybrid_engine.step.prefill_graphs import load_prefill, static_prefill_batch
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
@@ -134,7 +134,7 @@ def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
     dst.mamba.restore_rows.fill_(9)
     load_prefill(dst, fb)
     m = dst.mamba
-    assert m.restore_rows.tolist() == [0] and m.restore_slots.tolist() == [NULL_SLOT]
+    assert m.restore_rows.tolist() == [-1] and m.restore_slots.tolist() == [NULL_SLOT]
     assert m.ckpt_token.tolist() == [3, 7, 9, 9] and m.ckpt_rows.tolist() == [5, 6, 2, 2]
     assert m.ckpt_seq.tolist() == [0, 0, 0, 0]
     one = replace_saves(fb, 1)

@@ -6,6 +6,7 @@ is untouched); requests the engine's limits refuse are skipped, not fatal."""
 import pytest
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hybrid_engine.step.prefill_graphs import PrefillKey
 from hybrid_engine.warmup import WARMUP_TOKENS, warm_up, warmup_lengths
 
 
@@ -76,27 +77,47 @@ def test_split_lengths_hit_each_prefill_graph_bucket_once():
     assert split_warmup_lengths(1024, 8192)[-3:] == [959, 991, 1023]       # buckets of 32 past 512
 
 
-def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir):
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig("mtp", 2)])
+def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir, spec, monkeypatch):
     """With prefill graphs (the CPU stand-in), wave 4 runs one split step per bucket that fits the
-    chunk budget: each bucket's graph is captured during the warm-up (restore padded, one save,
-    one logits row: the keys of a chat turn), no capture touched a real state, and the engine
-    then serves transformers' tokens with nothing held."""
+    chunk budget beside the decoding row: during the wave every step is a split step, and each
+    bucket's key (restore padded, one logits row: the keys of a chat turn) is replayed there;
+    no capture touched a real state, and the engine then serves transformers' tokens with nothing
+    held."""
+    import hybrid_engine.warmup as warmup
     from hf_reference import hf_greedy
     from prefill_graph_harness import install_reruns
-    from hybrid_engine.warmup import split_warmup_lengths
     llm = LLM(hybrid_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=128, block_size=4,
-              num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+              num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2, speculative_config=spec)
     eng = llm.engine
     pg = install_reruns(llm)
     assert eng.prefill_graphs is pg
+    seen = []                                    # (key, replayed) of every prefill-graph call in wave 4
+    real_wave, real_forward = warmup._split_wave, pg.forward
+
+    def logged_forward(fb):
+        got = real_forward(fb)
+        seen.append((PrefillKey.of(fb, pg.max_tokens, pad_restores=True), got is not None))
+        return got
+
+    def wave(*a):
+        splits0 = eng.runner.executor.splits
+        monkeypatch.setattr(pg, "forward", logged_forward)
+        out = real_wave(*a)
+        monkeypatch.setattr(pg, "forward", real_forward)
+        wave_splits.append(eng.runner.executor.splits - splits0)
+        return out
+    wave_splits = []
+    monkeypatch.setattr(warmup, "_split_wave", wave)
     free = eng.occupancy()
     warm_up(eng)
-    lengths = split_warmup_lengths(512, 128)
-    assert lengths == [15, 31, 47, 63, 79, 95, 111, 127]
-    split_keys = {(k.bucket, k.restores, k.logits) for k in pg.graphs}
-    assert {(n + 1, 1, 1) for n in lengths} <= split_keys, sorted(split_keys)
+    lengths = warmup.split_warmup_lengths(512, 128 - 1 - eng.num_spec)
+    assert lengths == ([15, 31, 47, 63, 79, 95, 111, 127] if spec is None else [15, 31, 47, 63, 79, 95, 111])
+    assert wave_splits == [len(lengths)], wave_splits
+    replayed = {(k.bucket, k.restores, k.logits) for k, ok in seen if ok and k is not None}
+    assert {(n + 1, 1, 1) for n in lengths} <= replayed, sorted(replayed)
     assert all(k.saves in (0, 2, 4, 8, 16, 32) for k in pg.graphs), list(pg.graphs)
-    assert eng.runner.executor.splits >= len(lengths) and all(not bad for _, bad in pg.captured)
+    assert all(not bad for _, bad in pg.captured)
     assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
     prompts = [list(range(3, 40)), [9, 10, 11] * 7]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -110,3 +131,14 @@ def test_warm_up_without_prefill_graphs_skips_the_split_wave(hybrid_dir):
     report = warm_up(llm.engine)
     lengths = warmup_lengths(64, llm.engine.max_model_len)
     assert report.requests == len(lengths) + len(lengths[::4]) + 2
+
+
+def test_the_split_wave_skips_prompts_a_tiny_cache_refuses(hybrid_dir):
+    """Wave 4's longer prompts do not fit a 12-block cache: they are skipped (as the other waves
+    skip what the engine refuses), and start-up goes on."""
+    from prefill_graph_harness import install_reruns
+    llm = LLM(hybrid_dir, dtype="float32", max_num_seqs=4, block_size=16, num_kv_blocks=12, max_model_len=1024,
+              enable_prefix_caching=True)
+    install_reruns(llm)
+    report = warm_up(llm.engine)
+    assert report.requests > 0 and not llm.engine.has_work() and llm.engine.requests() == []

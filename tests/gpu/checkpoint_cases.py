@@ -99,7 +99,8 @@ def check_restore(impl, device, dtype, L=3, R=5, S=6, C=40, W=4, K=2, H=3, P=5, 
     ``MambaCheckpoints.restore`` calls it: checkpoint rows [L, R, C, W-1] into the pool's conv
     window columns 0..W-2 ([L, S, C, W-1+K], a strided, token-major view) and [L, R, H, P, N] float32 into the
     pool's SSM checkpoint 0 ([L, S, 1+K, H, P, N]). Pools start NaN: every other slot, column and
-    checkpoint stays NaN, every restored element is bit-equal."""
+    checkpoint stays NaN, every restored element is bit-equal. A negative row (a padding entry)
+    leaves its slot NaN."""
     from hybrid_engine.mamba_cache.checkpoints import restore_rows_ref
     g = _gen(seed)
     conv_rows = torch.randn(L, R, C, W - 1, generator=g).to(dtype).to(device)
@@ -118,4 +119,7 @@ def check_restore(impl, device, dtype, L=3, R=5, S=6, C=40, W=4, K=2, H=3, P=5, 
         restore_rows_ref(src, view(want), r, s)
         impl(src, view(pool), r, s)
         out[name] = assert_pool(pool, want, None, f"restore {name}")
+        for row, slot in zip(rows, slots):
+            if row < 0:
+                assert torch.isnan(view(pool)[:, slot]).all(), f"restore {name}: a padding entry wrote slot {slot}"
     return out

@@ -111,6 +111,7 @@ CASES = {
         triton_conv_windows_before, "cpu", F32, [3, 4], [(0, 0), (1, 3)], W=2, K=0, token_major=False, seed=1),
     "emit_kernel_one_seq": lambda: cc.check_emit(emit_states, "cpu", F32, [40], [0, 15, 16, 39], 16, seed=2),
     "restore_rows": lambda: cc.check_restore(_restore(), "cpu", F32),
+    "restore_rows_padding": lambda: cc.check_restore(_restore(), "cpu", F32, slots=(4, 1, 5), rows=(2, -1, 4)),
     "restore_rows_f16": lambda: cc.check_restore(_restore(), "cpu", torch.float16, C=33, W=2, K=0, H=2, P=3, N=130,
                                                  slots=(2,), rows=(4,), seed=1),
     "emit_kernel_rows": lambda: cc.check_emit(emit_states, "cpu", F32, [21, 7, 16, 1], [0, 15, 16, 27, 43], 16,

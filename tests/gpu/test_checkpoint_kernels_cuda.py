@@ -51,4 +51,4 @@ def test_restore_kernel_matches_ref(dtype):
     x 64 x 128 state, conv 6144 channels), into NaN pools."""
     from hybrid_engine.mamba_cache.ops.triton_restore import triton_restore_rows
     cc.check_restore(triton_restore_rows, "cuda", dtype, L=3, R=4, S=5, C=6144, W=4, K=3, H=64, P=64, N=128,
-                     slots=(3, 1), rows=(0, 3), seed=7)
+                     slots=(3, 1, 0), rows=(0, 3, -1), seed=7)

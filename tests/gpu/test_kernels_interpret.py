@@ -35,7 +35,7 @@ KERNEL_CASES += ["ssd_state_opts", "ssd_state_opts_f16"]          # SSD chunk st
 KERNEL_CASES += ["ssd_pooled", "ssd_pooled_emit", "ssd_pooled_step_layout",
                  "engine_prefix_hits"]  # the engine on the Triton Mamba ops                  # SSD reading / writing the pool by slot
 KERNEL_CASES += ["ssd_emit", "ssd_emit_lowp_f16",                  # prefix-cache emits
-                 "restore_rows", "restore_rows_f16",
+                 "restore_rows", "restore_rows_padding", "restore_rows_f16",
                  "emit_kernel", "emit_kernel_long_chunks", "emit_kernel_one_seq", "emit_kernel_rows", "conv_windows_rows",
                  "conv_windows", "conv_windows_w2_channel_major"]
 KERNEL_CASES += ["ssu_norm", "ssu_norm_k0", "ssu_norm_pblocks", "ssu_norm_f16",  # SSU + norm
