@@ -87,8 +87,8 @@ class CudaGraphExecutor(EagerExecutor):
                                       pad_restores=ckpts is not None and ckpts.num_rows > 0)
                         if prefill_graphs else None)
         if self.prefill is not None:
-            logger.info("prefill CUDA graphs: one-request prefill-only steps of up to %d tokens, captured on "
-                        "first use", self.prefill.max_tokens)
+            logger.info("prefill CUDA graphs: one prefill row of up to %d tokens, alone or beside decode rows "
+                        "(split), captured on first use", self.prefill.max_tokens)
 
     def _static_batch(self, bucket: int, tokens_per_row: int) -> ForwardBatch:
         dev = self.device
