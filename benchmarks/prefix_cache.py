@@ -162,7 +162,7 @@ def run_single(engine, args, rng, vocab):
 SCENARIOS = {"chat": run_chat, "nosharing": run_nosharing, "single": run_single}
 
 
-def summarize(done, wall, engine):
+def summarize(done, wall, engine, kinds: collections.Counter):
     ttft = np.array([r.metrics.first_token_time - r.metrics.arrival_time for r in done]) * 1e3
     st = engine.stats(expert_load=False)
     prompt = sum(len(r.prompt_token_ids) for r in done)
@@ -177,38 +177,37 @@ def summarize(done, wall, engine):
                 checkpoint_bytes=st.get("mamba_checkpoint_bytes", 0),
                 checkpoint_bytes_used=(st.get("mamba_checkpoint_bytes", 0) * st.get("mamba_checkpoints_used", 0)
                                        // max(st.get("mamba_checkpoints_total", 1), 1)),
-                acceptance_length=st.get("mean_acceptance_length", 0.0), **graph_counts(engine))
+                acceptance_length=st.get("mean_acceptance_length", 0.0), **graph_counts(engine, kinds))
 
 
-def count_step_kinds(engine) -> None:
-    """Wrap the target's forward executor to count its steps by kind: 'decode+1' is decode rows
-    beside one prefill row (a split step where the executor has prefill graphs), 'prefill:2+' has
-    several prefill rows (always eager)."""
+def count_step_kinds(engine) -> collections.Counter:
+    """Wrap the target's forward executor to count its steps by kind -> the counter: 'decode' (the
+    decode half of a split step: plain decode steps replay the fused greedy graphs and do not come
+    here), 'decode+prefill:1' (decode rows beside one prefill row: a split step where the executor
+    has prefill graphs), 'prefill:2+' and 'decode+prefill:2+' (several prefill rows: eager)."""
     ex = engine.runner.executor
-    ex.step_kinds = collections.Counter()
+    kinds = collections.Counter()
     inner = ex.forward
 
     def forward(fb):
         md = fb.mamba
         nd, npf = md.num_decode_rows, md.num_prefill_rows
-        ex.step_kinds[("decode" if nd else "") + ("+" if nd and npf else "") +
-                      (f"prefill:{npf if npf < 2 else '2+'}" if npf else "")] += 1
+        kinds[("decode" if nd else "") + ("+" if nd and npf else "") +
+              (f"prefill:{npf if npf < 2 else '2+'}" if npf else "")] += 1
         return inner(fb)
     ex.forward = forward
+    return kinds
 
 
-def graph_counts(engine) -> dict:
-    """What the target's executor did since the last call: step kinds, split steps, prefill graphs
-    captured and the seconds spent capturing them (the counters are reset)."""
-    ex = engine.runner.executor
-    out = {}
-    if hasattr(ex, "step_kinds"):
-        out["step_kinds"] = dict(ex.step_kinds)
-        ex.step_kinds.clear()
-    pg = getattr(ex, "prefill", None)
+def graph_counts(engine, kinds: collections.Counter) -> dict:
+    """Since the last call (the counters are reset): step kinds, split steps, prefill graphs
+    captured and the seconds spent capturing them."""
+    out = {"step_kinds": dict(kinds)}
+    kinds.clear()
+    pg = engine.prefill_graphs
     if pg is not None:
-        out.update(split_steps=getattr(ex, "split_steps", 0), prefill_graphs_captured=len(pg.graphs),
-                   prefill_capture_s=getattr(pg, "capture_s", 0.0))
+        ex = engine.runner.executor                    # a CudaGraphExecutor: it has prefill graphs
+        out.update(split_steps=ex.split_steps, prefill_graphs_captured=len(pg.graphs), prefill_capture_s=pg.capture_s)
         ex.split_steps, pg.capture_s = 0, 0.0
     return out
 
@@ -284,8 +283,8 @@ def main():
             if args.server_warmup:
                 from hybrid_engine.warmup import warm_up
                 warm_up(engine)
-            graph_counts(engine)                       # the warm-up's counts dropped
-            count_step_kinds(engine)
+            kinds = count_step_kinds(engine)
+            graph_counts(engine, kinds)                # the warm-up's counts dropped
             for scenario in args.scenarios:
                 if on:
                     engine.scheduler.blocks.reset_cache()
@@ -297,7 +296,7 @@ def main():
                 row = dict(scenario=scenario, mtp=k, caching=on, prefill_graphs=not args.no_prefill_graphs,
                            think_time_s=args.think_time if scenario == "chat" else 0.0,
                            single_vary=bool(args.single_vary and scenario == "single"),
-                           **summarize(done, time.perf_counter() - t0, engine))
+                           **summarize(done, time.perf_counter() - t0, engine, kinds))
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
             del llm, engine

@@ -79,6 +79,29 @@ def split_warmup_lengths(max_tokens: int, max_prefill_tokens: int) -> list[int]:
     return out
 
 
+def _admit(engine, ids: list[int], params: SamplingParams, request_id: str) -> list:
+    """Add a warm-up request -> its group ([] when the engine's limits refuse it: n = 2 with
+    max_num_seqs 1, a prompt the KV cache cannot hold, ...; skipped, logged)."""
+    try:
+        group = engine.make_requests(ids, params, request_id=request_id)
+    except ValueError as e:
+        logger.info("warm-up: skipped a request the engine's limits refuse: %s", e)
+        return []
+    engine.add_requests(group)
+    return group
+
+
+def _drain(engine, reqs: list) -> int:
+    """Step until the engine is idle, then forget ``reqs`` -> steps taken."""
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    for r in reqs:
+        engine.forget(r)
+    return steps
+
+
 def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
     """Wave 4 (module docstring) -> (requests, prompt tokens, steps)."""
     sc = engine.cfg.scheduler
@@ -92,34 +115,23 @@ def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
     # one output token: each prompt finishes in its prefill step, so every step is the anchor's
     # decode row plus one new prefill row (no queue builds up behind max_num_seqs)
     once = SamplingParams(max_tokens=1, ignore_eos=True, seed=seed)
-    try:
-        reqs = engine.make_requests(prompt(8), anchor, request_id="warmup-split-anchor")
-    except ValueError as e:             # a limit of this engine (a tiny KV cache, ...): skip the wave
-        logger.info("warm-up: skipped the split-step wave: %s", e)
+    reqs = _admit(engine, prompt(8), anchor, "warmup-split-anchor")
+    if not reqs:                        # refused: no decode row to split from, skip the wave
         return 0, 0, 0
-    engine.add_requests(reqs)
     requests, tokens, steps = 1, 8, 0
     for _ in range(2):                  # its prefill, then it decodes
         engine.step()
         steps += 1
     for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
-        try:
-            group = engine.make_requests(prompt(n), once, request_id=f"warmup-split-{i}")
-        except ValueError as e:
-            logger.info("warm-up: skipped a request the engine's limits refuse: %s", e)
+        group = _admit(engine, prompt(n), once, f"warmup-split-{i}")
+        if not group:
             continue
-        engine.add_requests(group)
         reqs += group
         requests, tokens = requests + 1, tokens + n
         engine.step()
         steps += 1
     engine.abort("warmup-split-anchor")
-    while engine.has_work():
-        engine.step()
-        steps += 1
-    for r in reqs:
-        engine.forget(r)
-    return requests, tokens, steps
+    return requests, tokens, steps + _drain(engine, reqs)
 
 
 def warm_up(engine, *, seed: int = 0) -> WarmupReport:
@@ -144,20 +156,12 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
     for wave in waves:
         reqs = []
         for ids, params in wave:
-            try:
-                group = engine.make_requests(ids, params, request_id=f"warmup-{requests}")
-            except ValueError as e:     # a limit of this engine (n = 2 with max_num_seqs 1, ...): skip it
-                logger.info("warm-up: skipped a request the engine's limits refuse: %s", e)
-                continue
-            engine.add_requests(group)
-            reqs += group
-            requests += 1
-            tokens += len(ids)
-        while engine.has_work():
-            engine.step()
-            steps += 1
-        for r in reqs:
-            engine.forget(r)
+            group = _admit(engine, ids, params, f"warmup-{requests}")
+            if group:
+                reqs += group
+                requests += 1
+                tokens += len(ids)
+        steps += _drain(engine, reqs)
     if engine.prefill_graphs is not None:
         got = _split_wave(engine, prompt, seed)
         requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]

@@ -9,11 +9,11 @@ the executor's decode graph. Its forward replays a graph of ``bucket > T`` token
 step has: each changes the kernels launched). Restores and saves are padded so that few keys
 exist (each new key costs a capture, ~0.1 s on the 8B shape, while requests wait): with checkpoint
 storage every step restores one row (a step with none has a padding restore, row -1, which the
-restore kernel skips), and
-a step that saves saves a power of two times, at least twice, by repeating its last save (the
-same values into the same row): a chat turn saves once or twice (where the request diverges
-from the cached blocks, and at its prompt's last full block), so its steps share one key per
-bucket, and the start-up warm-up's single saves capture it. Every host number the kernels size their grids by is fixed by the key:
+restore kernel skips), and a step that saves saves a power of two times, at least twice, by
+repeating its last save (the same values into the same row). A chat turn saves once or twice
+(where the request diverges from the cached blocks, and at its prompt's last full block), so its
+steps share one key per bucket, which the start-up warm-up's single saves capture. Every host
+number the kernels size their grids by is fixed by the key:
 
 - the pad tokens ``T..bucket-1`` form a second Mamba row at ``NULL_SLOT`` that starts fresh
   (zeros in, nothing stored: the pool contract), so every Mamba kernel computes finite values
