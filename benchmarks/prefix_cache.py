@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import SHAPE_8B, SHAPE_SMALL, random_weights, save_json, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
+from hybrid_engine.triton_variants import compiled_variants, count_variants  # noqa: E402
 
 
 def make_model_dir(shape: str, root: Path) -> Path:
@@ -212,6 +213,12 @@ def graph_counts(engine, kinds: collections.Counter) -> dict:
     return out
 
 
+def triton_compiled(device: str) -> int:
+    """Triton kernel variants compiled so far in this process (0 off CUDA): a measured run that
+    compiles any stalls its requests for ~0.3-0.6 s per variant."""
+    return count_variants(compiled_variants()) if device != "cpu" else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=["8b", "small", "tiny"], default="8b")
@@ -289,6 +296,7 @@ def main():
                 if on:
                     engine.scheduler.blocks.reset_cache()
                 rng = np.random.default_rng(0)
+                compiled = triton_compiled(args.device)
                 _sync(args.device)
                 t0 = time.perf_counter()
                 done = SCENARIOS[scenario](engine, args, rng, vocab)
@@ -296,7 +304,8 @@ def main():
                 row = dict(scenario=scenario, mtp=k, caching=on, prefill_graphs=not args.no_prefill_graphs,
                            think_time_s=args.think_time if scenario == "chat" else 0.0,
                            single_vary=bool(args.single_vary and scenario == "single"),
-                           **summarize(done, time.perf_counter() - t0, engine, kinds))
+                           **summarize(done, time.perf_counter() - t0, engine, kinds),
+                           triton_compiles=triton_compiled(args.device) - compiled)
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
             del llm, engine
@@ -325,13 +334,13 @@ def _sync(device):
 
 def print_table(results):
     print("| scenario | MTP | caching | TTFT p50 ms | TTFT p99 ms | wall s | prompt tok/s | gen tok/s | hit rate "
-          "| ckpt rows | ckpt MiB used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ckpt rows | ckpt MiB used | Triton compiles |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['scenario']} | {r['mtp']} | {'on' if r['caching'] else 'off'} | {r['ttft_p50_ms']:.1f} | "
               f"{r['ttft_p99_ms']:.1f} | {r['wall_s']:.2f} | {r['prompt_tok_s']:.0f} | {r['gen_tok_s']:.0f} | "
               f"{r['hit_rate']:.2f} | {r['checkpoint_rows_used']}/{r['checkpoint_rows_total']} | "
-              f"{r['checkpoint_bytes_used'] / 2**20:.0f} |")
+              f"{r['checkpoint_bytes_used'] / 2**20:.0f} | {r['triton_compiles']} |")
 
 
 if __name__ == "__main__":

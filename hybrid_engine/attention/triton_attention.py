@@ -25,7 +25,8 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_p
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "n_splits", "T", "sbt_b"],
+            do_not_specialize_on_alignment=["qsl_ptr", "sl_ptr", "bt_ptr"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, qsl_ptr, sl_ptr, bt_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, ks_ptr, vs_ptr,
     qk_scale, G, hd, bs, split_len, n_splits, T, nH,
@@ -118,7 +119,7 @@ def _paged_attn_kernel(
                      out.to(o_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "T"], do_not_specialize_on_alignment=["qsl_ptr"])
 def _combine_splits_kernel(
     qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, n_splits, T, nH, hd, so_t, so_h, so_d,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,

@@ -35,7 +35,7 @@ from .moe_tiles import gemm_config, gemv_tiles, max_shared_mem
 ALIGN_MAX_WORK = 1 << 17      # P * next_pow2(E) up to this: the one-program align kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "max_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
 def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks, max_rows,
                   BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
     """moe_ops.align_pairs in one program (decode-sized P): counts, padded offsets, tile experts,
@@ -167,7 +167,8 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["sorted_ptr", "block_e_ptr", "nrows_ptr"])
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
                          N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,

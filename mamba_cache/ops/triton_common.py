@@ -61,6 +61,14 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def search_iters(nseq: int) -> int:
+    """Unrolled steps of a kernel's binary search over ``nseq + 1`` sequence offsets. At least 9
+    (enough for 255 sequences; extra steps are masked no-ops): a constexpr that followed each
+    step's sequence count would compile a new kernel variant in the middle of serving whenever a
+    step had a new power-of-two count of sequences."""
+    return max(9, int(nseq).bit_length() + 1)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids: plain integer arithmetic (``triton.cdiv`` is a constexpr
     function on newer Triton, ~1.5 us a call through its wrapper: several per launch on eager steps)."""

@@ -17,12 +17,13 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, search_iters, tl_helpers
 
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "nseq"],
+            do_not_specialize_on_alignment=["qsl_ptr", "slot_ptr", "init_ptr"])
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, out_ptr,
     T, Cdim, nseq,
@@ -76,7 +77,7 @@ def _conv_varlen_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["qsl_ptr", "slot_ptr", "init_ptr"])
 def _conv_varlen_state_kernel(
     x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr,
     Cdim, sx_t, sx_c, ss_s, ss_c, ss_k,
@@ -124,14 +125,13 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
     # block shapes from the H100 sweep in benchmarks/kernels.py (2026-11-22, conv_dim 10240)
     BLOCK_C = block_c or min(64, next_pow2(Cdim))
     BLOCK_T = block_t or 16
-    iters = max(1, (Bn).bit_length() + 1)
     bias_arg = bias if bias is not None else weight
     with device_ctx(x):
         grid = (cdiv(T, BLOCK_T), cdiv(Cdim, BLOCK_C))
         _conv_varlen_kernel[grid](
             x, weight, bias_arg, conv_state, qsl, state_indices, init, out,
             T, Cdim, Bn, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
-            W=W, HAS_BIAS=bias is not None, SEARCH_ITERS=iters,
+            W=W, HAS_BIAS=bias is not None, SEARCH_ITERS=search_iters(Bn),
             BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=num_warps or 4,
         )
         if W > 1:

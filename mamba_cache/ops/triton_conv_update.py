@@ -22,7 +22,7 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "acc_ptr"])
 def _conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, slot_ptr, acc_ptr, out_ptr,
     s, Cdim, ncols,
@@ -138,7 +138,7 @@ def _cols_x(x_ptr, row0, N, offs_c, mc, zero, sx_r, sx_t, sx_c, dt: tl.constexpr
     return xt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["slot_ptr", "acc_ptr"])
 def _conv_update_cols_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, slot_ptr, acc_ptr, out_ptr,
     N, Cdim, ncols,

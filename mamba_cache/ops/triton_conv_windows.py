@@ -13,7 +13,7 @@ from hybrid_engine.mamba_cache.ops.conv1d import check_windows_out
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["qsl_ptr", "slot_ptr", "init_ptr", "seq_ptr", "tok_ptr", "out_row_ptr"])
 def _conv_windows_kernel(
     x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, seq_ptr, tok_ptr, out_ptr, out_row_ptr,
     Cdim, sx_t, sx_c, ss_s, ss_c, ss_k, so_m, so_c, so_k,

@@ -16,7 +16,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_p
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _gated_rmsnorm_kernel(
     y_ptr, z_ptr, w_ptr, out_ptr, T, gs, eps,
     sy_t, sy_c, sz_t, sz_c, so_t, so_c,

@@ -14,7 +14,7 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["rows_ptr", "slots_ptr"])
 def _restore_kernel(src_ptr, dst_ptr, rows_ptr, slots_ptr, M, A, Bc,
                     s_l, s_r, s_a, s_b, d_l, d_s, d_a, d_b, BLOCK: tl.constexpr):
     # program (l * M + m, block): elements [block * BLOCK, +BLOCK) of the [A, Bc] tile of restore m

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size, check_pooled_emits
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, search_iters, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
@@ -49,7 +49,7 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nseq"], do_not_specialize_on_alignment=["qsl_ptr"])
 def _chunk_dt_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, qsl_ptr, cum_ptr,
     meta_ptr, dtc_ptr, cuma_ptr,
@@ -251,7 +251,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         _chunk_dt_kernel[(NC, cdiv(H, BLOCK_H))](
             dt_raw, dt_bias, A, qsl, cum, meta, dtc, cuma,
             Bn, H, cs, lo, hi, *dt_raw.stride(),
-            CLAMP=clamp, SEARCH_ITERS=max(1, Bn.bit_length() + 1),
+            CLAMP=clamp, SEARCH_ITERS=search_iters(Bn),
             BLOCK_L=BLOCK_L, BLOCK_H=BLOCK_H, num_warps=4,
         )
         if cb_pre:

@@ -18,7 +18,8 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nseq", "T"],
+            do_not_specialize_on_alignment=["qsl_ptr", "emit_ptr", "out_row_ptr"])
 def _emit_kernel(
     x_ptr, B_ptr, qsl_ptr, cum_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, emit_ptr, out_ptr, out_row_ptr,
     nseq, T, H, P, N, heads_per_group, cs,

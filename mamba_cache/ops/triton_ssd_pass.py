@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr"])
 def _state_pass_kernel(
     S_ptr, hin_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr, slot_ptr, has_init_ptr,
     H, P, N, n_nblocks,

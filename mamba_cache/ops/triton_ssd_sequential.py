@@ -16,7 +16,7 @@ from hybrid_engine.mamba_cache.ops.triton_ssd import _dt_args
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["qsl_ptr"])
 def _ssd_seq_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, qsl_ptr, init_ptr, y_ptr, final_ptr,
     P, N, nheads_per_group, dt_min, dt_max,
