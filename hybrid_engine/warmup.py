@@ -1,8 +1,10 @@
 """Start-up warm-up: run a few throw-away requests through the engine before it serves, so Triton's
 first-sight compiles happen at start-up instead of inside the first users' requests.
 
-Why: a Triton kernel is compiled per specialisation of its integer arguments (a value of 1, a
-multiple of 16) and constexprs, the first time a step meets it. CUDA graphs are captured for the
+Why: a Triton kernel is compiled per set of constexprs (block sizes chosen for a length, dtype
+and feature flags) the first time a step meets it; the step path's per-step counts and metadata
+pointers are kept out of Triton's value specialisation, so their values compile nothing new
+(docs/design.md, invariant 17). CUDA graphs are captured for the
 decode buckets when the engine is built, but prefill chunks, mixed prefill + decode steps,
 sampling and the drafters' eager paths compile on first sight. On the 8B shape on an H200 that
 put 1-6 s into a request's time to first token the first time a new shape came

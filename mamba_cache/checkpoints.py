@@ -5,7 +5,7 @@ Two owners, one per side:
 
 - ``CheckpointIndex`` (host, owned by the scheduler's ``PrefixCache``): which row holds the
   checkpoint of which block hash, pins (rows being written by a step in flight or read by a
-  restore about to be launched), and the LRU order of the unpinned cached rows. No device work.
+  restore about to be launched), and the eviction order of the unpinned cached rows. No device work.
 - ``MambaCheckpoints`` (device, in ``Caches``): per Mamba layer ``conv [R, C, W-1]`` (model dtype)
   and ``ssm [R, H, P, N]`` (float32). Each layer's mixer has its window and scan kernels store the
   boundary states straight into its rows (``conv_windows_before`` / ``ssd_scan_varlen_pooled``
@@ -24,8 +24,19 @@ logger = logging.getLogger("hybrid_engine")
 
 class CheckpointIndex:
     """Rows 0..num_rows-1. A row is *free*, *pinned* (pins > 0: a save in flight not yet
-    committed, or a restore scheduled) or *cached* (hashed, pins == 0, on the LRU list). Only
-    free and cached rows are handed out; a pinned row is never evicted."""
+    committed, or a restore scheduled) or *cached* (hashed, pins == 0). Only free and cached rows
+    are handed out; a pinned row is never evicted.
+
+    Eviction order: cached rows on a straight chain first, then the others, each least recently
+    used first. A checkpoint is on a straight chain when exactly one deeper checkpoint was
+    committed on chains through it (``continued``): every request that passed it so far went on
+    to the same next checkpoint, which holds a deeper state of the same tokens. That is a chat's
+    previous turn once its next turn saved (the turn after restores the deeper one), or an
+    interval checkpoint inside one conversation. Such a row is worth less than a chain's end (the
+    only state at its depth) or a branch point (a system prompt that several conversations
+    continued differently). Under plain LRU a pool with more rows than conversations still lost
+    most chains' ends: every turn saves one or two checkpoints beside the one the next turn
+    needs, and the useless ones pushed it out (docs/design.md, "Prefix caching")."""
 
     def __init__(self, num_rows: int):
         if num_rows < 0:
@@ -35,7 +46,11 @@ class CheckpointIndex:
         self._pins = [0] * num_rows
         self._hash: list[bytes | None] = [None] * num_rows
         self._by_hash: dict[bytes, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()        # cached rows, evicted second
+        self._straight: OrderedDict[int, None] = OrderedDict()   # cached rows on a straight chain, first
+        # per row: up to two distinct deeper checkpoints committed on chains through it (two
+        # already make it a branch point)
+        self._next: list[set[bytes]] = [set() for _ in range(num_rows)]
         self.num_evictions = 0
 
     @property
@@ -47,6 +62,11 @@ class CheckpointIndex:
     def num_pinned(self) -> int:
         return sum(1 for p in self._pins if p)
 
+    @property
+    def num_straight(self) -> int:
+        """Cached rows on a straight chain (the first to be evicted)."""
+        return len(self._straight)
+
     def pins(self, row: int) -> int:
         return self._pins[row]
 
@@ -57,10 +77,10 @@ class CheckpointIndex:
         """A row for a new save, pinned; None when every row is pinned (the save is skipped)."""
         if self._free:
             row = self._free.pop()
-        elif self._lru:
-            row, _ = self._lru.popitem(last=False)
+        elif self._straight or self._lru:
+            row, _ = (self._straight or self._lru).popitem(last=False)
             del self._by_hash[self._hash[row]]
-            self._hash[row] = None
+            self._forget(row)
             self.num_evictions += 1
         else:
             return None
@@ -77,6 +97,21 @@ class CheckpointIndex:
         self._by_hash[block_hash] = row
         self._settle(row)
 
+    def continued(self, block_hash: bytes, deeper_hash: bytes) -> None:
+        """A request whose chain passes the checkpoint of ``block_hash`` committed (or passed)
+        the checkpoint of ``deeper_hash`` next on that chain: with one such continuation the row
+        is on a straight chain, with two it is a branch point."""
+        row = self._by_hash.get(block_hash)
+        if row is None or deeper_hash == block_hash:
+            return
+        nxt = self._next[row]
+        if len(nxt) >= 2 or deeper_hash in nxt:
+            return
+        nxt.add(deeper_hash)
+        if self._pins[row] == 0:                     # a pinned row is placed when it settles
+            (self._lru if len(nxt) == 1 else self._straight).pop(row, None)
+            self._settle(row)
+
     def discard(self, row: int) -> None:
         """The save into pinned ``row`` never ran (its step failed, or its request was preempted
         or aborted first): the row returns to the free list."""
@@ -88,7 +123,7 @@ class CheckpointIndex:
         if self._hash[row] is None:
             raise ValueError(f"checkpoint row {row} holds no checkpoint")
         if self._pins[row] == 0:
-            del self._lru[row]
+            self._order(row).pop(row)
         self._pins[row] += 1
 
     def unpin(self, row: int) -> None:
@@ -96,8 +131,9 @@ class CheckpointIndex:
         self._settle(row)
 
     def touch(self, row: int) -> None:
-        if row in self._lru:
-            self._lru.move_to_end(row)
+        order = self._order(row)
+        if row in order:
+            order.move_to_end(row)
 
     def drop(self, block_hash: bytes) -> None:
         """Forget the checkpoint of ``block_hash`` if nothing pins it (its KV block was evicted)."""
@@ -105,9 +141,17 @@ class CheckpointIndex:
         if row is None or self._pins[row]:
             return
         del self._by_hash[block_hash]
-        self._hash[row] = None
-        del self._lru[row]
+        self._order(row).pop(row)
+        self._forget(row)
         self._free.append(row)
+
+    def _order(self, row: int) -> OrderedDict:
+        """The eviction list a cached row belongs on."""
+        return self._straight if len(self._next[row]) == 1 else self._lru
+
+    def _forget(self, row: int) -> None:
+        self._hash[row] = None
+        self._next[row] = set()
 
     def _unpin_checked(self, row: int) -> None:
         if self._pins[row] <= 0:
@@ -117,7 +161,7 @@ class CheckpointIndex:
     def _settle(self, row: int) -> None:
         if self._pins[row] == 0:
             if self._hash[row] is not None:
-                self._lru[row] = None
+                self._order(row)[row] = None
             else:
                 self._free.append(row)
 

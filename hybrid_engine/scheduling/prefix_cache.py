@@ -81,6 +81,7 @@ class _Pending:
     epoch: int
     kv: list[tuple[int, bytes]] = field(default_factory=list)      # (block index in req, hash)
     saves: list[tuple[bytes, int]] = field(default_factory=list)   # (hash, checkpoint row)
+    chain: list[bytes] = field(default_factory=list)   # checkpoints it saves or passes, shallow first
 
 
 class NoPrefixCache:
@@ -128,6 +129,7 @@ class PrefixCache(NoPrefixCache):
         self._restoring: list[tuple[Request, int]] = []   # (request, row) pinned by a restore not yet launched
         self._kv_upto: dict[str, int] = {}         # req id -> blocks already planned for registration
         self._divergence: dict[str, int] = {}      # req id -> boundary past its restore to save at
+        self._chain_end: dict[str, bytes] = {}     # req id -> its deepest checkpoint restored, saved or passed
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
     # ---- hashes -----------------------------------------------------------------------------
@@ -176,7 +178,9 @@ class PrefixCache(NoPrefixCache):
         self._kv_upto[req.request_id] = len(hit.blocks)
         if hit.shared_tokens > hit.num_tokens:        # (drop() forgets it when the request leaves)
             self._divergence[req.request_id] = hit.shared_tokens
+        self._chain_end.pop(req.request_id, None)
         if hit.num_tokens:
+            self._chain_end[req.request_id] = req.block_hashes[hit.num_tokens // self.block_size - 1]
             self.hits += 1
             self.hit_tokens += hit.num_tokens
             self.blocks.take(hit.blocks)
@@ -204,13 +208,15 @@ class PrefixCache(NoPrefixCache):
             have = self.index.get(h)
             if have is not None:
                 self.index.touch(have)
+                entry.chain.append(h)
                 continue
             row = self.index.allocate()
             if row is None:
                 continue                              # every row pinned: skip this checkpoint
             entry.saves.append((h, row))
+            entry.chain.append(h)
             saves.append((q, row))
-        if entry.kv or entry.saves:
+        if entry.kv or entry.saves or entry.chain:
             self._pending.append(entry)
         return tuple(saves)
 
@@ -232,13 +238,27 @@ class PrefixCache(NoPrefixCache):
                     self.index.commit(row, h)
                 else:
                     self.index.discard(row)
+            if live:
+                self._extend_chain(e.req.request_id, e.chain)
         self._pending = keep
+
+    def _extend_chain(self, req_id: str, chain: list[bytes]) -> None:
+        """The request's chain went on through these checkpoints (shallow first): each one
+        continues the previous one (``CheckpointIndex.continued``: the eviction order)."""
+        end = self._chain_end.get(req_id)
+        for h in chain:
+            if end is not None:
+                self.index.continued(end, h)
+            end = h
+        if end is not None:
+            self._chain_end[req_id] = end
 
     def drop(self, req: Request) -> None:
         """``req`` left the running set (finished, aborted, failed, preempted): its saves in flight
         are never published."""
         self._kv_upto.pop(req.request_id, None)
         self._divergence.pop(req.request_id, None)
+        self._chain_end.pop(req.request_id, None)
         for r, row in [x for x in self._restoring if x[0] is req]:
             self.index.unpin(row)
             self._restoring.remove((r, row))
@@ -263,4 +283,5 @@ class PrefixCache(NoPrefixCache):
                 "prefix_cache_cached_blocks": self.blocks.num_cached,
                 "prefix_cache_block_evictions": self.blocks.num_evictions,
                 "mamba_checkpoints_used": ix.num_used, "mamba_checkpoints_total": ix.num_rows,
-                "mamba_checkpoint_evictions": ix.num_evictions}
+                "mamba_checkpoint_evictions": ix.num_evictions,
+                "mamba_checkpoints_straight": ix.num_straight}

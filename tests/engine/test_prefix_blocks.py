@@ -137,3 +137,34 @@ def test_checkpoint_index_pins_and_lru():
     assert ix.num_used == 0
     with pytest.raises(ValueError):
         ix.unpin(r0)
+
+
+def test_checkpoints_on_a_straight_chain_are_evicted_first():
+    """A checkpoint that requests continued to exactly one deeper checkpoint goes before any chain
+    end or branch point, least recently used first; a second continuation makes it a branch point
+    again; pins and drops keep working on both lists."""
+    ix = CheckpointIndex(4)
+    rows = {}
+    for h in (b"sys", b"a1", b"a2", b"b1"):
+        rows[h] = ix.allocate()
+        ix.commit(rows[h], h)
+    ix.continued(b"sys", b"a1")                   # one conversation went on from the system prompt
+    ix.continued(b"a1", b"a2")                    # its next turn went on from a1
+    assert ix.num_straight == 2
+    ix.continued(b"sys", b"b1")                   # a second conversation: sys is a branch point
+    ix.continued(b"sys", b"a1")                   # (the same continuation again changes nothing)
+    assert ix.num_straight == 1
+    ix.touch(rows[b"a1"])                         # recently used, but on a straight chain
+    assert ix.allocate() == rows[b"a1"] and ix.get(b"a1") is None
+    # then plain LRU over chain ends and branch points
+    ix.pin(rows[b"a2"])                           # pinned by a restore: never evicted
+    ix.continued(b"a2", b"a3")                    # continued while pinned: placed when unpinned
+    ix.unpin(rows[b"a2"])
+    assert ix.num_straight == 1
+    ix.drop(b"a2")                                # its KV block was evicted
+    assert ix.num_straight == 0 and ix.get(b"a2") is None
+    assert ix.allocate() == rows[b"a2"]           # the freed row first
+    assert ix.allocate() == rows[b"b1"]           # then the least recently used cached row (sys
+    #                                               was continued, i.e. used, after b1's save)
+    assert ix.allocate() == rows[b"sys"]
+    assert ix.num_pinned == 4 and ix.allocate() is None

@@ -315,3 +315,30 @@ def test_auto_checkpoint_pool_comes_out_of_the_cuda_kv_budget(monkeypatch):
     assert checkpoint_reserve(CacheConfig(), 90 * gib) == 4 * gib
     assert checkpoint_reserve(CacheConfig(), 100 << 20) == 50 << 20   # floor 64 MiB, at most half
     assert checkpoint_reserve(CacheConfig(num_kv_blocks=64), 36 * gib) == 0
+
+
+def test_each_turn_restores_where_the_previous_turn_ended_with_a_small_pool(hybrid_dir):
+    """Four conversations over one system prompt take turns, one request at a time, on a pool of
+    7 checkpoint rows with a checkpoint every 2 blocks: every turn saves two or three checkpoints,
+    but only its last one is needed (by the same conversation's next turn). Evicting checkpoints
+    on a straight chain first keeps the four chain ends and the shared system prompt, so every
+    later turn restores the end of its previous prompt. (Under plain LRU only 2 of the 12 did.)"""
+    llm = make_engine(hybrid_dir, on=True, blocks=600, rows_bytes=1)
+    row_bytes = llm.engine.stats(expert_load=False)["mamba_checkpoint_bytes"]
+    llm = make_engine(hybrid_dir, on=True, blocks=600, rows_bytes=7 * row_bytes)
+    assert llm.engine.stats(expert_load=False)["mamba_checkpoints_total"] == 7
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 256, 10).tolist()
+    convs, ends = [list(system) for _ in range(4)], {}
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    restored = []
+    for turn in range(4):
+        for i in range(4):
+            prompt = convs[i] + rng.integers(3, 256, int(rng.integers(3, 8))).tolist()
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            if turn:
+                restored.append((out.num_cached_tokens, ends[i]))
+            ends[i] = len(prompt) // BS * BS           # its last full block: saved by this turn
+            convs[i] = prompt + out.outputs[0].token_ids
+    assert all(got >= end for got, end in restored), restored
+    assert_drained(llm)
