@@ -218,8 +218,9 @@ def graph_counts(engine, kinds: collections.Counter) -> dict:
 
 
 def triton_compiled(device: str) -> int:
-    """Triton kernel variants compiled so far in this process (0 off CUDA): a measured run that
-    compiles any stalls its requests for ~0.3-0.6 s per variant."""
+    """Triton kernel variants this process holds (0 off CUDA): compiled, or loaded from Triton's
+    disk cache (a warm machine). A measured run that compiles any stalls its requests for ~0.3-0.6 s
+    per variant on a fresh cache."""
     return count_variants(compiled_variants()) if device != "cpu" else 0
 
 

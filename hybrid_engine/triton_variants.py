@@ -63,6 +63,25 @@ def compiled_variants() -> Variants:
     return out
 
 
+def constexpr_values(arg: str) -> dict[str, set]:
+    """{kernel of ours with a constexpr named ``arg``: the values it was compiled with}."""
+    from triton.runtime.jit import JITFunction
+    out: dict[str, set] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fns = [o for o in gc.get_objects() if isinstance(o, JITFunction)]
+    for fn in fns:
+        if not fn.__module__.startswith(OURS) or arg not in fn.arg_names:
+            continue
+        i = fn.arg_names.index(arg)
+        for entry in fn.device_caches.values():
+            for key in entry[0]:
+                spec = specialization(key)
+                if spec is not None and i < len(spec):
+                    out.setdefault(f"{fn.__module__}.{fn.__name__}", set()).add(repr(spec[i]))
+    return out
+
+
 def count_variants(variants: Variants) -> int:
     return sum(len(keys) for groups in variants.values() for keys in groups.values())
 

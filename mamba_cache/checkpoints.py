@@ -51,6 +51,9 @@ class CheckpointIndex:
         # per row: up to two distinct deeper checkpoints committed on chains through it (two
         # already make it a branch point)
         self._next: list[set[bytes]] = [set() for _ in range(num_rows)]
+        # deeper checkpoint's hash -> rows whose one continuation it may be: when it is forgotten,
+        # such a row is the deepest state of its chain again (a chain end, not a straight row)
+        self._continues: dict[bytes, list[int]] = {}
         self.num_evictions = 0
 
     @property
@@ -79,7 +82,6 @@ class CheckpointIndex:
             row = self._free.pop()
         elif self._straight or self._lru:
             row, _ = (self._straight or self._lru).popitem(last=False)
-            del self._by_hash[self._hash[row]]
             self._forget(row)
             self.num_evictions += 1
         else:
@@ -102,12 +104,14 @@ class CheckpointIndex:
         the checkpoint of ``deeper_hash`` next on that chain: with one such continuation the row
         is on a straight chain, with two it is a branch point."""
         row = self._by_hash.get(block_hash)
-        if row is None or deeper_hash == block_hash:
-            return
+        if row is None or deeper_hash == block_hash or deeper_hash not in self._by_hash:
+            return                                   # (a deeper checkpoint already evicted: none)
         nxt = self._next[row]
         if len(nxt) >= 2 or deeper_hash in nxt:
             return
         nxt.add(deeper_hash)
+        if len(nxt) == 1:
+            self._continues.setdefault(deeper_hash, []).append(row)
         if self._pins[row] == 0:                     # a pinned row is placed when it settles
             (self._lru if len(nxt) == 1 else self._straight).pop(row, None)
             self._settle(row)
@@ -140,7 +144,6 @@ class CheckpointIndex:
         row = self._by_hash.get(block_hash)
         if row is None or self._pins[row]:
             return
-        del self._by_hash[block_hash]
         self._order(row).pop(row)
         self._forget(row)
         self._free.append(row)
@@ -150,8 +153,18 @@ class CheckpointIndex:
         return self._straight if len(self._next[row]) == 1 else self._lru
 
     def _forget(self, row: int) -> None:
+        """``row`` (off every list) no longer holds its checkpoint. A row whose one continuation
+        that was becomes a chain end again (a branch point stays one)."""
+        h = self._hash[row]
+        del self._by_hash[h]
         self._hash[row] = None
         self._next[row] = set()
+        for parent in self._continues.pop(h, ()):
+            if self._next[parent] == {h}:                # (a reused row has another set)
+                if self._pins[parent] == 0:
+                    self._straight.pop(parent)
+                self._next[parent] = set()
+                self._settle(parent)
 
     def _unpin_checked(self, row: int) -> None:
         if self._pins[row] <= 0:

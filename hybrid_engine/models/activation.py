@@ -25,7 +25,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n"])
+    @triton.jit
     def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n

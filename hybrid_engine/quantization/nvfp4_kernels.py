@@ -179,7 +179,7 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
     tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # the step's rows (2-128): a value must not compile a variant
 def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm, swn, sbn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_W: tl.constexpr, SWAP: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):

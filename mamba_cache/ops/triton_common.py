@@ -62,11 +62,11 @@ def next_pow2(n: int) -> int:
 
 
 def search_iters(nseq: int) -> int:
-    """Unrolled steps of a kernel's binary search over ``nseq + 1`` sequence offsets. At least 9
-    (enough for 255 sequences; extra steps are masked no-ops): a constexpr that followed each
+    """Unrolled steps of a kernel's binary search over ``nseq + 1`` sequence offsets. At least 12
+    (enough for 2047 sequences; extra steps are masked no-ops): a constexpr that followed each
     step's sequence count would compile a new kernel variant in the middle of serving whenever a
     step had a new power-of-two count of sequences."""
-    return max(9, int(nseq).bit_length() + 1)
+    return max(12, int(nseq).bit_length() + 1)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -31,7 +31,7 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 _softplus, _silu = tl_helpers()
 
 
-@triton.jit(do_not_specialize=["max_ckpt"], do_not_specialize_on_alignment=["slot_ptr", "acc_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "acc_ptr"])
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, slot_ptr, acc_ptr, y_ptr,
     s, H, P, N, nheads_per_group, max_ckpt, dt_min, dt_max,

@@ -1,6 +1,8 @@
 """Prefix caching's host bookkeeping: the refcounted block pool with its hash map and LRU list
 (CachingBlockAllocator), the Mamba checkpoint index (CheckpointIndex) and the hash chain
 (docs/design.md, "Prefix caching", invariants 13 and 14)."""
+import random
+
 import numpy as np
 import pytest
 
@@ -141,30 +143,137 @@ def test_checkpoint_index_pins_and_lru():
 
 def test_checkpoints_on_a_straight_chain_are_evicted_first():
     """A checkpoint that requests continued to exactly one deeper checkpoint goes before any chain
-    end or branch point, least recently used first; a second continuation makes it a branch point
-    again; pins and drops keep working on both lists."""
+    end or branch point, least recently used first; a second continuation makes it a branch point;
+    when its one continuation is forgotten it is a chain end again; pins and drops keep working on
+    both lists."""
     ix = CheckpointIndex(4)
     rows = {}
-    for h in (b"sys", b"a1", b"a2", b"b1"):
+
+    def save(h):
         rows[h] = ix.allocate()
         ix.commit(rows[h], h)
+    for h in (b"sys", b"a1", b"a2", b"b1"):
+        save(h)
     ix.continued(b"sys", b"a1")                   # one conversation went on from the system prompt
     ix.continued(b"a1", b"a2")                    # its next turn went on from a1
+    ix.continued(b"a2", b"a3")                    # a3 is not cached (evicted before the commit): ignored
     assert ix.num_straight == 2
     ix.continued(b"sys", b"b1")                   # a second conversation: sys is a branch point
     ix.continued(b"sys", b"a1")                   # (the same continuation again changes nothing)
     assert ix.num_straight == 1
     ix.touch(rows[b"a1"])                         # recently used, but on a straight chain
     assert ix.allocate() == rows[b"a1"] and ix.get(b"a1") is None
-    # then plain LRU over chain ends and branch points
-    ix.pin(rows[b"a2"])                           # pinned by a restore: never evicted
-    ix.continued(b"a2", b"a3")                    # continued while pinned: placed when unpinned
-    ix.unpin(rows[b"a2"])
+    ix.commit(rows[b"a1"], b"a1")                 # saved again: a chain end now
+    assert ix.num_straight == 0
+    ix.pin(rows[b"a1"])                           # pinned by a restore: never evicted
+    ix.continued(b"a1", b"a2")                    # continued while pinned: placed when unpinned
+    ix.unpin(rows[b"a1"])
     assert ix.num_straight == 1
-    ix.drop(b"a2")                                # its KV block was evicted
+    ix.drop(b"a2")                                # a2's KV block was evicted: a1 is a chain end again
     assert ix.num_straight == 0 and ix.get(b"a2") is None
-    assert ix.allocate() == rows[b"a2"]           # the freed row first
-    assert ix.allocate() == rows[b"b1"]           # then the least recently used cached row (sys
-    #                                               was continued, i.e. used, after b1's save)
-    assert ix.allocate() == rows[b"sys"]
+    save(b"c1")                                   # the freed row
+    assert rows[b"c1"] == rows[b"a2"]
+    # then plain LRU over chain ends and branch points: b1 (sys was continued, i.e. used, after
+    # b1's save), sys, a1, c1
+    assert [ix.allocate() for _ in range(4)] == [rows[h] for h in (b"b1", b"sys", b"a1", b"c1")]
     assert ix.num_pinned == 4 and ix.allocate() is None
+
+
+def test_random_checkpoint_index_ops_keep_every_row_on_its_one_list():
+    """Random legal operation sequences, as PrefixCache drives the index (commit or discard only
+    rows handed out and not yet published, pin only cached rows, unpin only what was pinned), some
+    with chain-shaped continuations: after every operation each cached unpinned row is on exactly
+    the eviction list its continuations say, free and pinned rows on none, the counts agree, and
+    allocate never hands out a pinned row."""
+    for seed in range(60):
+        _random_index_ops(seed, steps=1500, mode=0)
+        _random_index_ops(seed, steps=1500, mode=1)
+
+
+def _check_index(ix: CheckpointIndex, saves: set, restores: dict):
+    R = ix.num_rows
+    free = ix._free
+    assert len(free) == len(set(free)), f"duplicate in _free {free}"
+    lru, st = set(ix._lru), set(ix._straight)
+    assert not (lru & st), f"row on both lists {lru & st}"
+    used = 0
+    for r in range(R):
+        h, p, nxt = ix._hash[r], ix._pins[r], ix._next[r]
+        assert len(nxt) <= 2
+        if h is None:
+            assert not nxt, f"hashless row {r} keeps _next {nxt}"
+        if p > 0:
+            assert r not in lru and r not in st and r not in free, f"pinned row {r} on a list / free"
+            used += 1
+            # pins accounted for: a save in flight (hashless) or restores
+            assert p == (1 if r in saves else 0) + restores.get(r, 0), (r, p, saves, restores)
+        elif h is not None:
+            on = (r in lru) + (r in st)
+            assert on == 1, f"cached row {r} on {on} lists"
+            assert r not in free
+            want_straight = len(nxt) == 1
+            assert (r in st) == want_straight, f"row {r} on the wrong list (next={nxt})"
+            # a straight row's one continuation is still cached (else it is a chain end again)
+            assert not want_straight or next(iter(nxt)) in ix._by_hash, (r, nxt)
+            assert ix._by_hash.get(h) == r
+            used += 1
+        else:
+            assert r in free, f"free row {r} (hash None, pins 0) not on _free"
+            assert r not in lru and r not in st
+    assert ix.num_used == used == R - len(free), (ix.num_used, used, R, len(free))
+    for h, r in ix._by_hash.items():
+        assert ix._hash[r] == h
+    assert ix.num_straight == len(st)
+
+
+
+def _random_index_ops(seed: int, steps: int = 3000, mode: int = 0):
+    rng = random.Random(seed)
+    R = rng.randint(1, 8 if mode == 0 else 10)
+    ix = CheckpointIndex(R)
+    hashes = [bytes([i]) for i in range(rng.randint(3, 14) if mode == 0 else rng.randint(10, 60))]
+    saves: set[int] = set()           # rows allocated, not yet committed / discarded
+    restores: dict[int, int] = {}     # row -> restore pins held by this test
+    for _ in range(steps):
+        op = rng.choice(["allocate", "allocate", "commit", "commit", "discard", "pin", "unpin",
+                         "touch", "drop", "continued", "continued", "continued"] if mode == 0 else
+                        ["allocate"] * 3 + ["commit"] * 3 + ["discard", "pin", "unpin", "touch", "drop",
+                                                             "chain", "chain", "continued"])
+        if op == "allocate":
+            before = list(ix._pins)
+            r = ix.allocate()
+            if r is None:
+                assert all(p > 0 for p in before), "allocate refused with an unpinned row"
+            else:
+                assert before[r] == 0, f"allocate handed out pinned row {r}"
+                assert ix._hash[r] is None and not ix._next[r]
+                saves.add(r)
+        elif op in ("commit", "discard") and saves:
+            r = rng.choice(sorted(saves))
+            saves.discard(r)
+            if op == "commit":
+                ix.commit(r, rng.choice(hashes))
+            else:
+                ix.discard(r)
+        elif op == "pin":
+            cached = [r for r in range(R) if ix._hash[r] is not None]
+            if cached:
+                r = rng.choice(cached)
+                ix.pin(r)
+                restores[r] = restores.get(r, 0) + 1
+        elif op == "unpin" and restores:
+            r = rng.choice(sorted(restores))
+            ix.unpin(r)
+            restores[r] -= 1
+            if not restores[r]:
+                del restores[r]
+        elif op == "touch":
+            ix.touch(rng.randrange(R))
+        elif op == "drop":
+            ix.drop(rng.choice(hashes))
+        elif op == "chain":                       # chain-shaped continuations: straight rows
+            i = rng.randrange(len(hashes) - 1)
+            ix.continued(hashes[i], hashes[i + 1])
+        elif op == "continued":
+            ix.continued(rng.choice(hashes), rng.choice(hashes))
+        _check_index(ix, saves, restores)

@@ -15,7 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from prefill_graph_harness import serve_with_arrivals          # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig   # noqa: E402
-from hybrid_engine.triton_variants import compiled_variants, value_recompiles   # noqa: E402
+from hybrid_engine.triton_variants import compiled_variants, constexpr_values, value_recompiles   # noqa: E402
 
 
 def serve(model: str, spec, seed: int) -> None:
@@ -42,4 +42,8 @@ if __name__ == "__main__":
     warm = compiled_variants()
     for spec in specs:
         serve(sys.argv[1], spec, seed=8)
-    print(json.dumps({"kernels": len(warm), "recompiled": value_recompiles(warm, compiled_variants())}))
+    # binary-search depths are constexprs, so value_recompiles does not see them: each kernel with
+    # one must have compiled a single depth (search_iters), whatever the steps' sequence counts
+    depths = {k: sorted(v) for k, v in constexpr_values("SEARCH_ITERS").items()}
+    print(json.dumps({"kernels": len(warm), "recompiled": value_recompiles(warm, compiled_variants()),
+                      "search_depths": depths}))
