@@ -149,7 +149,7 @@ class CacheConfig:
     # prefix caching (docs/design.md, "Prefix caching"): KV blocks shared by hash chain, Mamba
     # checkpoints every ``mamba_checkpoint_interval`` blocks (and at each prompt's last full
     # block) in a pool of at most ``mamba_checkpoint_bytes`` (None: an eighth of the KV cache's
-    # bytes, 64 MiB to 4 GiB; on CUDA its share comes out of the KV budget: device_side's
+    # bytes with the drafter's KV, 64 MiB to 4 GiB; on CUDA its share comes out of the KV budget: device_side's
     # auto_checkpoint_bytes and checkpoint_reserve)
     enable_prefix_caching: bool = True
     mamba_checkpoint_interval: int = 64

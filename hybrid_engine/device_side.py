@@ -217,13 +217,18 @@ def checkpoint_reserve(cc, budget: int) -> int:
 
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:
     """Prefix caching's checkpoint storage (target and drafter) sized by ``mamba_checkpoint_bytes``
-    (None: ``auto_checkpoint_bytes`` of the KV cache; at most one row per KV block: a checkpoint is
-    only reachable through its blocks) -> (rows, bytes per row)."""
+    (None: ``auto_checkpoint_bytes`` of the KV cache, the drafter's KV per block included; at most
+    one row per KV block: a checkpoint is only reachable through its blocks) -> (rows, bytes per
+    row)."""
     mc, cc = cfg.model, cfg.cache
     shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
     n_mamba = len(mc.mamba_layer_ids)
     row_bytes = MambaCheckpoints.bytes_per_row(n_mamba, *shape, cfg.dtype) + drafter.checkpoint_bytes_per_row()
-    rows = max(1, min(checkpoint_budget(cc, caches.kv.bytes) // max(row_bytes, 1), num_blocks - 1))
+    # the drafter's KV (MTP's attention layers, a draft model's cache) is part of the KV budget that
+    # checkpoint_reserve sized the pool's share from: counting the target's alone gave an MTP engine
+    # on the 8B shape (4 attention layers + 1 in MTP) 28 rows where the reserve held ~36
+    kv_bytes = caches.kv.bytes + num_blocks * drafter_footprint(cfg).kv_bytes_per_block
+    rows = max(1, min(checkpoint_budget(cc, kv_bytes) // max(row_bytes, 1), num_blocks - 1))
     caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, cfg.dtype, cfg.device)
     drafter.attach_checkpoints(rows)
     return rows, row_bytes
