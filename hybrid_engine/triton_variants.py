@@ -41,44 +41,47 @@ def value_class_free(spec: list, constexpr: list[bool]) -> str:
                  ("i32" if s[0] == "constexpr" else s[0]) for s, c in zip(spec, constexpr)])
 
 
-def compiled_variants() -> Variants:
-    """Every compiled variant of our ``@triton.jit`` kernels in this process, grouped by
-    ``value_class_free`` key."""
+def _our_kernels():
+    """-> (name "module.kernel", its JITFunction, its compiled cache keys) for every kernel of ours
+    this process has compiled (or loaded from Triton's disk cache)."""
     from triton.runtime.jit import JITFunction
-    out: Variants = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # deprecated torch objects warn on isinstance
         fns = [o for o in gc.get_objects() if isinstance(o, JITFunction)]
     for fn in fns:
-        if not fn.__module__.startswith(OURS):
-            continue
+        if fn.__module__.startswith(OURS):
+            keys = [key for entry in fn.device_caches.values() for key in entry[0]]
+            if keys:
+                yield f"{fn.__module__}.{fn.__name__}", fn, keys
+
+
+def _spec_of(fn, key) -> list:
+    spec = specialization(key)
+    if spec is None:
+        raise ValueError(f"unreadable Triton cache key of {fn.__name__}: {str(key)[:200]}")
+    return spec
+
+
+def compiled_variants() -> Variants:
+    """Every compiled variant of our ``@triton.jit`` kernels in this process, grouped by
+    ``value_class_free`` key."""
+    out: Variants = {}
+    for name, fn, keys in _our_kernels():
         constexpr = [p.is_constexpr for p in fn.params]
-        for entry in fn.device_caches.values():
-            for key in entry[0]:
-                spec = specialization(key)
-                if spec is None:
-                    raise ValueError(f"unreadable Triton cache key of {fn.__name__}: {str(key)[:200]}")
-                groups = out.setdefault(f"{fn.__module__}.{fn.__name__}", {})
-                groups.setdefault(value_class_free(spec, constexpr), set()).add(repr(spec))
+        groups = out.setdefault(name, {})
+        for key in keys:
+            spec = _spec_of(fn, key)
+            groups.setdefault(value_class_free(spec, constexpr), set()).add(repr(spec))
     return out
 
 
 def constexpr_values(arg: str) -> dict[str, set]:
     """{kernel of ours with a constexpr named ``arg``: the values it was compiled with}."""
-    from triton.runtime.jit import JITFunction
     out: dict[str, set] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fns = [o for o in gc.get_objects() if isinstance(o, JITFunction)]
-    for fn in fns:
-        if not fn.__module__.startswith(OURS) or arg not in fn.arg_names:
-            continue
-        i = fn.arg_names.index(arg)
-        for entry in fn.device_caches.values():
-            for key in entry[0]:
-                spec = specialization(key)
-                if spec is not None and i < len(spec):
-                    out.setdefault(f"{fn.__module__}.{fn.__name__}", set()).add(repr(spec[i]))
+    for name, fn, keys in _our_kernels():
+        if arg in fn.arg_names:
+            i = fn.arg_names.index(arg)
+            out[name] = {repr(_spec_of(fn, key)[i]) for key in keys}
     return out
 
 

@@ -134,7 +134,7 @@ class CudaGraphExecutor(EagerExecutor):
         num_rows, tokens_per_row = md.num_decode_rows, md.decode_len
         if md.num_prefill_rows and self.prefill is not None:
             got = self.prefill.forward(fb)            # None: not a one-request prefill-only step
-            if got is None and self._splits(md):      # decode rows + one prefill row: two replays
+            if got is None and self._splits(fb):      # decode rows + one prefill row: two replays
                 got = forward_split(fb, self.prefill.forward, self.forward)
                 self.split_steps += got is not None
             if got is not None:
@@ -154,11 +154,14 @@ class CudaGraphExecutor(EagerExecutor):
         g.graph.replay()
         return hidden, logits
 
-    def _splits(self, md: MambaMetadata) -> bool:
-        """Whether a step with these rows runs as a decode graph plus a prefill graph: decode rows
-        of a captured width and count, and exactly one prefill row."""
+    def _splits(self, fb: ForwardBatch) -> bool:
+        """Whether a step runs as a decode graph plus a prefill graph: decode rows of a captured
+        width and count, and exactly one prefill row short enough for the prefill graphs (host
+        shapes only: a long chunk goes eager without building the split views)."""
+        md = fb.mamba
         return (md.num_prefill_rows == 1 and 0 < md.num_decode_rows <= self.buckets[-1]
-                and md.decode_len in self.graphs_by_width)
+                and md.decode_len in self.graphs_by_width
+                and fb.input_ids.shape[0] - md.num_decode_tokens <= self.prefill.max_tokens)
 
     def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """The static buffers of the smallest bucket >= num_rows (``prepare_decode`` fills its pad
