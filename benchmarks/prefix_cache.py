@@ -16,7 +16,8 @@ shared prefix without queueing behind other conversations.
     python benchmarks/prefix_cache.py --device cpu --shape tiny --conversations 3 --turns 2 \
         --system-len 40 --user-len 5 10 --reply-len 4 --nosharing-requests 4
 
-Per (scenario, MTP, caching): TTFT p50 / p99 (ms), wall time, prompt and generated tokens per
+Per (scenario, MTP, caching): TTFT p50 / p99 (ms) and its split (wait for the first prefill chunk, then
+to the first token; step times), wall time, prompt and generated tokens per
 second, hit rate, cached tokens, checkpoint rows used and bytes. Prints a markdown table; --out
 writes prefix-cache-<shape>.json.
 """
@@ -185,6 +186,56 @@ def summarize(done, wall, engine, kinds: collections.Counter):
                 acceptance_length=st.get("mean_acceptance_length", 0.0), **graph_counts(engine, kinds))
 
 
+class ScheduleLog:
+    """Wraps the scheduler's ``schedule`` (benchmark-only) to split each request's TTFT into the
+    wait before its first prefill chunk is scheduled and the time from there to its first token,
+    and to time the steps: ``first_sched[req_id]`` (perf_counter of that schedule call),
+    ``chunks[req_id]`` (prefill chunks), ``steps`` ([(t, decode rows, prefill rows, prefill
+    tokens)] per schedule call)."""
+
+    def __init__(self, engine):
+        self.first_sched, self.chunks, self.steps = {}, collections.Counter(), []
+        inner = engine.scheduler.schedule
+
+        def schedule():
+            t = time.perf_counter()
+            sched = inner()
+            nd = len(sched.decode) if sched.decode is not None else 0
+            npf = ntok = 0
+            for r in sched.other_rows:
+                if r.is_decode:
+                    nd += 1
+                    continue
+                npf, ntok = npf + 1, ntok + r.num_tokens
+                self.first_sched.setdefault(r.req_id, t)
+                self.chunks[r.req_id] += 1
+            self.steps.append((t, nd, npf, ntok))
+            return sched
+        engine.scheduler.schedule = schedule
+
+    def take(self, done) -> dict:
+        """Summary of the requests in ``done`` and the steps since the last call (then cleared)."""
+        p50 = lambda x: float(np.percentile(x, 50)) if len(x) else None      # noqa: E731
+        queue = [self.first_sched[r.request_id] - r.metrics.arrival_time for r in done if r.request_id in self.first_sched]
+        run = [r.metrics.first_token_time - self.first_sched[r.request_id] for r in done
+               if r.request_id in self.first_sched]
+        computed = [len(r.prompt_token_ids) - r.num_cached_tokens for r in done]
+        st = np.array(self.steps, dtype=float).reshape(-1, 4)
+        gaps = np.diff(st[:, 0]) * 1e3 if len(st) > 1 else np.zeros(0)   # schedule to schedule: one step
+        has_pf = st[:-1, 2] > 0 if len(st) > 1 else np.zeros(0, dtype=bool)
+        out = dict(queue_p50_ms=p50(np.array(queue) * 1e3), first_chunk_to_token_p50_ms=p50(np.array(run) * 1e3),
+                   computed_tokens_p50=p50(computed), prefill_chunks_mean=float(np.mean([self.chunks[r.request_id]
+                                                                                          for r in done])),
+                   step_ms_p50=p50(gaps), step_ms_p50_with_prefill=p50(gaps[has_pf]),
+                   step_ms_p50_decode_only=p50(gaps[~has_pf]), steps=len(st),
+                   decode_rows_mean=float(st[:, 1].mean()) if len(st) else 0.0,
+                   prefill_tokens_per_prefill_step=float(st[st[:, 2] > 0, 3].mean()) if (st[:, 2] > 0).any() else 0.0)
+        self.first_sched.clear()
+        self.chunks.clear()
+        self.steps.clear()
+        return out
+
+
 def count_step_kinds(engine) -> collections.Counter:
     """Wrap the target's forward executor to count its steps by kind -> the counter: 'decode' (the
     decode half of a split step: plain decode steps replay the fused greedy graphs and do not come
@@ -205,15 +256,17 @@ def count_step_kinds(engine) -> collections.Counter:
 
 
 def graph_counts(engine, kinds: collections.Counter) -> dict:
-    """Since the last call (the counters are reset): step kinds, split steps, prefill graphs
-    captured and the seconds spent capturing them."""
+    """Since the last call (the counters are reset): step kinds, split steps (two replays), mixed
+    steps (one mixed graph), prefill graphs captured (mixed ones among them) and the seconds spent
+    capturing them."""
     out = {"step_kinds": dict(kinds)}
     kinds.clear()
     pg = engine.prefill_graphs
     if pg is not None:
         ex = engine.runner.executor                    # a CudaGraphExecutor: it has prefill graphs
-        out.update(split_steps=ex.split_steps, prefill_graphs_captured=len(pg.graphs), prefill_capture_s=pg.capture_s)
-        ex.split_steps, pg.capture_s = 0, 0.0
+        out.update(split_steps=ex.split_steps, mixed_steps=pg.mixed_steps, prefill_graphs_captured=len(pg.graphs),
+                   mixed_graphs_captured=sum(k.decode_rows > 0 for k in pg.graphs), prefill_capture_s=pg.capture_s)
+        ex.split_steps, pg.mixed_steps, pg.capture_s = 0, 0, 0.0
     return out
 
 
@@ -300,10 +353,12 @@ def main():
                 warm_up(engine)
             kinds = count_step_kinds(engine)
             graph_counts(engine, kinds)                # the warm-up's counts dropped
+            log = ScheduleLog(engine)
             for scenario in args.scenarios:
                 if on:
                     engine.scheduler.blocks.reset_cache()
                 rng = np.random.default_rng(0)
+                log.take([])                             # earlier steps dropped
                 compiled = triton_compiled(args.device)
                 _sync(args.device)
                 t0 = time.perf_counter()
@@ -313,7 +368,7 @@ def main():
                            think_time_s=args.think_time if scenario == "chat" else 0.0,
                            single_vary=bool(args.single_vary and scenario == "single"),
                            **summarize(done, time.perf_counter() - t0, engine, kinds),
-                           triton_compiles=triton_compiled(args.device) - compiled)
+                           triton_compiles=triton_compiled(args.device) - compiled, **log.take(done))
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
             del llm, engine

@@ -15,13 +15,16 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
    (later prompts' chunks next to earlier ones' decodes), decode batches of several sizes;
 2. a few lengths one at a time: single-request prefill and batch-1 decode;
 3. sampled requests (temperature, top-k / top-p, a seed, logprobs, ``n`` = 2 sharing a prefill);
-4. with prefill CUDA graphs (``EngineCore.prefill_graphs``): one request decoding while prompts of
-   one length per prefill-graph bucket up to ``SPLIT_WARMUP_TOKENS`` arrive one a step, so each
-   step is a split step (decode rows + one prefill row, ``prefill_graphs.forward_split``) and
-   captures its bucket's graph now, not in a user's turn. A chat turn's prefill (its new message
-   after the restored checkpoint, one or two checkpoint saves) has the same key (restores padded
-   to one, saves to two: ``PrefillKey.of``); the captures that remain lazy are those of steps
-   that save more than twice or compute no logits.
+4. with prefill CUDA graphs (``EngineCore.prefill_graphs``): a few requests decoding while prompts
+   of one length per prefill-graph bucket up to ``MIXED_WARMUP_TOKENS`` arrive one a step, so
+   each step is a mixed step (decode rows + one prefill row in one graph, ``prefill_graphs``) and
+   captures its key's graph now, not in a user's turn; once with one decoding request and once
+   with one more than the smallest mixed decode-row count (``mixed_wave_anchors``: 1 and 5 when
+   the counts are 4, 16, ...). A chat turn's prefill beside up to 16 decoding conversations (its
+   new message after the restored checkpoint, one or two checkpoint saves) has one of those keys
+   (decode rows padded to the mixed count, restores to one, saves to two: ``PrefillKey.of``); the
+   captures that remain lazy are those of steps with more decode rows, or that save more than
+   twice, or compute no logits.
 
 Every request carries its own seed, so the engine's seed stream is untouched and later sampled
 requests get the seeds they would have had without a warm-up. Requests the engine's limits refuse
@@ -46,7 +49,7 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("hybrid_engine")
 
 WARMUP_TOKENS = 4               # new tokens per warm-up request: a few decode steps each
-SPLIT_WARMUP_TOKENS = 512       # wave 4's longest prompt: a chat turn's new tokens after its restore
+MIXED_WARMUP_TOKENS = 512       # wave 4's longest prompt: a chat turn's new tokens after its restore
 SMALL_LENGTHS = (1, 2, 15, 16, 17, 31, 64, 100, 255, 256, 257)
 
 
@@ -67,10 +70,10 @@ def warmup_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]
     return sorted(lengths)
 
 
-def split_warmup_lengths(max_tokens: int, max_prefill_tokens: int) -> list[int]:
+def mixed_warmup_lengths(max_tokens: int, max_prefill_tokens: int) -> list[int]:
     """Wave 4's prompt lengths: the longest length of each prefill-graph bucket below ``max_tokens``
     (``prefill_bucket(b - 1) == b``) that fits ``max_prefill_tokens`` (what a step's token budget
-    leaves beside the decode row: the prompt must prefill in one chunk to be a split step)."""
+    leaves beside the decode row: the prompt must prefill in one chunk to be a mixed step)."""
     from .step.prefill_graphs import prefill_bucket
     out, n = [], 1
     while n < max_tokens:
@@ -104,36 +107,50 @@ def _drain(engine, reqs: list) -> int:
     return steps
 
 
-def _split_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
-    """Wave 4 (module docstring) -> (requests, prompt tokens, steps)."""
+def _mixed_wave(engine, prompt, seed: int, anchors: int) -> tuple[int, int, int]:
+    """Wave 4 (module docstring) beside ``anchors`` decoding requests -> (requests, prompt tokens,
+    steps)."""
     sc = engine.cfg.scheduler
-    # the anchor's decode row (1 + K tokens) shares each step's budget with the new prompt
-    lengths = [n for n in split_warmup_lengths(SPLIT_WARMUP_TOKENS, sc.max_num_batched_tokens - 1 - engine.num_spec)
+    # the anchors' decode rows (1 + K tokens each) share each step's budget with the new prompt
+    lengths = [n for n in mixed_warmup_lengths(MIXED_WARMUP_TOKENS,
+                                               sc.max_num_batched_tokens - anchors * (1 + engine.num_spec))
                if n + 2 <= engine.max_model_len]
-    if sc.max_num_seqs < 2 or not lengths:
+    if sc.max_num_seqs < anchors + 1 or not lengths:
         return 0, 0, 0
-    # the decoding row: enough tokens to outlive the wave even when every draft is accepted
+    # the decoding rows: enough tokens to outlive the wave even when every draft is accepted
     anchor = SamplingParams(max_tokens=(len(lengths) + 8) * (1 + engine.num_spec), ignore_eos=True, seed=seed)
-    # one output token: each prompt finishes in its prefill step, so every step is the anchor's
-    # decode row plus one new prefill row (no queue builds up behind max_num_seqs)
+    # one output token: each prompt finishes in its prefill step, so every step is the anchors'
+    # decode rows plus one new prefill row (no queue builds up behind max_num_seqs)
     once = SamplingParams(max_tokens=1, ignore_eos=True, seed=seed)
-    reqs = _admit(engine, prompt(8), anchor, "warmup-split-anchor")
-    if not reqs:                        # refused: no decode row to split from, skip the wave
+    reqs = []
+    for a in range(anchors):
+        reqs += _admit(engine, prompt(8), anchor, f"warmup-mixed-anchor-{a}")
+    if len(reqs) < anchors:             # refused: not the decode rows this wave is for, skip it
+        for r in reqs:
+            engine.abort(r.request_id)
+        _drain(engine, reqs)
         return 0, 0, 0
-    requests, tokens, steps = 1, 8, 0
-    for _ in range(2):                  # its prefill, then it decodes
+    requests, tokens, steps = anchors, 8 * anchors, 0
+    for _ in range(2):                  # their prefill, then they decode
         engine.step()
         steps += 1
     for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
-        group = _admit(engine, prompt(n), once, f"warmup-split-{i}")
+        group = _admit(engine, prompt(n), once, f"warmup-mixed-{anchors}-{i}")
         if not group:
             continue
         reqs += group
         requests, tokens = requests + 1, tokens + n
         engine.step()
         steps += 1
-    engine.abort("warmup-split-anchor")
+    for a in range(anchors):
+        engine.abort(f"warmup-mixed-anchor-{a}")
     return requests, tokens, steps + _drain(engine, reqs)
+
+
+def mixed_wave_anchors(decode_buckets: tuple[int, ...]) -> list[int]:
+    """Decoding requests of each run of wave 4: one per mixed decode-row count of the first two
+    (a chat step has a few decode rows: 1 fills the smallest count, one more than it the next)."""
+    return [1 if i == 0 else decode_buckets[i - 1] + 1 for i in range(min(2, len(decode_buckets)))]
 
 
 def warm_up(engine, *, seed: int = 0) -> WarmupReport:
@@ -165,8 +182,9 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
                 tokens += len(ids)
         steps += _drain(engine, reqs)
     if engine.prefill_graphs is not None:
-        got = _split_wave(engine, prompt, seed)
-        requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
+        for anchors in mixed_wave_anchors(engine.prefill_graphs.decode_buckets) or [1]:
+            got = _mixed_wave(engine, prompt, seed, anchors)
+            requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
     engine.reset_stats()
     report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)
     logger.info("warm-up: %d requests, %d prompt tokens, %d steps in %.1f s", report.requests,

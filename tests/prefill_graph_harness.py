@@ -2,14 +2,15 @@
 split-step wave in tests/engine/test_warmup.py): ``install_reruns(llm)`` routes an engine's
 prefill steps through ``RerunPrefillGraphs``, whose "capture" runs the real warm-up and checks it
 left the caches alone, and whose "replay" reruns the eager forward on the static buffers; steps of
-decode rows plus one prefill row split as on CUDA (``forward_split``)."""
+decode rows plus one prefill row replay a mixed graph as on CUDA, or split (``forward_split``)
+where the harness has no mixed graphs."""
 import os
 
 import torch
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.step.graphs import EagerExecutor
-from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, forward_split
+from hybrid_engine.step.graphs import EagerExecutor, default_buckets
+from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, forward_split, mixed_decode_buckets
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 
@@ -73,9 +74,9 @@ class RerunPrefillGraphs(PrefillGraphs):
 
 
 class PrefillRerunExecutor(EagerExecutor):
-    """CudaGraphExecutor's routing on CPU: one-request prefill-only steps through the prefill
-    graphs, steps of decode rows plus one prefill row split (the decode part runs eagerly here, in
-    place of the decode graph), everything else eager."""
+    """CudaGraphExecutor's routing on CPU: steps of one prefill row through the prefill graphs
+    (alone, or beside decode rows in a mixed graph), else steps of decode rows plus one prefill row
+    split (the decode part runs eagerly here, in place of the decode graph), everything else eager."""
 
     def __init__(self, inner, prefill):
         super().__init__(inner.model, inner.caches)
@@ -91,15 +92,20 @@ class PrefillRerunExecutor(EagerExecutor):
         return got if got is not None else super().forward(fb)
 
 
-def install_reruns(llm, max_tokens=2048, cls=None):
-    """Route ``llm``'s one-request prefills through ``cls`` (default RerunPrefillGraphs) -> it."""
+def install_reruns(llm, max_tokens=2048, cls=None, decode_buckets=None):
+    """Route ``llm``'s one-prefill-row steps through ``cls`` (default RerunPrefillGraphs) -> it.
+    ``decode_buckets``: its mixed graphs' decode-row counts (default: CUDA's for this engine's
+    ``max_num_seqs``; ``()``: none, so steps with decode rows split)."""
     eng = llm.engine
     runner = eng.runner
     inner = runner.executor
+    if decode_buckets is None:
+        decode_buckets = mixed_decode_buckets(default_buckets(eng.cfg.scheduler.max_num_seqs))
     pg = (cls or RerunPrefillGraphs)(lambda fb: EagerExecutor.forward(inner, fb), max_blocks=eng.max_blocks_per_req,
                                      max_model_len=eng.max_model_len, device=torch.device(DEV),
                                      max_tokens=max_tokens, caches=inner.caches,
-                                     pad_restores=inner.caches.checkpoints is not None)
+                                     pad_restores=inner.caches.checkpoints is not None,
+                                     decode_buckets=decode_buckets)
     runner.executor = PrefillRerunExecutor(inner, pg)
     return pg
 

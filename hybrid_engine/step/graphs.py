@@ -7,10 +7,11 @@ adaptive speculation also the narrower widths a step may verify, ``1`` included:
 verifies no drafts replays the plain decode graph).
 Everything the graph reads is a persistent buffer owned here; a real batch is copied in and padded:
 pad rows point at the null Mamba slot and the null KV block, with accepted count 1 and a seq_len that
-only covers the null block. Prefill-only steps of one request replay the graphs of
-``prefill_graphs.PrefillGraphs`` (``prefill_cuda_graphs``), and so does the prefill row of a step
-that also has decode rows (those replay a decode graph: ``prefill_graphs.forward_split``); other
-batches with a prefill row run eagerly.
+only covers the null block. Steps of one prefill row replay the graphs of
+``prefill_graphs.PrefillGraphs`` (``prefill_cuda_graphs``): alone, or beside decode rows in one
+mixed graph; where no mixed graph may be captured, the prefill row replays a prefill graph and
+the decode rows a decode graph (``prefill_graphs.forward_split``). Other batches with a prefill
+row run eagerly.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-from .prefill_graphs import PrefillGraphs, forward_split
+from .prefill_graphs import PrefillGraphs, forward_split, mixed_decode_buckets
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -61,8 +62,8 @@ class CudaGraphExecutor(EagerExecutor):
                  block_size: int, buckets: tuple[int, ...], device: torch.device,
                  widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
         """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``.
-        ``prefill_graphs``: also replay prefill-only steps of one request, and the prefill row of
-        a step beside decode rows (captured lazily)."""
+        ``prefill_graphs``: also replay steps of one prefill row, alone or beside decode rows
+        (captured lazily)."""
         super().__init__(model, caches)
         self.max_tokens_per_row = 1 + num_spec                     # the widest row
         self.widths = tuple(sorted(set(widths or (self.max_tokens_per_row,))))   # tokens per row
@@ -84,11 +85,13 @@ class CudaGraphExecutor(EagerExecutor):
         self.split_steps = 0              # steps run as a decode graph plus a prefill graph
         self.prefill = (PrefillGraphs(lambda fb: EagerExecutor.forward(self, fb), max_blocks=max_blocks,
                                       max_model_len=max_model_len, device=device,
-                                      pad_restores=ckpts is not None and ckpts.num_rows > 0)
+                                      pad_restores=ckpts is not None and ckpts.num_rows > 0,
+                                      decode_buckets=mixed_decode_buckets(self.buckets))
                         if prefill_graphs else None)
         if self.prefill is not None:
-            logger.info("prefill CUDA graphs: one prefill row of up to %d tokens, alone or beside decode rows "
-                        "(split), captured on first use", self.prefill.max_tokens)
+            logger.info("prefill CUDA graphs: one prefill row of up to %d tokens, alone or beside %s decode rows "
+                        "(one mixed graph), captured on first use", self.prefill.max_tokens,
+                        "/".join(map(str, self.prefill.decode_buckets)))
 
     def _static_batch(self, bucket: int, tokens_per_row: int) -> ForwardBatch:
         dev = self.device
@@ -133,7 +136,7 @@ class CudaGraphExecutor(EagerExecutor):
         md = fb.mamba
         num_rows, tokens_per_row = md.num_decode_rows, md.decode_len
         if md.num_prefill_rows and self.prefill is not None:
-            got = self.prefill.forward(fb)            # None: not a one-request prefill-only step
+            got = self.prefill.forward(fb)            # None: no graph of this step's key (mixed or not)
             if got is None and self._splits(fb):      # decode rows + one prefill row: two replays
                 got = forward_split(fb, self.prefill.forward, self.forward)
                 self.split_steps += got is not None
@@ -241,8 +244,8 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
                   name: str = "target", widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
     """CUDA graphs for decode batches of ``[B, tokens_per_row]`` on CUDA (tokens_per_row in
-    ``widths``, default ``1 + num_spec``), and with ``prefill_graphs`` for prefill-only steps of
-    one request; eager otherwise."""
+    ``widths``, default ``1 + num_spec``), and with ``prefill_graphs`` for steps of one prefill
+    row, alone or beside decode rows; eager otherwise."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)

@@ -1,12 +1,16 @@
 """CUDA graphs for prefill-only steps of one request (issue 19: a cached-prefix prefill is
 host-bound: on the 8B shape its 300 new tokens cost ~11 ms of GPU work and ~27 ms of launches).
 
-A step qualifies when it has no decode rows and one prefill row of ``T <= max_tokens`` tokens:
-a request arriving at an idle engine, the TTFT a user waits for. A step of decode rows and one
-such prefill row runs as two replays (``forward_split``): its prefill row here, its decode rows in
-the executor's decode graph. Its forward replays a graph of ``bucket > T`` tokens keyed by
-``PrefillKey`` (the bucket; how many prefix-cache restores, checkpoint saves and logits rows the
-step has: each changes the kernels launched). Restores and saves are padded so that few keys
+A step qualifies when it has one prefill row of ``T <= max_tokens`` tokens and no decode rows (a
+request arriving at an idle engine, the TTFT a user waits for) or decode rows that fit a mixed
+graph's count (``decode_buckets``: a new chat turn arriving while other conversations decode).
+A mixed step is one forward of its decode rows and its prefill row, so the weights are read once:
+on the 8B shape its two replays (``forward_split``: the prefill row here, the decode rows in the
+executor's decode graph; still the fallback when no mixed graph may be captured) cost a decode
+step's ~6 ms more, and a chat turn's TTFT with them (benchmarks/results/2026-11-27-mixed-prefill-
+graphs-h100.md). Its forward replays a graph of ``bucket > T`` tokens keyed by ``PrefillKey`` (the
+bucket; the decode rows padded to ``mixed_decode_buckets``, and their width; how many prefix-cache
+restores, checkpoint saves and logits rows the step has: each changes the kernels launched). Restores and saves are padded so that few keys
 exist (each new key costs a capture, ~0.1 s on the 8B shape, while requests wait): with checkpoint
 storage every step restores one row (a step with none has a padding restore, row -1, which the
 restore kernel skips), and a step that saves saves a power of two times, at least twice, by
@@ -18,8 +22,11 @@ number the kernels size their grids by is fixed by the key:
 - the pad tokens ``T..bucket-1`` form a second Mamba row at ``NULL_SLOT`` that starts fresh
   (zeros in, nothing stored: the pool contract), so every Mamba kernel computes finite values
   there and the chunk count bound ``bucket / chunk + 2`` holds whatever ``T`` is;
-- attention sees one row; tokens past its ``query_start_loc`` are graph padding (zero output),
-  and the pad tokens write the null KV block (slot 0), as decode graphs' pad rows do;
+- attention sees the decode rows and one prefill row; tokens past its ``query_start_loc`` are
+  graph padding (zero output), and the pad tokens write the null KV block (slot 0), as decode
+  graphs' pad rows do;
+- pad decode rows are a decode graph's pad rows: ``NULL_SLOT`` (no state read or written), the
+  null block, accepted count 1;
 - ``max_query_len`` is the bucket and ``max_seq_len`` the model length: upper bounds (the kernels
   stop at the device lengths).
 
@@ -59,69 +66,125 @@ def prefill_bucket(num_tokens: int) -> int:
     return -(-n // step) * step
 
 
+def mixed_decode_buckets(decode_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The decode-row counts a mixed graph is captured for, from the decode graphs' buckets: 4, 16,
+    64 and 256 where they are buckets, and the largest. Coarse on purpose: each count multiplies the
+    keys (captures), while a pad decode row costs a step little (one token in the GEMMs; the Mamba
+    and attention kernels skip its NULL_SLOT state and null block)."""
+    if not decode_buckets:
+        return ()
+    return tuple(sorted({b for b in decode_buckets if b in (4, 16, 64, 256)} | {max(decode_buckets)}))
+
+
 @dataclass(frozen=True)
 class PrefillKey:
-    bucket: int       # padded tokens (> the step's tokens)
+    bucket: int       # padded prefill tokens (> the step's prefill tokens)
     restores: int     # prefix-cache restores before the forward (0 or 1)
     saves: int        # Mamba checkpoint saves in the chunk (0, or padded: 2, 4, 8, ...)
-    logits: int       # rows whose logits are computed (1 on a request's last chunk, else 0)
+    logits: int       # prefill rows whose logits are computed (1 on a request's last chunk, else 0)
+    decode_rows: int = 0   # a mixed step's decode rows, padded to a ``mixed_decode_buckets`` count (0: none)
+    decode_len: int = 1    # tokens per decode row (1 + K)
 
     @classmethod
-    def of(cls, fb: ForwardBatch, max_tokens: int, *, pad_restores: bool = False) -> "PrefillKey | None":
+    def of(cls, fb: ForwardBatch, max_tokens: int, *, pad_restores: bool = False,
+           decode_buckets: tuple[int, ...] = ()) -> "PrefillKey | None":
         """The key of a qualifying step, else None. ``pad_restores`` (the model has checkpoint
-        storage): every key restores one row, so a step without a restore shares its graph."""
+        storage): every key restores one row, so a step without a restore shares its graph.
+        ``decode_buckets`` (ascending): a step with decode rows qualifies when they fit the
+        largest (a mixed graph); without them it does not."""
         md = fb.mamba
-        num_tokens = fb.input_ids.shape[0]
-        if md.num_decode_rows or md.num_prefill_rows != 1 or not 0 < num_tokens <= max_tokens:
+        nd = md.num_decode_rows
+        num_tokens = fb.input_ids.shape[0] - md.num_decode_tokens          # the prefill row's
+        if md.num_prefill_rows != 1 or not 0 < num_tokens <= max_tokens:
+            return None
+        if nd and not (decode_buckets and nd <= decode_buckets[-1]):
             return None
         n = lambda t: 0 if t is None else t.shape[0]      # noqa: E731
         saves = n(md.ckpt_rows)
         return cls(bucket=prefill_bucket(num_tokens), restores=1 if pad_restores else n(md.restore_rows),
-                   saves=saves and max(2, 1 << (saves - 1).bit_length()), logits=fb.logits_indices.shape[0])
+                   saves=saves and max(2, 1 << (saves - 1).bit_length()),
+                   logits=fb.logits_indices.shape[0] - md.num_decode_tokens,
+                   decode_rows=next(b for b in decode_buckets if b >= nd) if nd else 0,
+                   decode_len=md.decode_len if nd else 1)
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.decode_rows * self.decode_len
 
 
 def static_prefill_batch(key: PrefillKey, *, max_blocks: int, max_model_len: int,
                          device: torch.device) -> ForwardBatch:
-    """The persistent input buffers of ``key``'s graph (``load_prefill`` fills them)."""
-    tb = key.bucket
+    """The persistent input buffers of ``key``'s graph (``load_prefill`` fills them). A mixed key's
+    ``decode_rows`` rows come first (``decode_len`` tokens each; pad rows as a decode graph's: the
+    NULL_SLOT state, the null block, accepted count 1), then the prefill row and its pad tokens."""
+    tb, nd, s = key.bucket, key.decode_rows, key.decode_len
+    td = nd * s
     i64 = lambda n: torch.zeros(n, dtype=torch.int64, device=device)     # noqa: E731
     opt = lambda n: i64(n) if n else None                                # noqa: E731
-    attn = AttnMetadata(query_start_loc=torch.zeros(2, dtype=torch.int32, device=device),
-                        seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
-                        block_tables=torch.zeros(1, max_blocks, dtype=torch.int32, device=device),
-                        slot_mapping=i64(tb), max_query_len=tb, max_seq_len=max_model_len)
+    # decode rows' starts (fixed: every row has s tokens), the prefill row's start, its end (loaded)
+    qsl = torch.cat([torch.arange(nd + 1, dtype=torch.int32, device=device) * s,
+                     torch.full((1,), td, dtype=torch.int32, device=device)])
+    attn = AttnMetadata(query_start_loc=qsl,
+                        seq_lens=torch.full((nd + 1,), s, dtype=torch.int32, device=device),
+                        block_tables=torch.zeros(nd + 1, max_blocks, dtype=torch.int32, device=device),
+                        slot_mapping=i64(td + tb), max_query_len=tb,
+                        # decode rows may reach 2s past the model length mid-verify (as in decode graphs)
+                        max_seq_len=max_model_len + (2 * s if nd else 0))
     mamba = MambaMetadata(
-        num_decode_rows=0, decode_len=1, decode_slots=i64(0), num_accepted=i64(0),
+        num_decode_rows=nd, decode_len=s, decode_slots=torch.full((nd,), NULL_SLOT, dtype=torch.int64, device=device),
+        num_accepted=torch.ones(nd, dtype=torch.int64, device=device),
         prefill_query_start_loc=torch.tensor([0, 0, tb], dtype=torch.int64, device=device),   # [real, pad]
         prefill_qsl_cpu=(0, tb - 1, tb),            # host bounds only: two rows, none longer than tb - 1
         prefill_slots=torch.full((2,), NULL_SLOT, dtype=torch.int64, device=device),
         has_initial_state=torch.zeros(2, dtype=torch.bool, device=device),
         restore_slots=opt(key.restores), restore_rows=opt(key.restores),
         ckpt_seq=opt(key.saves), ckpt_token=opt(key.saves), ckpt_rows=opt(key.saves))
-    return ForwardBatch(input_ids=i64(tb), positions=i64(tb), attn=attn, mamba=mamba,
-                        logits_indices=i64(key.logits))
+    # decode tokens' logits (every one), then the prefill row's (loaded)
+    logits_indices = torch.cat([torch.arange(td, dtype=torch.int64, device=device), i64(key.logits)])
+    return ForwardBatch(input_ids=i64(td + tb), positions=i64(td + tb), attn=attn, mamba=mamba,
+                        logits_indices=logits_indices)
 
 
 def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False) -> None:
     """Copy a qualifying step's batch ``src`` into the static buffers ``dst`` of its key (device
-    copies, no sync). The pad tokens write the null KV block. ``harmless``: the capture's warm-up
-    copy (Mamba rows and restores at NULL_SLOT, every KV write in the null block, nothing
-    continuing an earlier chunk)."""
-    num_tokens = src.input_ids.shape[0]
-    dst.input_ids[:num_tokens].copy_(src.input_ids)
-    dst.positions[:num_tokens].copy_(src.positions)
+    copies, no sync). A mixed step's decode rows go first, its pad decode rows after them; the
+    prefill row starts at the key's ``decode_tokens``. Pad tokens write the null KV block.
+    ``harmless``: the capture's warm-up copy (Mamba rows, decode slots and restores at NULL_SLOT,
+    every KV write in the null block, nothing continuing an earlier chunk)."""
+    sm, dm = src.mamba, dst.mamba
+    nd, nd_pad, s = sm.num_decode_rows, dm.num_decode_rows, dm.decode_len
+    td, td_pad = sm.num_decode_tokens, dm.num_decode_tokens
+    num_tokens = src.input_ids.shape[0] - td                        # the prefill row's
+    end = td_pad + num_tokens
+    for d, x in ((dst.input_ids, src.input_ids), (dst.positions, src.positions)):
+        d[:td].copy_(x[:td])
+        d[td_pad:end].copy_(x[td:])
+    dst.input_ids[td:td_pad].zero_()                                # pad decode rows: token 0
     da, sa = dst.attn, src.attn
-    da.query_start_loc.copy_(sa.query_start_loc)
-    da.seq_lens.copy_(sa.seq_lens)
+    da.query_start_loc[-1:].fill_(end)                               # the rest is fixed by the key
+    da.seq_lens[nd:nd_pad].fill_(s)
+    da.seq_lens[:nd].copy_(sa.seq_lens[:nd])
+    da.seq_lens[nd_pad:].copy_(sa.seq_lens[nd:])
     cols = sa.block_tables.shape[1]
-    da.block_tables[:, :cols].copy_(sa.block_tables)
     da.block_tables[:, cols:].zero_()
+    da.block_tables[nd:nd_pad].zero_()                               # pad decode rows read the null block
+    da.block_tables[:nd, :cols].copy_(sa.block_tables[:nd])
+    da.block_tables[nd_pad:, :cols].copy_(sa.block_tables[nd:])
     if harmless:
         da.slot_mapping.zero_()
     else:
-        da.slot_mapping[:num_tokens].copy_(sa.slot_mapping)
-        da.slot_mapping[num_tokens:].zero_()                      # pad tokens write the null block
-    dm, sm = dst.mamba, src.mamba
+        da.slot_mapping[:td].copy_(sa.slot_mapping[:td])
+        da.slot_mapping[td:td_pad].zero_()                           # pad tokens write the null block
+        da.slot_mapping[td_pad:end].copy_(sa.slot_mapping[td:])
+        da.slot_mapping[end:].zero_()
+    if nd_pad:
+        if harmless:
+            dm.decode_slots.fill_(NULL_SLOT)
+        else:
+            dm.decode_slots[:nd].copy_(sm.decode_slots)
+            dm.decode_slots[nd:].fill_(NULL_SLOT)
+        dm.num_accepted[:nd].copy_(sm.num_accepted)
+        dm.num_accepted[nd:].fill_(1)
     dm.prefill_query_start_loc[:2].copy_(sm.prefill_query_start_loc)
     if harmless:
         dm.prefill_slots[:1].fill_(NULL_SLOT)
@@ -142,11 +205,13 @@ def load_prefill(dst: ForwardBatch, src: ForwardBatch, *, harmless: bool = False
     if dm.ckpt_rows is not None:
         saves = sm.ckpt_rows.shape[0]
         for name in ("ckpt_seq", "ckpt_token", "ckpt_rows"):
-            d, s = getattr(dm, name), getattr(sm, name)
-            d[:saves].copy_(s)
+            d, x = getattr(dm, name), getattr(sm, name)
+            d[:saves].copy_(x)
             if saves < d.shape[0]:         # the padded saves repeat the last one (same values, same row)
-                d[saves:].copy_(s[saves - 1:].expand(d.shape[0] - saves))
-    dst.logits_indices.copy_(src.logits_indices)
+                d[saves:].copy_(x[saves - 1:].expand(d.shape[0] - saves))
+    # the decode tokens' logits are static (every decode token); the prefill row's move by the padding
+    li = src.logits_indices[td:]
+    dst.logits_indices[td_pad:].copy_(li if td == td_pad else li + (td_pad - td))
 
 
 def split_decode_prefill(fb: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
@@ -207,12 +272,16 @@ class PrefillGraphs:
     """The prefill graphs of one model (owned by its ``CudaGraphExecutor``)."""
 
     def __init__(self, forward, *, max_blocks: int, max_model_len: int, device: torch.device,
-                 max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS, pad_restores: bool = False):
+                 max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS, pad_restores: bool = False,
+                 decode_buckets: tuple[int, ...] = ()):
         """``forward(fb) -> (hidden [T, D], logits [L, V])``: the eager forward to capture.
         ``pad_restores``: the model has checkpoint storage, so every graph restores one row (see
-        ``PrefillKey.of``)."""
+        ``PrefillKey.of``). ``decode_buckets``: the decode-row counts of mixed graphs (a step of
+        decode rows and one prefill row in one forward; ``mixed_decode_buckets``); empty: none."""
         self._forward = forward
         self.pad_restores = pad_restores
+        self.decode_buckets = tuple(sorted(decode_buckets))
+        self.mixed_steps = 0              # steps of decode rows and a prefill row replayed as one graph
         self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
         self.graphs: dict[PrefillKey, _PrefillGraph] = {}
@@ -230,7 +299,7 @@ class PrefillGraphs:
         The outputs are views of static buffers, valid until the next replay of *any* prefill
         graph (they share one memory pool, so a later graph's outputs may sit in an earlier one's
         scratch): the step consumes them in stream order, nothing keeps them past it."""
-        key = PrefillKey.of(fb, self.max_tokens, pad_restores=self.pad_restores)
+        key = PrefillKey.of(fb, self.max_tokens, pad_restores=self.pad_restores, decode_buckets=self.decode_buckets)
         if key is None:
             return None
         g = self.graphs.get(key)
@@ -259,7 +328,14 @@ class PrefillGraphs:
                 return None
         load_prefill(g.fb, fb)
         g.graph.replay()
-        return g.hidden[:fb.input_ids.shape[0]], g.logits
+        td, td_pad = fb.mamba.num_decode_tokens, key.decode_tokens
+        self.mixed_steps += td > 0
+        if td == td_pad:                   # no pad decode rows: the outputs are one slice
+            return g.hidden[:fb.input_ids.shape[0]], g.logits
+        # the real decode rows' tokens, then the prefill row's (past the pad decode rows)
+        end = td_pad + fb.input_ids.shape[0] - td
+        return (torch.cat([g.hidden[:td], g.hidden[td_pad:end]]),
+                torch.cat([g.logits[:td], g.logits[td_pad:]]))
 
     def _capture(self, key: PrefillKey, fb: ForwardBatch) -> _PrefillGraph:
         t0 = time.perf_counter()
@@ -279,9 +355,11 @@ class PrefillGraphs:
         the harmless inputs ``fresh()`` holds (Triton compiles there). ``graph.replay()`` reruns the
         forward on whatever the static inputs hold then."""
         warm, _ = self._forward(fresh())
-        if self._hidden_out is None:     # one hidden buffer for every graph (outside the pool)
-            self._hidden_out = torch.empty((prefill_bucket(self.max_tokens), warm.shape[1]), dtype=warm.dtype,
-                                           device=self.device)
+        # one hidden buffer for every graph (outside the pool); a mixed graph's decode rows need
+        # more rows than a prefill-only one: a larger buffer then (earlier graphs keep theirs)
+        if self._hidden_out is None or self._hidden_out.shape[0] < warm.shape[0]:
+            rows = max(prefill_bucket(self.max_tokens), warm.shape[0])
+            self._hidden_out = torch.empty((rows, warm.shape[1]), dtype=warm.dtype, device=self.device)
         hidden_out = self._hidden_out[:warm.shape[0]]
         del warm
         torch.cuda.synchronize(self.device)

@@ -64,16 +64,22 @@ def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, a
     assert pg.replays > len(keys) and sum(c > 0 for c in cached) >= 5, (pg.replays, cached)
 
 
-@pytest.mark.parametrize("async_scheduling, spec", [(True, None), (False, None), (True, "mtp"), (True, "ngram")])
-def test_decode_rows_beside_a_prefill_row_split_into_two_forwards(hybrid_dir, async_scheduling, spec):
+@pytest.mark.parametrize("async_scheduling, spec, mixed", [
+    (True, None, "padded"), (False, None, "padded"), (True, "mtp", "padded"), (True, "ngram", "padded"),
+    (True, None, "exact"), (True, "mtp", "exact"), (True, None, "split"), (False, None, "split"),
+    (True, "mtp", "split"), (True, "ngram", "split")])
+def test_decode_rows_beside_a_prefill_row_replay_one_mixed_graph_or_split(hybrid_dir, async_scheduling, spec, mixed):
     """Requests that arrive while others decode: their prefill chunks share steps with the
-    decode (or verify) rows, and such a step runs as its prefill row through a padded graph plus
-    its decode rows apart (``forward_split``). Greedy tokens equal transformers'; the split and
-    the replays really happened, and no capture's warm-up touched a real state."""
+    decode (or verify) rows. Such a step replays one mixed graph of both (``padded``: one decode
+    row padded to the bucket of 2, whose pad row sits between the real one and the prefill row;
+    ``exact``: a bucket of 1), or, without mixed graphs (``split``), runs its prefill row through a
+    padded prefill graph and its decode rows apart (``forward_split``). Greedy tokens equal
+    transformers'; the mixed replays or the splits really happened, and no capture's warm-up
+    touched a real state."""
     from hybrid_engine import SpeculativeConfig
     llm = small_engine(hybrid_dir, async_scheduling=async_scheduling,
                        speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
-    pg = install_reruns(llm)
+    pg = install_reruns(llm, decode_buckets={"padded": None, "exact": (1,), "split": ()}[mixed])
     eng = llm.engine
     rng = np.random.default_rng(12)
     system = rng.integers(3, 256, 17).tolist()
@@ -81,7 +87,16 @@ def test_decode_rows_beside_a_prefill_row_split_into_two_forwards(hybrid_dir, as
     got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
                               lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
     assert got == hf_greedy(hybrid_dir, prompts, 6)
-    assert eng.runner.executor.splits >= 2 and pg.replays >= 4, (eng.runner.executor.splits, pg.replays)
+    splits, mixed_keys = eng.runner.executor.splits, [k for k in pg.graphs if k.decode_rows]
+    if mixed == "split":
+        assert splits >= 2 and not mixed_keys and pg.mixed_steps == 0, (splits, list(pg.graphs))
+    else:
+        assert splits == 0 and pg.mixed_steps >= 2, (splits, pg.mixed_steps)
+        assert {k.decode_rows for k in mixed_keys} == {2 if mixed == "padded" else 1}, mixed_keys
+        # rows verify up to K = 2 drafts (fewer where adaptive speculation narrowed the step)
+        assert {k.decode_len for k in mixed_keys} <= {1, 2, 3} and max(k.decode_len for k in mixed_keys) == \
+            (3 if spec else 1), mixed_keys
+    assert pg.replays >= 4, pg.replays
     assert all(not bad for _, bad in pg.captured), pg.captured
     # padded keys: every graph restores one row, and saves come in powers of two
     assert all(k.restores == 1 and k.saves in (0, 2, 4) for k in pg.graphs), list(pg.graphs)
@@ -183,6 +198,60 @@ def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
     assert m.prefill_slots.tolist() == [NULL_SLOT] * 2 and not m.has_initial_state.any()
     assert not dst.attn.slot_mapping.any()
     assert PrefillKey.of(step(13, 3), 12) is None
+
+
+def test_a_mixed_step_loads_its_decode_rows_first_then_pad_rows_then_the_prefill_row():
+    """Two verify rows of 3 tokens and a prefill row of 5 tokens in a mixed graph of 4 decode
+    rows: the real rows keep their places, the two pad rows are a decode graph's (token 0, the
+    null block, NULL_SLOT, accepted 1, seq_len 3), and the prefill row starts after them, with its
+    logits index moved by the 6 pad tokens. Loading a step of one decode row after it leaves no
+    trace of the earlier one in the rows that became padding."""
+    from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+    from hybrid_engine.step.prefill_graphs import load_prefill, mixed_decode_buckets, static_prefill_batch
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
+
+    def step(nd):
+        td, n = 3 * nd, 5
+        attn = AttnMetadata(torch.tensor([3 * i for i in range(nd + 1)] + [td + n], dtype=torch.int32),
+                            torch.tensor([9, 12][:nd] + [25], dtype=torch.int32),
+                            (torch.arange(12, dtype=torch.int32).view(3, 4) + 1)[2 - nd:],
+                            i64(list(range(50, 50 + td + n))), n, 25)
+        mamba = MambaMetadata(nd, 3, i64([4, 6][:nd]), i64([1, 2][:nd]), i64([0, n]), (0, n), i64([8]),
+                              torch.tensor([True]), restore_slots=i64([8]), restore_rows=i64([3]),
+                              ckpt_seq=i64([0]), ckpt_token=i64([2]), ckpt_rows=i64([7]))
+        return ForwardBatch(i64(list(range(100, 100 + td + n))), i64(list(range(200, 200 + td + n))), attn, mamba,
+                            i64(list(range(td)) + [td + n - 1]))
+
+    assert mixed_decode_buckets((1, 2, 4, 8, 16, 32)) == (4, 16, 32) and mixed_decode_buckets((1, 2)) == (2,)
+    assert mixed_decode_buckets(()) == ()
+    two = step(2)
+    assert PrefillKey.of(two, 2048) is None                     # no mixed graphs: the step splits
+    key = PrefillKey.of(two, 2048, decode_buckets=(4, 16))
+    assert key == PrefillKey(bucket=16, restores=1, saves=2, logits=1, decode_rows=4, decode_len=3)
+    assert PrefillKey.of(step(2), 2048, decode_buckets=(1,)) is None   # more decode rows than any graph
+    dst = static_prefill_batch(key, max_blocks=6, max_model_len=64, device=torch.device("cpu"))
+    load_prefill(dst, two)
+    a, m = dst.attn, dst.mamba
+    assert dst.input_ids.tolist() == list(range(100, 106)) + [0] * 6 + list(range(106, 111)) + [0] * 11
+    assert dst.positions[:6].tolist() == list(range(200, 206)) and dst.positions[12:17].tolist() == list(range(206, 211))
+    assert a.query_start_loc.tolist() == [0, 3, 6, 9, 12, 17] and a.seq_lens.tolist() == [9, 12, 3, 3, 25]
+    assert a.block_tables.tolist() == [[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 0, 0], [0] * 6, [0] * 6, [9, 10, 11, 12, 0, 0]]
+    assert a.slot_mapping.tolist() == list(range(50, 56)) + [0] * 6 + list(range(56, 61)) + [0] * 11
+    assert m.decode_slots.tolist() == [4, 6, NULL_SLOT, NULL_SLOT] and m.num_accepted.tolist() == [1, 2, 1, 1]
+    assert m.prefill_slots.tolist() == [8, NULL_SLOT] and m.prefill_query_start_loc.tolist() == [0, 5, 16]
+    assert m.restore_rows.tolist() == [3] and m.ckpt_token.tolist() == [2, 2]
+    assert dst.logits_indices.tolist() == list(range(12)) + [16]
+    one = step(1)
+    assert PrefillKey.of(one, 2048, decode_buckets=(4, 16)) == key
+    load_prefill(dst, one)
+    assert dst.input_ids[:12].tolist() == [100, 101, 102] + [0] * 9
+    assert a.seq_lens.tolist() == [9, 3, 3, 3, 25] and a.block_tables[1:4].sum() == 0
+    assert a.block_tables[0].tolist() == [5, 6, 7, 8, 0, 0] and a.block_tables[4].tolist() == [9, 10, 11, 12, 0, 0]
+    assert a.slot_mapping[3:12].tolist() == [0] * 9 and a.slot_mapping[12:17].tolist() == list(range(53, 58))
+    assert m.decode_slots.tolist() == [4] + [NULL_SLOT] * 3 and m.num_accepted.tolist() == [1, 1, 1, 1]
+    assert dst.logits_indices[12:].tolist() == [16]
+    load_prefill(dst, one, harmless=True)
+    assert m.decode_slots.tolist() == [NULL_SLOT] * 4 and not a.slot_mapping.any()
 
 
 def test_warmup_check_catches_a_warmup_that_writes_the_real_slot(hybrid_dir, monkeypatch):

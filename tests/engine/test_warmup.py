@@ -69,21 +69,21 @@ def test_warm_up_skips_what_the_engine_refuses(hybrid_dir):
 
 def test_split_lengths_hit_each_prefill_graph_bucket_once():
     from hybrid_engine.step.prefill_graphs import prefill_bucket
-    from hybrid_engine.warmup import split_warmup_lengths
-    lengths = split_warmup_lengths(512, 8192)
+    from hybrid_engine.warmup import mixed_warmup_lengths
+    lengths = mixed_warmup_lengths(512, 8192)
     assert lengths == list(range(15, 512, 16))
     assert [prefill_bucket(n) for n in lengths] == list(range(16, 513, 16))
-    assert split_warmup_lengths(512, 64) == [15, 31, 47, 63]
-    assert split_warmup_lengths(1024, 8192)[-3:] == [959, 991, 1023]       # buckets of 32 past 512
+    assert mixed_warmup_lengths(512, 64) == [15, 31, 47, 63]
+    assert mixed_warmup_lengths(1024, 8192)[-3:] == [959, 991, 1023]       # buckets of 32 past 512
 
 
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("mtp", 2)])
-def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir, spec, monkeypatch):
-    """With prefill graphs (the CPU stand-in), wave 4 runs one split step per bucket that fits the
-    chunk budget beside the decoding row: during the wave every step is a split step, and each
-    bucket's key (restore padded, one logits row: the keys of a chat turn) is replayed there;
-    no capture touched a real state, and the engine then serves transformers' tokens with nothing
-    held."""
+def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
+    """With prefill graphs (the CPU stand-in), wave 4 runs one mixed step per bucket that fits the
+    chunk budget beside the decoding row: during the wave every step replays a mixed graph, and
+    each bucket's key (the decode row padded to 4, restore padded, one logits row: the keys of a
+    chat turn beside a few decoding conversations) is replayed there; no capture touched a real
+    state, and the engine then serves transformers' tokens with nothing held."""
     import hybrid_engine.warmup as warmup
     from hf_reference import hf_greedy
     from prefill_graph_harness import install_reruns
@@ -93,29 +93,30 @@ def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir, spec, monke
     pg = install_reruns(llm)
     assert eng.prefill_graphs is pg
     seen = []                                    # (key, replayed) of every prefill-graph call in wave 4
-    real_wave, real_forward = warmup._split_wave, pg.forward
+    real_wave, real_forward = warmup._mixed_wave, pg.forward
 
     def logged_forward(fb):
         got = real_forward(fb)
-        seen.append((PrefillKey.of(fb, pg.max_tokens, pad_restores=True), got is not None))
+        seen.append((PrefillKey.of(fb, pg.max_tokens, pad_restores=True, decode_buckets=pg.decode_buckets),
+                     got is not None))
         return got
 
     def wave(*a):
-        splits0 = eng.runner.executor.splits
+        mixed0 = pg.mixed_steps
         monkeypatch.setattr(pg, "forward", logged_forward)
         out = real_wave(*a)
         monkeypatch.setattr(pg, "forward", real_forward)
-        wave_splits.append(eng.runner.executor.splits - splits0)
+        wave_mixed.append(pg.mixed_steps - mixed0)
         return out
-    wave_splits = []
-    monkeypatch.setattr(warmup, "_split_wave", wave)
+    wave_mixed = []
+    monkeypatch.setattr(warmup, "_mixed_wave", wave)
     free = eng.occupancy()
     warm_up(eng)
-    lengths = warmup.split_warmup_lengths(512, 128 - 1 - eng.num_spec)
+    lengths = warmup.mixed_warmup_lengths(512, 128 - 1 - eng.num_spec)
     assert lengths == ([15, 31, 47, 63, 79, 95, 111, 127] if spec is None else [15, 31, 47, 63, 79, 95, 111])
-    assert wave_splits == [len(lengths)], wave_splits
-    replayed = {(k.bucket, k.restores, k.logits) for k, ok in seen if ok and k is not None}
-    assert {(n + 1, 1, 1) for n in lengths} <= replayed, sorted(replayed)
+    assert wave_mixed == [len(lengths)] and eng.runner.executor.splits == 0, wave_mixed
+    replayed = {(k.bucket, k.decode_rows, k.restores, k.logits) for k, ok in seen if ok and k is not None}
+    assert {(n + 1, 4, 1, 1) for n in lengths} <= replayed, sorted(replayed)
     assert all(k.saves in (0, 2, 4, 8, 16, 32) for k in pg.graphs), list(pg.graphs)
     assert all(not bad for _, bad in pg.captured)
     assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
@@ -125,7 +126,30 @@ def test_warm_up_captures_the_split_steps_prefill_graphs(hybrid_dir, spec, monke
     assert got == hf_greedy(hybrid_dir, prompts, 6)
 
 
-def test_warm_up_without_prefill_graphs_skips_the_split_wave(hybrid_dir):
+def test_the_mixed_wave_runs_once_per_small_decode_row_count(hybrid_dir):
+    """With mixed graphs of 4 and 8 decode rows (max_num_seqs 8), wave 4 runs beside 1 and then 5
+    decoding requests: every bucket's chat-turn key is replayed with 4 and with 8 decode rows, and
+    the engine is left idle with nothing held."""
+    from prefill_graph_harness import install_reruns
+    from hybrid_engine.warmup import mixed_wave_anchors
+    assert mixed_wave_anchors((4, 16, 32)) == [1, 5] and mixed_wave_anchors((4,)) == [1]
+    assert mixed_wave_anchors((2,)) == [1] and mixed_wave_anchors(()) == []
+    llm = LLM(hybrid_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, block_size=4,
+              num_kv_blocks=512, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+    eng = llm.engine
+    pg = install_reruns(llm)
+    assert pg.decode_buckets == (4, 8)
+    free = eng.occupancy()
+    warm_up(eng)
+    import hybrid_engine.warmup as warmup
+    keys = {(k.bucket, k.decode_rows) for k in pg.graphs if k.restores == 1 and k.logits == 1}
+    for anchors, rows in ((1, 4), (5, 8)):
+        lengths = warmup.mixed_warmup_lengths(512, 128 - anchors)
+        assert {(n + 1, rows) for n in lengths} <= keys, (rows, sorted(keys))
+    assert eng.runner.executor.splits == 0 and not eng.has_work() and eng.occupancy() == free
+
+
+def test_warm_up_without_prefill_graphs_skips_the_mixed_wave(hybrid_dir):
     llm = LLM(hybrid_dir, max_num_seqs=4, max_num_batched_tokens=64)
     assert llm.engine.prefill_graphs is None
     report = warm_up(llm.engine)
@@ -133,7 +157,7 @@ def test_warm_up_without_prefill_graphs_skips_the_split_wave(hybrid_dir):
     assert report.requests == len(lengths) + len(lengths[::4]) + 2
 
 
-def test_the_split_wave_skips_prompts_a_tiny_cache_refuses(hybrid_dir):
+def test_the_mixed_wave_skips_prompts_a_tiny_cache_refuses(hybrid_dir):
     """Wave 4's longer prompts do not fit a 12-block cache: they are skipped (as the other waves
     skip what the engine refuses), and start-up goes on."""
     from prefill_graph_harness import install_reruns

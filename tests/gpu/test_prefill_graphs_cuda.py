@@ -2,7 +2,7 @@
 replayed from lazily captured graphs give transformers' greedy tokens (float32, O(1) weights,
 the Triton Mamba kernels: chunks that save checkpoints, turns that restore one), equal the eager
 engine's state, and launch with no host sync once captured; steps of decode rows plus one
-prefill row replay a decode graph and a prefill graph. The padding and the warm-up are
+prefill row replay one mixed graph (or, without mixed graphs, a decode graph and a prefill graph). The padding and the warm-up are
 tested on CPU in tests/engine/test_prefill_graphs.py."""
 import numpy as np
 import pytest
@@ -71,11 +71,12 @@ def test_long_prefills_with_mtp_match_transformers(target):
         assert toks == hf_greedy(target, [p], 4)[0]
 
 
-@pytest.mark.parametrize("spec", [None, "mtp"])
-def test_decode_rows_beside_a_prefill_row_replay_two_graphs(target, spec, monkeypatch):
-    """Requests that arrive while others decode: steps of decode (verify) rows plus one prefill
-    row run as a decode graph and a prefill graph (``forward_split``). float32, O(1) weights: greedy
-    tokens equal transformers', and such steps really took the split path."""
+@pytest.mark.parametrize("spec, mixed", [(None, True), ("mtp", True), (None, False), ("mtp", False)])
+def test_decode_rows_beside_a_prefill_row_replay_a_mixed_graph_or_two(target, spec, mixed, monkeypatch):
+    """Requests that arrive while others decode: a step of decode (verify) rows plus one prefill
+    row replays one mixed graph (decode rows padded to the mixed count), or without mixed graphs a
+    decode graph and a prefill graph (``forward_split``). float32, O(1) weights: greedy tokens
+    equal transformers', and such steps really took that path."""
     import hybrid_engine.step.graphs as graphs_mod
     from hybrid_engine import SpeculativeConfig
     splits = []
@@ -89,13 +90,21 @@ def test_decode_rows_beside_a_prefill_row_replay_two_graphs(target, spec, monkey
     llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=4, max_num_batched_tokens=40, block_size=4,
               num_kv_blocks=256, enable_prefix_caching=True, mamba_checkpoint_interval=2,
               speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
+    pg = llm.engine.runner.executor.prefill
+    assert pg.decode_buckets == (4,)
+    if not mixed:
+        pg.decode_buckets = ()
     eng, rng = llm.engine, np.random.default_rng(4)
     system = rng.integers(3, 256, 30).tolist()
     prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (5, 17, 3, 26, 9)]
     got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=8, ignore_eos=True),
                               lambda e: e._stats["steps"] % 4 == 3)
     assert got == hf_greedy(target, prompts, 8)
-    assert sum(ok for _, ok in splits) >= 3, splits
+    if mixed:
+        assert pg.mixed_steps >= 3 and not splits, (pg.mixed_steps, splits)
+        assert any(k.decode_rows == 4 for k in pg.graphs), list(pg.graphs)
+    else:
+        assert sum(ok for _, ok in splits) >= 3 and pg.mixed_steps == 0, splits
 
 
 def test_captured_prefill_steps_never_sync_the_host(target):
@@ -113,11 +122,20 @@ def test_captured_prefill_steps_never_sync_the_host(target):
     eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=8, ignore_eos=True)))
     launch_steps_without_sync(eng, 5)                    # the restoring prefill (a replay), then decode
     assert len(eng.runner.executor.prefill.graphs) == n  # no new capture: the step above was a replay
-    # a request of the same shape arrives while that one decodes: its step splits into the decode
-    # graph and the same prefill graph, still without a sync
+    # a request of the same shape arrives while that one decodes: its step is a mixed step (a new
+    # key: captured here, then replayed by a third such request under the detector)
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+    for r in list(eng.scheduler.running):
+        eng.abort(r.request_id)
+    eng.add_request(eng.make_request(system + user(), long, "anchor"))
+    launch_steps_without_sync(eng, 2)                    # a replay of the key above, then decode
+    eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=1, ignore_eos=True)))
+    eng.step()                                           # the mixed key's capture (a deliberate sync)
+    eng.step()
+    n = len(eng.runner.executor.prefill.graphs)
     eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=2, ignore_eos=True)))
     launch_steps_without_sync(eng, 2)
-    assert len(eng.runner.executor.prefill.graphs) == n
+    assert len(eng.runner.executor.prefill.graphs) == n and eng.runner.executor.prefill.mixed_steps >= 2
     assert eng.stats(expert_load=False)["prefix_cache_hits"] >= 3
     for r in list(eng.scheduler.running):
         eng.abort(r.request_id)
