@@ -172,7 +172,18 @@ def summarize(done, wall, engine, kinds: collections.Counter):
     # TTFT by cache outcome: requests that restored at least half their prompt, and the others
     deep = np.array([r.num_cached_tokens * 2 >= len(r.prompt_token_ids) for r in done], dtype=bool)
     p50 = lambda x: float(np.percentile(x, 50)) if len(x) else None      # noqa: E731
-    return dict(requests=len(done), wall_s=wall, deep_hits=int(deep.sum()), ttft_p50_deep_hit_ms=p50(ttft[deep]),
+    # chat turns after the first: restored where the previous turn's prompt ended (its last full
+    # block), or less (that checkpoint was evicted, or its blocks)
+    bs = engine.cfg.cache.block_size
+    plen = {r.request_id: len(r.prompt_token_ids) for r in done}
+    prev_end = [(r, plen.get(f"{r.request_id.rsplit('-t', 1)[0]}-t{int(r.request_id.rsplit('-t', 1)[1]) - 1}"))
+                for r in done if r.request_id.startswith("c") and not r.request_id.endswith("-t0")]
+    prev_end = [(r, n // bs * bs) for r, n in prev_end if n is not None]
+    return dict(requests=len(done), wall_s=wall, deep_hits=int(deep.sum()),
+                turns_at_previous_end=sum(r.num_cached_tokens >= q for r, q in prev_end),
+                turns_short_of_previous_end=sum(r.num_cached_tokens < q for r, q in prev_end),
+                checkpoint_evictions=st.get("mamba_checkpoint_evictions", 0),
+                block_evictions=st.get("prefix_cache_block_evictions", 0), ttft_p50_deep_hit_ms=p50(ttft[deep]),
                 ttft_p50_other_ms=p50(ttft[~deep]), ttft_p50_ms=float(np.percentile(ttft, 50)),
                 ttft_p99_ms=float(np.percentile(ttft, 99)), ttft_mean_ms=float(ttft.mean()),
                 prompt_tok_s=prompt / wall, gen_tok_s=gen / wall, prompt_tokens=prompt, gen_tokens=gen,

@@ -149,8 +149,9 @@ class CacheConfig:
     # prefix caching (docs/design.md, "Prefix caching"): KV blocks shared by hash chain, Mamba
     # checkpoints every ``mamba_checkpoint_interval`` blocks (and at each prompt's last full
     # block) in a pool of at most ``mamba_checkpoint_bytes`` (None: an eighth of the KV cache's
-    # bytes with the drafter's KV, 64 MiB to 4 GiB; on CUDA its share comes out of the KV budget: device_side's
-    # auto_checkpoint_bytes and checkpoint_reserve)
+    # bytes with the drafter's KV, 64 MiB to 4 GiB, at least max_num_seqs + 16 rows within a quarter of
+    # the KV; on CUDA its share comes out of the KV budget: device_side's auto_checkpoint_bytes,
+    # checkpoint_floor_bytes and checkpoint_reserve)
     enable_prefix_caching: bool = True
     mamba_checkpoint_interval: int = 64
     mamba_checkpoint_bytes: int | None = None
@@ -163,7 +164,8 @@ class CacheConfig:
                    allowed="an integer >= 1 (blocks between Mamba checkpoints)")
         if self.mamba_checkpoint_bytes is not None:
             _check_int("mamba_checkpoint_bytes", self.mamba_checkpoint_bytes, 1,
-                       allowed="None (auto: an eighth of the KV cache, 64 MiB to 4 GiB) or an integer >= 1")
+                       allowed="None (auto: an eighth of the KV cache, 64 MiB to 4 GiB, at least max_num_seqs + 16 rows) "
+                               "or an integer >= 1")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 2,
                        allowed="None (auto) or an integer >= 2 (block 0 is the null block)")

@@ -145,7 +145,7 @@ def _check_mamba_pool_fits(cfg: EngineConfig, n_attn: int, num_blocks: int, k: i
     pool_bytes = MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype)
     check_pool_fits(pool_bytes, free - kv_bytes, max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
     if cc.enable_prefix_caching:         # the checkpoint pool is allocated after both
-        ckpt = checkpoint_budget(cc, kv_bytes)
+        ckpt = checkpoint_budget(cfg, kv_bytes)
         left = free - kv_bytes - pool_bytes
         if ckpt > left:
             raise ValueError(
@@ -180,39 +180,59 @@ def _kv_budget(cfg: EngineConfig) -> int:
         import torch
         free, _ = torch.cuda.mem_get_info(cfg.device)
         budget = int(free * cc.kv_cache_memory_fraction)
-        return budget - checkpoint_reserve(cc, budget)
+        return budget - checkpoint_reserve(cc, budget, checkpoint_floor_bytes(cfg))
     return cc.kv_cache_bytes
 
 
 AUTO_CHECKPOINT_MIN_BYTES = 64 * 1024 ** 2
 AUTO_CHECKPOINT_MAX_BYTES = 4 * 1024 ** 3
+CHECKPOINT_SPARE_ROWS = 16      # the auto pool's rows beyond one per running request (saves in flight)
 
 
-def auto_checkpoint_bytes(kv_bytes: int) -> int:
+def auto_checkpoint_bytes(kv_bytes: int, floor_bytes: int = 0) -> int:
     """The Mamba checkpoint pool's default budget (``mamba_checkpoint_bytes=None``): an eighth of the
     KV cache's bytes, at least 64 MiB (small models and small KV pools keep a few rows per
-    request), at most 4 GiB. The pool always has at least one row, so on a large model with a
-    small KV cache a single row can exceed this (an 8B-shape row is ~97 MiB: 12 GiB held 126 rows
-    in benchmarks/results/2026-11-25-prefix-cache-8b-h100.md). On CUDA its share is taken out of
+    request), at most 4 GiB; and at least ``floor_bytes`` (``checkpoint_floor_bytes``: a row per
+    running request and ``CHECKPOINT_SPARE_ROWS`` more) where that is at most a quarter of the KV
+    cache's bytes. The pool always has at least one row, so on a large model with a small KV cache
+    a single row can exceed this (an 8B-shape row is ~97 MiB: 12 GiB held 126 rows in
+    benchmarks/results/2026-11-25-prefix-cache-8b-h100.md). On CUDA its share is taken out of
     the KV budget before the KV cache is sized (``checkpoint_reserve``)."""
-    return min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, kv_bytes // 8))
+    base = min(AUTO_CHECKPOINT_MAX_BYTES, max(AUTO_CHECKPOINT_MIN_BYTES, kv_bytes // 8))
+    return max(base, min(floor_bytes, kv_bytes // 4))
 
 
-def checkpoint_budget(cc, kv_bytes: int) -> int:
+def checkpoint_floor_bytes(cfg: EngineConfig) -> int:
+    """The auto pool's floor: ``max_num_seqs + CHECKPOINT_SPARE_ROWS`` rows of the target's
+    checkpoint (a draft model's own rows come out of the same bytes, so such an engine gets fewer).
+    Why: each conversation's next turn restores the checkpoint its last turn saved, and saves in
+    flight pin rows until their step commits; with fewer rows than that, the checkpoints of
+    conversations about to return are evicted, and their misses save more rows (interval and
+    divergence saves of the recomputed history), which evicts more. On the 8B shape with MTP the
+    eighth-of-KV pool (36 rows) under 32 conversations lost the previous turn's checkpoint in 161
+    of 224 turns, and caching on was slower than off; 52 rows lost 14
+    (benchmarks/results/2026-11-27-mixed-prefill-graphs-h100.md)."""
+    mc = cfg.model
+    shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
+    row = MambaCheckpoints.bytes_per_row(len(mc.mamba_layer_ids), *shape, cfg.dtype)
+    return (cfg.scheduler.max_num_seqs + CHECKPOINT_SPARE_ROWS) * row
+
+
+def checkpoint_budget(cfg: EngineConfig, kv_bytes: int) -> int:
     """The checkpoint pool's byte budget: ``mamba_checkpoint_bytes``, or when None
-    ``auto_checkpoint_bytes`` of a KV cache of ``kv_bytes``."""
-    given = cc.mamba_checkpoint_bytes
-    return auto_checkpoint_bytes(kv_bytes) if given is None else given
+    ``auto_checkpoint_bytes`` of a KV cache of ``kv_bytes`` with its floor."""
+    given = cfg.cache.mamba_checkpoint_bytes
+    return auto_checkpoint_bytes(kv_bytes, checkpoint_floor_bytes(cfg)) if given is None else given
 
 
-def checkpoint_reserve(cc, budget: int) -> int:
+def checkpoint_reserve(cc, budget: int, floor_bytes: int = 0) -> int:
     """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: what
     ``auto_checkpoint_bytes`` gives a KV cache of eight ninths of the budget (a ninth of it, within
-    the same bounds), at most half the budget; 0 when caching is off, the pool's size is given, or
-    ``num_kv_blocks`` fixes the KV cache."""
+    the same bounds; ``floor_bytes``: its floor), at most half the budget; 0 when caching is off,
+    the pool's size is given, or ``num_kv_blocks`` fixes the KV cache."""
     if not cc.enable_prefix_caching or cc.mamba_checkpoint_bytes is not None or cc.num_kv_blocks is not None:
         return 0
-    return min(budget // 2, auto_checkpoint_bytes(budget // 9 * 8))
+    return min(budget // 2, auto_checkpoint_bytes(budget // 9 * 8, floor_bytes))
 
 
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:
@@ -228,7 +248,7 @@ def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: 
     # checkpoint_reserve sized the pool's share from: counting the target's alone gave an MTP engine
     # on the 8B shape (4 attention layers + 1 in MTP) 28 rows where the reserve held ~36
     kv_bytes = caches.kv.bytes + num_blocks * drafter_footprint(cfg).kv_bytes_per_block
-    rows = max(1, min(checkpoint_budget(cc, kv_bytes) // max(row_bytes, 1), num_blocks - 1))
+    rows = max(1, min(checkpoint_budget(cfg, kv_bytes) // max(row_bytes, 1), num_blocks - 1))
     caches.checkpoints = MambaCheckpoints(n_mamba, rows, *shape, cfg.dtype, cfg.device)
     drafter.attach_checkpoints(rows)
     return rows, row_bytes

@@ -20,7 +20,10 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
    each step is a mixed step (decode rows + one prefill row in one graph, ``prefill_graphs``) and
    captures its key's graph now, not in a user's turn; once with one decoding request and once
    with one more than the smallest mixed decode-row count (``mixed_wave_anchors``: 1 and 5 when
-   the counts are 4, 16, ...). A chat turn's prefill beside up to 16 decoding conversations (its
+   the counts are 4, 16, ...). With speculation each new prompt makes the next step verify every
+   draft, so those waves capture full-width keys; with adaptive speculation the waves run once
+   more with the prompts every other step beside requests at rest (no drafts: the width a chat
+   turn meets beside resting conversations). A chat turn's prefill beside up to 16 decoding conversations (its
    new message after the restored checkpoint, one or two checkpoint saves) has one of those keys
    (decode rows padded to the mixed count, restores to one, saves to two: ``PrefillKey.of``); the
    captures that remain lazy are those of steps with more decode rows, or that save more than
@@ -45,9 +48,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .sampling_params import SamplingParams
+from .spec.adaptive import FixedDrafts
 
 logger = logging.getLogger("hybrid_engine")
 
+RESTING_STEPS = 8               # decode steps that bring a rejecting request's adaptive drafts to none
 WARMUP_TOKENS = 4               # new tokens per warm-up request: a few decode steps each
 MIXED_WARMUP_TOKENS = 512       # wave 4's longest prompt: a chat turn's new tokens after its restore
 SMALL_LENGTHS = (1, 2, 15, 16, 17, 31, 64, 100, 255, 256, 257)
@@ -107,9 +112,13 @@ def _drain(engine, reqs: list) -> int:
     return steps
 
 
-def _mixed_wave(engine, prompt, seed: int, anchors: int) -> tuple[int, int, int]:
+def _mixed_wave(engine, prompt, seed: int, anchors: int, resting: bool = False) -> tuple[int, int, int]:
     """Wave 4 (module docstring) beside ``anchors`` decoding requests -> (requests, prompt tokens,
-    steps)."""
+    steps). With speculation a step's width is chosen from the previous step's rows, and a new
+    request starts at every draft, so a prompt a step keeps every step at full width. ``resting``:
+    the anchors first decode alone for a few steps (random tokens: their drafts are rejected and
+    adaptive speculation brings them to no drafts), then a prompt arrives every other step, after
+    a step of the anchors alone: the width a chat turn meets beside conversations at rest."""
     sc = engine.cfg.scheduler
     # the anchors' decode rows (1 + K tokens each) share each step's budget with the new prompt
     lengths = [n for n in mixed_warmup_lengths(MIXED_WARMUP_TOKENS,
@@ -118,7 +127,8 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int) -> tuple[int, int, int]
     if sc.max_num_seqs < anchors + 1 or not lengths:
         return 0, 0, 0
     # the decoding rows: enough tokens to outlive the wave even when every draft is accepted
-    anchor = SamplingParams(max_tokens=(len(lengths) + 8) * (1 + engine.num_spec), ignore_eos=True, seed=seed)
+    anchor = SamplingParams(max_tokens=((2 if resting else 1) * len(lengths) + RESTING_STEPS + 8) * (1 + engine.num_spec),
+                            ignore_eos=True, seed=seed)
     # one output token: each prompt finishes in its prefill step, so every step is the anchors'
     # decode rows plus one new prefill row (no queue builds up behind max_num_seqs)
     once = SamplingParams(max_tokens=1, ignore_eos=True, seed=seed)
@@ -131,17 +141,18 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int) -> tuple[int, int, int]
         _drain(engine, reqs)
         return 0, 0, 0
     requests, tokens, steps = anchors, 8 * anchors, 0
-    for _ in range(2):                  # their prefill, then they decode
+    for _ in range(RESTING_STEPS if resting else 2):     # their prefill, then they decode
         engine.step()
         steps += 1
     for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
-        group = _admit(engine, prompt(n), once, f"warmup-mixed-{anchors}-{i}")
+        group = _admit(engine, prompt(n), once, f"warmup-mixed-{anchors}-{int(resting)}-{i}")
         if not group:
             continue
         reqs += group
         requests, tokens = requests + 1, tokens + n
-        engine.step()
-        steps += 1
+        for _ in range(2 if resting else 1):
+            engine.step()
+            steps += 1
     for a in range(anchors):
         engine.abort(f"warmup-mixed-anchor-{a}")
     return requests, tokens, steps + _drain(engine, reqs)
@@ -182,8 +193,11 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
                 tokens += len(ids)
         steps += _drain(engine, reqs)
     if engine.prefill_graphs is not None:
-        for anchors in mixed_wave_anchors(engine.prefill_graphs.decode_buckets) or [1]:
-            got = _mixed_wave(engine, prompt, seed, anchors)
+        counts = mixed_wave_anchors(engine.prefill_graphs.decode_buckets) or [1]
+        # adaptive speculation: conversations at rest (no drafts) meet a new turn at width 1
+        adaptive = engine.num_spec and not isinstance(engine.runner.policy, FixedDrafts)
+        for anchors, resting in [(a, False) for a in counts] + [(a, True) for a in counts if adaptive]:
+            got = _mixed_wave(engine, prompt, seed, anchors, resting=resting)
             requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
     engine.reset_stats()
     report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)

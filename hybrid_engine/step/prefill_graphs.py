@@ -53,7 +53,8 @@ from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 logger = logging.getLogger("hybrid_engine")
 
 MAX_GRAPH_TOKENS = 2048     # longer prefills are GPU-bound: their launches hide behind the kernels
-MAX_GRAPHS = 128            # the start-up warm-up captures ~32 (one per bucket up to 512 tokens)
+MAX_GRAPHS = 192            # the start-up warm-up captures ~64 (a mixed graph per bucket up to 512
+                            # tokens beside 1 and 5 decoding requests), ~128 with adaptive speculation
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -290,8 +291,9 @@ class PrefillGraphs:
         self.capture_s = 0.0              # seconds spent capturing (requests wait meanwhile)
         self._failed: set[PrefillKey] = set()     # keys whose capture raised: eager from then on
         # [prefill_bucket(max_tokens), D]: every graph's hidden output (one buffer, not one per graph:
-        # up to 128 of those would hold ~2 GB of an 8B model outside the KV budget)
+        # up to 192 of those would hold ~3 GB of an 8B model outside the KV budget)
         self._hidden_out: torch.Tensor | None = None
+        self._logits_out: torch.Tensor | None = None    # [rows, V]: every graph's logits output, likewise
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden [T, D], logits [L, V]) from a graph replay; None: the step does not qualify,
@@ -354,22 +356,34 @@ class PrefillGraphs:
         """-> (graph, hidden, logits) of ``self._forward(fresh())``, after one warm-up run of it on
         the harmless inputs ``fresh()`` holds (Triton compiles there). ``graph.replay()`` reruns the
         forward on whatever the static inputs hold then."""
-        warm, _ = self._forward(fresh())
-        # one hidden buffer for every graph (outside the pool); a mixed graph's decode rows need
-        # more rows than a prefill-only one: a larger buffer then (earlier graphs keep theirs)
-        if self._hidden_out is None or self._hidden_out.shape[0] < warm.shape[0]:
-            rows = max(prefill_bucket(self.max_tokens), warm.shape[0])
-            self._hidden_out = torch.empty((rows, warm.shape[1]), dtype=warm.dtype, device=self.device)
-        hidden_out = self._hidden_out[:warm.shape[0]]
-        del warm
+        warm_hidden, warm_logits = self._forward(fresh())
+        # one hidden and one logits buffer for every graph (outside the pool: a mixed graph's
+        # decode rows' logits are ~0.5 MB a token on the 8B shape's vocabulary, and ~100 graphs
+        # would keep theirs); a graph with more rows than the buffer has gets a larger one (earlier
+        # graphs keep theirs)
+        self._hidden_out = _at_least(self._hidden_out, warm_hidden, max(prefill_bucket(self.max_tokens),
+                                                                        warm_hidden.shape[0]))
+        self._logits_out = _at_least(self._logits_out, warm_logits, warm_logits.shape[0])
+        hidden_out = self._hidden_out[:warm_hidden.shape[0]]
+        logits_out = self._logits_out[:warm_logits.shape[0]]
+        del warm_hidden, warm_logits
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden, logits = self._forward(fresh())
-            hidden_out.copy_(hidden)     # the model's own output buffer returns to the pool
+            hidden_out.copy_(hidden)     # the model's own output buffers return to the pool
+            logits_out.copy_(logits)
         if self.pool is None:
             self.pool = graph.pool()
-        return graph, hidden_out, logits
+        return graph, hidden_out, logits_out
+
+
+def _at_least(buf: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+    """``buf`` if it has at least ``rows`` rows, else a new buffer of ``rows`` rows shaped and typed
+    as ``like``'s rows."""
+    if buf is not None and buf.shape[0] >= rows:
+        return buf
+    return torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
 
 
 @contextmanager

@@ -321,11 +321,13 @@ def test_auto_checkpoint_pool_comes_out_of_the_cuda_kv_budget(monkeypatch):
     default does not eat the memory left beside the budget; nothing is set aside when caching is
     off or the pool's size is given."""
     import types
+    import hybrid_engine.device_side as device_side
     from hybrid_engine.config import CacheConfig
     from hybrid_engine.device_side import _kv_budget, checkpoint_reserve
     gib = 1 << 30
     # 6 GiB free: budgets under the 4 GiB per-engine cap tests/conftest.py puts on CUDA engines
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * gib, 80 * gib))
+    monkeypatch.setattr(device_side, "checkpoint_floor_bytes", lambda cfg: 0)     # the eighth decides here
 
     def budget(**kw):
         return _kv_budget(types.SimpleNamespace(device=torch.device("cuda"), cache=CacheConfig(**kw)))
@@ -336,6 +338,37 @@ def test_auto_checkpoint_pool_comes_out_of_the_cuda_kv_budget(monkeypatch):
     assert checkpoint_reserve(CacheConfig(), 90 * gib) == 4 * gib
     assert checkpoint_reserve(CacheConfig(), 100 << 20) == 50 << 20   # floor 64 MiB, at most half
     assert checkpoint_reserve(CacheConfig(num_kv_blocks=64), 36 * gib) == 0
+    # a floor above the eighth is set aside, up to a quarter of the KV cache's share
+    assert checkpoint_reserve(CacheConfig(), 36 * gib, floor_bytes=5 * gib) == 5 * gib
+    assert checkpoint_reserve(CacheConfig(), 9 * gib, floor_bytes=5 * gib) == 2 * gib
+    monkeypatch.setattr(device_side, "checkpoint_floor_bytes", lambda cfg: 2 * gib)
+    assert budget() == 3 * gib - 2 * gib // 3         # a quarter of eight ninths of the 3 GiB budget
+    assert budget(mamba_checkpoint_bytes=gib) == 3 * gib
+
+
+def test_the_auto_pool_keeps_a_row_per_running_request_and_spares(hybrid_dir, monkeypatch):
+    """The auto pool holds at least ``max_num_seqs + CHECKPOINT_SPARE_ROWS`` rows where that is at
+    most a quarter of the KV cache's bytes: fewer rows than conversations lose the checkpoints of
+    the ones about to return (the 8B shape with MTP: 36 rows under 32 conversations, caching on
+    slower than off). The 64 MiB minimum is lifted so that the tiny model's eighth is below the
+    floor."""
+    import hybrid_engine.device_side as device_side
+    from hybrid_engine.device_side import CHECKPOINT_SPARE_ROWS, auto_checkpoint_bytes
+    assert auto_checkpoint_bytes(8 << 30, floor_bytes=3 << 30) == 2 << 30     # a quarter at most
+    assert auto_checkpoint_bytes(8 << 30, floor_bytes=3 << 29) == 3 << 29
+    assert auto_checkpoint_bytes(64 << 30, floor_bytes=5 << 30) == 5 << 30    # past the 4 GiB cap
+    assert auto_checkpoint_bytes(8 << 30, floor_bytes=1 << 20) == 1 << 30     # the eighth is more
+    monkeypatch.setattr(device_side, "AUTO_CHECKPOINT_MIN_BYTES", 0)
+    rows = {}
+    for seqs in (2, 24):
+        eng = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=seqs, block_size=BS, num_kv_blocks=4000,
+                  max_num_batched_tokens=256).engine
+        st = eng.stats(expert_load=False)
+        rows[seqs] = n = st["mamba_checkpoints_total"]
+        row_bytes = st["mamba_checkpoint_bytes"] // n
+        eighth = eng.caches.kv.bytes // 8 // row_bytes
+        assert n == max(eighth, min(seqs + CHECKPOINT_SPARE_ROWS, eng.caches.kv.bytes // 4 // row_bytes)), (n, eighth)
+    assert rows[24] > rows[2] and rows[24] == 24 + CHECKPOINT_SPARE_ROWS, rows
 
 
 def test_each_turn_restores_where_the_previous_turn_ended_with_a_small_pool(hybrid_dir):

@@ -3,6 +3,7 @@ engine, leaves nothing behind (no request, block, slot or row held; counters at 
 engine then serves exactly as one that never warmed up (greedy tokens equal, with and without
 speculation; sampled tokens of requests without their own seed equal too: the engine's seed stream
 is untouched); requests the engine's limits refuse are skipped, not fatal."""
+import numpy as np
 import pytest
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
@@ -92,6 +93,12 @@ def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
     eng = llm.engine
     pg = install_reruns(llm)
     assert eng.prefill_graphs is pg
+    if spec is not None:     # every draft rejected, as on random weights: the rows come to rest
+        policy, real_observe = eng.runner.policy, eng.runner.policy.observe
+
+        def rejecting(token, num_valid):
+            real_observe(token, np.ones_like(num_valid))
+        monkeypatch.setattr(policy, "observe", rejecting)
     seen = []                                    # (key, replayed) of every prefill-graph call in wave 4
     real_wave, real_forward = warmup._mixed_wave, pg.forward
 
@@ -101,10 +108,11 @@ def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
                      got is not None))
         return got
 
-    def wave(*a):
+    def wave(*a, **kw):
         mixed0 = pg.mixed_steps
         monkeypatch.setattr(pg, "forward", logged_forward)
-        out = real_wave(*a)
+        seen.append(("wave", kw.get("resting", False)))
+        out = real_wave(*a, **kw)
         monkeypatch.setattr(pg, "forward", real_forward)
         wave_mixed.append(pg.mixed_steps - mixed0)
         return out
@@ -114,9 +122,22 @@ def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
     warm_up(eng)
     lengths = warmup.mixed_warmup_lengths(512, 128 - 1 - eng.num_spec)
     assert lengths == ([15, 31, 47, 63, 79, 95, 111, 127] if spec is None else [15, 31, 47, 63, 79, 95, 111])
-    assert wave_mixed == [len(lengths)] and eng.runner.executor.splits == 0, wave_mixed
+    # with MTP (adaptive) one more wave beside a request at rest
+    assert wave_mixed == [len(lengths)] * (1 if spec is None else 2) and eng.runner.executor.splits == 0, wave_mixed
+    waves = [i for i, (k, _) in enumerate(seen) if k == "wave"]
+    widths = [{k.decode_len for k, ok in seen[i + 1:j] if ok and k is not None and k.decode_rows}
+              for i, j in zip(waves, waves[1:] + [len(seen)])]
+    if spec is not None:
+        # a new prompt each step: every step verifies both drafts (a fresh request's wish); prompts
+        # every other step beside an anchor at rest (its drafts all rejected): no drafts
+        assert widths[0] == {3} and widths[1] == {1}, widths
+    seen = [x for x in seen if x[0] != "wave"]
     replayed = {(k.bucket, k.decode_rows, k.restores, k.logits) for k, ok in seen if ok and k is not None}
     assert {(n + 1, 4, 1, 1) for n in lengths} <= replayed, sorted(replayed)
+    if spec is not None:
+        for width in (1, 3):
+            got = {k.bucket for k, ok in seen if ok and k is not None and k.decode_len == width and k.logits == 1}
+            assert {n + 1 for n in lengths} <= got, (width, sorted(got))
     assert all(k.saves in (0, 2, 4, 8, 16, 32) for k in pg.graphs), list(pg.graphs)
     assert all(not bad for _, bad in pg.captured)
     assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
