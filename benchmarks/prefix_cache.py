@@ -164,7 +164,13 @@ def run_single(engine, args, rng, vocab):
 SCENARIOS = {"chat": run_chat, "nosharing": run_nosharing, "single": run_single}
 
 
-def summarize(done, wall, engine, kinds: collections.Counter):
+def evictions(engine) -> tuple[int, int]:
+    """(checkpoint, KV block) evictions so far (cumulative counters: a scenario takes differences)."""
+    st = engine.stats(expert_load=False)
+    return st.get("mamba_checkpoint_evictions", 0), st.get("prefix_cache_block_evictions", 0)
+
+
+def summarize(done, wall, engine, kinds: collections.Counter, evictions0: tuple[int, int] = (0, 0)):
     ttft = np.array([r.metrics.first_token_time - r.metrics.arrival_time for r in done]) * 1e3
     st = engine.stats(expert_load=False)
     prompt = sum(len(r.prompt_token_ids) for r in done)
@@ -182,8 +188,8 @@ def summarize(done, wall, engine, kinds: collections.Counter):
     return dict(requests=len(done), wall_s=wall, deep_hits=int(deep.sum()),
                 turns_at_previous_end=sum(r.num_cached_tokens >= q for r, q in prev_end),
                 turns_short_of_previous_end=sum(r.num_cached_tokens < q for r, q in prev_end),
-                checkpoint_evictions=st.get("mamba_checkpoint_evictions", 0),
-                block_evictions=st.get("prefix_cache_block_evictions", 0), ttft_p50_deep_hit_ms=p50(ttft[deep]),
+                checkpoint_evictions=st.get("mamba_checkpoint_evictions", 0) - evictions0[0],
+                block_evictions=st.get("prefix_cache_block_evictions", 0) - evictions0[1], ttft_p50_deep_hit_ms=p50(ttft[deep]),
                 ttft_p50_other_ms=p50(ttft[~deep]), ttft_p50_ms=float(np.percentile(ttft, 50)),
                 ttft_p99_ms=float(np.percentile(ttft, 99)), ttft_mean_ms=float(ttft.mean()),
                 prompt_tok_s=prompt / wall, gen_tok_s=gen / wall, prompt_tokens=prompt, gen_tokens=gen,
@@ -234,9 +240,9 @@ class ScheduleLog:
         st = np.array(self.steps, dtype=float).reshape(-1, 4)
         gaps = np.diff(st[:, 0]) * 1e3 if len(st) > 1 else np.zeros(0)   # schedule to schedule: one step
         has_pf = st[:-1, 2] > 0 if len(st) > 1 else np.zeros(0, dtype=bool)
+        chunks = [self.chunks[r.request_id] for r in done]
         out = dict(queue_p50_ms=p50(np.array(queue) * 1e3), first_chunk_to_token_p50_ms=p50(np.array(run) * 1e3),
-                   computed_tokens_p50=p50(computed), prefill_chunks_mean=float(np.mean([self.chunks[r.request_id]
-                                                                                          for r in done])),
+                   computed_tokens_p50=p50(computed), prefill_chunks_mean=float(np.mean(chunks)) if chunks else 0.0,
                    step_ms_p50=p50(gaps), step_ms_p50_with_prefill=p50(gaps[has_pf]),
                    step_ms_p50_decode_only=p50(gaps[~has_pf]), steps=len(st),
                    decode_rows_mean=float(st[:, 1].mean()) if len(st) else 0.0,
@@ -370,7 +376,7 @@ def main():
                     engine.scheduler.blocks.reset_cache()
                 rng = np.random.default_rng(0)
                 log.take([])                             # earlier steps dropped
-                compiled = triton_compiled(args.device)
+                compiled, ev0 = triton_compiled(args.device), evictions(engine)
                 _sync(args.device)
                 t0 = time.perf_counter()
                 done = SCENARIOS[scenario](engine, args, rng, vocab)
@@ -378,7 +384,7 @@ def main():
                 row = dict(scenario=scenario, mtp=k, caching=on, prefill_graphs=not args.no_prefill_graphs,
                            think_time_s=args.think_time if scenario == "chat" else 0.0,
                            single_vary=bool(args.single_vary and scenario == "single"),
-                           **summarize(done, time.perf_counter() - t0, engine, kinds),
+                           **summarize(done, time.perf_counter() - t0, engine, kinds, ev0),
                            triton_compiles=triton_compiled(args.device) - compiled, **log.take(done))
                 results.append(row)
                 print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)

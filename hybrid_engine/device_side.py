@@ -204,7 +204,9 @@ def auto_checkpoint_bytes(kv_bytes: int, floor_bytes: int = 0) -> int:
 
 def checkpoint_floor_bytes(cfg: EngineConfig) -> int:
     """The auto pool's floor: ``max_num_seqs + CHECKPOINT_SPARE_ROWS`` rows of the target's
-    checkpoint (a draft model's own rows come out of the same bytes, so such an engine gets fewer).
+    checkpoint (a draft model's own rows come out of the same bytes, so such an engine gets fewer);
+    none when ``num_kv_blocks`` fixes the KV cache (nothing is reserved for the pool then, so a
+    larger pool would take memory the user did not plan for).
     Why: each conversation's next turn restores the checkpoint its last turn saved, and saves in
     flight pin rows until their step commits; with fewer rows than that, the checkpoints of
     conversations about to return are evicted, and their misses save more rows (interval and
@@ -212,6 +214,8 @@ def checkpoint_floor_bytes(cfg: EngineConfig) -> int:
     eighth-of-KV pool (36 rows) under 32 conversations lost the previous turn's checkpoint in 161
     of 224 turns, and caching on was slower than off; 52 rows lost 14
     (benchmarks/results/2026-11-27-mixed-prefill-graphs-h100.md)."""
+    if cfg.cache.num_kv_blocks is not None:
+        return 0                    # the user sized the KV cache: the pool stays an eighth of it
     mc = cfg.model
     shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
     row = MambaCheckpoints.bytes_per_row(len(mc.mamba_layer_ids), *shape, cfg.dtype)
@@ -227,12 +231,14 @@ def checkpoint_budget(cfg: EngineConfig, kv_bytes: int) -> int:
 
 def checkpoint_reserve(cc, budget: int, floor_bytes: int = 0) -> int:
     """Bytes of a CUDA KV budget set aside for the auto-sized checkpoint pool: what
-    ``auto_checkpoint_bytes`` gives a KV cache of eight ninths of the budget (a ninth of it, within
-    the same bounds; ``floor_bytes``: its floor), at most half the budget; 0 when caching is off,
-    the pool's size is given, or ``num_kv_blocks`` fixes the KV cache."""
+    ``auto_checkpoint_bytes`` gives the KV cache that is left (an eighth of eight ninths of the
+    budget: a ninth of it, within the same bounds; a floor of ``floor_bytes`` where that is at
+    most a quarter of what is left: a fifth of the budget), at most half the budget; 0 when
+    caching is off, the pool's size is given, or ``num_kv_blocks`` fixes the KV cache. So the pool
+    ``_attach_checkpoints`` builds from the KV cache left is what was reserved."""
     if not cc.enable_prefix_caching or cc.mamba_checkpoint_bytes is not None or cc.num_kv_blocks is not None:
         return 0
-    return min(budget // 2, auto_checkpoint_bytes(budget // 9 * 8, floor_bytes))
+    return min(budget // 2, auto_checkpoint_bytes(budget // 9 * 8, min(floor_bytes, budget // 5)))
 
 
 def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: int) -> tuple[int, int]:

@@ -86,7 +86,8 @@ class CudaGraphExecutor(EagerExecutor):
         self.prefill = (PrefillGraphs(lambda fb: EagerExecutor.forward(self, fb), max_blocks=max_blocks,
                                       max_model_len=max_model_len, device=device,
                                       pad_restores=ckpts is not None and ckpts.num_rows > 0,
-                                      decode_buckets=mixed_decode_buckets(self.buckets))
+                                      decode_buckets=mixed_decode_buckets(self.buckets),
+                                      max_decode_len=self.max_tokens_per_row)
                         if prefill_graphs else None)
         if self.prefill is not None:
             logger.info("prefill CUDA graphs: one prefill row of up to %d tokens, alone or beside %s decode rows "

@@ -55,6 +55,8 @@ logger = logging.getLogger("hybrid_engine")
 MAX_GRAPH_TOKENS = 2048     # longer prefills are GPU-bound: their launches hide behind the kernels
 MAX_GRAPHS = 192            # the start-up warm-up captures ~64 (a mixed graph per bucket up to 512
                             # tokens beside 1 and 5 decoding requests), ~128 with adaptive speculation
+PREFILL_ONLY_SLOTS = 32     # of those, kept for prefill-only keys (a request at an idle engine: its
+                            # TTFT), which mixed keys may not take; a mixed step then splits
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -274,14 +276,16 @@ class PrefillGraphs:
 
     def __init__(self, forward, *, max_blocks: int, max_model_len: int, device: torch.device,
                  max_tokens: int = MAX_GRAPH_TOKENS, max_graphs: int = MAX_GRAPHS, pad_restores: bool = False,
-                 decode_buckets: tuple[int, ...] = ()):
+                 decode_buckets: tuple[int, ...] = (), max_decode_len: int = 1):
         """``forward(fb) -> (hidden [T, D], logits [L, V])``: the eager forward to capture.
         ``pad_restores``: the model has checkpoint storage, so every graph restores one row (see
         ``PrefillKey.of``). ``decode_buckets``: the decode-row counts of mixed graphs (a step of
-        decode rows and one prefill row in one forward; ``mixed_decode_buckets``); empty: none."""
+        decode rows and one prefill row in one forward; ``mixed_decode_buckets``); empty: none.
+        ``max_decode_len``: the widest decode row (1 + K)."""
         self._forward = forward
         self.pad_restores = pad_restores
         self.decode_buckets = tuple(sorted(decode_buckets))
+        self.max_decode_tokens = (self.decode_buckets[-1] * max_decode_len) if self.decode_buckets else 0
         self.mixed_steps = 0              # steps of decode rows and a prefill row replayed as one graph
         self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
@@ -308,6 +312,8 @@ class PrefillGraphs:
         if g is None:
             if key in self._failed:
                 return None
+            if key.decode_rows and len(self.graphs) >= self.max_graphs - PREFILL_ONLY_SLOTS:
+                return None                   # the last slots are kept for prefill-only keys: split
             if len(self.graphs) >= self.max_graphs:
                 if not self._full_logged:
                     self._full_logged = True
@@ -361,9 +367,10 @@ class PrefillGraphs:
         # decode rows' logits are ~0.5 MB a token on the 8B shape's vocabulary, and ~100 graphs
         # would keep theirs); a graph with more rows than the buffer has gets a larger one (earlier
         # graphs keep theirs)
-        self._hidden_out = _at_least(self._hidden_out, warm_hidden, max(prefill_bucket(self.max_tokens),
-                                                                        warm_hidden.shape[0]))
-        self._logits_out = _at_least(self._logits_out, warm_logits, warm_logits.shape[0])
+        most = self.max_decode_tokens
+        self._hidden_out = _at_least(self._hidden_out, warm_hidden, warm_hidden.shape[0],
+                                     prefill_bucket(self.max_tokens) + most)
+        self._logits_out = _at_least(self._logits_out, warm_logits, warm_logits.shape[0], most + 1)
         hidden_out = self._hidden_out[:warm_hidden.shape[0]]
         logits_out = self._logits_out[:warm_logits.shape[0]]
         del warm_hidden, warm_logits
@@ -378,12 +385,15 @@ class PrefillGraphs:
         return graph, hidden_out, logits_out
 
 
-def _at_least(buf: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
-    """``buf`` if it has at least ``rows`` rows, else a new buffer of ``rows`` rows shaped and typed
-    as ``like``'s rows."""
+def _at_least(buf: torch.Tensor | None, like: torch.Tensor, rows: int, most: int) -> torch.Tensor:
+    """``buf`` if it has at least ``rows`` rows, else a new buffer shaped and typed as ``like``'s
+    rows: of ``rows`` rows the first time (prefill-only graphs need few), of ``max(rows, most)``
+    after (the most any graph needs: one growth at most, as earlier graphs keep the buffer they
+    captured)."""
     if buf is not None and buf.shape[0] >= rows:
         return buf
-    return torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    n = rows if buf is None else max(rows, most)
+    return torch.empty((n, *like.shape[1:]), dtype=like.dtype, device=like.device)
 
 
 @contextmanager

@@ -200,6 +200,70 @@ def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
     assert PrefillKey.of(step(13, 3), 12) is None
 
 
+@pytest.mark.parametrize("spec, mixed", [(None, "padded"), ("mtp", "padded"), (None, "exact")])
+def test_a_mixed_replay_returns_the_eager_forwards_hidden_states_and_logits(hybrid_dir, spec, mixed):
+    """Every mixed step's replay against the eager forward of the same batch from the same caches:
+    the hidden states of every token (what MTP and prompt logprobs read) and the logits, in the
+    step's order (decode rows, then the prefill row: the pad decode rows between them dropped), and
+    the caches both leave behind."""
+    from hybrid_engine import SpeculativeConfig
+    from hybrid_engine.step.graphs import EagerExecutor
+    from prefill_graph_harness import _snapshot
+    llm = small_engine(hybrid_dir, speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
+    pg = install_reruns(llm, decode_buckets={"padded": None, "exact": (1,)}[mixed])
+    eng, caches = llm.engine, llm.engine.runner.executor.caches
+    real, checked = pg.forward, []
+
+    def restore(snap):
+        ck = caches.checkpoints
+        for dst, src in ((caches.mamba.conv_all, snap["conv"]), (caches.mamba.ssm_all, snap["ssm"]),
+                         (ck.conv_all, snap["ck_conv"]), (ck.ssm_all, snap["ck_ssm"]),
+                         *zip(caches.kv.k, snap["k"]), *zip(caches.kv.v, snap["v"])):
+            dst.copy_(src)
+
+    def compare(fb):
+        if not fb.mamba.num_decode_rows:
+            return real(fb)
+        before = _snapshot(caches)
+        want_h, want_l = (t.clone() for t in EagerExecutor.forward(eng.runner.executor, fb))
+        after = _snapshot(caches)
+        restore(before)
+        got = real(fb)
+        if got is None:
+            return None
+        torch.testing.assert_close(got[0], want_h, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want_l, rtol=1e-5, atol=1e-5)
+        now = _snapshot(caches)
+        live = [x for x in range(now["conv"].shape[1]) if x != NULL_SLOT]     # NULL_SLOT: scratch
+        for name in ("conv", "ssm"):
+            torch.testing.assert_close(now[name][:, live], after[name][:, live], rtol=1e-5, atol=1e-5)
+        for name in ("ck_conv", "ck_ssm"):
+            torch.testing.assert_close(now[name], after[name], rtol=1e-5, atol=1e-5)
+        for a, b in zip(now["k"] + now["v"], after["k"] + after["v"]):
+            torch.testing.assert_close(a[1:], b[1:], rtol=1e-5, atol=1e-5)        # block 0: the null block
+        checked.append(fb.mamba.num_decode_rows)
+        return got
+    pg.forward = compare
+    rng = np.random.default_rng(12)
+    system = rng.integers(3, 256, 17).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
+    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
+                              lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
+    assert got == hf_greedy(hybrid_dir, prompts, 6)
+    assert len(checked) >= 2 and pg.mixed_steps >= 2, (checked, pg.mixed_steps)
+
+
+def test_graph_output_buffers_grow_once_to_the_most_any_graph_needs():
+    from hybrid_engine.step.prefill_graphs import _at_least
+    like = torch.zeros(3, 5, dtype=torch.float16)
+    first = _at_least(None, like, 3, 40)
+    assert first.shape == (3, 5) and first.dtype == torch.float16          # prefill-only graphs need few
+    assert _at_least(first, like[:2], 2, 40) is first
+    grown = _at_least(first, torch.zeros(7, 5, dtype=torch.float16), 7, 40)
+    assert grown.shape == (40, 5)                                          # the most, at once
+    assert _at_least(grown, like, 39, 40) is grown and _at_least(grown, like, 50, 40).shape == (50, 5)
+
+
 def test_a_mixed_step_loads_its_decode_rows_first_then_pad_rows_then_the_prefill_row():
     """Two verify rows of 3 tokens and a prefill row of 5 tokens in a mixed graph of 4 decode
     rows: the real rows keep their places, the two pad rows are a decode graph's (token 0, the

@@ -338,12 +338,16 @@ def test_auto_checkpoint_pool_comes_out_of_the_cuda_kv_budget(monkeypatch):
     assert checkpoint_reserve(CacheConfig(), 90 * gib) == 4 * gib
     assert checkpoint_reserve(CacheConfig(), 100 << 20) == 50 << 20   # floor 64 MiB, at most half
     assert checkpoint_reserve(CacheConfig(num_kv_blocks=64), 36 * gib) == 0
-    # a floor above the eighth is set aside, up to a quarter of the KV cache's share
+    # a floor above the eighth is set aside, up to a fifth of the budget (a quarter of the KV left)
     assert checkpoint_reserve(CacheConfig(), 36 * gib, floor_bytes=5 * gib) == 5 * gib
-    assert checkpoint_reserve(CacheConfig(), 9 * gib, floor_bytes=5 * gib) == 2 * gib
+    assert checkpoint_reserve(CacheConfig(), 9 * gib, floor_bytes=5 * gib) == 9 * gib // 5
     monkeypatch.setattr(device_side, "checkpoint_floor_bytes", lambda cfg: 2 * gib)
-    assert budget() == 3 * gib - 2 * gib // 3         # a quarter of eight ninths of the 3 GiB budget
+    assert budget() == 3 * gib - 3 * gib // 5
     assert budget(mamba_checkpoint_bytes=gib) == 3 * gib
+    # what is reserved is what the pool built from the KV cache left takes
+    for b, f in ((9 * gib, 5 * gib), (50 * gib, 21 * gib // 2), (36 * gib, 5 * gib), (36 * gib, 0), (3 * gib, gib)):
+        r = checkpoint_reserve(CacheConfig(), b, floor_bytes=f)
+        assert abs(device_side.auto_checkpoint_bytes(b - r, f) - r) <= 8, (b, f, r)
 
 
 def test_the_auto_pool_keeps_a_row_per_running_request_and_spares(hybrid_dir, monkeypatch):
@@ -361,7 +365,7 @@ def test_the_auto_pool_keeps_a_row_per_running_request_and_spares(hybrid_dir, mo
     monkeypatch.setattr(device_side, "AUTO_CHECKPOINT_MIN_BYTES", 0)
     rows = {}
     for seqs in (2, 24):
-        eng = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=seqs, block_size=BS, num_kv_blocks=4000,
+        eng = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=seqs, block_size=BS, kv_cache_bytes=8 << 20,
                   max_num_batched_tokens=256).engine
         st = eng.stats(expert_load=False)
         rows[seqs] = n = st["mamba_checkpoints_total"]
@@ -369,6 +373,12 @@ def test_the_auto_pool_keeps_a_row_per_running_request_and_spares(hybrid_dir, mo
         eighth = eng.caches.kv.bytes // 8 // row_bytes
         assert n == max(eighth, min(seqs + CHECKPOINT_SPARE_ROWS, eng.caches.kv.bytes // 4 // row_bytes)), (n, eighth)
     assert rows[24] > rows[2] and rows[24] == 24 + CHECKPOINT_SPARE_ROWS, rows
+    # num_kv_blocks sizes the KV cache by hand: no floor (nothing was reserved for it), an eighth
+    fixed = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=24, block_size=BS, max_num_batched_tokens=256,
+                num_kv_blocks=eng.scheduler.blocks.num_total + 1).engine
+    st = fixed.stats(expert_load=False)
+    assert st["mamba_checkpoints_total"] == fixed.caches.kv.bytes // 8 // (st["mamba_checkpoint_bytes"] //
+                                                                          st["mamba_checkpoints_total"]) < rows[24]
 
 
 def test_each_turn_restores_where_the_previous_turn_ended_with_a_small_pool(hybrid_dir):
