@@ -10,7 +10,7 @@ sampling and the drafters' eager paths compile on first sight. On the 8B shape o
 put 1-6 s into a request's time to first token the first time a new shape came
 (benchmarks/results/2026-11-26-serve-h200.md).
 
-What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``ignore_eos``:
+What: waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``ignore_eos``:
 1. every length of ``warmup_lengths`` at once, greedy: multi-request prefill chunks, mixed steps
    (later prompts' chunks next to earlier ones' decodes), decode batches of several sizes;
 2. a few lengths one at a time: single-request prefill and batch-1 decode;
@@ -28,6 +28,9 @@ What: three waves of random-token prompts, ``WARMUP_TOKENS`` new tokens each, ``
    (decode rows padded to the mixed count, restores to one, saves to two: ``PrefillKey.of``); the
    captures that remain lazy are those of steps with more decode rows, or that save more than
    twice, or compute no logits.
+5. with prefill CUDA graphs: one prompt per bucket up to ``MIXED_WARMUP_TOKENS``, each alone at an
+   idle engine, so a request that arrives at an idle server (a prefill-only step: the TTFT of a
+   cached prefix) replays a graph captured now.
 
 Every request carries its own seed, so the engine's seed stream is untouched and later sampled
 requests get the seeds they would have had without a warm-up. Requests the engine's limits refuse
@@ -158,6 +161,21 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int, resting: bool = False) 
     return requests, tokens, steps + _drain(engine, reqs)
 
 
+def _idle_wave(engine, prompt, seed: int) -> tuple[int, int, int]:
+    """Wave 5 (module docstring): one prompt per prefill-graph bucket up to ``MIXED_WARMUP_TOKENS``,
+    each alone at an idle engine (a prefill-only step) -> (requests, prompt tokens, steps)."""
+    lengths = [n for n in mixed_warmup_lengths(MIXED_WARMUP_TOKENS, engine.cfg.scheduler.max_num_batched_tokens)
+               if n + 2 <= engine.max_model_len]
+    once = SamplingParams(max_tokens=1, ignore_eos=True, seed=seed)
+    requests = tokens = steps = 0
+    for i, n in enumerate(lengths):
+        group = _admit(engine, prompt(n), once, f"warmup-idle-{i}")
+        if group:
+            requests, tokens = requests + 1, tokens + n
+            steps += _drain(engine, group)
+    return requests, tokens, steps
+
+
 def mixed_wave_anchors(decode_buckets: tuple[int, ...]) -> list[int]:
     """Decoding requests of each run of wave 4: one per mixed decode-row count of the first two
     (a chat step has a few decode rows: 1 fills the smallest count, one more than it the next)."""
@@ -199,6 +217,8 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
         for anchors, resting in [(a, False) for a in counts] + [(a, True) for a in counts if adaptive]:
             got = _mixed_wave(engine, prompt, seed, anchors, resting=resting)
             requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
+        got = _idle_wave(engine, prompt, seed)
+        requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
     engine.reset_stats()
     report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)
     logger.info("warm-up: %d requests, %d prompt tokens, %d steps in %.1f s", report.requests,

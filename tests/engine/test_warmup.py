@@ -139,6 +139,9 @@ def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
             got = {k.bucket for k, ok in seen if ok and k is not None and k.decode_len == width and k.logits == 1}
             assert {n + 1 for n in lengths} <= got, (width, sorted(got))
     assert all(k.saves in (0, 2, 4, 8, 16, 32) for k in pg.graphs), list(pg.graphs)
+    # wave 5: each bucket's prefill-only key (a request alone at an idle engine)
+    alone = {k.bucket for k in pg.graphs if not k.decode_rows and k.logits == 1}
+    assert {n + 1 for n in warmup.mixed_warmup_lengths(512, 128)} <= alone, sorted(alone)
     assert all(not bad for _, bad in pg.captured)
     assert not eng.has_work() and eng.requests() == [] and eng.occupancy() == free
     prompts = [list(range(3, 40)), [9, 10, 11] * 7]
