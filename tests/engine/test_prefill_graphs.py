@@ -64,6 +64,17 @@ def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, a
     assert pg.replays > len(keys) and sum(c > 0 for c in cached) >= 5, (pg.replays, cached)
 
 
+def serve_four_arrivals(eng, hybrid_dir):
+    """Four prompts over one system prompt, each arriving while another request decodes (steps of
+    decode rows and a prefill row); greedy tokens equal transformers'."""
+    rng = np.random.default_rng(12)
+    system = rng.integers(3, 256, 17).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
+    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
+                              lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
+    assert got == hf_greedy(hybrid_dir, prompts, 6)
+
+
 @pytest.mark.parametrize("async_scheduling, spec, mixed", [
     (True, None, "padded"), (False, None, "padded"), (True, "mtp", "padded"), (True, "ngram", "padded"),
     (True, None, "exact"), (True, "mtp", "exact"), (True, None, "split"), (False, None, "split"),
@@ -81,12 +92,7 @@ def test_decode_rows_beside_a_prefill_row_replay_one_mixed_graph_or_split(hybrid
                        speculative_config=None if spec is None else SpeculativeConfig(spec, 2))
     pg = install_reruns(llm, decode_buckets={"padded": None, "exact": (1,), "split": ()}[mixed])
     eng = llm.engine
-    rng = np.random.default_rng(12)
-    system = rng.integers(3, 256, 17).tolist()
-    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
-    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
-                              lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
-    assert got == hf_greedy(hybrid_dir, prompts, 6)
+    serve_four_arrivals(eng, hybrid_dir)
     splits, mixed_keys = eng.runner.executor.splits, [k for k in pg.graphs if k.decode_rows]
     if mixed == "split":
         assert splits >= 2 and not mixed_keys and pg.mixed_steps == 0, (splits, list(pg.graphs))
@@ -244,12 +250,7 @@ def test_a_mixed_replay_returns_the_eager_forwards_hidden_states_and_logits(hybr
         checked.append(fb.mamba.num_decode_rows)
         return got
     pg.forward = compare
-    rng = np.random.default_rng(12)
-    system = rng.integers(3, 256, 17).tolist()
-    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (4, 9, 2, 14)]
-    got = serve_with_arrivals(eng, prompts, SamplingParams(max_tokens=6, ignore_eos=True),
-                              lambda e: len(e.scheduler.running) < 2 and e._stats["steps"] % 3 == 2)
-    assert got == hf_greedy(hybrid_dir, prompts, 6)
+    serve_four_arrivals(eng, hybrid_dir)
     assert len(checked) >= 2 and pg.mixed_steps >= 2, (checked, pg.mixed_steps)
 
 
