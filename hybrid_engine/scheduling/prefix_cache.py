@@ -143,9 +143,12 @@ class PrefixCache(NoPrefixCache):
 
     def is_boundary(self, q: int, target: int) -> bool:
         """Checkpoints are saved at these token counts: every ``interval`` blocks, and the last
-        full block of the prefill target (the next turn of a chat resumes there)."""
+        full block of the prefill target whose hash is known (the next turn of a chat resumes
+        there). With the MTP lookahead a block's hash needs the token after it, so a target that
+        ends on a block boundary saves one block earlier: without that its turn saved no end at
+        all, and the next turn restored a turn further back."""
         bs = self.block_size
-        return q > 0 and q % bs == 0 and (q % (self.interval * bs) == 0 or q == target // bs * bs)
+        return q > 0 and q % bs == 0 and (q % (self.interval * bs) == 0 or q == (target - self.lookahead) // bs * bs)
 
     # ---- admission ----------------------------------------------------------------------------
     def begin_step(self) -> None:

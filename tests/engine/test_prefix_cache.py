@@ -381,6 +381,29 @@ def test_the_auto_pool_keeps_a_row_per_running_request_and_spares(hybrid_dir, mo
                                                                           st["mamba_checkpoints_total"]) < rows[24]
 
 
+def test_with_mtp_a_prompt_ending_on_a_block_boundary_saves_its_last_hashable_block(hybrid_dir):
+    """MTP hashes a block with the token after it, so a prompt whose length is a multiple of the
+    block size cannot hash its last block: it saves its end one block earlier, and the next turn
+    restores there (before, it saved no end and the next turn restored a turn further back).
+    Greedy tokens equal transformers'."""
+    from hybrid_engine import SpeculativeConfig
+    llm = make_engine(hybrid_dir, on=True, spec=SpeculativeConfig("mtp", 2), blocks=600, interval=64)
+    rng = np.random.default_rng(3)
+    convo = rng.integers(3, 256, 2 * BS).tolist()
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    prev_len = None
+    for turn in range(4):
+        prompt = convo + rng.integers(3, 256, (-(len(convo)) % BS) or BS).tolist()   # ends on a boundary
+        assert len(prompt) % BS == 0
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(hybrid_dir, [prompt], 3)[0], turn
+        if prev_len is not None:
+            assert out.num_cached_tokens == prev_len - BS, (turn, out.num_cached_tokens, prev_len)
+        prev_len = len(prompt)
+        convo = prompt + out.outputs[0].token_ids
+    assert_drained(llm)
+
+
 def test_each_turn_restores_where_the_previous_turn_ended_with_a_small_pool(hybrid_dir):
     """Four conversations over one system prompt take turns, one request at a time, on a pool of
     7 checkpoint rows with a checkpoint every 2 blocks: every turn saves two or three checkpoints,
