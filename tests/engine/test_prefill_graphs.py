@@ -254,6 +254,51 @@ def test_a_mixed_replay_returns_the_eager_forwards_hidden_states_and_logits(hybr
     assert len(checked) >= 2 and pg.mixed_steps >= 2, (checked, pg.mixed_steps)
 
 
+def test_mixed_replays_compose_with_sampling_logprobs_prompt_logprobs_and_n(hybrid_dir):
+    """Requests of several kinds arriving while others decode, through mixed graphs, against the
+    same engine running every step eagerly: output logprobs, prompt logprobs, seeded sampling with
+    top-k, and ``n`` = 2 sharing a prefill. Tokens are equal and logprobs close; mixed replays
+    really ran (with and without a logits row)."""
+    rng = np.random.default_rng(21)
+    system = rng.integers(3, 256, 13).tolist()
+    prompts = [system + rng.integers(3, 256, int(n)).tolist() for n in (5, 9, 3, 11, 7)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, seed=7),
+              SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, n=2, seed=3),
+              SamplingParams(max_tokens=6, ignore_eos=True)]
+
+    def serve(graphs: bool):
+        llm = LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=24,
+                  block_size=BS, num_kv_blocks=96, enable_prefix_caching=True, mamba_checkpoint_interval=2)
+        pg = install_reruns(llm) if graphs else None
+        eng, outs, waiting = llm.engine, {}, list(range(len(prompts)))
+        while waiting or eng.has_work():
+            if waiting and (not eng.has_work() or eng._stats["steps"] % 3 == 2):
+                i = waiting.pop(0)
+                eng.add_requests(eng.make_requests(prompts[i], params[i], request_id=f"r{i}"))
+            for r in eng.step() if eng.has_work() else ():
+                if r.finished:
+                    outs[r.request_id] = eng.make_output(r)
+                    eng.forget(r)
+        return outs, pg
+
+    want, _ = serve(False)
+    got, pg = serve(True)
+    assert sorted(got) == sorted(want) and len(got) == 6, sorted(got)         # n = 2: two outputs
+    for rid in want:
+        a, b = got[rid], want[rid]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, rid
+        for x, y in ((a.outputs[0].logprobs, b.outputs[0].logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (x is None) == (y is None), rid
+            for pos_x, pos_y in zip(x or (), y or ()):          # per position: {token: logprob} or None
+                assert (pos_x is None) == (pos_y is None) and (pos_x or {}).keys() == (pos_y or {}).keys(), rid
+                for tok in pos_x or {}:
+                    assert abs(pos_x[tok] - pos_y[tok]) <= 1e-4, (rid, tok, pos_x[tok], pos_y[tok])
+            assert len(x or ()) == len(y or ()), rid
+    assert pg.mixed_steps >= 2 and {k.logits for k in pg.graphs if k.decode_rows} == {0, 1}, list(pg.graphs)
+
+
 def test_graph_output_buffers_grow_once_to_the_most_any_graph_needs():
     from hybrid_engine.step.prefill_graphs import _at_least
     like = torch.zeros(3, 5, dtype=torch.float16)
