@@ -216,10 +216,16 @@ def checkpoint_floor_bytes(cfg: EngineConfig) -> int:
     (benchmarks/results/2026-11-27-mixed-prefill-graphs-h100.md)."""
     if cfg.cache.num_kv_blocks is not None:
         return 0                    # the user sized the KV cache: the pool stays an eighth of it
+    n_mamba, shape = _checkpoint_shape(cfg)
+    return (cfg.scheduler.max_num_seqs + CHECKPOINT_SPARE_ROWS) * MambaCheckpoints.bytes_per_row(
+        n_mamba, *shape, cfg.dtype)
+
+
+def _checkpoint_shape(cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
+    """(Mamba layers, (conv dim, conv kernel, heads, head dim, state size)) of a checkpoint row."""
     mc = cfg.model
-    shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
-    row = MambaCheckpoints.bytes_per_row(len(mc.mamba_layer_ids), *shape, cfg.dtype)
-    return (cfg.scheduler.max_num_seqs + CHECKPOINT_SPARE_ROWS) * row
+    return len(mc.mamba_layer_ids), (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim,
+                                     mc.ssm_state_size)
 
 
 def checkpoint_budget(cfg: EngineConfig, kv_bytes: int) -> int:
@@ -246,9 +252,7 @@ def _attach_checkpoints(cfg: EngineConfig, caches: Caches, drafter, num_blocks: 
     (None: ``auto_checkpoint_bytes`` of the KV cache, the drafter's KV per block included; at most
     one row per KV block: a checkpoint is only reachable through its blocks) -> (rows, bytes per
     row)."""
-    mc, cc = cfg.model, cfg.cache
-    shape = (mc.conv_dim, mc.conv_kernel, mc.mamba_num_heads, mc.mamba_head_dim, mc.ssm_state_size)
-    n_mamba = len(mc.mamba_layer_ids)
+    n_mamba, shape = _checkpoint_shape(cfg)
     row_bytes = MambaCheckpoints.bytes_per_row(n_mamba, *shape, cfg.dtype) + drafter.checkpoint_bytes_per_row()
     # the drafter's KV (MTP's attention layers, a draft model's cache) is part of the KV budget that
     # checkpoint_reserve sized the pool's share from: counting the target's alone gave an MTP engine
