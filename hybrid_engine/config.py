@@ -280,7 +280,7 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    # CUDA graphs for prefill-only steps of one request (step/prefill_graphs.py); CUDA graphs only
+    # CUDA graphs for steps of one prefill row (step/prefill_graphs.py); CUDA graphs only
     prefill_cuda_graphs: bool = True
     # the quantization the model runs with (the checkpoint's, or one applied at load); None: none
     quantization: QuantConfig | None = None

@@ -82,7 +82,7 @@ def mixed_warmup_lengths(max_tokens: int, max_prefill_tokens: int) -> list[int]:
     """Wave 4's prompt lengths: the longest length of each prefill-graph bucket below ``max_tokens``
     (``prefill_bucket(b - 1) == b``) that fits ``max_prefill_tokens`` (what a step's token budget
     leaves beside the decode row: the prompt must prefill in one chunk to be a mixed step)."""
-    from .step.prefill_graphs import prefill_bucket
+    from .step.prefill_layout import prefill_bucket
     out, n = [], 1
     while n < max_tokens:
         b = prefill_bucket(n)

@@ -10,7 +10,8 @@ import torch
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.step.graphs import EagerExecutor, default_buckets
-from hybrid_engine.step.prefill_graphs import PrefillGraphs, PrefillKey, forward_split, mixed_decode_buckets
+from hybrid_engine.step.prefill_graphs import PrefillGraphs, forward_split
+from hybrid_engine.step.prefill_layout import PrefillKey, mixed_decode_buckets
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 

@@ -25,7 +25,8 @@ from hybrid_engine.mamba_cache import NULL_SLOT
 
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-from .prefill_graphs import PrefillGraphs, forward_split, mixed_decode_buckets
+from .prefill_graphs import PrefillGraphs, forward_split
+from .prefill_layout import mixed_decode_buckets
 
 logger = logging.getLogger("hybrid_engine")
 

@@ -13,7 +13,7 @@ import torch
 
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.step.prefill_graphs import PrefillKey, prefill_bucket
+from hybrid_engine.step.prefill_layout import PrefillKey, prefill_bucket
 from hf_reference import hf_greedy
 from prefill_graph_harness import RerunPrefillGraphs, install_reruns, serve_with_arrivals
 
@@ -113,7 +113,7 @@ def test_split_decode_prefill_views_each_part_in_its_own_offsets():
     decode part keeps the first rows and tokens; the prefill part's query and logits offsets
     start at its first token."""
     from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    from hybrid_engine.step.prefill_graphs import split_decode_prefill
+    from hybrid_engine.step.prefill_layout import split_decode_prefill
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
     attn = AttnMetadata(torch.tensor([0, 3, 6, 11], dtype=torch.int32), torch.tensor([9, 12, 25], dtype=torch.int32),
                         torch.arange(12, dtype=torch.int32).view(3, 4), i64(list(range(50, 61))), 5, 25)
@@ -140,7 +140,7 @@ def test_keys_pad_restores_to_one_and_saves_to_a_power_of_two():
     skipped by the restore, at NULL_SLOT; only where checkpoint storage exists), and 3 saves become
     4 by repeating the last one (same boundary, same row); one save becomes two."""
     from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    from hybrid_engine.step.prefill_graphs import load_prefill, static_prefill_batch
+    from hybrid_engine.step.prefill_layout import load_prefill, static_prefill_batch
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
     n = 10
     attn = AttnMetadata(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
@@ -178,7 +178,7 @@ def test_load_prefill_pads_into_the_null_block_and_a_fresh_null_slot_row():
     write the null KV block (not the long step's slots), form a fresh NULL_SLOT Mamba row, and
     attention's one row ends at the real tokens."""
     from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    from hybrid_engine.step.prefill_graphs import load_prefill, static_prefill_batch
+    from hybrid_engine.step.prefill_layout import load_prefill, static_prefill_batch
 
     def step(n, slot):
         i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
@@ -317,7 +317,7 @@ def test_a_mixed_step_loads_its_decode_rows_first_then_pad_rows_then_the_prefill
     logits index moved by the 6 pad tokens. Loading a step of one decode row after it leaves no
     trace of the earlier one in the rows that became padding."""
     from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
-    from hybrid_engine.step.prefill_graphs import load_prefill, mixed_decode_buckets, static_prefill_batch
+    from hybrid_engine.step.prefill_layout import load_prefill, mixed_decode_buckets, static_prefill_batch
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)   # noqa: E731
 
     def step(nd):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
-from hybrid_engine.step.prefill_graphs import PrefillKey
+from hybrid_engine.step.prefill_layout import PrefillKey
 from hybrid_engine.warmup import WARMUP_TOKENS, warm_up, warmup_lengths
 
 
@@ -69,7 +69,7 @@ def test_warm_up_skips_what_the_engine_refuses(hybrid_dir):
 
 
 def test_split_lengths_hit_each_prefill_graph_bucket_once():
-    from hybrid_engine.step.prefill_graphs import prefill_bucket
+    from hybrid_engine.step.prefill_layout import prefill_bucket
     from hybrid_engine.warmup import mixed_warmup_lengths
     lengths = mixed_warmup_lengths(512, 8192)
     assert lengths == list(range(15, 512, 16))
