@@ -14,6 +14,15 @@ from hybrid_engine.step.prefill_graphs import PrefillGraphs, forward_split
 from hybrid_engine.step.prefill_layout import PrefillKey, mixed_decode_buckets
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
+BS = 4                  # small_engine's block size
+
+
+def small_engine(hybrid_dir, **kw):
+    """The CPU engine of the prefill-graph tests: chunks of at most 12 tokens, a checkpoint every 2
+    blocks."""
+    from hybrid_engine import LLM
+    return LLM(hybrid_dir, dtype="float32", device=DEV, max_num_seqs=2, max_num_batched_tokens=12, block_size=BS,
+               num_kv_blocks=48, enable_prefix_caching=True, mamba_checkpoint_interval=2, **kw)
 
 
 def _snapshot(caches):
