@@ -131,8 +131,9 @@ def kernel_rows(shape: dict, dev, dtype, token_counts, bw: float, peak: float) -
 
 # ------------------------------------------------------------------------------------ end to end
 
-def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fraction: float):
-    """The engine on random weights made on the device (no checkpoint read)."""
+def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fraction: float, **engine_kw):
+    """The engine on random weights made on the device (no checkpoint read); ``engine_kw`` go to
+    ``LLM`` (e.g. ``prefill_cuda_graphs=False``)."""
     import hybrid_engine.models.loader as loader
 
     def fill(model, _dir, dtype=None, device=None, *a, **kw):
@@ -157,7 +158,7 @@ def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fr
     try:
         return LLM(model_dir, dtype=dtype, device=str(dev), max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                    max_model_len=max_tokens + 256, kv_cache_memory_fraction=kv_fraction,
-                   kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+                   kv_cache_bytes=64 << 20, enable_prefix_caching=False, **engine_kw)
     finally:
         loader.load_checkpoint = orig
 
@@ -178,6 +179,18 @@ def weight_split(model) -> tuple[int, int, int]:
     return dense, expert // max(n_moe, 1), emb
 
 
+def prefill_flops(mc, n: int, dense_params: int, expert_params: int, moe_layers: int) -> float:
+    """FLOPs of one prefill of ``n`` tokens: 2 per parameter per token for every weight but the
+    embeddings (``dense_params``, lm_head included) and the ``num_experts_per_tok`` selected routed
+    experts of every MoE layer (``expert_params``: one expert of one layer), causal attention
+    (QK^T and PV over n/2 keys on average), and the lm_head for the last token only. Before
+    2026-11-27 the experts were counted for one MoE layer instead of all of them."""
+    lm_head = mc.vocab_size * mc.hidden_size
+    per_token = 2 * (dense_params - lm_head + moe_layers * mc.num_experts_per_tok * expert_params)
+    attn = len(mc.attention_layer_ids) * 4 * mc.num_attention_heads * mc.head_dim * (n / 2)
+    return n * (per_token + attn) + 2 * lm_head
+
+
 def step_state_bytes(mc, ctx: int) -> int:
     ssm = mc.mamba_num_heads * mc.mamba_head_dim * mc.ssm_state_size * 4 * 2       # read + write, f32
     conv = mc.conv_dim * (mc.conv_kernel - 1) * 2 * 2
@@ -185,12 +198,34 @@ def step_state_bytes(mc, ctx: int) -> int:
     return len(mc.mamba_layer_ids) * (ssm + conv) + len(mc.attention_layer_ids) * kv
 
 
+def profile_prefill(llm, prompt, params, top: int = 30) -> list[dict]:
+    """GPU time by kernel of one prefill (torch profiler; run with HYBRID_ENGINE_PDL=0 for kernel
+    times that do not include a dependent launch's wait): [{name, calls, ms}] of the ``top``
+    costliest kernels, printed."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = acc.setdefault(e.name[:70], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total / 1e3
+    total = sum(ms for _, ms in acc.values())
+    print(f"prefill {len(prompt)} profile: GPU busy {total:.2f} ms", flush=True)
+    rows = [dict(name=n, calls=c, ms=ms) for n, (c, ms) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]]
+    for r in rows:
+        print(f"  {r['ms']:8.3f} ms {r['calls']:5d}x {r['name']}", flush=True)
+    return rows
+
+
 def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: int, bw: float, peak: float,
-        kv_fraction: float) -> dict:
+        kv_fraction: float, profile_lens=(), **engine_kw) -> dict:
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_config(tmp / "m", shape)
     t0 = time.perf_counter()
-    llm = build_llm(model_dir, dev, dtype, max(batches), max(prefill_lens + [2048]), kv_fraction)
+    llm = build_llm(model_dir, dev, dtype, max(batches), max(prefill_lens + [2048]), kv_fraction, **engine_kw)
     model, mc = llm.engine.model, llm.engine.cfg.model
     dense, per_expert, emb = weight_split(model)
     moe_layers = len([1 for n, _ in model.named_parameters() if n.endswith("experts.up_proj")])
@@ -217,24 +252,22 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
                                   roofline_tok_s=roof, frac_roofline=(b / step) / roof))
         print(f"decode b={b}: {b / step:.1f} tok/s, step {step * 1e3:.2f} ms, roofline {roof:.1f} tok/s "
               f"({100 * (b / step) / roof:.0f}%)", flush=True)
-    k = mc.num_experts_per_tok
     for n in prefill_lens:
         prompt = rng.integers(3, mc.vocab_size, n).tolist()
         try:
-            t = timeit(lambda: llm.generate([prompt], params(1), use_tqdm=False), dev, warmup=1, iters=2)
+            t = timeit(lambda: llm.generate([prompt], params(1), use_tqdm=False), dev, warmup=1, iters=5)
         except torch.OutOfMemoryError:
             print(f"prefill {n}: out of memory", flush=True)
             torch.cuda.empty_cache()
             continue
         es = torch.empty(0, dtype=dtype).element_size()
-        lm_head = mc.vocab_size * mc.hidden_size                                      # params
-        flops_tok = 2 * ((dense / es - lm_head) + k * per_expert / es)               # 2 FLOPs per param
-        attn = len(mc.attention_layer_ids) * 4 * mc.num_attention_heads * mc.head_dim * (n / 2)
-        flops = n * (flops_tok + attn) + 2 * lm_head                                 # logits of the last token
+        flops = prefill_flops(mc, n, dense // es, per_expert // es, moe_layers)
         out["prefill"].append(dict(tokens=n, tok_s=n / t, ms=t * 1e3, tflops=flops / t / 1e12,
                                    frac_matmul_peak=flops / t / peak))
         print(f"prefill {n}: {n / t:.0f} tok/s, {flops / t / 1e12:.1f} TFLOP/s ({100 * flops / t / peak:.0f}% of "
               f"matmul peak)", flush=True)
+        if n in profile_lens:
+            out["prefill"][-1]["profile"] = profile_prefill(llm, prompt, params(1))
     del llm
     gc.collect()
     return out
@@ -278,6 +311,9 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--kv-fraction", type=float, default=0.15)
+    ap.add_argument("--profile-prefill", type=int, nargs="*", default=[],
+                    help="prefill lengths (of --prefill) to also profile by kernel (CUDA)")
+    ap.add_argument("--no-prefill-graphs", action="store_true", help="prefill_cuda_graphs=False (eager prefills)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-super-layer", action="store_true", help="no kernel rows for the Super latent layer")
@@ -309,7 +345,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if not args.skip_e2e:
         res.update(e2e(shape, dev, dtype, args.batches, args.prefill, args.gen, args.prompt_len, bw, peak,
-                       args.kv_fraction))
+                       args.kv_fraction, profile_lens=set(args.profile_prefill),
+                       **({"prefill_cuda_graphs": False} if args.no_prefill_graphs else {})))
         save_json(path, res)
     if args.vs_transformers:
         res["cpu_vs_transformers"] = cpu_vs_transformers()

@@ -1,0 +1,38 @@
+"""The MoE benchmark's prefill FLOP count (benchmarks/moe.py ``prefill_flops``, the numerator of its
+"% of matmul peak") against a count made by hand from the tiny shape's config: every projection's
+2 * in * out per token, the router, the shared expert and the top-k routed experts of *every* MoE
+layer (the count once took the experts of one layer only), causal attention, one lm_head row."""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.common import write_config
+from benchmarks.moe import SHAPE_TINY, build_llm, prefill_flops, weight_split
+
+
+def test_prefill_flops_counts_the_experts_of_every_moe_layer():
+    s = SHAPE_TINY
+    md = write_config(Path(tempfile.mkdtemp()) / "m", s)
+    llm = build_llm(md, torch.device("cpu"), torch.float32, 1, 256, 0.15)
+    model, mc = llm.engine.model, llm.engine.cfg.model
+    dense, per_expert, _ = weight_split(model)
+    pattern = s["pattern"]
+    n_mamba, n_moe, n_attn = pattern.count("M"), pattern.count("E"), pattern.count("*")
+    assert (n_mamba, n_moe, n_attn) == (3, 3, 1)
+    H, d_inner = s["hidden_size"], s["mamba_num_heads"] * s["mamba_head_dim"]
+    in_proj = 2 * d_inner + 2 * s["n_groups"] * s["ssm_state_size"] + s["mamba_num_heads"]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    mamba = H * in_proj + d_inner * H
+    attn_proj = H * q + 2 * H * kv + q * H
+    moe = (H * s["n_routed_experts"] + 2 * H * s["moe_shared_expert_intermediate_size"]
+           + s["num_experts_per_tok"] * 2 * H * s["moe_intermediate_size"])
+    n = 256
+    by_hand = (n * 2 * (n_mamba * mamba + n_attn * attn_proj + n_moe * moe)
+               + n_attn * 4 * q * n * (n / 2) + 2 * H * s["vocab_size"])
+    got = prefill_flops(mc, n, dense // 4, per_expert // 4, n_moe)
+    # the count takes every parameter (norms, conv taps, biases) at 2 FLOPs a token: a few % above
+    assert got == pytest.approx(by_hand, rel=0.03)
+    one_layer = prefill_flops(mc, n, dense // 4, per_expert // 4, 1)     # the old count
+    assert one_layer < 0.85 * by_hand
