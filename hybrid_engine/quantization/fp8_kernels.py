@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_interpreting
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -185,19 +185,26 @@ def _row_scale(m, nan_seen):
 
 
 @triton.jit
-def _quantize(xv, s):
+def _quantize(xv, s, HW_ROUND: tl.constexpr):
     """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448), NaN kept as the NaN code 0x7F
-    (torch.clamp keeps it; the interpreter's cast would not), rounded in float32 first."""
+    (torch.clamp keeps it; the interpreter's cast would not). HW_ROUND (CUDA): the cast rounds
+    (the hardware conversion rounds to nearest even, as torch's does); otherwise the value is
+    rounded in float32 first (``_round_to_e4m3``, for the interpreter), ~15 more operations per
+    value: the quantizer was bound by them (H100, 8192 rows of 21504: 393 -> 271 us, codes equal)."""
     q = tl.math.div_rn(xv, s)
     q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
                    propagate_nan=tl.PropagateNan.ALL)
-    code = _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if HW_ROUND:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return tl.where(q != q, 0x7F, code).to(tl.uint8)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
-                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                          HW_ROUND: tl.constexpr):
     """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
     NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
     float8_e4m3fn, divided with round-to-nearest (div_rn) so every code equals
@@ -214,7 +221,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         else:
             s = _row_scale(tl.max(tl.abs(xv), axis=0), tl.max((xv != xv).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
         return
     if STATIC:
         s = tl.load(in_scale_ptr).to(tl.float32)
@@ -232,17 +239,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
         xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
 
 
-def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, block_k: int = 8192
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, block_k: int = 8192,
+                      two_pass_block_k: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill activations of the W8A8 path in one pass: x [M, K] (16- or 32-bit, unit inner
     stride) -> (x_q [M, K] float8_e4m3fn, scale float32 [M, 1] per token, or the static
     ``input_scale`` []). Equal code for code to ``fp8.quantize_activations`` (its torch twin), which
-    takes ~6 float32 passes over x where this reads x once (rows wider than ``block_k``: twice, the
-    second from L2). H100, 8192 rows of 21504: 0.36-0.41 ms with two passes of 1024- or 8192-wide
-    tiles, 0.71 ms as one 32768-wide tile (16 warps), so wide rows take two passes."""
+    takes ~6 float32 passes over x where this reads x once: a row of at most ``block_k`` is one
+    tile; wider rows are read twice (the second time from L2) in tiles of
+    ``min(block_k, two_pass_block_k)``. H100, 8192 rows of 21504 with the hardware rounding
+    (2026-11-27, benchmarks/results/2026-11-27-fp8-quantizer-h100.md): 271 us in 4096-wide tiles,
+    333 us in 8192-wide ones; a 32768-wide single tile (16 warps) took 0.71 ms before."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fp8: x must be [M, K] with a unit inner stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -256,7 +265,12 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
                                                                           device=x.device)
     if M == 0:
         return x_q, scale
-    bk = min(block_k, max(16, next_pow2(K)))
+    bk = max(16, next_pow2(K))
+    one_pass = bk <= block_k
+    if not one_pass:
+        bk = min(block_k, two_pass_block_k)
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
-                                STATIC=static, BLOCK_K=bk, ONE_PASS=K <= bk, num_warps=4 if bk <= 2048 else 8)
+                                STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass,
+                                HW_ROUND=x.is_cuda and not triton_interpreting(),
+                                num_warps=4 if bk <= 2048 else 8)
     return x_q, scale

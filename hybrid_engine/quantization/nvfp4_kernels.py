@@ -30,14 +30,11 @@ have few programs). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` tim
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, triton_interpreting
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .nvfp4 import GROUP, _check_k
@@ -77,16 +74,8 @@ ASM_F16 = tl.constexpr(_ASM_F16)
 _SHIFT = {torch.bfloat16: 8, torch.float16: 7, torch.float32: 0}
 
 
-@functools.cache                            # per process (the interpreter is chosen at start-up):
-def _interpreting() -> bool:                  # not re-read on every projection call
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:                  # a Triton without knobs: its environment variable
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _use_ptx(x: torch.Tensor) -> bool:
-    return x.is_cuda and not _interpreting()
+    return x.is_cuda and not triton_interpreting()
 
 
 @triton.jit

@@ -11,6 +11,7 @@ This module imports Triton lazily: importing it costs nothing on CPU-only machin
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -34,6 +35,17 @@ def triton_available() -> bool:
                            "torch reference ops", type(exc).__name__, exc)
             _triton_ok = False
     return _triton_ok
+
+
+@functools.cache                 # per process: the interpreter is chosen before Triton starts
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in its interpreter (TRITON_INTERPRET=1: CPU tensors, numpy
+    semantics), where inline PTX and some hardware conversions are not available."""
+    try:
+        import triton
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:           # a Triton without knobs: its environment variable
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def kernel_backend(op: str, device: torch.device) -> str:
