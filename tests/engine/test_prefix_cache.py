@@ -27,8 +27,10 @@ def make_spec(name, model_dir):
 
 
 def make_engine(model_dir, *, on, spec=None, async_scheduling=True, blocks=40, budget=16, rows_bytes=None,
-                seqs=4, interval=2):
+                seqs=4, interval=2, quantization=None):
     kw = {} if rows_bytes is None else {"mamba_checkpoint_bytes": rows_bytes}
+    if quantization is not None:
+        kw["quantization"] = quantization
     return LLM(model_dir, dtype="float32", device=DEV, max_num_seqs=seqs, max_num_batched_tokens=budget,
                block_size=BS, num_kv_blocks=blocks, speculative_config=spec, async_scheduling=async_scheduling,
                enable_prefix_caching=on, mamba_checkpoint_interval=interval, **kw)
@@ -108,6 +110,25 @@ def test_multi_turn_chat_equal_with_caching_on_and_off_and_transformers(spec_nam
     assert sum(v[2] > 0 for v in a.values()) >= 3 and st["prefix_cache_hit_tokens"] > 0
     assert st["prefix_cache_block_evictions"] > 0          # the small pool really evicts
     assert 0 < st["mamba_checkpoints_total"] < 29
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
+def test_quantized_weights_compose_with_caching(quantization, hybrid_dir):
+    """Weights quantized at load (FP8 with its routed experts; NVFP4, whose routed experts stay
+    unquantized as they do at load): the chat workload gives
+    the same greedy tokens with caching on and off (no transformers reference: the weights are
+    not the checkpoint's), with hits, evictions and every pin returned."""
+    on = make_engine(hybrid_dir, on=True, blocks=30, rows_bytes=320_000, quantization=quantization)
+    off = make_engine(hybrid_dir, on=False, blocks=30, quantization=quantization)
+    kinds = {type(m).__name__ for m in on.engine.model.modules()}
+    assert {"Fp8Linear", "Nvfp4Linear"} & kinds, kinds                  # the weights really are quantized
+    a, b = run_chat(on, 1), run_chat(off, 1)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key][:2] == b[key][:2], f"{key}: caching on != off"
+    assert_drained(on)
+    st = on.engine.stats(expert_load=False)
+    assert sum(v[2] > 0 for v in a.values()) >= 3 and st["prefix_cache_hit_tokens"] > 0
 
 
 def test_preemption_and_eviction_pressure(hybrid_dir, refs):
