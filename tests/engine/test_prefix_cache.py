@@ -129,6 +129,7 @@ def test_quantized_weights_compose_with_caching(quantization, hybrid_dir):
     assert_drained(on)
     st = on.engine.stats(expert_load=False)
     assert sum(v[2] > 0 for v in a.values()) >= 3 and st["prefix_cache_hit_tokens"] > 0
+    assert st["prefix_cache_block_evictions"] > 0          # the small pool really evicts
 
 
 def test_preemption_and_eviction_pressure(hybrid_dir, refs):
