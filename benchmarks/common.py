@@ -270,3 +270,26 @@ def kernel_breakdown(prof, steps: int) -> dict:
         out[kind] = out.get(kind, 0.0) + e.device_time_total / 1e3 / steps
     out["total"] = sum(out.values())
     return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def profile_prefill(llm, prompt, params, top: int = 30) -> list[dict]:
+    """GPU time by kernel of one ``llm.generate([prompt], params)`` (a prefill with max_tokens=1;
+    torch profiler; run with HYBRID_ENGINE_PDL=0 for kernel times that do not include a dependent
+    launch's wait): [{name, calls, ms}] of the ``top`` costliest kernels, printed after the GPU
+    busy total (benchmarks/moe.py, benchmarks/quant_prefill_profile.py)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+        torch.cuda.synchronize()
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = acc.setdefault(e.name[:70], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total / 1e3
+    total = sum(ms for _, ms in acc.values())
+    print(f"prefill {len(prompt)} profile: GPU busy {total:.2f} ms", flush=True)
+    rows = [dict(name=n, calls=c, ms=ms) for n, (c, ms) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]]
+    for r in rows:
+        print(f"  {r['ms']:8.3f} ms {r['calls']:5d}x {r['name']}", flush=True)
+    return rows

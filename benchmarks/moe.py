@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save_json, step_clock, write_config  # noqa: E402
+from benchmarks.common import profile_prefill, save_json, step_clock, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models import moe_ops  # noqa: E402
 
@@ -196,28 +196,6 @@ def step_state_bytes(mc, ctx: int) -> int:
     conv = mc.conv_dim * (mc.conv_kernel - 1) * 2 * 2
     kv = ctx * mc.num_key_value_heads * mc.head_dim * 2 * 2
     return len(mc.mamba_layer_ids) * (ssm + conv) + len(mc.attention_layer_ids) * kv
-
-
-def profile_prefill(llm, prompt, params, top: int = 30) -> list[dict]:
-    """GPU time by kernel of one prefill (torch profiler; run with HYBRID_ENGINE_PDL=0 for kernel
-    times that do not include a dependent launch's wait): [{name, calls, ms}] of the ``top``
-    costliest kernels, printed."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
-        torch.cuda.synchronize()
-    acc: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = acc.setdefault(e.name[:70], [0, 0.0])
-            row[0] += 1
-            row[1] += e.device_time_total / 1e3
-    total = sum(ms for _, ms in acc.values())
-    print(f"prefill {len(prompt)} profile: GPU busy {total:.2f} ms", flush=True)
-    rows = [dict(name=n, calls=c, ms=ms) for n, (c, ms) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]]
-    for r in rows:
-        print(f"  {r['ms']:8.3f} ms {r['calls']:5d}x {r['name']}", flush=True)
-    return rows
 
 
 def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: int, bw: float, peak: float,

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_8B, random_weights, write_config  # noqa: E402
+from benchmarks.common import SHAPE_8B, profile_prefill, random_weights, write_config  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -32,7 +32,6 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--top", type=int, default=28, help="kernels listed")
     args = ap.parse_args()
-    from torch.profiler import ProfilerActivity, profile
     md = write_config(Path(tempfile.mkdtemp()) / "8b", SHAPE_8B)
     with random_weights():
         llm = LLM(str(md), dtype="bfloat16", device="cuda", quantization=None if args.mode == "bf16" else args.mode,
@@ -48,18 +47,7 @@ def main() -> int:
         torch.cuda.synchronize()
         ts.append((time.perf_counter() - t) * 1e3)
     print(f"{args.mode} prefill {args.tokens} ms {[round(x, 1) for x in ts]} median {np.median(ts[1:]):.1f}")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], sp, use_tqdm=False)
-        torch.cuda.synchronize()
-    acc: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = acc.setdefault(e.name[:80], [0, 0.0])
-            row[0] += 1
-            row[1] += e.device_time_total / 1e3
-    print(f"{args.mode} GPU busy {sum(v[1] for v in acc.values()):.2f} ms")
-    for name, (calls, ms) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:args.top]:
-        print(f"  {args.mode} {ms:8.2f} ms {calls:5d}x {name}")
+    profile_prefill(llm, prompt, sp, top=args.top)
     return 0
 
 
