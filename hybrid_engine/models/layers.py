@@ -32,6 +32,13 @@ class RMSNorm(nn.Module):
         return fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
+def project_relu2(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``proj(relu2(h))``; a projection with a ``forward_relu2`` hook applies the activation
+    itself (``Fp8Linear``: inside its prefill activation quantizer)."""
+    hook = getattr(proj, "forward_relu2", None)
+    return hook(h) if hook is not None else proj(relu2(h))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
@@ -39,7 +46,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(relu2(self.up_proj(x)))
+        return project_relu2(self.down_proj, self.up_proj(x))
 
 
 class GatedMLP(nn.Module):

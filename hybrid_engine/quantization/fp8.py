@@ -13,6 +13,8 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   or per token (dynamic) when there is none, by one Triton pass (``fp8_kernels.quantize_rows_fp8``,
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
+``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
+``Fp8Linear.forward_relu2``): on the W8A8 path the quantizer applies relu² as it reads x.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+from hybrid_engine.models.activation import relu2 as relu2_act, relu2_ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)        # 448
@@ -70,14 +73,15 @@ def fp8_scaled_mm_ref(x, w_q, weight_scale, input_scale=None, bias=None):
     return y.to(x.dtype)
 
 
-def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None):
+def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None, *, relu2: bool = False):
     """W8A8 with ``torch._scaled_mm``: tensor-wise scales when both are scalars, row-wise
-    ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16."""
+    ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16. ``relu2``: the
+    projection of relu(x)², the activation applied by the quantizer as it reads x."""
     if x.is_cuda:
         from .fp8_kernels import quantize_rows_fp8
-        x_q, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), input_scale)
+        x_q, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), input_scale, relu2=relu2)
     else:
-        x_q, xs = quantize_activations(x, input_scale)
+        x_q, xs = quantize_activations(relu2_ref(x) if relu2 else x, input_scale)
     ws = weight_scale.float()
     M, N = x.shape[0], w_q.shape[0]
     if xs.dim() == 0 and ws.dim() == 0:
@@ -90,8 +94,11 @@ def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None):
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths)."""
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+               relu2: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths). ``relu2``: the
+    projection of ``activation.relu2(x)``; the W8A8 path applies it inside its activation
+    quantizer (the relu² output is never written), the others call ``relu2`` first."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     N = w_q.shape[0]
@@ -100,9 +107,9 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor,
     if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
         if x2.shape[0] <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", x2.device) == "triton":
             from .fp8_kernels import fp8_skinny_linear
-            y = fp8_skinny_linear(x2.contiguous(), w_q, weight_scale, bias)
+            y = fp8_skinny_linear((relu2_act(x2) if relu2 else x2).contiguous(), w_q, weight_scale, bias)
             return y.view(*lead, N)
         if (x2.dtype in _SCALED_MM_DTYPES and K % 16 == 0 and N % 16 == 0
                 and kernel_backend("fp8_scaled_mm", x2.device) == "triton"):
-            return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias).view(*lead, N)
-    return fp8_linear_ref(x2, w_q, weight_scale, bias).view(*lead, N)
+            return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias, relu2=relu2).view(*lead, N)
+    return fp8_linear_ref(relu2_act(x2) if relu2 else x2, w_q, weight_scale, bias).view(*lead, N)

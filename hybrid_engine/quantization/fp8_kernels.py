@@ -202,20 +202,42 @@ def _quantize(xv, s, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, HW_ROUND: tl.constexpr):
+    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first, as
+    ``activation.relu2`` writes it (so the codes equal quantizing that tensor). The interpreter's
+    float32 -> bfloat16 cast does not round to nearest even, so there (not HW_ROUND) the bfloat16
+    rounding is done on the bits: add 0x7FFF plus the kept lowest bit, drop the low 16 bits (the
+    square is >= 0, inf or NaN, which this keeps)."""
+    xv = tl.load(ptrs, mask=mask, other=0.0)
+    if RELU2:
+        xf = xv.to(tl.float32)
+        xf = tl.where(xf < 0.0, 0.0, xf)             # relu that keeps NaN (NaN < 0 is false)
+        sq = xf * xf
+        if xv.dtype == tl.bfloat16 and not HW_ROUND:
+            b = sq.to(tl.int32, bitcast=True)
+            return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return sq.to(xv.dtype).to(tl.float32)
+    return xv.to(tl.float32)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
                           STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                          HW_ROUND: tl.constexpr):
+                          HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False):
     """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
     NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
     float8_e4m3fn, divided with round-to-nearest (div_rn) so every code equals
     ``quantize_activations``' torch arithmetic, NaN and inf included (a NaN stays a NaN code, so
-    the engine's non-finite check still sees it after the projection)."""
+    the engine's non-finite check still sees it after the projection). RELU2: x is replaced by
+    relu(x)² (in x's dtype) as it is read: the MLP's activation and down_proj's quantizer in one
+    pass over the up projection's output, instead of a relu² kernel writing it and this one
+    reading it back."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
     if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
         offs = tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
+        xv = _load_row_tile(x_row + offs, mk, RELU2, HW_ROUND)
         if STATIC:
             s = tl.load(in_scale_ptr).to(tl.float32)
         else:
@@ -230,7 +252,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         nan_seen = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            xv = _load_row_tile(x_row + offs, offs < K, RELU2, HW_ROUND)
             amax = tl.maximum(amax, tl.abs(xv))
             nan_seen = tl.maximum(nan_seen, (xv != xv).to(tl.int32))
         s = _row_scale(tl.max(amax, axis=0), tl.max(nan_seen, axis=0))
@@ -238,12 +260,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = tl.load(x_row + offs, mask=mk, other=0.0).to(tl.float32)
+        xv = _load_row_tile(x_row + offs, mk, RELU2, HW_ROUND)
         tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
 
 
-def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, block_k: int = 8192,
-                      two_pass_block_k: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, relu2: bool = False,
+                      block_k: int = 8192, two_pass_block_k: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill activations of the W8A8 path in one pass: x [M, K] (16- or 32-bit, unit inner
     stride) -> (x_q [M, K] float8_e4m3fn, scale float32 [M, 1] per token, or the static
     ``input_scale`` []). Equal code for code to ``fp8.quantize_activations`` (its torch twin), which
@@ -251,7 +273,9 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     tile; wider rows are read twice (the second time from L2) in tiles of
     ``min(block_k, two_pass_block_k)``. H100, 8192 rows of 21504 with the hardware rounding
     (2026-11-27, benchmarks/results/2026-11-27-fp8-quantizer-h100.md): 271 us in 4096-wide tiles,
-    333 us in 8192-wide ones; a 32768-wide single tile (16 warps) took 0.71 ms before."""
+    333 us in 8192-wide ones; a 32768-wide single tile (16 warps) took 0.71 ms before. ``relu2``:
+    quantize relu(x)² (rounded to x's dtype) instead of x, without writing it (twin:
+    ``quantize_activations(relu2_ref(x))``)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fp8: x must be [M, K] with a unit inner stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -271,6 +295,6 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
         bk = min(block_k, two_pass_block_k)
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
                                 STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass,
-                                HW_ROUND=x.is_cuda and not triton_interpreting(),
+                                HW_ROUND=x.is_cuda and not triton_interpreting(), RELU2=bool(relu2),
                                 num_warps=4 if bk <= 2048 else 8)
     return x_q, scale

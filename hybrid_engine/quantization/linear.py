@@ -100,6 +100,11 @@ class Fp8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
+    def forward_relu2(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(relu2(x))`` (``layers.project_relu2``): the W8A8 prefill path applies relu² in
+        its activation quantizer, so the activation is never written in 16 bits."""
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, relu2=True)
+
 
 class Nvfp4Linear(QuantLinear):
     """weight [N, K/2] uint8 (packed e2m1), weight_scale [N, K/16] float8_e4m3fn, weight_scale_2

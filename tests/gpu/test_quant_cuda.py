@@ -110,7 +110,21 @@ def test_quantize_rows_kernel():
     from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
     shapes = ((1, 5), (3, 130), (7, 1100), (300, 4096), (5, 21504))
     for block_k in (8192, 1024):                     # one pass (K <= block_k) and two
-        assert qc.check_quantize_rows(quantize_rows_fp8, DEV, shapes=shapes, block_k=block_k) > 0
+        for relu2 in (False, True):                  # relu² applied as the row is read (the MLP's down_proj)
+            assert qc.check_quantize_rows(quantize_rows_fp8, DEV, shapes=shapes, block_k=block_k, relu2=relu2) > 0
+
+
+@pytest.mark.parametrize("rows", [4, 40])
+def test_fp8_linear_relu2_equals_relu2_then_linear(rows):
+    """``fp8_linear(..., relu2=True)`` (the quantizer applies relu² on the W8A8 path; the skinny
+    path runs the relu² kernel first) equals the projection of ``relu2(x)``, bit for bit."""
+    from hybrid_engine.models.activation import relu2
+    from hybrid_engine.quantization.fp8 import fp8_linear, quantize_fp8
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 1856, generator=g)).to(BF16).to(DEV)
+    w_q, s = quantize_fp8(torch.randn(2688, 1856, generator=g), True)
+    w_q, s = w_q.to(DEV), s.to(DEV)
+    assert torch.equal(fp8_linear(x, w_q, s, relu2=True), fp8_linear(relu2(x), w_q, s))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -112,18 +112,25 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     return err
 
 
-def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100), (2, 64)), **kw):
+def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100), (2, 64)), relu2=False, **kw):
     """The W8A8 activation quantizer against ``quantize_activations`` (torch), code for code and
     scale for scale: rows spanning 1e-3..1e3, an all-zero row, strided rows, float32 / float16 /
     bfloat16, dynamic and static scales, and every e4m3 value, midpoint and near-midpoint (the
-    rounding, ties and saturation) with a unit scale. Returns the number of codes compared."""
+    rounding, ties and saturation) with a unit scale. ``relu2``: ``impl(..., relu2=True)`` against
+    ``quantize_activations(relu2_ref(x))`` (the grid's square roots then give the e4m3 values and
+    midpoints after the square, up to the rounding of the root). Returns the number of codes
+    compared."""
+    from hybrid_engine.models.activation import relu2_ref
     from hybrid_engine.quantization.fp8 import quantize_activations
     g = torch.Generator().manual_seed(seed)
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = codes[torch.isfinite(codes)].sort().values
     mids = (grid[1:] + grid[:-1]) / 2
     special = torch.tensor([1e-30, -1e-30, 600.0, -600.0, 2.0 ** -10, 2.0 ** -11 * 1.01, -0.0, 3e38, -3e38])
-    inputs = [(torch.cat([grid, mids, mids * (1 + 1e-7), mids * (1 - 1e-7), special])[None], torch.ones(()))]
+    edge = torch.cat([grid, mids, mids * (1 + 1e-7), mids * (1 - 1e-7), special])
+    if relu2:           # the values before the square: roots of the edge cases, and negatives (-> 0)
+        edge = torch.cat([edge.abs().sqrt(), -edge.abs().sqrt(), edge])
+    inputs = [(edge[None], torch.ones(()))]
     nonfinite = torch.tensor([[float("nan"), 1.0, -2.0, 3.0, 0.5],            # NaN: torch's scale is 1
                               [float("inf"), 1.0, -2.0, 3.0, 0.5],            # inf: scale inf, codes 0 / NaN
                               [-float("inf"), float("nan"), 7.0, 0.0, -1.0],
@@ -137,9 +144,10 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
             inputs += [(x, None), (x, (x.float().abs().amax() / 300).reshape(()))]
     n = 0
     for x, in_scale in inputs:
-        ref_q, ref_s = quantize_activations(x, in_scale)
+        ref_q, ref_s = quantize_activations(relu2_ref(x) if relu2 else x, in_scale)
         with poisoned_empty():
-            q, s = impl(x.to(device), None if in_scale is None else in_scale.to(device), **kw)
+            q, s = impl(x.to(device), None if in_scale is None else in_scale.to(device),
+                        **(dict(kw, relu2=True) if relu2 else kw))
         assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, (q.dtype, q.shape)
         assert torch.equal(s.cpu(), ref_s), f"scales differ for {tuple(x.shape)} {x.dtype}: {s.cpu()} {ref_s}"
         qf, rf = q.cpu().float(), ref_q.float()
@@ -198,6 +206,9 @@ def _cases():
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_quantize_rows_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048),
+        "fp8_quantize_rows_relu2": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256, relu2=True),
+        "fp8_quantize_rows_relu2_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048,
+                                                                        relu2=True),
         "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
         "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
     }

@@ -19,7 +19,8 @@ from triton_interpret import assert_case, run_cases
 
 HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
-         "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "fp8_experts_decode",
+         "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
+         "fp8_quantize_rows_relu2_one_pass", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "fp8_experts_decode",
          "fp8_experts_grouped"]
 
 
@@ -105,6 +106,33 @@ def test_fp8_cpu_dispatch_is_the_exact_reference():
     want = (x.float().reshape(-1, 32) @ (w_q.float() * s[:, None]).T).to(torch.bfloat16).view(3, 5, 24)
     assert torch.equal(y, want)
     assert torch.equal(fp8_linear_ref(x.reshape(-1, 32), w_q, s), want.view(-1, 24))
+
+
+@torch.no_grad()
+def test_relu2_mlp_hands_the_activation_to_an_fp8_down_proj():
+    """The relu² MLP gives its up projection's output to an ``Fp8Linear`` down_proj's
+    ``forward_relu2`` (which applies relu² inside the W8A8 quantizer on CUDA); on CPU that equals
+    down_proj(relu2(h)) exactly, and the CPU twin of the W8A8 path quantizes relu2(h)."""
+    from hybrid_engine.models.activation import relu2_ref
+    from hybrid_engine.models.layers import MLP
+    from hybrid_engine.quantization.fp8 import fp8_scaled_mm
+    from hybrid_engine.quantization.linear import Fp8Linear
+    g = torch.Generator().manual_seed(5)
+    mlp = MLP(32, 48)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    mlp.down_proj = Fp8Linear.quantized_from(mlp.down_proj)
+    calls = []
+    hook = mlp.down_proj.forward_relu2
+    mlp.down_proj.forward_relu2 = lambda h: calls.append(h.shape) or hook(h)
+    x = torch.randn(7, 32, generator=g)
+    y = mlp(x)
+    assert calls == [(7, 48)]
+    h = mlp.up_proj(x)
+    assert torch.equal(y, mlp.down_proj(relu2_ref(h)))
+    assert not torch.equal(y, mlp.down_proj(h))                  # the activation really was applied
+    w, ws = mlp.down_proj.weight, mlp.down_proj.weight_scale
+    assert torch.equal(fp8_scaled_mm(h, w, ws, relu2=True), fp8_scaled_mm(relu2_ref(h), w, ws))
 
 
 def test_w8a8_reference_quantizes_activations():
