@@ -179,16 +179,30 @@ def weight_split(model) -> tuple[int, int, int]:
     return dense, expert // max(n_moe, 1), emb
 
 
+def param_split(model) -> tuple[int, int]:
+    """(parameters of every weight a prefill token multiplies by, except the routed experts, the
+    embedding table and the lm_head; parameters of one routed expert of one layer). Counted in
+    elements, not bytes: the router stays float32 in a bf16 model."""
+    dense = expert = n_moe = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.up_proj", "experts.down_proj")):
+            expert += p.numel() // p.shape[0]
+            n_moe += name.endswith("experts.up_proj")
+        elif not name.endswith(("embeddings.weight", "lm_head.weight")):
+            dense += p.numel()
+    return dense, expert // max(n_moe, 1)
+
+
 def prefill_flops(mc, n: int, dense_params: int, expert_params: int, moe_layers: int) -> float:
-    """FLOPs of one prefill of ``n`` tokens: 2 per parameter per token for every weight but the
-    embeddings (``dense_params``, lm_head included) and the ``num_experts_per_tok`` selected routed
-    experts of every MoE layer (``expert_params``: one expert of one layer), causal attention
-    (QK^T and PV over n/2 keys on average), and the lm_head for the last token only. Before
-    2026-11-27 the experts were counted for one MoE layer instead of all of them."""
-    lm_head = mc.vocab_size * mc.hidden_size
-    per_token = 2 * (dense_params - lm_head + moe_layers * mc.num_experts_per_tok * expert_params)
+    """FLOPs of one prefill of ``n`` tokens: 2 per parameter per token for ``dense_params``
+    (``param_split``: everything but the embeddings, the lm_head and the routed experts) and the
+    ``num_experts_per_tok`` selected routed experts of every MoE layer (``expert_params``: one
+    expert of one layer), causal attention (QK^T and PV over n/2 keys on average), and the lm_head
+    for the last token only (tied or not). Before 2026-11-27 the experts were counted for one MoE
+    layer instead of all of them."""
+    per_token = 2 * (dense_params + moe_layers * mc.num_experts_per_tok * expert_params)
     attn = len(mc.attention_layer_ids) * 4 * mc.num_attention_heads * mc.head_dim * (n / 2)
-    return n * (per_token + attn) + 2 * lm_head
+    return n * (per_token + attn) + 2 * mc.vocab_size * mc.hidden_size
 
 
 def step_state_bytes(mc, ctx: int) -> int:
@@ -238,8 +252,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
             print(f"prefill {n}: out of memory", flush=True)
             torch.cuda.empty_cache()
             continue
-        es = torch.empty(0, dtype=dtype).element_size()
-        flops = prefill_flops(mc, n, dense // es, per_expert // es, moe_layers)
+        flops = prefill_flops(mc, n, *param_split(model), moe_layers)
         out["prefill"].append(dict(tokens=n, tok_s=n / t, ms=t * 1e3, tflops=flops / t / 1e12,
                                    frac_matmul_peak=flops / t / peak))
         print(f"prefill {n}: {n / t:.0f} tok/s, {flops / t / 1e12:.1f} TFLOP/s ({100 * flops / t / peak:.0f}% of "

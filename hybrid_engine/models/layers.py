@@ -33,10 +33,13 @@ class RMSNorm(nn.Module):
 
 
 def project_relu2(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``proj(relu2(h))``; a projection with a ``forward_relu2`` hook applies the activation
-    itself (``Fp8Linear``: inside its prefill activation quantizer)."""
-    hook = getattr(proj, "forward_relu2", None)
-    return hook(h) if hook is not None else proj(relu2(h))
+    """``proj(relu2(h))``; a projection with a ``forward_relu2`` method applies the activation
+    itself (``Fp8Linear``: inside its prefill activation quantizer). A module with forward hooks
+    registered (calibration, debugging) is called as a module so they still see its input."""
+    fused = getattr(proj, "forward_relu2", None)
+    if fused is None or proj._forward_hooks or proj._forward_pre_hooks:
+        return proj(relu2(h))
+    return fused(h)
 
 
 class MLP(nn.Module):

@@ -261,8 +261,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     pad_end = padded.cumsum(0)
     cnt_start = counts.cumsum(0) - counts
     # pair ids by expert; the keys sorted as int16 (int32 past 32767 experts): a radix sort makes one
-    # pass per key byte, so int64 keys took 8 passes (184 sort launches in a Nano prefill, 1.2 ms at
-    # 2048 tokens on an H100, benchmarks/results/2026-11-27-moe-nano-prefill-flops-h100.md); the
+    # pass per key byte, so int64 keys took 8 passes (184 sort launches in a Nano prefill, 1.24 ->
+    # 0.37 ms at 2048 tokens on an H100, benchmarks/results/2026-11-27-moe-nano-prefill-flops-h100.md); the
     # stable order is the same whatever the key width
     order = torch.sort(ids.reshape(-1).to(torch.int16 if num_experts <= 32767 else torch.int32), stable=True)[1]
     sorted_e = flat[order]

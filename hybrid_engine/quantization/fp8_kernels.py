@@ -202,18 +202,18 @@ def _quantize(xv, s, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, HW_ROUND: tl.constexpr):
+def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
     """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first, as
     ``activation.relu2`` writes it (so the codes equal quantizing that tensor). The interpreter's
-    float32 -> bfloat16 cast does not round to nearest even, so there (not HW_ROUND) the bfloat16
-    rounding is done on the bits: add 0x7FFF plus the kept lowest bit, drop the low 16 bits (the
-    square is >= 0, inf or NaN, which this keeps)."""
+    float32 -> bfloat16 cast does not round to nearest even, so there (BF16_BITS: bfloat16 x under
+    the interpreter) the rounding is done on the bits: add 0x7FFF plus the kept lowest bit, drop
+    the low 16 bits (the square is >= 0, inf or NaN, which this keeps)."""
     xv = tl.load(ptrs, mask=mask, other=0.0)
     if RELU2:
         xf = xv.to(tl.float32)
         xf = tl.where(xf < 0.0, 0.0, xf)             # relu that keeps NaN (NaN < 0 is false)
         sq = xf * xf
-        if xv.dtype == tl.bfloat16 and not HW_ROUND:
+        if BF16_BITS:
             b = sq.to(tl.int32, bitcast=True)
             return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
         return sq.to(xv.dtype).to(tl.float32)
@@ -223,7 +223,7 @@ def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, HW_ROUND: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
                           STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                          HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False):
+                          HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
     """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
     NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
     float8_e4m3fn, divided with round-to-nearest (div_rn) so every code equals
@@ -237,7 +237,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
     if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
         offs = tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = _load_row_tile(x_row + offs, mk, RELU2, HW_ROUND)
+        xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
         if STATIC:
             s = tl.load(in_scale_ptr).to(tl.float32)
         else:
@@ -252,7 +252,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         nan_seen = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            xv = _load_row_tile(x_row + offs, offs < K, RELU2, HW_ROUND)
+            xv = _load_row_tile(x_row + offs, offs < K, RELU2, BF16_BITS)
             amax = tl.maximum(amax, tl.abs(xv))
             nan_seen = tl.maximum(nan_seen, (xv != xv).to(tl.int32))
         s = _row_scale(tl.max(amax, axis=0), tl.max(nan_seen, axis=0))
@@ -260,7 +260,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = _load_row_tile(x_row + offs, mk, RELU2, HW_ROUND)
+        xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
         tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
 
 
@@ -293,8 +293,9 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     one_pass = bk <= block_k
     if not one_pass:
         bk = min(block_k, two_pass_block_k)
+    hw_round = x.is_cuda and not triton_interpreting()
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
-                                STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass,
-                                HW_ROUND=x.is_cuda and not triton_interpreting(), RELU2=bool(relu2),
+                                STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass, HW_ROUND=hw_round,
+                                RELU2=bool(relu2), BF16_BITS=bool(relu2) and x.dtype == torch.bfloat16 and not hw_round,
                                 num_warps=4 if bk <= 2048 else 8)
     return x_q, scale

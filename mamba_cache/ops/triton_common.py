@@ -44,6 +44,8 @@ def triton_interpreting() -> bool:
     try:
         import triton
         return bool(triton.knobs.runtime.interpret)
+    except ImportError:              # no Triton: nothing runs in its interpreter
+        return False
     except AttributeError:           # a Triton without knobs: its environment variable
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 

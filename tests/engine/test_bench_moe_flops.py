@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import write_config
-from benchmarks.moe import SHAPE_TINY, build_llm, prefill_flops, weight_split
+from benchmarks.moe import SHAPE_TINY, build_llm, param_split, prefill_flops
 
 
 def test_prefill_flops_counts_the_experts_of_every_moe_layer():
@@ -17,7 +17,7 @@ def test_prefill_flops_counts_the_experts_of_every_moe_layer():
     md = write_config(Path(tempfile.mkdtemp()) / "m", s)
     llm = build_llm(md, torch.device("cpu"), torch.float32, 1, 256, 0.15)
     model, mc = llm.engine.model, llm.engine.cfg.model
-    dense, per_expert, _ = weight_split(model)
+    dense, per_expert = param_split(model)
     pattern = s["pattern"]
     n_mamba, n_moe, n_attn = pattern.count("M"), pattern.count("E"), pattern.count("*")
     assert (n_mamba, n_moe, n_attn) == (3, 3, 1)
@@ -31,8 +31,11 @@ def test_prefill_flops_counts_the_experts_of_every_moe_layer():
     n = 256
     by_hand = (n * 2 * (n_mamba * mamba + n_attn * attn_proj + n_moe * moe)
                + n_attn * 4 * q * n * (n / 2) + 2 * H * s["vocab_size"])
-    got = prefill_flops(mc, n, dense // 4, per_expert // 4, n_moe)
-    # the count takes every parameter (norms, conv taps, biases) at 2 FLOPs a token: a few % above
+    got = prefill_flops(mc, n, dense, per_expert, n_moe)
+    # the count takes every parameter (norms, conv taps, biases) at 2 FLOPs a token: ~2% above
     assert got == pytest.approx(by_hand, rel=0.03)
-    one_layer = prefill_flops(mc, n, dense // 4, per_expert // 4, 1)     # the old count
+    # a bf16 model counts the same (parameters, not bytes: its router stays float32)
+    llm16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15)
+    assert param_split(llm16.engine.model) == (dense, per_expert)
+    one_layer = prefill_flops(mc, n, dense, per_expert, 1)     # the old count
     assert one_layer < 0.85 * by_hand

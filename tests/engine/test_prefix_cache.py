@@ -120,8 +120,10 @@ def test_quantized_weights_compose_with_caching(quantization, hybrid_dir):
     not the checkpoint's), with hits, evictions and every pin returned."""
     on = make_engine(hybrid_dir, on=True, blocks=30, rows_bytes=320_000, quantization=quantization)
     off = make_engine(hybrid_dir, on=False, blocks=30, quantization=quantization)
-    kinds = {type(m).__name__ for m in on.engine.model.modules()}
-    assert {"Fp8Linear", "Nvfp4Linear"} & kinds, kinds                  # the weights really are quantized
+    kinds = {type(m).__name__ for m in on.engine.model.modules()}          # the weights really are quantized
+    assert {"fp8": "Fp8Linear", "nvfp4": "Nvfp4Linear"}[quantization] in kinds, kinds
+    expert_dtypes = {p.dtype for n, p in on.engine.model.named_parameters() if n.endswith("experts.up_proj")}
+    assert expert_dtypes == ({torch.float8_e4m3fn} if quantization == "fp8" else {torch.float32}), expert_dtypes
     a, b = run_chat(on, 1), run_chat(off, 1)
     assert a.keys() == b.keys()
     for key in a:

@@ -133,6 +133,9 @@ def test_relu2_mlp_hands_the_activation_to_an_fp8_down_proj():
     assert not torch.equal(y, mlp.down_proj(h))                  # the activation really was applied
     w, ws = mlp.down_proj.weight, mlp.down_proj.weight_scale
     assert torch.equal(fp8_scaled_mm(h, w, ws, relu2=True), fp8_scaled_mm(relu2_ref(h), w, ws))
+    seen = []                                    # a forward hook (calibration) sees relu2(h) as input
+    mlp.down_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    assert torch.equal(mlp(x), y) and len(calls) == 1 and torch.equal(seen[0], relu2_ref(h))
 
 
 def test_w8a8_reference_quantizes_activations():
