@@ -272,6 +272,18 @@ def kernel_breakdown(prof, steps: int) -> dict:
     return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+def kernel_times(prof, width: int = 80) -> list[tuple[str, int, float]]:
+    """[(kernel name cut to ``width``, launches, GPU ms)] of a torch profiler's CUDA events (kernels
+    replayed from CUDA graphs included), costliest first."""
+    acc: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = acc.setdefault(e.name[:width], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total / 1e3
+    return sorted(((n, c, ms) for n, (c, ms) in acc.items()), key=lambda r: -r[2])
+
+
 def profile_prefill(llm, prompt, params, top: int = 30) -> list[dict]:
     """GPU time by kernel of one ``llm.generate([prompt], params)`` (a prefill with max_tokens=1;
     torch profiler; run with HYBRID_ENGINE_PDL=0 for kernel times that do not include a dependent
@@ -281,15 +293,9 @@ def profile_prefill(llm, prompt, params, top: int = 30) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
-    acc: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = acc.setdefault(e.name[:70], [0, 0.0])
-            row[0] += 1
-            row[1] += e.device_time_total / 1e3
-    total = sum(ms for _, ms in acc.values())
-    print(f"prefill {len(prompt)} profile: GPU busy {total:.2f} ms", flush=True)
-    rows = [dict(name=n, calls=c, ms=ms) for n, (c, ms) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]]
+    times = kernel_times(prof, 70)
+    print(f"prefill {len(prompt)} profile: GPU busy {sum(ms for _, _, ms in times):.2f} ms", flush=True)
+    rows = [dict(name=n, calls=c, ms=ms) for n, c, ms in times[:top]]
     for r in rows:
         print(f"  {r['ms']:8.3f} ms {r['calls']:5d}x {r['name']}", flush=True)
     return rows

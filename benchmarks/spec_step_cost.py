@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepClock, count_plans, random_weights, save_json  # noqa: E402
+from benchmarks.common import StepClock, count_plans, kernel_times, random_weights, save_json  # noqa: E402
 from benchmarks.spec_timing import free  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
@@ -44,17 +43,10 @@ DRAFT_DIR: list = [None]          # --draft-model
 
 def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]:
     """[(kernel name, GPU us per step, launches per step)] of the ``n`` costliest kernels."""
-    acc: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        a = acc.setdefault(e.name[:60], [0.0, 0.0])
-        a[0] += e.device_time_total / steps
-        a[1] += 1 / steps
-    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])
-    total = sum(v[0] for v in acc.values())
-    return [("(all kernels)", round(total, 2), round(sum(v[1] for v in acc.values()), 1))] + \
-        [(k, round(v[0], 2), round(v[1], 2)) for k, v in rows[:n]]
+    times = kernel_times(prof, 60)
+    total_ms, launches = sum(ms for _, _, ms in times), sum(c for _, c, _ in times)
+    return [("(all kernels)", round(total_ms * 1e3 / steps, 2), round(launches / steps, 1))] + \
+        [(k, round(ms * 1e3 / steps, 2), round(c / steps, 2)) for k, c, ms in times[:n]]
 
 
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import random_weights  # noqa: E402
+from benchmarks.common import kernel_times, random_weights  # noqa: E402
 from benchmarks.prefix_cache import make_model_dir  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -164,8 +164,5 @@ print(f"launch API calls {len(launches)}: " + ", ".join(f"{n} {sum(1 for e in la
 aten = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")]
 print(f"aten ops (incl. nested) {len(aten)}")
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-gk = {}
-for e in gpu:
-    gk.setdefault(e.name[:50], [0, 0.0]); gk[e.name[:50]][0] += 1; gk[e.name[:50]][1] += e.device_time_total / 1e3
-for n, (c, t) in sorted(gk.items(), key=lambda kv: -kv[1][1])[:40]:
+for n, c, t in kernel_times(prof, 50)[:40]:
     print(f"{t:8.2f} ms {c:5d}x {n}")
