@@ -185,13 +185,37 @@ def _row_scale(m, nan_seen):
 
 
 @triton.jit
-def _quantize(xv, s, HW_ROUND: tl.constexpr):
-    """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448), NaN kept as the NaN code 0x7F
-    (torch.clamp keeps it; the interpreter's cast would not). HW_ROUND (CUDA): the cast rounds
-    (the hardware conversion rounds to nearest even, as torch's does); otherwise the value is
-    rounded in float32 first (``_round_to_e4m3``, for the interpreter), ~15 more operations per
-    value: the quantizer was bound by them (H100, 8192 rows of 21504: 393 -> 271 us, codes equal)."""
-    q = tl.math.div_rn(xv, s)
+def _divide(xv, s, r, HW_ROUND: tl.constexpr):
+    """x / s rounded to nearest (float32), as torch divides. HW_ROUND (CUDA): without a division
+    per value. r = 1 / s is rounded once per row; x * r is then within two ulps of x / s, and one
+    correction q + (x - q * s) * r (two fmas) brings it within one ulp. From there the remainder
+    x - q * s is exact and a second correction rounds to the correctly rounded quotient
+    (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp). One
+    correction is enough in every case we tried (14 million quotients, many near e4m3 midpoints,
+    in a float32 emulation), but the theorem asks for the second.
+    A zero remainder means q is exact (and keeps -0's sign, which q + 0 would drop); a NaN one
+    flags the special operands (x or s infinite, s zero), where q already is what the division
+    gives. ``div_rn`` is ~15 operations a value and bound the quantizer (H100, 8192 rows
+    of 21504 with relu²: 578-617 us a call in the 8k prefill, 287 us with one correction).
+    Otherwise (the interpreter): div_rn."""
+    if HW_ROUND:
+        q = xv * r
+        e = tl.fma(-q, s, xv)
+        q = tl.where((e == 0.0) | (e != e), q, tl.fma(e, r, q))
+        e = tl.fma(-q, s, xv)
+        return tl.where((e == 0.0) | (e != e), q, tl.fma(e, r, q))
+    return tl.math.div_rn(xv, s)
+
+
+@triton.jit
+def _quantize(xv, s, r, HW_ROUND: tl.constexpr):
+    """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448) (r = 1 / s, ``_divide``), NaN kept
+    as the NaN code 0x7F (torch.clamp keeps it; the interpreter's cast would not). HW_ROUND (CUDA):
+    the cast rounds (the hardware conversion rounds to nearest even, as torch's does); otherwise
+    the value is rounded in float32 first (``_round_to_e4m3``, for the interpreter), ~15 more
+    operations per value: the quantizer was bound by them (H100, 8192 rows of 21504: 393 -> 271 us,
+    codes equal)."""
+    q = _divide(xv, s, r, HW_ROUND)
     q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
                    propagate_nan=tl.PropagateNan.ALL)
     if HW_ROUND:
@@ -202,21 +226,28 @@ def _quantize(xv, s, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _relu2_rounded(xf, dtype: tl.constexpr, BF16_BITS: tl.constexpr):
+    """relu(x)² of float32 ``xf`` rounded to ``dtype`` (x's), back in float32, as
+    ``activation.relu2`` writes it. Non-decreasing in x (each rounding is), so the largest value of
+    a row is this of the row's largest x. The interpreter's float32 -> bfloat16 cast does not round
+    to nearest even, so there (BF16_BITS: bfloat16 x under the interpreter) the rounding is done on
+    the bits: add 0x7FFF plus the kept lowest bit, drop the low 16 bits (the square is >= 0, inf or
+    NaN, which this keeps)."""
+    xf = tl.where(xf < 0.0, 0.0, xf)             # relu that keeps NaN (NaN < 0 is false)
+    sq = xf * xf
+    if BF16_BITS:
+        b = sq.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return sq.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
-    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first, as
-    ``activation.relu2`` writes it (so the codes equal quantizing that tensor). The interpreter's
-    float32 -> bfloat16 cast does not round to nearest even, so there (BF16_BITS: bfloat16 x under
-    the interpreter) the rounding is done on the bits: add 0x7FFF plus the kept lowest bit, drop
-    the low 16 bits (the square is >= 0, inf or NaN, which this keeps)."""
+    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``_relu2_rounded``),
+    so the codes equal quantizing that tensor."""
     xv = tl.load(ptrs, mask=mask, other=0.0)
     if RELU2:
-        xf = xv.to(tl.float32)
-        xf = tl.where(xf < 0.0, 0.0, xf)             # relu that keeps NaN (NaN < 0 is false)
-        sq = xf * xf
-        if BF16_BITS:
-            b = sq.to(tl.int32, bitcast=True)
-            return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        return sq.to(xv.dtype).to(tl.float32)
+        return _relu2_rounded(xv.to(tl.float32), xv.dtype, BF16_BITS)
     return xv.to(tl.float32)
 
 
@@ -243,7 +274,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         else:
             s = _row_scale(tl.max(tl.abs(xv), axis=0), tl.max((xv != xv).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, tl.math.div_rn(1.0, s), HW_ROUND), mask=mk)
         return
     if STATIC:
         s = tl.load(in_scale_ptr).to(tl.float32)
@@ -252,16 +283,23 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         nan_seen = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            xv = _load_row_tile(x_row + offs, offs < K, RELU2, BF16_BITS)
-            amax = tl.maximum(amax, tl.abs(xv))
+            xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if RELU2:       # the largest relu(x)² is that of the largest x: no square per value here
+                amax = tl.maximum(amax, xv)
+            else:
+                amax = tl.maximum(amax, tl.abs(xv))
             nan_seen = tl.maximum(nan_seen, (xv != xv).to(tl.int32))
-        s = _row_scale(tl.max(amax, axis=0), tl.max(nan_seen, axis=0))
+        m = tl.max(amax, axis=0)
+        if RELU2:
+            m = _relu2_rounded(m, x_ptr.dtype.element_ty, BF16_BITS)
+        s = _row_scale(m, tl.max(nan_seen, axis=0))
         tl.store(s_ptr + row, s)
+    r = tl.math.div_rn(1.0, s)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
         xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, HW_ROUND), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, r, HW_ROUND), mask=mk)
 
 
 def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, relu2: bool = False,
@@ -271,9 +309,10 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     ``input_scale`` []). Equal code for code to ``fp8.quantize_activations`` (its torch twin), which
     takes ~6 float32 passes over x where this reads x once: a row of at most ``block_k`` is one
     tile; wider rows are read twice (the second time from L2) in tiles of
-    ``min(block_k, two_pass_block_k)``. H100, 8192 rows of 21504 with the hardware rounding
-    (2026-11-27, benchmarks/results/2026-11-27-fp8-quantizer-h100.md): 271 us in 4096-wide tiles,
-    333 us in 8192-wide ones; a 32768-wide single tile (16 warps) took 0.71 ms before. ``relu2``:
+    ``min(block_k, two_pass_block_k)``. H100, 8192 rows of 21504 with relu², the division by the
+    reciprocal and the hardware rounding (2026-11-27,
+    benchmarks/results/2026-11-27-fp8-quantizer-h100.md): 273 us in 4096-wide tiles, 304 us in
+    8192-wide ones, 374 us as a single 32768-wide tile. ``relu2``:
     quantize relu(x)² (rounded to x's dtype) instead of x, without writing it (twin:
     ``quantize_activations(relu2_ref(x))``)."""
     if x.dim() != 2 or x.stride(1) != 1:
@@ -297,5 +336,8 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
                                 STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass, HW_ROUND=hw_round,
                                 RELU2=bool(relu2), BF16_BITS=bool(relu2) and x.dtype == torch.bfloat16 and not hw_round,
-                                num_warps=4 if bk <= 2048 else 8)
+                                num_warps=4)
+    # 4 warps at every tile width: H100, 8192 rows (graph replays, 2026-11-27): 21504 wide with relu²
+    # in 4096 tiles 273.0 us (8 warps 289.6, 16: 307.3); 8192 wide one pass 73.3 (75.8 / 85.4);
+    # 4096 wide 40.0 (43.6 / 51.5)
     return x_q, scale

@@ -136,6 +136,16 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
                               [-float("inf"), float("nan"), 7.0, 0.0, -1.0],
                               [1.0, -2.0, 3.0, 250.0, 1e-3]])
     inputs += [(nonfinite, None), (nonfinite, torch.tensor(0.5)), (nonfinite.to(torch.bfloat16), None)]
+    # the division by a scale that is not a power of two, where a quotient one ulp off flips a code:
+    # x = t * s (float32) for t on and near the e4m3 midpoints, with random static scales, and rows
+    # whose first value A sets the dynamic scale fl(A / 448)
+    near = torch.cat([mids, mids * (1 + 1e-7), mids * (1 - 1e-7), -mids, grid])
+    for _ in range(16):
+        s = torch.exp(torch.randn((), generator=g) * 4).float()
+        inputs.append(((near * s)[None], s))
+        a = (torch.rand(3, generator=g) * 10 + 0.5).float()
+        rows = torch.cat([a[:, None], near[None] * (a[:, None] / 448)], dim=1).float()
+        inputs.append((rows.clamp(-a[:, None], a[:, None]), None))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for M, K in shapes:
             x = (torch.randn(M, K + 3, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(dtype)[:, 3:]
