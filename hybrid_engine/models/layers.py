@@ -11,7 +11,9 @@ from torch import nn
 
 from .activation import relu2
 from .linear import Linear
-from .rmsnorm import fused_add_rmsnorm, rmsnorm
+from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+
+from .rmsnorm import add_rmsnorm_fp8, fused_add_rmsnorm, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +32,24 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self(x), x
         return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+    def add_norm_for(self, x: torch.Tensor, residual: torch.Tensor | None, projections: tuple[nn.Module, ...]
+                     ) -> tuple[object, torch.Tensor]:
+        """``add_norm`` for a mixer whose input only ``projections`` read (``input_projections``),
+        with the normed rows in the form they take: when they are FP8 projections that would each
+        quantize the rows per token (``fp8.takes_fp8_rows``: prefill-sized rows), one
+        ``fp8.Fp8Rows`` quantized by the norm kernel itself (the 16-bit rows are never written, and
+        q/k/v share one quantization); the 16-bit rows otherwise. Same codes either way
+        (tests/gpu/test_quant_cuda.py::test_fp8_norm_fusion_keeps_the_logits)."""
+        if projections and type(self) is RMSNorm:     # (a subclass may do more, e.g. all-reduce first)
+            from hybrid_engine.quantization.fp8 import Fp8Rows, takes_fp8_rows
+            if (takes_fp8_rows(projections, x) and x.stride(1) == 1
+                    and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                              and residual.stride(1) == 1))
+                    and kernel_backend("fused_add_rmsnorm", x.device) == "triton"):
+                codes, scale, residual = add_rmsnorm_fp8(x, residual, self.weight, self.eps)
+                return Fp8Rows(codes=codes, scale=scale, dtype=x.dtype), residual
+        return self.add_norm(x, residual)
 
 
 def project_relu2(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -50,6 +70,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project_relu2(self.down_proj, self.up_proj(x))
+
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The modules that read this mixer's input, and nothing else does (``RMSNorm.add_norm_for``)."""
+        return (self.up_proj,)
 
 
 class GatedMLP(nn.Module):

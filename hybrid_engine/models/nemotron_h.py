@@ -75,6 +75,11 @@ class Mamba2Mixer(nn.Module):
             self.proj_scale = self._proj_scale_vector().to(device=self.proj_scale.device,
                                                            dtype=self.in_proj.weight.dtype)
 
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The modules that read this mixer's input, and nothing else does (``RMSNorm.add_norm_for``);
+        none when the input is scaled first."""
+        return (self.in_proj,) if self.in_scale == 1.0 else ()
+
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_scale != 1.0:
             x = x * self.in_scale
@@ -187,6 +192,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.nh * self.hd, d, bias=bias)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if cfg.rope_theta is not None else None
 
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The modules that read this mixer's input, and nothing else does (``RMSNorm.add_norm_for``)."""
+        return (self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.nh, self.hd)
@@ -233,7 +242,8 @@ class Block(nn.Module):
         None) [T, D] -> (this mixer's output [T, D], residual stream [T, D]). The residual add
         ``residual + h`` happens inside this block's norm kernel instead of as a separate kernel
         at the end of the previous block; the stream is bit-identical to ``h + mixer(norm(h))``."""
-        x, residual = self.norm.add_norm(h, residual)
+        projections = self.mixer.input_projections() if hasattr(self.mixer, "input_projections") else ()
+        x, residual = self.norm.add_norm_for(h, residual, projections)
         return (self.mixer(x, fb, caches) if self.takes_batch else self.mixer(x)), residual
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend, next_pow2, triton_available
+from hybrid_engine.mamba_cache.ops.triton_common import (kernel_backend, next_pow2, triton_available,
+                                                         triton_interpreting)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,13 +42,19 @@ if triton_available():
     import triton.language as tl
 
     from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+    from hybrid_engine.quantization.fp8_kernels import _quantize, _row_scale
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, D, eps, sx, sr, sro, so,
-                        ADD_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, s_ptr, D, eps, sx, sr, sro, so,
+                        ADD_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                        FP8_OUT: tl.constexpr = False, HW_ROUND: tl.constexpr = True):
         # One program per row. With ADD_RESIDUAL the row is first replaced by residual + x
         # (float32 add, one rounding to the residual dtype = torch's add), which is stored; the
         # norm below is then the same code for both variants, so their outputs agree bitwise.
+        # FP8_OUT (W8A8 prefill, ``fp8.Fp8Rows``): the normed row, rounded to x's dtype as the
+        # plain kernel stores it, is quantized per token as ``quantize_rows_fp8`` does it
+        # (s_ptr[row] = amax / 448, out_ptr the e4m3 codes as uint8): the same codes, without
+        # writing the 16-bit row and reading it back.
         row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
@@ -56,23 +63,34 @@ if triton_available():
             r = tl.load(r_ptr + row * sr + offs, mask=m, other=0.0)
             x = (r.to(tl.float32) + x.to(tl.float32)).to(r_out_ptr.dtype.element_ty)
             tl.store(r_out_ptr + row * sro + offs, x, mask=m)
+        dtype = x.dtype
         x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * so + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=m)
+        if FP8_OUT:
+            y = (w * (x * inv)).to(dtype).to(tl.float32)
+            s = _row_scale(tl.max(tl.abs(y), axis=0), tl.max((y != y).to(tl.int32), axis=0))
+            tl.store(s_ptr + row, s)
+            tl.store(out_ptr + row * so + offs, _quantize(y, s, tl.math.div_rn(1.0, s), HW_ROUND), mask=m)
+        else:
+            tl.store(out_ptr + row * so + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(x, residual, residual_out, weight, out, eps) -> None:
-    """x [T, D] (unit inner stride); residual/residual_out [T, D] or None (plain norm)."""
+def _launch(x, residual, residual_out, weight, out, eps, scale=None) -> None:
+    """x [T, D] (unit inner stride); residual/residual_out [T, D] or None (plain norm); scale
+    [T, 1] float32 or None: out holds e4m3 codes (FP8_OUT) and scale their per-token scales
+    (otherwise the unused s_ptr is out)."""
     t, d = x.shape
     if t == 0:
         return
     add = residual is not None
     r, ro = (residual, residual_out) if add else (x, out)    # unused pointers when not adding
     block = next_pow2(d)
-    _rmsnorm_kernel[(t,)](x, r, ro, weight, out, d, float(eps), x.stride(0), r.stride(0),
-                          ro.stride(0), out.stride(0), ADD_RESIDUAL=add, BLOCK_D=block,
-                          num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x.device))
+    fp8 = scale is not None
+    _rmsnorm_kernel[(t,)](x, r, ro, weight, out.view(torch.uint8) if fp8 else out, scale if fp8 else out,
+                          d, float(eps), x.stride(0), r.stride(0), ro.stride(0), out.stride(0),
+                          ADD_RESIDUAL=add, BLOCK_D=block, num_warps=min(16, max(1, block // 256)),
+                          FP8_OUT=fp8, HW_ROUND=not triton_interpreting(), **pdl_kwargs(x.device))
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,6 +108,23 @@ def fused_add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: to
     new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
     _launch(x, residual, new_residual, weight, out, eps)
     return out, new_residual
+
+
+def add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-norm step of ``fused_add_rmsnorm`` (``rmsnorm`` when residual is None) with the
+    normed rows quantized for the W8A8 prefill path in the same kernel (CUDA, bf16 x [T, D] of unit
+    inner stride): -> (codes [T, D] float8_e4m3fn, per-token scales [T, 1] float32, the residual
+    stream [T, D]). The codes and scales equal ``quantize_rows_fp8`` of the 16-bit normed rows
+    (tests/gpu/test_quant_cuda.py::test_add_rmsnorm_fp8_equals_norm_then_quantizer)."""
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)      # [T, D]
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)    # [T, 1]
+    if residual is None:
+        _launch(x, None, None, weight, codes, eps, scale)
+        return codes, scale, x
+    new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    _launch(x, residual, new_residual, weight, codes, eps, scale)
+    return codes, scale, new_residual
 
 
 def _rows(x: torch.Tensor) -> bool:

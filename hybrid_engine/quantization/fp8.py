@@ -15,8 +15,13 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
 ``Fp8Linear.forward_relu2``): on the W8A8 path the quantizer applies relu² as it reads x.
+``fp8_linear(Fp8Rows, ...)``: rows already quantized by their producer (the block's RMSNorm,
+``layers.add_norm_for``; ``takes_fp8_rows`` says when), projected without a quantizer pass; the
+projections that share an input (attention's q, k, v) then share one quantization of it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +78,31 @@ def fp8_scaled_mm_ref(x, w_q, weight_scale, input_scale=None, bias=None):
     return y.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activation rows already quantized for the W8A8 path, as ``quantize_rows_fp8`` makes them
+    (dynamic per-token scales), handed from their producer to the FP8 projections that read them."""
+    codes: torch.Tensor         # [M, K] float8_e4m3fn
+    scale: torch.Tensor         # [M, 1] float32, one per token
+    dtype: torch.dtype          # the 16-bit dtype of the rows before quantization (and of the outputs)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
+def _scaled_mm(x_q, xs, w_q, ws, bias, out_dtype):
+    """x_q [M, K] x w_q [N, K]^T on the FP8 tensor cores; xs [] or [M, 1], ws [] or [N] float32."""
+    M, N = x_q.shape[0], w_q.shape[0]
+    if xs.dim() == 0 and ws.dim() == 0:
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+    else:
+        sa = xs.expand(M, 1).contiguous() if xs.dim() == 0 else xs
+        sb = (ws.expand(N) if ws.dim() == 0 else ws).reshape(1, N).contiguous()
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return y if bias is None else y + bias
+
+
 def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None, *, relu2: bool = False):
     """W8A8 with ``torch._scaled_mm``: tensor-wise scales when both are scalars, row-wise
     ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16. ``relu2``: the
@@ -82,34 +112,57 @@ def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None, *, relu2: b
         x_q, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), input_scale, relu2=relu2)
     else:
         x_q, xs = quantize_activations(relu2_ref(x) if relu2 else x, input_scale)
-    ws = weight_scale.float()
-    M, N = x.shape[0], w_q.shape[0]
-    if xs.dim() == 0 and ws.dim() == 0:
-        y = torch._scaled_mm(x_q, w_q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
-    else:
-        sa = xs.expand(M, 1).contiguous() if xs.dim() == 0 else xs
-        sb = (ws.expand(N) if ws.dim() == 0 else ws).reshape(1, N).contiguous()
-        y = torch._scaled_mm(x_q, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
-    return y if bias is None else y + bias
+    return _scaled_mm(x_q, xs, w_q, weight_scale.float(), bias, x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, weight_scale: torch.Tensor,
+def _path(rows: int, K: int, N: int, dtype: torch.dtype, device: torch.device) -> str:
+    """Which kernels ``fp8_linear`` runs for x [rows, K] -> [rows, N]: "skinny", "w8a8" or "ref"."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if rows <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", device) == "triton":
+            return "skinny"
+        if (dtype in _SCALED_MM_DTYPES and K % 16 == 0 and N % 16 == 0
+                and kernel_backend("fp8_scaled_mm", device) == "triton"):
+            return "w8a8"
+    return "ref"
+
+
+def takes_fp8_rows(projections, x: torch.Tensor) -> bool:
+    """Whether each of ``projections`` would quantize x [T, K] per token on the W8A8 path, so they
+    can all take one ``Fp8Rows`` made by x's producer instead (modules of exactly ``Fp8Linear``
+    with no static input scale and no hooks: a hook must see the 16-bit input)."""
+    from .linear import Fp8Linear
+    if not projections or x.dim() != 2:
+        return False
+    for p in projections:
+        if (type(p) is not Fp8Linear or p.input_scale is not None or p._forward_hooks
+                or p._forward_pre_hooks or p.in_features != x.shape[1]
+                or _path(x.shape[0], p.in_features, p.out_features, x.dtype, x.device) != "w8a8"):
+            return False
+    return True
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                relu2: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths). ``relu2``: the
     projection of ``activation.relu2(x)``; the W8A8 path applies it inside its activation
-    quantizer (the relu² output is never written), the others call ``relu2`` first."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    quantizer (the relu² output is never written), the others call ``relu2`` first. x an
+    ``Fp8Rows`` [M, K] (``takes_fp8_rows`` held for its 16-bit rows): the W8A8 product of its codes."""
     N = w_q.shape[0]
     # stored scale shapes [] / [1] (per tensor) and [N] / [N, 1] (per channel) -> [] or [N] (views)
     weight_scale = weight_scale.reshape(()) if weight_scale.numel() == 1 else weight_scale.reshape(-1)
-    if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
-        if x2.shape[0] <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", x2.device) == "triton":
-            from .fp8_kernels import fp8_skinny_linear
-            y = fp8_skinny_linear((relu2_act(x2) if relu2 else x2).contiguous(), w_q, weight_scale, bias)
-            return y.view(*lead, N)
-        if (x2.dtype in _SCALED_MM_DTYPES and K % 16 == 0 and N % 16 == 0
-                and kernel_backend("fp8_scaled_mm", x2.device) == "triton"):
-            return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias, relu2=relu2).view(*lead, N)
+    if isinstance(x, Fp8Rows):
+        if input_scale is not None or relu2:
+            raise ValueError("fp8_linear: pre-quantized rows carry per-token scales; a static input_scale "
+                             "or relu2 cannot apply to them")
+        return _scaled_mm(x.codes, x.scale, w_q, weight_scale.float(), bias, x.dtype)
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    path = _path(x2.shape[0], K, N, x2.dtype, x2.device)
+    if path == "skinny":
+        from .fp8_kernels import fp8_skinny_linear
+        y = fp8_skinny_linear((relu2_act(x2) if relu2 else x2).contiguous(), w_q, weight_scale, bias)
+        return y.view(*lead, N)
+    if path == "w8a8":
+        return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias, relu2=relu2).view(*lead, N)
     return fp8_linear_ref(relu2_act(x2) if relu2 else x2, w_q, weight_scale, bias).view(*lead, N)

@@ -114,6 +114,47 @@ def test_quantize_rows_kernel():
             assert qc.check_quantize_rows(quantize_rows_fp8, DEV, shapes=shapes, block_k=block_k, relu2=relu2) > 0
 
 
+@pytest.mark.parametrize("T,D,residual", [(300, 4096, True), (7, 4096, True), (1000, 2688, True), (33, 4096, False)])
+def test_add_rmsnorm_fp8_equals_norm_then_quantizer(T, D, residual):
+    """The block norm with the W8A8 quantizer in its epilogue: the same codes, scales and residual
+    as the Triton norm followed by ``quantize_rows_fp8``, and near the torch twin."""
+    assert qc.check_add_rmsnorm_fp8(DEV, BF16, T, D, seed=T, residual=residual) == T * D
+
+
+def test_fp8_norm_fusion_keeps_the_logits(model_dirs, monkeypatch):
+    """An FP8 model whose block norms hand quantized rows to in_proj / up_proj / q, k, v
+    (``RMSNorm.add_norm_for``) gives the same greedy tokens and logprobs, bit for bit, as with the
+    fusion off (a forward pre-hook on every FP8 projection turns it off: hooks must see 16-bit
+    inputs). Chunked prompts longer than the 8 rows of the skinny path take the W8A8 path."""
+    import hybrid_engine.models.layers as layers
+    from hybrid_engine import LLM, SamplingParams
+    from hybrid_engine.quantization.linear import Fp8Linear
+    fused_calls = []
+    real = layers.add_rmsnorm_fp8
+    monkeypatch.setattr(layers, "add_rmsnorm_fp8", lambda *a: fused_calls.append(1) or real(*a))
+    d = model_dirs("quant_cuda_norm", pattern="M-M*-M-", seed=4, hidden_size=256, intermediate_size=512,
+                   mamba_num_heads=16, mamba_head_dim=16)          # every projection width a multiple of 16
+    prompts = [list(range(3, 3 + n)) for n in (70, 9, 130)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    # prefix caching off: the second run would otherwise hit the cache, computing fewer rows a step,
+    # and a step of at most 8 rows takes the weight-only skinny path (other numbers than W8A8)
+    llm = LLM(d, dtype="bfloat16", device=DEV, quantization="fp8", enforce_eager=True, max_num_seqs=4,
+              max_num_batched_tokens=64, enable_prefix_caching=False)
+    def run():
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    fused = run()
+    assert len(fused_calls) > 0
+    projections = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(projections) >= 10
+    for m in projections:
+        m.register_forward_pre_hook(lambda mod, args: None)
+    fused_calls.clear()
+    plain = run()
+    assert not fused_calls
+    assert fused == plain
+
+
 @pytest.mark.parametrize("rows", [4, 40])
 def test_fp8_linear_relu2_equals_relu2_then_linear(rows):
     """``fp8_linear(..., relu2=True)`` (the quantizer applies relu² on the W8A8 path; the skinny

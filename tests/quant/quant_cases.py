@@ -169,6 +169,42 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
     return n
 
 
+def check_add_rmsnorm_fp8(device, dtype, T, D, seed=0, residual=True):
+    """``add_rmsnorm_fp8`` (the block norm quantizing its output for the W8A8 path) against the
+    unfused path, ``quantize_rows_fp8`` of the Triton norm's 16-bit output: codes, scales and the
+    residual stream bit for bit (poisoned outputs; rows spanning 1e-3..1e3, a zero row). And
+    against the torch twin: the dequantized codes within half an e4m3 step of ``rmsnorm_ref``
+    (the norm's float32 sum may round differently from torch's). Returns the codes compared."""
+    from hybrid_engine.models.rmsnorm import (add_rmsnorm_fp8, fused_add_rmsnorm_ref, fused_add_rmsnorm_triton,
+                                              rmsnorm_ref, rmsnorm_triton)
+    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, D, generator=g) * torch.logspace(-3, 3, T)[:, None]).to(dtype)
+    r = torch.randn(T, D, generator=g).to(dtype) if residual else None
+    if T > 2:
+        x[1] = 0
+        if r is not None:
+            r[1] = 0
+    w = (torch.rand(D, generator=g) * 2 - 0.5).to(dtype)
+    x, w = x.to(device), w.to(device)
+    r = None if r is None else r.to(device)
+    with poisoned_empty():
+        codes, scale, r_out = add_rmsnorm_fp8(x, r, w, 1e-5)
+        normed, r_ref = fused_add_rmsnorm_triton(x, r, w, 1e-5) if residual else (rmsnorm_triton(x, w, 1e-5), x)
+        q_ref, s_ref = quantize_rows_fp8(normed)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (T, D) and scale.shape == (T, 1)
+    assert torch.equal(scale, s_ref), "scales differ from the unfused path"
+    assert torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8)), "codes differ from the unfused path"
+    assert torch.equal(r_out, r_ref), "residual stream differs"
+    twin = (fused_add_rmsnorm_ref(x.cpu(), r.cpu(), w.cpu(), 1e-5)[0] if residual
+            else rmsnorm_ref(x.cpu(), w.cpu(), 1e-5)).float()
+    deq = codes.cpu().float() * scale.cpu()
+    # e4m3 has 3 mantissa bits: half a step is 1/16 of the value's binade; + the scale's subnormal step
+    tol = twin.abs() / 16 + scale.cpu() * 2.0 ** -9 + twin.abs() * 2e-2
+    assert bool(((deq - twin).abs() <= tol).all()), (deq - twin).abs().max()
+    return codes.numel()
+
+
 # shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
@@ -215,6 +251,8 @@ def _cases():
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
+        "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),
+        "fp8_rmsnorm_no_residual": lambda: check_add_rmsnorm_fp8(cpu, f32, 3, 40, seed=1, residual=False),
         "fp8_quantize_rows_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048),
         "fp8_quantize_rows_relu2": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256, relu2=True),
         "fp8_quantize_rows_relu2_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048,
