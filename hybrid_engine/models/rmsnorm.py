@@ -42,7 +42,7 @@ if triton_available():
     import triton.language as tl
 
     from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-    from hybrid_engine.quantization.fp8_kernels import _quantize, _row_scale
+    from hybrid_engine.quantization.fp8_kernels import _fast_div_ok, _quantize, _row_scale
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, s_ptr, D, eps, sx, sr, sro, so,
@@ -71,7 +71,8 @@ if triton_available():
             y = (w * (x * inv)).to(dtype).to(tl.float32)
             s = _row_scale(tl.max(tl.abs(y), axis=0), tl.max((y != y).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-            tl.store(out_ptr + row * so + offs, _quantize(y, s, tl.math.div_rn(1.0, s), HW_ROUND), mask=m)
+            tl.store(out_ptr + row * so + offs, _quantize(y, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND),
+                     mask=m)
         else:
             tl.store(out_ptr + row * so + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -108,6 +109,17 @@ def fused_add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: to
     new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
     _launch(x, residual, new_residual, weight, out, eps)
     return out, new_residual
+
+
+# The widest row (next power of two) whose FP8_OUT kernel sums the row in the plain kernel's layout:
+# beyond it the codes' uint8 store makes Triton vectorise the row 16 wide instead of 8, which sums in
+# another order (tests/engine/test_norm_fp8_layouts.py compiles both for sm_90 and compares)
+FP8_OUT_MAX_BLOCK = 4096
+
+
+def fp8_out_supported(d: int) -> bool:
+    """Whether ``add_rmsnorm_fp8`` gives the plain kernel's codes for rows of width d."""
+    return next_pow2(d) <= FP8_OUT_MAX_BLOCK
 
 
 def add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -184,38 +184,54 @@ def _row_scale(m, nan_seen):
     return tl.where((m > 0) & (nan_seen == 0), tl.math.div_rn(m, 448.0), 1.0)
 
 
+FAST_DIV_MIN, FAST_DIV_MAX = 2.0 ** -60, 2.0 ** 60     # the scales _divide_fast is exact for
+
+
 @triton.jit
-def _divide(xv, s, r, HW_ROUND: tl.constexpr):
-    """x / s rounded to nearest (float32), as torch divides. HW_ROUND (CUDA): without a division
-    per value. r = 1 / s is rounded once per row; x * r is then within two ulps of x / s, and one
-    correction q + (x - q * s) * r (two fmas) brings it within one ulp. From there the remainder
-    x - q * s is exact and a second correction rounds to the correctly rounded quotient
-    (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp). One
-    correction is enough in every case we tried (14 million quotients, many near e4m3 midpoints,
-    in a float32 emulation), but the theorem asks for the second.
-    A zero remainder means q is exact (and keeps -0's sign, which q + 0 would drop); a NaN one
-    flags the special operands (x or s infinite, s zero), where q already is what the division
-    gives. ``div_rn`` is ~15 operations a value and bound the quantizer (H100, 8192 rows
-    of 21504 with relu²: 578-617 us a call in the 8k prefill, 287 us with one correction).
-    Otherwise (the interpreter): div_rn."""
+def _fast_div_ok(s):
+    """Whether the scale ``s`` lies in [2^-60, 2^60] (elementwise), where ``_divide_fast`` gives
+    the correctly rounded quotient (0 / inf / NaN scales are outside)."""
+    return (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)
+
+
+@triton.jit
+def _divide_fast(xv, s, r):
+    """x / s rounded to nearest (float32), as torch divides, without a division per value, for
+    a scale s in [2^-60, 2^60] (``_fast_div_ok``) and r = 1 / s rounded to nearest. x * r is within
+    two ulps of x / s; one correction q + (x - q * s) * r (two fmas) brings it within one ulp, where
+    the remainder x - q * s is exact, and a second correction rounds to the correctly rounded
+    quotient (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp).
+    The scale range keeps r normal and every remainder that matters out of the subnormals: a
+    remainder can only underflow for |x / s| < 2^-42, whose code is 0 anyway. Kept as is: q where
+    the remainder is 0 (q is exact; q + 0 would drop -0's sign), NaN (x infinite) or q infinite
+    (x / s overflows: torch's inf, clamped to 448 like ours). A float32 emulation with an exact fma
+    (12 million quotients, x and s over the whole float32 range, half of them on e4m3 midpoints)
+    gave torch's codes everywhere, with one correction as well; the theorem asks for the second.
+    ``div_rn`` is ~15 operations a value and bound the quantizer (H100, 8192 rows of 21504 with
+    relu²: 578-617 us a call in the 8k prefill, 287 us with one correction)."""
+    q = xv * r
+    e = tl.fma(-q, s, xv)
+    q = tl.where((e == 0.0) | (e != e) | (tl.abs(q) == float("inf")), q, tl.fma(e, r, q))
+    e = tl.fma(-q, s, xv)
+    return tl.where((e == 0.0) | (e != e) | (tl.abs(q) == float("inf")), q, tl.fma(e, r, q))
+
+
+@triton.jit
+def _quantize(xv, s, r, fast_div, HW_ROUND: tl.constexpr):
+    """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448), NaN kept as the NaN code 0x7F
+    (torch.clamp keeps it; the interpreter's cast would not). r = 1 / s; ``fast_div``
+    (``_fast_div_ok(s)``, a scalar): divide with ``_divide_fast`` on CUDA, else ``div_rn``.
+    HW_ROUND (CUDA): the cast rounds (the hardware conversion rounds to nearest even, as torch's
+    does); otherwise the value is rounded in float32 first (``_round_to_e4m3``, for the
+    interpreter), ~15 more operations per value: the quantizer was bound by them (H100, 8192 rows
+    of 21504: 393 -> 271 us, codes equal)."""
     if HW_ROUND:
-        q = xv * r
-        e = tl.fma(-q, s, xv)
-        q = tl.where((e == 0.0) | (e != e), q, tl.fma(e, r, q))
-        e = tl.fma(-q, s, xv)
-        return tl.where((e == 0.0) | (e != e), q, tl.fma(e, r, q))
-    return tl.math.div_rn(xv, s)
-
-
-@triton.jit
-def _quantize(xv, s, r, HW_ROUND: tl.constexpr):
-    """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448) (r = 1 / s, ``_divide``), NaN kept
-    as the NaN code 0x7F (torch.clamp keeps it; the interpreter's cast would not). HW_ROUND (CUDA):
-    the cast rounds (the hardware conversion rounds to nearest even, as torch's does); otherwise
-    the value is rounded in float32 first (``_round_to_e4m3``, for the interpreter), ~15 more
-    operations per value: the quantizer was bound by them (H100, 8192 rows of 21504: 393 -> 271 us,
-    codes equal)."""
-    q = _divide(xv, s, r, HW_ROUND)
+        if fast_div:
+            q = _divide_fast(xv, s, r)
+        else:
+            q = tl.math.div_rn(xv, s)
+    else:
+        q = tl.math.div_rn(xv, s)
     q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
                    propagate_nan=tl.PropagateNan.ALL)
     if HW_ROUND:
@@ -274,7 +290,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         else:
             s = _row_scale(tl.max(tl.abs(xv), axis=0), tl.max((xv != xv).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, tl.math.div_rn(1.0, s), HW_ROUND), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND),
+                 mask=mk)
         return
     if STATIC:
         s = tl.load(in_scale_ptr).to(tl.float32)
@@ -295,11 +312,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         s = _row_scale(m, tl.max(nan_seen, axis=0))
         tl.store(s_ptr + row, s)
     r = tl.math.div_rn(1.0, s)
+    fast_div = _fast_div_ok(s)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
         xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, r, HW_ROUND), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, r, fast_div, HW_ROUND), mask=mk)
 
 
 def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, relu2: bool = False,

@@ -146,6 +146,12 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
         a = (torch.rand(3, generator=g) * 10 + 0.5).float()
         rows = torch.cat([a[:, None], near[None] * (a[:, None] / 448)], dim=1).float()
         inputs.append((rows.clamp(-a[:, None], a[:, None]), None))
+    # scales beyond the fast division's [2^-60, 2^60] (tiny rows: amax ~1e-37; huge static scales)
+    # and quotients that overflow float32 (x / 0.5 for x near the float32 maximum)
+    for s in (2.0 ** -70, 2.0 ** -61, 2.0 ** -60, 2.0 ** -60 * 1.37, 2.0 ** 59 * 1.9, 2.0 ** 60, 2.0 ** 61 * 1.5, 2.0 ** 70):
+        inputs.append(((near * s).float()[None], torch.tensor(s, dtype=torch.float32)))
+    inputs.append(((near * 1e-37 / 448).float()[None], None))
+    inputs.append((torch.tensor([[3e38, -3e38, 1.7e38, 2.0, -0.0, 1e-30]]), torch.tensor(0.5)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for M, K in shapes:
             x = (torch.randn(M, K + 3, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(dtype)[:, 3:]
