@@ -42,14 +42,17 @@ class RMSNorm(nn.Module):
         q/k/v share one quantization); the 16-bit rows otherwise. Same codes either way
         (tests/gpu/test_quant_cuda.py::test_fp8_norm_fusion_keeps_the_logits)."""
         if projections and type(self) is RMSNorm:     # (a subclass may do more, e.g. all-reduce first)
-            from hybrid_engine.quantization.fp8 import Fp8Rows, takes_fp8_rows
-            if (takes_fp8_rows(projections, x) and x.stride(1) == 1 and fp8_out_supported(x.shape[1])
-                    and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                              and residual.stride(1) == 1))
-                    and kernel_backend("rmsnorm" if residual is None else "fused_add_rmsnorm", x.device)
-                    == "triton"):
-                codes, scale, residual = add_rmsnorm_fp8(x, residual, self.weight, self.eps)
-                return Fp8Rows(codes=codes, scale=scale, dtype=x.dtype), residual
+            from hybrid_engine.quantization.fp8 import Fp8Rows, log_norm_fusion, takes_fp8_rows
+            if takes_fp8_rows(projections, x):
+                fused = (x.stride(1) == 1 and fp8_out_supported(x.shape[1])
+                         and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                                   and residual.stride(1) == 1))
+                         and kernel_backend("rmsnorm" if residual is None else "fused_add_rmsnorm", x.device)
+                         == "triton")
+                log_norm_fusion("block RMSNorm", fused, x.shape[1])
+                if fused:
+                    codes, scale, residual = add_rmsnorm_fp8(x, residual, self.weight, self.eps)
+                    return Fp8Rows(codes=codes, scale=scale, dtype=x.dtype), residual
         return self.add_norm(x, residual)
 
 

@@ -180,15 +180,19 @@ class RMSNormWeight(nn.Module):
         (another mode, a subclass such as tensor parallelism's cross-rank norm, no Triton kernel).
         Same codes either way (tests/quant/test_fp8_norm_fusion.py)."""
         if mode == "gate_then_norm" and type(self) is RMSNormWeight:
-            from hybrid_engine.quantization.fp8 import Fp8Rows, takes_fp8_rows
-            # 16-byte aligned rows: the kernel's first walk then vectorises its loads as the plain
-            # kernel does (tests/engine/test_norm_fp8_layouts.py); at most 64 groups (it keeps one
-            # inverse RMS per group and row in registers)
-            if (group_size >= 16 and y.shape[1] // group_size <= 64 and takes_fp8_rows((proj,), y)
-                    and all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (y, z))
-                    and kernel_backend("gated_rmsnorm", y.device) == "triton"):
-                codes, scale = mops.gated_rmsnorm_fp8(y, z, self.weight, group_size, eps)
-                return Fp8Rows(codes=codes, scale=scale, dtype=y.dtype)
+            from hybrid_engine.quantization.fp8 import Fp8Rows, log_norm_fusion, takes_fp8_rows
+            if takes_fp8_rows((proj,), y):
+                # 16-byte aligned rows: the kernel's first walk then vectorises its loads as the
+                # plain kernel does (tests/engine/test_norm_fp8_layouts.py); at most 64 groups (it
+                # keeps one inverse RMS per group and row in registers)
+                fused = (group_size >= 16 and y.shape[1] // group_size <= 64
+                         and all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                                 for t in (y, z))
+                         and kernel_backend("gated_rmsnorm", y.device) == "triton")
+                log_norm_fusion("Mamba gated norm", fused, y.shape[1])
+                if fused:
+                    codes, scale = mops.gated_rmsnorm_fp8(y, z, self.weight, group_size, eps)
+                    return Fp8Rows(codes=codes, scale=scale, dtype=y.dtype)
         return self(y, z, group_size, eps, mode)
 
 

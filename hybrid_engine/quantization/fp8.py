@@ -21,6 +21,7 @@ projections that share an input (attention's q, k, v) then share one quantizatio
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 from hybrid_engine.models.activation import relu2 as relu2_act, relu2_ref
 
+logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)        # 448
 MAX_SKINNY_ROWS = 8
@@ -124,6 +126,21 @@ def _path(rows: int, K: int, N: int, dtype: torch.dtype, device: torch.device) -
                 and kernel_backend("fp8_scaled_mm", device) == "triton"):
             return "w8a8"
     return "ref"
+
+
+_norm_fusion_logged: set[tuple[str, bool]] = set()
+
+
+def log_norm_fusion(norm: str, fused: bool, width: int) -> None:
+    """Logs once per (norm, outcome) whether ``norm``'s output reaches its FP8 projections as
+    quantized rows (``Fp8Rows``) or as 16-bit rows quantized by each projection."""
+    if (norm, fused) not in _norm_fusion_logged:
+        _norm_fusion_logged.add((norm, fused))
+        if fused:
+            logger.info("FP8 W8A8 prefill: the %s writes FP8 rows for its projections (width %d)", norm, width)
+        else:
+            logger.info("FP8 W8A8 prefill: the %s writes 16-bit rows (width %d: no fused FP8 output "
+                        "here), each projection quantizes them", norm, width)
 
 
 def takes_fp8_rows(projections, x: torch.Tensor) -> bool:

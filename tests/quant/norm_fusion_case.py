@@ -6,6 +6,7 @@ line: the fused norm calls (block norms, gated norms) in a generate with the fus
 forward pre-hook on every FP8 projection (which turns it off), and whether the two gave the same
 tokens and logprobs."""
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -36,6 +37,11 @@ def cuda_like_path(rows, K, N, dtype, device):
 
 
 fp8._path = cuda_like_path
+logged = []
+log_handler = logging.Handler()
+log_handler.emit = lambda record: logged.append(record.getMessage())
+logging.getLogger("hybrid_engine.quantization.fp8").addHandler(log_handler)
+logging.getLogger("hybrid_engine.quantization.fp8").setLevel(logging.INFO)
 layers.kernel_backend = rmsnorm.kernel_backend = nemotron_h.kernel_backend = lambda *a: "triton"
 # the unfused gated norm through the same Triton kernel (the CPU would take the torch reference)
 mops.gated_rmsnorm = lambda y, z, w, gs, eps, mode="gate_then_norm": triton_gated_rmsnorm(y, z, w, gs, eps, mode=mode)
@@ -66,4 +72,4 @@ calls.clear()
 gated_calls.clear()
 plain = run()
 print(json.dumps(dict(fused_calls=fused_calls, fused_gated_calls=fused_gated, plain_calls=len(calls) + len(gated_calls),
-                      equal=fused == plain)))
+                      equal=fused == plain, logged=[m for m in logged if "W8A8 prefill" in m])))

@@ -24,3 +24,7 @@ def test_norm_fusion_keeps_tokens_and_logprobs():
     assert res["fused_gated_calls"] > 0, res
     assert res["plain_calls"] == 0, res
     assert res["equal"], res
+    # the choice is logged once per norm kind
+    assert sorted(res["logged"]) == sorted([
+        "FP8 W8A8 prefill: the block RMSNorm writes FP8 rows for its projections (width 256)",
+        "FP8 W8A8 prefill: the Mamba gated norm writes FP8 rows for its projections (width 256)"]), res["logged"]
