@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
         ``fp8.Fp8Rows`` quantized by the norm kernel itself (the 16-bit rows are never written, and
         q/k/v share one quantization); the 16-bit rows otherwise. Same codes either way
         (tests/gpu/test_quant_cuda.py::test_fp8_norm_fusion_keeps_the_logits)."""
-        if projections and type(self) is RMSNorm:     # (a subclass may do more, e.g. all-reduce first)
+        # (a subclass may do more, e.g. all-reduce first)
+        if projections and type(self) is RMSNorm and getattr(projections[0], "accepts_fp8_rows", False):
             from hybrid_engine.quantization.fp8 import Fp8Rows, log_norm_fusion, takes_fp8_rows
             if takes_fp8_rows(projections, x):
                 fused = (x.stride(1) == 1 and fp8_out_supported(x.shape[1])

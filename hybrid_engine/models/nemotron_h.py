@@ -179,7 +179,7 @@ class RMSNormWeight(nn.Module):
         would quantize the rows per token (``fp8.takes_fp8_rows``), the 16-bit rows otherwise
         (another mode, a subclass such as tensor parallelism's cross-rank norm, no Triton kernel).
         Same codes either way (tests/quant/test_fp8_norm_fusion.py)."""
-        if mode == "gate_then_norm" and type(self) is RMSNormWeight:
+        if mode == "gate_then_norm" and type(self) is RMSNormWeight and getattr(proj, "accepts_fp8_rows", False):
             from hybrid_engine.quantization.fp8 import Fp8Rows, log_norm_fusion, takes_fp8_rows
             if takes_fp8_rows((proj,), y):
                 # 16-byte aligned rows: the kernel's first walk then vectorises its loads as the

@@ -184,14 +184,11 @@ def _row_scale(m, nan_seen):
     return tl.where((m > 0) & (nan_seen == 0), tl.math.div_rn(m, 448.0), 1.0)
 
 
-FAST_DIV_MIN, FAST_DIV_MAX = 2.0 ** -60, 2.0 ** 60     # the scales _divide_fast is exact for
-
-
 @triton.jit
 def _fast_div_ok(s):
     """Whether the scale ``s`` lies in [2^-60, 2^60] (elementwise), where ``_divide_fast`` gives
     the correctly rounded quotient (0 / inf / NaN scales are outside)."""
-    return (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)
+    return (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)      # 2^-60, 2^60
 
 
 @triton.jit

@@ -75,6 +75,9 @@ class Fp8Linear(QuantLinear):
     """weight [N, K] float8_e4m3fn, weight_scale float32 (per tensor or per channel), optional
     static input_scale [] float32 (used by the W8A8 prefill path), optional bias."""
     fixed_dtype_params = ("weight", "weight_scale", "input_scale")
+    # its forward takes ``fp8.Fp8Rows`` (rows its producer quantized; ``fp8.takes_fp8_rows``): the
+    # norms check this first, so models without FP8 layers skip the rest of the test
+    accepts_fp8_rows = True
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, scale_shape=(),
                  input_scale: bool = False, dtype=None, device=None):
