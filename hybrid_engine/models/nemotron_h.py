@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hybrid_engine.mamba_cache import ops as mops
-from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
 from ..attention import paged_attention, write_kv
 from ..config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
@@ -154,7 +153,7 @@ class Mamba2Mixer(nn.Module):
         if self.norm is None:
             y = mops.gated_rmsnorm(y, z, None, self.I // self.G, self.eps, self.gate_mode)
         else:
-            y = self.norm.for_projection(y, z, self.I // self.G, self.eps, self.gate_mode, self.out_proj)
+            y = self.norm(y, z, self.I // self.G, self.eps, self.gate_mode)
         return self.out_proj(y)
 
 
@@ -171,29 +170,6 @@ class RMSNormWeight(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, group_size: int, eps: float, mode: str) -> torch.Tensor:
         return mops.gated_rmsnorm(y, z, self.weight, group_size, eps, mode)
-
-    def for_projection(self, y: torch.Tensor, z: torch.Tensor, group_size: int, eps: float, mode: str,
-                       proj: nn.Module):
-        """``self(y, z, ...)`` in the form ``proj`` (its only reader, the out_proj) takes: one
-        ``fp8.Fp8Rows`` quantized by the norm kernel itself when proj is an FP8 projection that
-        would quantize the rows per token (``fp8.takes_fp8_rows``), the 16-bit rows otherwise
-        (another mode, a subclass such as tensor parallelism's cross-rank norm, no Triton kernel).
-        Same codes either way (tests/quant/test_fp8_norm_fusion.py)."""
-        if mode == "gate_then_norm" and type(self) is RMSNormWeight and getattr(proj, "accepts_fp8_rows", False):
-            from hybrid_engine.quantization.fp8 import Fp8Rows, log_norm_fusion, takes_fp8_rows
-            if takes_fp8_rows((proj,), y):
-                # 16-byte aligned rows: the kernel's first walk then vectorises its loads as the
-                # plain kernel does (tests/engine/test_norm_fp8_layouts.py); at most 64 groups (it
-                # keeps one inverse RMS per group and row in registers)
-                fused = (group_size >= 16 and y.shape[1] // group_size <= 64
-                         and all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-                                 for t in (y, z))
-                         and kernel_backend("gated_rmsnorm", y.device) == "triton")
-                log_norm_fusion("Mamba gated norm", fused, y.shape[1])
-                if fused:
-                    codes, scale = mops.gated_rmsnorm_fp8(y, z, self.weight, group_size, eps)
-                    return Fp8Rows(codes=codes, scale=scale, dtype=y.dtype)
-        return self(y, z, group_size, eps, mode)
 
 
 class Attention(nn.Module):

@@ -71,8 +71,8 @@ if triton_available():
             y = (w * (x * inv)).to(dtype).to(tl.float32)
             s = _row_scale(tl.max(tl.abs(y), axis=0), tl.max((y != y).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-            tl.store(out_ptr + row * so + offs, _quantize(y, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND),
-                     mask=m)
+            tl.store(out_ptr + row * so + offs,
+                     _quantize(y, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND, False), mask=m)
         else:
             tl.store(out_ptr + row * so + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=m)
 

@@ -192,7 +192,7 @@ def _fast_div_ok(s):
 
 
 @triton.jit
-def _divide_fast(xv, s, r):
+def _divide_fast(xv, s, r, MAY_OVERFLOW: tl.constexpr):
     """x / s rounded to nearest (float32), as torch divides, without a division per value, for
     a scale s in [2^-60, 2^60] (``_fast_div_ok``) and r = 1 / s rounded to nearest. x * r is within
     two ulps of x / s; one correction q + (x - q * s) * r (two fmas) brings it within one ulp, where
@@ -200,31 +200,41 @@ def _divide_fast(xv, s, r):
     quotient (Markstein's theorem: a correctly rounded reciprocal and a quotient within one ulp).
     The scale range keeps r normal and every remainder that matters out of the subnormals: a
     remainder can only underflow for |x / s| < 2^-42, whose code is 0 anyway. Kept as is: q where
-    the remainder is 0 (q is exact; q + 0 would drop -0's sign), NaN (x infinite) or q infinite
-    (x / s overflows: torch's inf, clamped to 448 like ours). A float32 emulation with an exact fma
-    (12 million quotients, x and s over the whole float32 range, half of them on e4m3 midpoints)
-    gave torch's codes everywhere, with one correction as well; the theorem asks for the second.
-    ``div_rn`` is ~15 operations a value and bound the quantizer (H100, 8192 rows of 21504 with
-    relu²: 578-617 us a call in the 8k prefill, 287 us with one correction)."""
+    the remainder is 0 (q is exact; q + 0 would drop -0's sign), NaN (x infinite), and with
+    MAY_OVERFLOW where q is infinite (x / s overflows: torch's inf, clamped to 448 like ours). A
+    dynamic scale amax / 448 cannot overflow a quotient (an infinite x in a row holding a NaN,
+    scale 1, gives a NaN remainder), so only static scales pay for that test: the quantizer is
+    compute-bound and it cost ~28% (H100, 8192 rows of 21504 with relu²: ~385 against ~300 us a
+    call). A float32 emulation with an exact fma (12 million quotients, x and s over the whole
+    float32 range, half of them on e4m3 midpoints) gave torch's codes everywhere, with one
+    correction as well; the theorem asks for the second. ``div_rn`` is ~15 operations a value and
+    bound the quantizer (578-617 us a call on that shape)."""
     q = xv * r
     e = tl.fma(-q, s, xv)
-    q = tl.where((e == 0.0) | (e != e) | (tl.abs(q) == float("inf")), q, tl.fma(e, r, q))
+    keep = (e == 0.0) | (e != e)
+    if MAY_OVERFLOW:
+        keep = keep | (tl.abs(q) == float("inf"))
+    q = tl.where(keep, q, tl.fma(e, r, q))
     e = tl.fma(-q, s, xv)
-    return tl.where((e == 0.0) | (e != e) | (tl.abs(q) == float("inf")), q, tl.fma(e, r, q))
+    keep = (e == 0.0) | (e != e)
+    if MAY_OVERFLOW:
+        keep = keep | (tl.abs(q) == float("inf"))
+    return tl.where(keep, q, tl.fma(e, r, q))
 
 
 @triton.jit
-def _quantize(xv, s, r, fast_div, HW_ROUND: tl.constexpr):
+def _quantize(xv, s, r, fast_div, HW_ROUND: tl.constexpr, STATIC: tl.constexpr):
     """The e4m3 code bytes (uint8) of clamp(x / s, -448, 448), NaN kept as the NaN code 0x7F
     (torch.clamp keeps it; the interpreter's cast would not). r = 1 / s; ``fast_div``
     (``_fast_div_ok(s)``, a scalar): divide with ``_divide_fast`` on CUDA, else ``div_rn``.
+    STATIC: s is a given per-tensor scale, not the row's amax / 448 (a quotient may overflow).
     HW_ROUND (CUDA): the cast rounds (the hardware conversion rounds to nearest even, as torch's
     does); otherwise the value is rounded in float32 first (``_round_to_e4m3``, for the
     interpreter), ~15 more operations per value: the quantizer was bound by them (H100, 8192 rows
     of 21504: 393 -> 271 us, codes equal)."""
     if HW_ROUND:
         if fast_div:
-            q = _divide_fast(xv, s, r)
+            q = _divide_fast(xv, s, r, STATIC)
         else:
             q = tl.math.div_rn(xv, s)
     else:
@@ -287,8 +297,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         else:
             s = _row_scale(tl.max(tl.abs(xv), axis=0), tl.max((xv != xv).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND),
-                 mask=mk)
+        tl.store(q_ptr + row * sqm + offs,
+                 _quantize(xv, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND, STATIC), mask=mk)
         return
     if STATIC:
         s = tl.load(in_scale_ptr).to(tl.float32)
@@ -314,7 +324,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
         xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
-        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, r, fast_div, HW_ROUND), mask=mk)
+        tl.store(q_ptr + row * sqm + offs, _quantize(xv, s, r, fast_div, HW_ROUND, STATIC), mask=mk)
 
 
 def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, relu2: bool = False,

@@ -9,7 +9,7 @@ from hybrid_engine.mamba_cache.ops.conv1d import (
     conv_windows_before,
     conv_windows_before_ref,
 )
-from hybrid_engine.mamba_cache.ops.gated_norm import GATE_MODES, gated_rmsnorm, gated_rmsnorm_fp8, gated_rmsnorm_ref
+from hybrid_engine.mamba_cache.ops.gated_norm import GATE_MODES, gated_rmsnorm, gated_rmsnorm_ref
 from hybrid_engine.mamba_cache.ops.ssd import (
     ssd_scan_naive,
     ssd_scan_varlen,
@@ -33,5 +33,5 @@ __all__ = [
     "ssd_scan_varlen_pooled_ref",
     "selective_state_update", "selective_state_update_ref",
     "selective_state_update_gated", "selective_state_update_gated_ref", "reserve_ssu_norm_counters",
-    "gated_rmsnorm", "gated_rmsnorm_fp8", "gated_rmsnorm_ref", "GATE_MODES",
+    "gated_rmsnorm", "gated_rmsnorm_ref", "GATE_MODES",
 ]

@@ -47,12 +47,3 @@ def gated_rmsnorm(y, z, weight, group_size, eps, mode: str = "gate_then_norm"):
         from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
         return triton_gated_rmsnorm(y, z, weight, group_size, eps, mode=mode)
     return gated_rmsnorm_ref(y, z, weight, group_size, eps, mode)
-
-
-def gated_rmsnorm_fp8(y, z, weight, group_size, eps):
-    """The "gate_then_norm" norm with its output quantized for the W8A8 prefill path (per-token
-    e4m3 codes [T, I] and scales [T, 1]) in one Triton kernel: the codes of
-    ``quantize_rows_fp8(gated_rmsnorm(y, z, ...))`` without the 16-bit output. CUDA (or Triton's
-    interpreter) only: the caller checks ``kernel_backend("gated_rmsnorm", ...)``."""
-    from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm_fp8
-    return triton_gated_rmsnorm_fp8(y, z, weight, group_size, eps)

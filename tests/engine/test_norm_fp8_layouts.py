@@ -1,10 +1,10 @@
-"""The FP8 outputs of the norm kernels sum each row (group) in the same order as the plain kernels,
+"""The FP8 output of the block norm kernel sums each row in the same order as the plain kernel,
 so their codes are those of the plain output quantized (the fusion changes no logits). The order of
 a ``tl.sum`` follows the layout Triton gives its operand, and Triton vectorises the memory ops of
 one shape alike: a uint8 store of codes asks for 16 elements a thread where bfloat16 loads ask for
 8. Compiled here for sm_90 (no GPU needed), the layouts of every float32 sum must be the plain
-kernel's at each launch shape the engine uses: the block RMSNorm (``rmsnorm.fp8_out_supported``
-widths; wider rows are not fused) and the Mamba gated norm (``triton_norm._launch_shape``)."""
+kernel's at each width the block RMSNorm fuses (``rmsnorm.fp8_out_supported``; wider rows are not
+fused)."""
 import re
 
 import pytest
@@ -15,7 +15,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from hybrid_engine.mamba_cache.ops.triton_common import next_pow2  # noqa: E402
-from hybrid_engine.mamba_cache.ops.triton_norm import _gated_rmsnorm_kernel, _launch_shape  # noqa: E402
 from hybrid_engine.models.rmsnorm import FP8_OUT_MAX_BLOCK, _rmsnorm_kernel, fp8_out_supported  # noqa: E402
 
 BF = "*bf16"
@@ -57,22 +56,3 @@ def test_wider_rows_are_not_fused():
     """8192-wide rows: the FP8 kernel's sum takes another layout, so the block norm keeps the
     16-bit path (``RMSNorm.add_norm_for`` checks ``fp8_out_supported``)."""
     assert not fp8_out_supported(FP8_OUT_MAX_BLOCK + 1) and not fp8_out_supported(8192)
-
-
-@pytest.mark.parametrize("gs,groups", [(16, 64), (32, 4), (64, 8), (128, 8), (256, 16), (512, 2), (1024, 8),
-                                       (2048, 1), (4096, 2)])
-@pytest.mark.parametrize("T", [300, 8192], ids=["token_per_program", "token_blocks"])
-def test_gated_norm_fp8_sums_like_the_plain_kernel(gs, groups, T):
-    """At the launch shapes of ``triton_gated_rmsnorm``, with 16-byte aligned rows and unit column
-    strides (what ``RMSNormWeight.for_projection`` admits)."""
-    block_t, num_warps = _launch_shape(T, gs)
-    layouts = []
-    for fp8 in (False, True):
-        sig = dict(y_ptr=BF, z_ptr=BF, w_ptr=BF, out_ptr="*u8" if fp8 else BF, s_ptr="*fp32" if fp8 else BF,
-                   T="i32", gs="i32", G="i32", eps="fp32", sy_t="i32", sz_t="i32", so_t="i32")
-        consts = dict(BLOCK_T=block_t, BLOCK_G=next_pow2(gs), LD_EV="", ST_CM="", MODE=0, FP8_OUT=fp8,
-                      HW_ROUND=True, G_PAD=next_pow2(groups), sy_c=1, sz_c=1, so_c=1)     # unit column strides, as launched
-        sums = _sum_layouts(_gated_rmsnorm_kernel, sig, consts,
-                            {"y_ptr", "z_ptr", "w_ptr", "out_ptr", "gs", "sy_t", "sz_t", "so_t"}, num_warps)
-        layouts.append({lay for shape, lay in sums if shape == f"tensor<{block_t}x{next_pow2(gs)}xf32"})
-    assert len(layouts[0]) == 1 and layouts[0] == layouts[1], layouts

@@ -121,27 +121,17 @@ def test_add_rmsnorm_fp8_equals_norm_then_quantizer(T, D, residual):
     assert qc.check_add_rmsnorm_fp8(DEV, BF16, T, D, seed=T, residual=residual) == T * D
 
 
-@pytest.mark.parametrize("T,I,gs", [(300, 8192, 1024), (2000, 8192, 1024), (7, 4096, 512), (1500, 1024, 128)])
-def test_gated_rmsnorm_fp8_equals_norm_then_quantizer(T, I, gs):
-    """The Mamba gated norm with the W8A8 quantizer in its kernel: the same codes and scales as the
-    Triton gated norm followed by ``quantize_rows_fp8`` (one token per program up to 1024 tokens,
-    blocks of tokens above), and near the torch twin."""
-    assert qc.check_gated_rmsnorm_fp8(DEV, BF16, T, I, gs, seed=T) == T * I
-
-
 def test_fp8_norm_fusion_keeps_the_logits(model_dirs, monkeypatch):
     """An FP8 model whose block norms hand quantized rows to in_proj / up_proj / q, k, v
-    (``RMSNorm.add_norm_for``) and whose gated norms hand them to out_proj gives the same greedy tokens and logprobs, bit for bit, as with the
+    (``RMSNorm.add_norm_for``) gives the same greedy tokens and logprobs, bit for bit, as with the
     fusion off (a forward pre-hook on every FP8 projection turns it off: hooks must see 16-bit
     inputs). Chunked prompts longer than the 8 rows of the skinny path take the W8A8 path."""
     import hybrid_engine.models.layers as layers
     from hybrid_engine import LLM, SamplingParams
-    from hybrid_engine.mamba_cache import ops as mops
     from hybrid_engine.quantization.linear import Fp8Linear
-    fused_calls, gated_calls = [], []
-    real, real_gated = layers.add_rmsnorm_fp8, mops.gated_rmsnorm_fp8
+    fused_calls = []
+    real = layers.add_rmsnorm_fp8
     monkeypatch.setattr(layers, "add_rmsnorm_fp8", lambda *a: fused_calls.append(1) or real(*a))
-    monkeypatch.setattr(mops, "gated_rmsnorm_fp8", lambda *a: gated_calls.append(1) or real_gated(*a))
     d = model_dirs("quant_cuda_norm", pattern="M-M*-M-", seed=4, hidden_size=256, intermediate_size=512,
                    mamba_num_heads=16, mamba_head_dim=16)          # every projection width a multiple of 16
     prompts = [list(range(3, 3 + n)) for n in (70, 9, 130)]
@@ -154,15 +144,14 @@ def test_fp8_norm_fusion_keeps_the_logits(model_dirs, monkeypatch):
         outs = llm.generate(prompts, sp, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     fused = run()
-    assert len(fused_calls) > 0 and len(gated_calls) > 0
+    assert len(fused_calls) > 0
     projections = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert len(projections) >= 10
     for m in projections:
         m.register_forward_pre_hook(lambda mod, args: None)
     fused_calls.clear()
-    gated_calls.clear()
     plain = run()
-    assert not fused_calls and not gated_calls
+    assert not fused_calls
     assert fused == plain
 
 

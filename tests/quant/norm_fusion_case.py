@@ -1,10 +1,9 @@
 """Run in a subprocess under TRITON_INTERPRET=1 by test_fp8_norm_fusion.py: an FP8 model on the CPU
 with the W8A8 path forced for bf16 steps of more than 8 rows (``fp8._path``; ``torch._scaled_mm``
 runs on the CPU) and the Triton norm kernels on (the interpreter), so the block norms hand
-``Fp8Rows`` to in_proj / up_proj / q, k, v and the Mamba gated norms to out_proj. Prints one JSON
-line: the fused norm calls (block norms, gated norms) in a generate with the fusion, in one with a
-forward pre-hook on every FP8 projection (which turns it off), and whether the two gave the same
-tokens and logprobs."""
+``Fp8Rows`` to in_proj / up_proj / q, k, v. Prints one JSON line: the fused norm calls in a
+generate with the fusion, in one with a forward pre-hook on every FP8 projection (which turns it
+off), and whether the two gave the same tokens and logprobs."""
 import json
 import logging
 import os
@@ -18,12 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import hybrid_engine.models.layers as layers  # noqa: E402
-import hybrid_engine.models.nemotron_h as nemotron_h  # noqa: E402
 import hybrid_engine.models.rmsnorm as rmsnorm  # noqa: E402
 import hybrid_engine.quantization.fp8 as fp8  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
-from hybrid_engine.mamba_cache import ops as mops  # noqa: E402
-from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm  # noqa: E402
 from hybrid_engine.models.synthetic import make_hf_model  # noqa: E402
 from hybrid_engine.quantization.linear import Fp8Linear  # noqa: E402
 
@@ -42,13 +38,10 @@ log_handler = logging.Handler()
 log_handler.emit = lambda record: logged.append(record.getMessage())
 logging.getLogger("hybrid_engine.quantization.fp8").addHandler(log_handler)
 logging.getLogger("hybrid_engine.quantization.fp8").setLevel(logging.INFO)
-layers.kernel_backend = rmsnorm.kernel_backend = nemotron_h.kernel_backend = lambda *a: "triton"
-# the unfused gated norm through the same Triton kernel (the CPU would take the torch reference)
-mops.gated_rmsnorm = lambda y, z, w, gs, eps, mode="gate_then_norm": triton_gated_rmsnorm(y, z, w, gs, eps, mode=mode)
-calls, gated_calls = [], []
-real_norm, real_gated = layers.add_rmsnorm_fp8, mops.gated_rmsnorm_fp8
+layers.kernel_backend = rmsnorm.kernel_backend = lambda *a: "triton"
+calls = []
+real_norm = layers.add_rmsnorm_fp8
 layers.add_rmsnorm_fp8 = lambda *a: calls.append(1) or real_norm(*a)
-mops.gated_rmsnorm_fp8 = lambda *a: gated_calls.append(1) or real_gated(*a)
 
 d = make_hf_model(Path(tempfile.mkdtemp()) / "m", pattern="M-M*-M-", seed=4, hidden_size=256,
                   intermediate_size=512, mamba_num_heads=16, mamba_head_dim=16)    # widths multiples of 16
@@ -64,12 +57,11 @@ def run():
 
 
 fused = run()
-fused_calls, fused_gated = len(calls), len(gated_calls)
+fused_calls = len(calls)
 for m in llm.engine.runner.model.modules():
     if isinstance(m, Fp8Linear):
         m.register_forward_pre_hook(lambda mod, args: None)
 calls.clear()
-gated_calls.clear()
 plain = run()
-print(json.dumps(dict(fused_calls=fused_calls, fused_gated_calls=fused_gated, plain_calls=len(calls) + len(gated_calls),
-                      equal=fused == plain, logged=[m for m in logged if "W8A8 prefill" in m])))
+print(json.dumps(dict(fused_calls=fused_calls, plain_calls=len(calls), equal=fused == plain,
+                      logged=[m for m in logged if "W8A8 prefill" in m])))
