@@ -42,7 +42,7 @@ if triton_available():
     import triton.language as tl
 
     from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-    from hybrid_engine.quantization.fp8_kernels import _fast_div_ok, _quantize, _row_scale
+    from hybrid_engine.quantization.fp8_kernels import _row_scale, _store_codes
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, s_ptr, D, eps, sx, sr, sro, so,
@@ -71,8 +71,7 @@ if triton_available():
             y = (w * (x * inv)).to(dtype).to(tl.float32)
             s = _row_scale(tl.max(tl.abs(y), axis=0), tl.max((y != y).to(tl.int32), axis=0))
             tl.store(s_ptr + row, s)
-            tl.store(out_ptr + row * so + offs,
-                     _quantize(y, s, tl.math.div_rn(1.0, s), _fast_div_ok(s), HW_ROUND, False), mask=m)
+            _store_codes(out_ptr + row * so + offs, y, s, m, HW_ROUND, False)
         else:
             tl.store(out_ptr + row * so + offs, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=m)
 
