@@ -124,6 +124,11 @@ CASES = {
                                                  chunk_size=16, seed=1, lowp=True),
     "conv_varlen": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                 [5, 1, 0, 2, 17], 24, W=4, K=3),
+    # long sequences: most token blocks take the kernel's x-only path (no tap before a start);
+    # x strided like the in_proj output's xBC columns
+    "conv_varlen_long_rows": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
+                                                          [40, 3, 70, 16], 24, W=4, K=3, seed=2,
+                                                          x_row_extra=40),
     "conv_varlen_w2": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                    [1, 3], 8, W=2, K=0, bias=False, seed=1),
     "conv_update": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,

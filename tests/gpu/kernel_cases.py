@@ -119,12 +119,13 @@ def _clone_like(t):
 # ----------------------------------------------------------------------------- conv varlen
 
 def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0, pad=3,
-                      tol=None, token_major=True):
+                      tol=None, token_major=True, x_row_extra=0):
+    """x_row_extra > 0: x is a column slice of wider rows (as the in_proj output's xBC part)."""
     g = _gen(seed)
     Bn, T = len(lens), sum(lens)
     S = Bn + 3
     null_rows = (1,) if Bn > 1 else ()
-    x = torch.randn(T + pad, C, generator=g).to(dtype)
+    x = torch.randn(T + pad, C + x_row_extra, generator=g).to(dtype)
     w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
     b = torch.randn(C, generator=g).to(dtype) if bias else None
     slots = _slots(Bn, S, g, null_rows)
@@ -140,6 +141,7 @@ def check_conv_varlen(impl, device, dtype, lens, C, W=4, K=0, bias=True, seed=0,
             tok_ok[int(qsl[r]):int(qsl[r + 1])] = True
     d = lambda t: t.to(device) if t is not None else None        # noqa: E731
     x, w, b, pool, slots, has_init, qsl = map(d, (x, w, b, pool, slots, has_init, qsl))
+    x = x[:, x_row_extra // 2:x_row_extra // 2 + C]
     p_ref, p_k = _clone_like(pool), _clone_like(pool)
     out_ref = causal_conv1d_varlen_ref(x, w, b, p_ref, qsl, slots, has_init)
     poison_allocator(device)
