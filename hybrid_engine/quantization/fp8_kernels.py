@@ -205,9 +205,10 @@ def _divide_fast(xv, s, r, MAY_OVERFLOW: tl.constexpr):
     dynamic scale amax / 448 cannot overflow a quotient (an infinite x in a row holding a NaN,
     scale 1, gives a NaN remainder), so only static scales pay for that test: the quantizer is
     compute-bound, and the test with a branch yielding the quotients cost ~28% (H100, 8192 rows of
-    21504 with relu²: ~385 against ~300 us a call in the engine; the branch alone 7%). A float32 emulation with an exact fma (12 million quotients, x and s over the whole
-    float32 range, half of them on e4m3 midpoints) gave torch's codes everywhere, with one
-    correction as well; the theorem asks for the second. ``div_rn`` is ~15 operations a value and
+    21504 with relu²: ~385 against ~300 us a call in the engine; the branch alone 7%). A float32
+    emulation with an exact fma (12 million quotients, x and s over the whole float32 range, half
+    of them on e4m3 midpoints) gave torch's codes everywhere, with one correction as well; the
+    theorem asks for the second. ``div_rn`` is ~15 operations a value and
     bound the quantizer (578-617 us a call on that shape)."""
     q = xv * r
     e = tl.fma(-q, s, xv)
@@ -297,13 +298,15 @@ def _quantize_tiles(x_row, q_row, K, s, FAST_DIV: tl.constexpr, HW_ROUND: tl.con
         xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
         tl.store(q_row + offs, _quantize(xv, s, r, FAST_DIV, HW_ROUND, STATIC), mask=mk)
 
+
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
                           STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
                           HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
     """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
     NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
-    float8_e4m3fn, divided with round-to-nearest (div_rn) so every code equals
+    float8_e4m3fn, x / s rounded to nearest (``_divide_fast`` on CUDA where the scale allows,
+    ``div_rn`` elsewhere) so every code equals
     ``quantize_activations``' torch arithmetic, NaN and inf included (a NaN stays a NaN code, so
     the engine's non-finite check still sees it after the projection). RELU2: x is replaced by
     relu(x)² (in x's dtype) as it is read: the MLP's activation and down_proj's quantizer in one

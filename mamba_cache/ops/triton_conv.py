@@ -46,11 +46,11 @@ def _conv_varlen_kernel(
         o_off = offs_t[:, None].to(tl.int64) * so_t + offs_c[None, :] * so_c
 
     # The sequence of the block's first token t0 (a scalar binary search): if the whole block lies
-    # in it at positions >= W - 1 (every block but those where a sequence begins or the packed
-    # tokens end), no tap reaches before a sequence's start and the block reads x alone, without a
-    # search per token, the initial window's gathered addresses and the token masks, which made
-    # the kernel bound by instructions (H100, 8192 tokens x 10240 channels: 26% of the copy
-    # bandwidth). The same values are summed in the same order as the general branch's.
+    # in it at positions >= W - 1 (every block but those holding a sequence's first W - 1 tokens
+    # or running past its end), no tap reaches before a sequence's start and the block reads x
+    # alone, without a search per token, the initial window's gathered addresses and the token
+    # masks, which made the kernel bound by instructions (H100, 8192 tokens x 10240 channels: 26%
+    # of the copy bandwidth). The same values are summed in the same order as the general branch's.
     t0 = tb * BLOCK_T
     lo0 = 0
     hi0 = nseq
@@ -106,6 +106,7 @@ def _conv_varlen_kernel(
             acc += v * wt[None, :]
         tl.store(out_ptr + o_off, _silu(acc).to(out_ptr.dtype.element_ty), mask=m2)
 
+
 @triton.jit(do_not_specialize_on_alignment=["qsl_ptr", "slot_ptr", "init_ptr"])
 def _conv_varlen_state_kernel(
     x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr,
@@ -150,7 +151,7 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
     W = weight.shape[-1]
     Bn = state_indices.shape[0]
     out = torch.empty_like(x)
-    if Bn == 0 or T == 0:
+    if Bn == 0:
         return out
     qsl = query_start_loc
     if qsl.dtype not in (torch.int32, torch.int64):
@@ -166,13 +167,15 @@ def triton_causal_conv1d_varlen(x, weight, bias, conv_state, query_start_loc, st
     BLOCK_T = block_t or 16
     bias_arg = bias if bias is not None else weight
     with device_ctx(x):
-        grid = (cdiv(T, BLOCK_T), cdiv(Cdim, BLOCK_C))
-        _conv_varlen_kernel[grid](
-            x, weight, bias_arg, conv_state, qsl, state_indices, init, out,
-            T, Cdim, Bn, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
-            W=W, HAS_BIAS=bias is not None, SEARCH_ITERS=search_iters(Bn),
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, OFFS_I32=_offsets_fit_int32(x, out, W), num_warps=num_warps or 4,
-        )
+        if T > 0:       # no tokens: no output, but the windows below are still written (zeroed
+            #             for rows without an initial state)
+            _conv_varlen_kernel[(cdiv(T, BLOCK_T), cdiv(Cdim, BLOCK_C))](
+                x, weight, bias_arg, conv_state, qsl, state_indices, init, out,
+                T, Cdim, Bn, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+                W=W, HAS_BIAS=bias is not None, SEARCH_ITERS=search_iters(Bn),
+                BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, OFFS_I32=_offsets_fit_int32(x, out, W),
+                num_warps=num_warps or 4,
+            )
         if W > 1:
             BC = min(256, next_pow2(Cdim))
             _conv_varlen_state_kernel[(Bn, cdiv(Cdim, BC))](

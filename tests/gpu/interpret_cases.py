@@ -125,10 +125,17 @@ CASES = {
     "conv_varlen": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                 [5, 1, 0, 2, 17], 24, W=4, K=3),
     # long sequences: most token blocks take the kernel's x-only path (no tap before a start);
-    # x strided like the in_proj output's xBC columns
+    # x strided like the in_proj output's xBC columns. Sequences start at 0, 30 (an empty row, the
+    # null slot), 30, 61, 96 and 127: the 16-token block at 32 holds positions 2.. of its
+    # sequence (general path), the one at 64 starts at position W-1 = 3 and the one at 80 ends
+    # with its sequence (x-only path), and the one at 112 ends one token into the next sequence
+    # (general path)
     "conv_varlen_long_rows": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
-                                                          [40, 3, 70, 16], 24, W=4, K=3, seed=2,
+                                                          [30, 0, 31, 35, 31, 20], 24, W=4, K=3, seed=2,
                                                           x_row_extra=40),
+    # no tokens at all: the windows of rows without an initial state are still zeroed
+    "conv_varlen_no_tokens": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
+                                                          [0, 0, 0], 8, W=4, K=2, pad=0),
     "conv_varlen_w2": lambda: kc.check_conv_varlen(triton_causal_conv1d_varlen, "cpu", F32,
                                                    [1, 3], 8, W=2, K=0, bias=False, seed=1),
     "conv_update": lambda: kc.check_conv_update(triton_causal_conv1d_update, "cpu", F32,
