@@ -8,7 +8,10 @@ tests/engine/test_decode_prep.py).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
+import json
 import os
 import re
 import subprocess
@@ -24,9 +27,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tuple[str, str]]:
+def run_cases(script: Path, timeout: int = 300, shards: int = 2,
+              log_launches: bool = True) -> dict[str, tuple[str, str]]:
     """-> {case: (status, detail)} plus "_stderr"; skips when Triton (or a working interpreter)
-    is missing, fails when the script reports nothing.
+    is missing, fails when the script reports nothing. ``log_launches``: also "_launches", every
+    distinct kernel launch of the cases (``launch_record``), for ``compile_for_sm90``.
 
     The cases are split over ``shards`` processes run side by side (at most one per CPU core),
     which take the cases in turn from a shared claims folder (``CASE_CLAIMS``, see ``claimed``):
@@ -45,6 +50,8 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
     env.pop("HYBRID_ENGINE_KERNELS", None)          # the cases pick their backends themselves
     n = max(1, min(shards, os.cpu_count() or 1))
     claims = tempfile.TemporaryDirectory(prefix="case_claims_")
+    if log_launches:
+        env[LAUNCH_LOG] = os.path.join(claims.name, "launches")
     procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, CASE_CLAIMS=claims.name), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
     outs = []
@@ -57,6 +64,7 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        launches = sorted({line for f in Path(claims.name).glob("launches.*") for line in f.read_text().splitlines()})
         claims.cleanup()
     res = {}
     for _, stdout, _ in outs:
@@ -69,6 +77,8 @@ def run_cases(script: Path, timeout: int = 300, shards: int = 2) -> dict[str, tu
         pytest.fail("interpreter run produced no results:\n" + "\n".join(
             f"shard {i} (rc {rc}):\n{out[-2000:]}\n{err[-4000:]}" for i, (rc, out, err) in enumerate(outs)))
     res["_stderr"] = "\n".join(err for _, _, err in outs)
+    if log_launches:
+        res["_launches"] = [json.loads(line) for line in launches]
     return res
 
 
@@ -92,11 +102,107 @@ def assert_case(results: dict, name: str) -> None:
     assert status == "OK", f"{name}: {detail}\n{results['_stderr'][-3000:]}"
 
 
+LAUNCH_LOG = "CASE_LAUNCH_LOG"      # set by run_cases(log_launches=True): where case_main logs launches
+_POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1",
+                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+
+
+def launch_record(fn, args, kwargs) -> dict:
+    """One interpreted launch of the kernel function ``fn`` as JSON-able data: its module and
+    name, the Triton type of each runtime argument (``*bf16``, ``i32``...), the constexprs' values
+    and the launch options, or ``unrecordable`` with the reason (a constexpr that is not a plain
+    value)."""
+    import torch
+    params = list(inspect.signature(fn).parameters.values())
+    bound = dict(zip([p.name for p in params], args))
+    bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+    rec = dict(module=fn.__module__, name=fn.__qualname__, signature={}, constexprs={},
+               options={k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs})
+    for p in params:
+        v = bound.get(p.name, p.default)
+        if "constexpr" in str(p.annotation) or v is None:
+            if not (v is None or isinstance(v, (bool, int, float, str))):
+                return dict(rec, unrecordable=f"constexpr {p.name} = {v!r}")
+            rec["signature"][p.name] = "constexpr"
+            rec["constexprs"][p.name] = v
+        elif isinstance(v, torch.Tensor):
+            rec["signature"][p.name] = "*" + _POINTER_TYPES[str(v.dtype).removeprefix("torch.")]
+        elif isinstance(v, bool):
+            rec["signature"][p.name] = "i1"
+        elif isinstance(v, int):
+            rec["signature"][p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            rec["signature"][p.name] = "fp32"
+        else:
+            return dict(rec, unrecordable=f"argument {p.name} = {type(v).__name__}")
+    return rec
+
+
+def start_launch_log() -> None:
+    """In a cases script under ``run_cases``: log each distinct kernel launch's ``launch_record``
+    (``case_main`` calls this; a script with its own loop calls it first)."""
+    if os.environ.get(LAUNCH_LOG):
+        _log_launches(f"{os.environ[LAUNCH_LOG]}.{os.getpid()}")
+
+
+def _log_launches(path: str) -> None:
+    """Under the interpreter: append each distinct launch's ``launch_record`` to ``path``."""
+    from triton.runtime.interpreter import InterpretedFunction
+    real_run, seen = InterpretedFunction.run, set()
+
+    def run(self, *args, **kwargs):
+        line = json.dumps(launch_record(self.fn, args, kwargs), sort_keys=True)
+        if line not in seen:
+            seen.add(line)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        return real_run(self, *args, **kwargs)
+    InterpretedFunction.run = run
+
+
+def compile_for_sm90(launches: list[dict]) -> list[str]:
+    """Compiles each launch of ``launches`` (``run_cases(log_launches=True)``) for sm_90 with
+    Triton's compiler (no GPU needed) -> one message per launch that failed or could not be
+    recorded. The interpreter runs a kernel's Python without the compiler's checks (types that
+    change between branches, for one), so a case can pass on the CPU with a kernel the GPU
+    refuses."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    failures = []
+    for rec in launches:
+        where = f"{rec['module']}.{rec['name']} {rec['constexprs']}"
+        if "unrecordable" in rec:
+            failures.append(f"{where}: not recorded ({rec['unrecordable']})")
+            continue
+        kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
+        while not isinstance(kernel, triton.JITFunction):      # autotuner / heuristics wrappers
+            kernel = kernel.fn
+        try:
+            triton.compile(ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"]),
+                           target=GPUTarget("cuda", 90, 32), options=rec["options"])
+        except Exception as exc:
+            failures.append(f"{where}: {type(exc).__name__}: {str(exc)[-600:]}")
+    return failures
+
+
+def assert_compiles_for_sm90(results: dict) -> None:
+    """Every kernel launch ``run_cases`` recorded compiles for sm_90 (``compile_for_sm90``)."""
+    launches = results["_launches"]
+    assert launches, "the cases launched no kernel (nothing to compile)"
+    failures = compile_for_sm90(launches)
+    assert not failures, f"{len(failures)} of {len(launches)} launches do not compile for sm_90:\n" + \
+        "\n".join(failures)
+
+
 def case_main(cases: dict, names, run: Callable = lambda case: case()) -> int:
     """A cases script's main loop: run each named case (all when ``names`` is empty) and print its
     ``CASE name OK detail`` / ``CASE name FAIL error`` line; a failing case is reported and the
-    rest still run. Under ``run_cases`` each process runs the cases it claims first (``claimed``).
-    ``run(case)`` -> the OK line's detail. Returns the exit status."""
+    rest still run. Under ``run_cases`` each process runs the cases it claims first (``claimed``)
+    and, with ``log_launches``, logs the kernels' launches. ``run(case)`` -> the OK line's detail.
+    Returns the exit status."""
+    start_launch_log()
     failed = 0
     for name in names or cases:
         if not claimed(name):

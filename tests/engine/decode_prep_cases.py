@@ -135,7 +135,8 @@ def with_header(kernel):
 
 def main() -> int:
     from hybrid_engine.step.triton_decode_prep import triton_prepare_decode
-    from triton_interpret import claimed
+    from triton_interpret import claimed, start_launch_log
+    start_launch_log()
     for name, kw in CASES.items():
         if not claimed(name):
             continue

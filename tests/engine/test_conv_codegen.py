@@ -1,7 +1,9 @@
 """The prefill conv kernel compiles for sm_90 (no GPU needed): both offset widths, int32 and int64
-sequence offsets (the engine passes int64), W = 4 (the published models) and 2. The interpreter runs a kernel without Triton's compiler, so it misses what only the
-compiler rejects: a name bound to an int64 vector before an ``if`` and to a float32 tile in one
-branch ran under the interpreter and failed to compile on the H100."""
+sequence offsets (the engine passes int64), W = 4 (the published models) and 2. The interpreter
+cases' launches are compiled too (``test_launched_kernels_compile_for_sm90``), but their small
+tensors always take int32 offsets. The interpreter runs a kernel without Triton's compiler, so it
+misses what only the compiler rejects: a name bound to an int64 vector before an ``if`` and to a
+float32 tile in one branch ran under the interpreter and failed to compile on the H100."""
 import re
 
 import pytest

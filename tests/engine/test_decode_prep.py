@@ -13,7 +13,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from decode_prep_cases import CASES, check  # noqa: E402
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -35,6 +35,7 @@ def test_triton_kernel_in_interpreter():
     res = run_cases(HERE / "decode_prep_cases.py")
     for name in CASES:
         assert_case(res, name)
+    assert_compiles_for_sm90(res)       # as launched, the kernels also compile for the GPU
 
 
 class _FakeKernel:

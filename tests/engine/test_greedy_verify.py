@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from greedy_verify_cases import CASES, check  # noqa: E402
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -34,6 +34,7 @@ def test_triton_kernels_in_interpreter():
     res = run_cases(HERE / "greedy_verify_cases.py")
     for name in CASES:
         assert_case(res, name)
+    assert_compiles_for_sm90(res)       # as launched, the kernels also compile for the GPU
 
 
 def test_forced_verification_compiles_for_sm90_with_wrapping_products():

@@ -16,7 +16,7 @@ from hybrid_engine.mamba_cache.ops import triton_common
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 KERNEL_CASES = ["conv_varlen", "conv_varlen_long_rows", "conv_varlen_no_tokens", "conv_varlen_w2", "conv_update", "conv_update_k8",
                 "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
@@ -50,6 +50,12 @@ def interpreter_results():
 @pytest.mark.parametrize("name", KERNEL_CASES)
 def test_kernel_in_interpreter(interpreter_results, name):
     assert_case(interpreter_results, name)
+
+
+def test_launched_kernels_compile_for_sm90(interpreter_results):
+    """The kernels as the cases launched them also compile for the GPU (the interpreter skips
+    the compiler's checks)."""
+    assert_compiles_for_sm90(interpreter_results)
 
 
 # ----------------------------------------------------------------------------- dispatch on CPU

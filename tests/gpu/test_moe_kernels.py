@@ -17,7 +17,7 @@ import moe_cases as mc
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
 INTERPRET_CASES = ["moe_router_logits_f16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape",
@@ -33,6 +33,12 @@ def interpreter_results():
 @pytest.mark.parametrize("name", INTERPRET_CASES)
 def test_moe_kernel_in_interpreter(interpreter_results, name):
     assert_case(interpreter_results, name)
+
+
+def test_launched_kernels_compile_for_sm90(interpreter_results):
+    """The kernels as the cases launched them also compile for the GPU (the interpreter skips
+    the compiler's checks)."""
+    assert_compiles_for_sm90(interpreter_results)
 
 
 @pytest.mark.parametrize("T,E,k,bm,load", [(1, 128, 6, 16, "uniform"), (37, 128, 6, 16, "ragged"),

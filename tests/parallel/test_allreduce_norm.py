@@ -15,7 +15,7 @@ from hybrid_engine.parallel.sharding import ReducingNorm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
 CASES = ("w2_rank0_bf16", "w2_rank1_f32_odd_d", "w4_rank2_bf16_full_rows", "w2_rank0_missing_peer",
          "two_processes")
@@ -27,6 +27,7 @@ def test_kernel_in_interpreter():
     res = run_cases(HERE / "allreduce_norm_cases.py", shards=1)
     for name in CASES:
         assert_case(res, name)
+    assert_compiles_for_sm90(res)       # as launched, the kernels also compile for the GPU
 
 
 def test_reference_is_residual_plus_rank_order_sum_then_norm():

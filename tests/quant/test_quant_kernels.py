@@ -15,7 +15,7 @@ import torch
 from hybrid_engine.quantization.fp8 import (FP8, dequantize_fp8, fp8_linear, fp8_linear_ref,
                                             fp8_scaled_mm_ref, quantize_activations, quantize_fp8)
 from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4, quantize_nvfp4, unpack_e2m1
-from triton_interpret import assert_case, run_cases
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases
 
 HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
@@ -32,6 +32,12 @@ def interpreter_results():
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_under_interpreter(interpreter_results, case):
     assert_case(interpreter_results, case)
+
+
+def test_launched_kernels_compile_for_sm90(interpreter_results):
+    """The kernels as the cases launched them also compile for the GPU (the interpreter skips
+    the compiler's checks)."""
+    assert_compiles_for_sm90(interpreter_results)
 
 
 # ------------------------------------------------------------------------------------ formats

@@ -19,7 +19,7 @@ from hybrid_engine.spec.drafters.ngram import NgramDrafter
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from triton_interpret import assert_case, run_cases  # noqa: E402
+from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 sys.path.insert(0, str(HERE))
 from ngram_triton_cases import CASES  # noqa: E402
 
@@ -32,6 +32,12 @@ def interpreter_results():
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_ngram_in_interpreter(interpreter_results, name):
     assert_case(interpreter_results, name)
+
+
+def test_launched_kernels_compile_for_sm90(interpreter_results):
+    """The kernels as the cases launched them also compile for the GPU (the interpreter skips
+    the compiler's checks)."""
+    assert_compiles_for_sm90(interpreter_results)
 
 
 # ------------------------------------------------------------------------------- backend choice
