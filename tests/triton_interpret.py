@@ -104,20 +104,60 @@ def assert_case(results: dict, name: str) -> None:
 
 LAUNCH_LOG = "CASE_LAUNCH_LOG"      # set by run_cases(log_launches=True): where case_main logs launches
 _POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1",
-                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16",
+                  "uint32": "u32", "uint64": "u64", "bool": "u1", "float8_e4m3fn": "fp8e4nv",
+                  "float8_e5m2": "fp8e5", "float8_e4m3fnuz": "fp8e4b8", "float8_e5m2fnuz": "fp8e5b16"}
 
 
-def launch_record(fn, args, kwargs) -> dict:
-    """One interpreted launch of the kernel function ``fn`` as JSON-able data: its module and
-    name, the Triton type of each runtime argument (``*bf16``, ``i32``...), the constexprs' values
-    and the launch options, or ``unrecordable`` with the reason (a constexpr that is not a plain
-    value)."""
+def _jit_type(v, specialize: bool, align: bool):
+    """(Triton type, divisible by 16) of a runtime argument as the JIT specialises it: an int equal
+    to 1 becomes the constexpr 1 unless ``specialize`` is off (``do_not_specialize``), ints and
+    tensor addresses divisible by 16 are marked so unless ``align`` is off. Triton's own function
+    where this Triton has it (3.9), else the same rules by hand; None for a type it has no name for."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+        ty, spec = native_specialize_impl(BaseBackend, v, False, specialize, align)
+        return ("constexpr", v) if ty == "constexpr" else (ty, spec == "D")
+    except ImportError:
+        pass
+    import numpy as np
     import torch
+    if isinstance(v, torch.Tensor):
+        ty = _POINTER_TYPES.get(str(v.dtype).removeprefix("torch."))
+        return (None, False) if ty is None else ("*" + ty, align and v.data_ptr() % 16 == 0)
+    if isinstance(v, (bool, np.bool_)):
+        return "u1", False
+    if isinstance(v, (int, np.integer)):
+        v = int(v)
+        if specialize and v == 1:
+            return "constexpr", 1
+        ty = "i32" if -2**31 <= v < 2**31 else ("u64" if v >= 2**63 else "i64")
+        return ty, specialize and align and v % 16 == 0
+    if isinstance(v, (float, np.floating)):
+        return "fp32", False
+    return None, False
+
+
+def _names(fn, spec) -> set[str]:
+    """do_not_specialize* entries (names or positions) as parameter names."""
+    params = list(inspect.signature(fn).parameters)
+    return {params[x] if isinstance(x, int) else x for x in (spec or ())}
+
+
+def launch_record(fn, args, kwargs, jit_kwargs=None) -> dict:
+    """One interpreted launch of the kernel function ``fn`` as JSON-able data: its module and
+    name, each runtime argument's Triton type as the JIT specialises it (``_jit_type``: a 1 is a
+    constexpr, ``aligned`` lists the arguments marked divisible by 16), the constexprs' values and
+    the launch options, or ``unrecordable`` with the reason. ``jit_kwargs``: the
+    ``@triton.jit`` options (``do_not_specialize``...)."""
+    jit_kwargs = jit_kwargs or {}
+    no_spec = _names(fn, jit_kwargs.get("do_not_specialize"))
+    no_align = _names(fn, jit_kwargs.get("do_not_specialize_on_alignment"))
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args))
     bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
-    rec = dict(module=fn.__module__, name=fn.__qualname__, signature={}, constexprs={},
+    rec = dict(module=fn.__module__, name=fn.__qualname__, signature={}, constexprs={}, aligned=[],
                options={k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs})
     for p in params:
         v = bound.get(p.name, p.default)
@@ -126,16 +166,15 @@ def launch_record(fn, args, kwargs) -> dict:
                 return dict(rec, unrecordable=f"constexpr {p.name} = {v!r}")
             rec["signature"][p.name] = "constexpr"
             rec["constexprs"][p.name] = v
-        elif isinstance(v, torch.Tensor):
-            rec["signature"][p.name] = "*" + _POINTER_TYPES[str(v.dtype).removeprefix("torch.")]
-        elif isinstance(v, bool):
-            rec["signature"][p.name] = "i1"
-        elif isinstance(v, int):
-            rec["signature"][p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-        elif isinstance(v, float):
-            rec["signature"][p.name] = "fp32"
-        else:
-            return dict(rec, unrecordable=f"argument {p.name} = {type(v).__name__}")
+            continue
+        ty, aligned = _jit_type(v, p.name not in no_spec, p.name not in no_align)
+        if ty is None:
+            return dict(rec, unrecordable=f"argument {p.name} = {type(v).__name__} {getattr(v, 'dtype', '')}")
+        rec["signature"][p.name] = ty
+        if ty == "constexpr":
+            rec["constexprs"][p.name] = aligned          # the value, 1
+        elif aligned:
+            rec["aligned"].append(p.name)
     return rec
 
 
@@ -152,7 +191,12 @@ def _log_launches(path: str) -> None:
     real_run, seen = InterpretedFunction.run, set()
 
     def run(self, *args, **kwargs):
-        line = json.dumps(launch_record(self.fn, args, kwargs), sort_keys=True)
+        try:
+            rec = launch_record(self.fn, args, kwargs, getattr(self, "kwargs", None))
+        except Exception as exc:      # never fail a case for the log: the compile test reports it
+            rec = dict(module=self.fn.__module__, name=self.fn.__qualname__, constexprs={},
+                       unrecordable=f"{type(exc).__name__}: {exc}")
+        line = json.dumps(rec, sort_keys=True)
         if line not in seen:
             seen.add(line)
             with open(path, "a") as f:
@@ -176,11 +220,13 @@ def compile_for_sm90(launches: list[dict]) -> list[str]:
         if "unrecordable" in rec:
             failures.append(f"{where}: not recorded ({rec['unrecordable']})")
             continue
-        kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
-        while not isinstance(kernel, triton.JITFunction):      # autotuner / heuristics wrappers
-            kernel = kernel.fn
+        where += f" {rec['signature']} {rec['options']}"
         try:
-            triton.compile(ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"]),
+            kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
+            while not isinstance(kernel, triton.JITFunction):      # autotuner / heuristics wrappers
+                kernel = kernel.fn
+            attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec["aligned"]}
+            triton.compile(ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=rec["options"])
         except Exception as exc:
             failures.append(f"{where}: {type(exc).__name__}: {str(exc)[-600:]}")
@@ -189,6 +235,7 @@ def compile_for_sm90(launches: list[dict]) -> list[str]:
 
 def assert_compiles_for_sm90(results: dict) -> None:
     """Every kernel launch ``run_cases`` recorded compiles for sm_90 (``compile_for_sm90``)."""
+    assert "_launches" in results, "run_cases(log_launches=False): no launches were logged"
     launches = results["_launches"]
     assert launches, "the cases launched no kernel (nothing to compile)"
     failures = compile_for_sm90(launches)
