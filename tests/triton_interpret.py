@@ -103,40 +103,18 @@ def assert_case(results: dict, name: str) -> None:
 
 
 LAUNCH_LOG = "CASE_LAUNCH_LOG"      # set by run_cases(log_launches=True): where case_main logs launches
-_POINTER_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
-                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint16": "u16",
-                  "uint32": "u32", "uint64": "u64", "bool": "u1", "float8_e4m3fn": "fp8e4nv",
-                  "float8_e5m2": "fp8e5", "float8_e4m3fnuz": "fp8e4b8", "float8_e5m2fnuz": "fp8e5b16"}
 
 
 def _jit_type(v, specialize: bool, align: bool):
-    """(Triton type, divisible by 16) of a runtime argument as the JIT specialises it: an int equal
-    to 1 becomes the constexpr 1 unless ``specialize`` is off (``do_not_specialize``), ints and
-    tensor addresses divisible by 16 are marked so unless ``align`` is off. Triton's own function
-    where this Triton has it (3.9), else the same rules by hand; None for a type it has no name for."""
-    try:
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import native_specialize_impl
-        ty, spec = native_specialize_impl(BaseBackend, v, False, specialize, align)
-        return ("constexpr", v) if ty == "constexpr" else (ty, spec == "D")
-    except ImportError:
-        pass
-    import numpy as np
-    import torch
-    if isinstance(v, torch.Tensor):
-        ty = _POINTER_TYPES.get(str(v.dtype).removeprefix("torch."))
-        return (None, False) if ty is None else ("*" + ty, align and v.data_ptr() % 16 == 0)
-    if isinstance(v, (bool, np.bool_)):
-        return "u1", False
-    if isinstance(v, (int, np.integer)):
-        v = int(v)
-        if specialize and v == 1:
-            return "constexpr", 1
-        ty = "i32" if -2**31 <= v < 2**31 else ("u64" if v >= 2**63 else "i64")
-        return ty, specialize and align and v % 16 == 0
-    if isinstance(v, (float, np.floating)):
-        return "fp32", False
-    return None, False
+    """(Triton type, divisible by 16) of a runtime argument as the JIT specialises it (Triton's
+    own ``native_specialize_impl``, in every Triton this project supports): an int equal to 1
+    becomes the constexpr 1 unless ``specialize`` is off (``do_not_specialize``), ints and tensor
+    addresses divisible by 16 are marked so unless ``align`` is off; -> ("constexpr", 1) for the
+    former."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    ty, spec = native_specialize_impl(BaseBackend, v, False, specialize, align)
+    return ("constexpr", v) if ty == "constexpr" else (ty, spec == "D")
 
 
 def _names(fn, spec) -> set[str]:
@@ -149,7 +127,8 @@ def launch_record(fn, args, kwargs, jit_kwargs=None) -> dict:
     """One interpreted launch of the kernel function ``fn`` as JSON-able data: its module and
     name, each runtime argument's Triton type as the JIT specialises it (``_jit_type``: a 1 is a
     constexpr, ``aligned`` lists the arguments marked divisible by 16), the constexprs' values and
-    the launch options, or ``unrecordable`` with the reason. ``jit_kwargs``: the
+    the launch options, or ``unrecordable`` with the reason (a constexpr that is not a plain
+    value). ``jit_kwargs``: the
     ``@triton.jit`` options (``do_not_specialize``...)."""
     jit_kwargs = jit_kwargs or {}
     no_spec = _names(fn, jit_kwargs.get("do_not_specialize"))
@@ -167,9 +146,8 @@ def launch_record(fn, args, kwargs, jit_kwargs=None) -> dict:
             rec["signature"][p.name] = "constexpr"
             rec["constexprs"][p.name] = v
             continue
+        # (raises for a type the JIT does not take: the launch is logged as unrecordable)
         ty, aligned = _jit_type(v, p.name not in no_spec, p.name not in no_align)
-        if ty is None:
-            return dict(rec, unrecordable=f"argument {p.name} = {type(v).__name__} {getattr(v, 'dtype', '')}")
         rec["signature"][p.name] = ty
         if ty == "constexpr":
             rec["constexprs"][p.name] = aligned          # the value, 1

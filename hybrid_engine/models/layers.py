@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import relu2
-from .linear import Linear
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
+from .activation import relu2
+from .linear import Linear
 from .rmsnorm import add_rmsnorm_fp8, fp8_out_supported, fused_add_rmsnorm, rmsnorm
 
 

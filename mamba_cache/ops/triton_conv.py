@@ -24,6 +24,22 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_p
 _softplus, _silu = tl_helpers()
 
 
+@triton.jit
+def _seq_of(qsl_ptr, nseq, t, valid, SEARCH_ITERS: tl.constexpr):
+    """The sequence of token t (a scalar or a vector of tokens): the smallest b with
+    qsl[b + 1] > t, by a binary search of SEARCH_ITERS steps, clamped to nseq - 1 (tokens past the
+    packed end; ``valid`` False: no loads for that token)."""
+    lo = t * 0
+    hi = lo + nseq
+    for _ in tl.static_range(SEARCH_ITERS):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        gt = tl.load(qsl_ptr + mid + 1, mask=act & valid, other=0) > t
+        hi = tl.where(act & gt, mid, hi)
+        lo = tl.where(act & (~gt), mid + 1, lo)
+    return tl.minimum(lo, nseq - 1)
+
+
 @triton.jit(do_not_specialize=["T", "nseq"],
             do_not_specialize_on_alignment=["qsl_ptr", "slot_ptr", "init_ptr"])
 def _conv_varlen_kernel(
@@ -52,15 +68,7 @@ def _conv_varlen_kernel(
     # masks, which made the kernel bound by instructions (H100, 8192 tokens x 10240 channels: 26%
     # of the copy bandwidth). The same values are summed in the same order as the general branch's.
     t0 = tb * BLOCK_T
-    lo0 = 0
-    hi0 = nseq
-    for _ in tl.static_range(SEARCH_ITERS):
-        act0 = lo0 < hi0
-        mid0 = (lo0 + hi0) // 2
-        gt0 = tl.load(qsl_ptr + mid0 + 1, mask=act0, other=0) > t0
-        hi0 = tl.where(act0 & gt0, mid0, hi0)
-        lo0 = tl.where(act0 & (~gt0), mid0 + 1, lo0)
-    seq0 = tl.minimum(lo0, nseq - 1)
+    seq0 = _seq_of(qsl_ptr, nseq, t0, True, SEARCH_ITERS)
     if (t0 - tl.load(qsl_ptr + seq0) >= W - 1) & (t0 + BLOCK_T <= tl.load(qsl_ptr + seq0 + 1)):
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         if HAS_BIAS:
@@ -73,16 +81,7 @@ def _conv_varlen_kernel(
     else:
         end = tl.load(qsl_ptr + nseq)
         mt = (offs_t < T) & (offs_t < end)
-        # seq = #{b : qsl[b+1] <= t}  (binary search; smallest b with qsl[b+1] > t)
-        lo = tl.zeros([BLOCK_T], dtype=tl.int32)
-        hi = tl.zeros([BLOCK_T], dtype=tl.int32) + nseq
-        for _ in tl.static_range(SEARCH_ITERS):
-            act = lo < hi
-            mid = (lo + hi) // 2
-            gt = tl.load(qsl_ptr + mid + 1, mask=act & mt, other=0) > offs_t
-            hi = tl.where(act & gt, mid, hi)
-            lo = tl.where(act & (~gt), mid + 1, lo)
-        seq = tl.minimum(lo, nseq - 1)
+        seq = _seq_of(qsl_ptr, nseq, offs_t, mt, SEARCH_ITERS)
         start = tl.load(qsl_ptr + seq, mask=mt, other=0)
         pos = offs_t - start
         slot = tl.load(slot_ptr + seq, mask=mt, other=0).to(tl.int64)
