@@ -26,7 +26,7 @@ from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4  #
 SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24), ("mlp up_proj", 21504, 4096, 24),
           ("mlp down_proj", 4096, 21504, 24), ("attn q/o_proj", 4096, 4096, 8), ("attn k/v_proj", 1024, 4096, 8),
           ("lm_head", 131072, 4096, 1)]
-FMA_CFGS = [(8, 64, 8), (4, 128, 8), (8, 32, 4), (4, 64, 4), (16, 32, 8)]
+FMA_CFGS = [(8, 256, 4), (8, 128, 4), (8, 128, 8), (4, 256, 4), (8, 64, 8), (16, 128, 4)]
 # (block_n, block_w, swap, num_stages)
 DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16, False, 4), (64, 16, True, 4),
             (64, 32, True, 3), (128, 16, True, 3)]

@@ -10,10 +10,14 @@ which gives the same values (float32 and fp16 x there: the interpreter's bf16 ``
 exact, so the dot kernel refuses bf16 off CUDA); ``tests/quant`` runs it on CPU,
 ``tests/gpu/test_quant_cuda.py`` the PTX.
 
-``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): register FMAs, no tensor cores. A pair
-becomes float16 bits (e2m1 * 2^-14) and two hardware float16 -> float32 conversions; each nibble
-position times its x column, summed per 16-input group, times the group's block scale, reduced
-into a [BLOCK_N] accumulator every tile; 2^14 goes on the output scale.
+``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): no tensor cores. Each tile's x is prepared
+once for all its rows: a 16-input group's values times a power of two that puts the group's
+largest in [2^13, 2^14), as float16 pairs matching the decoded nibble pairs. A pair of nibbles
+(float16 bits e2m1 * 2^-14) then takes one packed float16 FMA against its x pair, 8 a group; the
+group's sum is converted to float32 once, times its block scale and the inverse power of two
+(2^14 included). The products are float16 (relative error ~1e-4 against the float32 twin); the
+per-group power of two keeps them finite and above float16's subnormals for any bf16 x. About 4
+SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before).
 
 ``_nvfp4_dot_kernel`` (2..128 rows): a pair is multiplied by its block scale in one packed 16-bit
 FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^7, both
@@ -23,10 +27,9 @@ input order) and goes to one ``tl.dot`` per tile with float32 accumulation; the 
 side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape; above
 32 rows every projection swaps (the other form does not compile there at 16-wide output tiles).
 
-H100 (2026-11-26, ``benchmarks/results/2026-11-26-nvfp4-pair-decode-h100.md``): one 8B step's
-projections with lm_head, bf16 5.1 ms; NVFP4 at one row 4.15 -> 3.90 ms (3.78 summed over shapes
-at the final configs), at 8 rows 17.3 -> 8.04 ms (still slower than bf16: the long-row projections
-have few programs). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
+H100 (2026-11-27, ``benchmarks/results/2026-11-27-nvfp4-half2-h100.md``): one 8B step's projections
+with lm_head, bf16 5.13 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
+packed float16 one. Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
 """
 from __future__ import annotations
 
@@ -42,24 +45,26 @@ from .nvfp4 import GROUP, _check_k
 MAX_ROWS = 128
 
 
-def _shift(dst: str, n: int) -> str:
-    """PTX: dst = word ($8) shifted left by n (right by -n), logical."""
-    return f"shl.b32 {dst}, $8, {n};" if n > 0 else (f"shr.b32 {dst}, $8, {-n};" if n < 0 else f"mov.b32 {dst}, $8;")
+def _shift(dst: str, n: int, src: str = "$8") -> str:
+    """PTX: dst = src (a word) shifted left by n (right by -n), logical."""
+    return f"shl.b32 {dst}, {src}, {n};" if n > 0 else (f"shr.b32 {dst}, {src}, {-n};" if n < 0 else f"mov.b32 {dst}, {src};")
 
 
-def _pairs_ptx(mag_at: int, mag_mask: int, tail) -> str:
-    """PTX over one int32 word ($8): for j = 0..3 the nibbles j (bits 4j..4j+3) and j+4 (bits
+def _pairs_ptx(mag_at: int, mag_mask: int, tail, src: str = "$8") -> str:
+    """PTX over one int32 word (src): for j = 0..3 the nibbles j (bits 4j..4j+3) and j+4 (bits
     4j+16..) as a 2 x 16-bit register p: magnitude bits to bits mag_at.. of each half, sign bit to
-    bit 15 of each half; ``tail(j)`` then writes outputs $j and $j+4 from p."""
-    body = " ".join(f"{_shift('t0', mag_at - 4 * j)} {_shift('t1', 12 - 4 * j)} and.b32 t1, t1, 0x80008000; "
+    bit 15 of each half; ``tail(j)`` then uses p."""
+    body = " ".join(f"{_shift('t0', mag_at - 4 * j, src)} {_shift('t1', 12 - 4 * j, src)} and.b32 t1, t1, 0x80008000; "
                     f"and.b32 t0, t0, {mag_mask:#010x}; or.b32 p, t0, t1; {tail(j)}" for j in range(4))
     return body
 
 
-# word -> 8 float32 e2m1 * 2^-14 (float16 bits e2m1 * 2^-14, then cvt): the one-row kernel's decode
-_ASM_F32 = ("{ .reg .b32 t0, t1, p; .reg .b16 h0, h1; "
-            + _pairs_ptx(9, 0x0E000E00, lambda j: f"mov.b32 {{h0, h1}}, p; cvt.f32.f16 ${j}, h0; cvt.f32.f16 ${j + 4}, h1;")
-            + " }")
+# a group's words ($1, $2) and x pairs ($3 .. $10) -> float32 $0: sum over the 16 nibbles of
+# e2m1 * 2^-14 (float16 bits, subnormals included) times its x', in packed float16 FMAs
+_ASM_GROUP = ("{ .reg .b32 t0, t1, p, a; .reg .b16 h0, h1; .reg .f32 f0, f1; mov.b32 a, 0; "
+              + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 a, p, ${3 + j}, a;", "$1") + " "
+              + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 a, p, ${7 + j}, a;", "$2")
+              + " mov.b32 {h0, h1}, a; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; add.f32 $0, f0, f1; }")
 # word, 16-bit scale c ($9) -> 8 values (bits e2m1 * 2^-126 for bf16 / e2m1 * 2^-14 for fp16) * c
 _ASM_BF16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x80008000; "
              + _pairs_ptx(6, 0x01C001C0, lambda j: f"fma.rn.bf16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
@@ -67,7 +72,7 @@ _ASM_BF16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0
 _ASM_F16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x80008000; "
             + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
             + " }")
-ASM_F32 = tl.constexpr(_ASM_F32)
+ASM_GROUP = tl.constexpr(_ASM_GROUP)
 ASM_BF16 = tl.constexpr(_ASM_BF16)
 ASM_F16 = tl.constexpr(_ASM_F16)
 # the dot kernel's tile holds e2m1 * scale * 2^-SHIFT (exact in each dtype: module docstring)
@@ -98,17 +103,6 @@ def _nibble_f32(wd, J: tl.constexpr):
 
 
 @triton.jit
-def _decode8_f32(wd, PTX: tl.constexpr):
-    """int32 words -> 8 float32 tensors: nibble j = e2m1 * 2^-14."""
-    if PTX:
-        return tl.inline_asm_elementwise(ASM_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [wd], dtype=(tl.float32,) * 8,
-                                         is_pure=True, pack=1)
-    else:
-        return (_nibble_f32(wd, 0), _nibble_f32(wd, 1), _nibble_f32(wd, 2), _nibble_f32(wd, 3),
-                _nibble_f32(wd, 4), _nibble_f32(wd, 5), _nibble_f32(wd, 6), _nibble_f32(wd, 7))
-
-
-@triton.jit
 def _scaled8(wd, s, DT: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
     """int32 words, float32 block scales (same shape) -> 8 tensors in DT: nibble j = e2m1 * s *
     2^-SHIFT, exactly (PTX: one packed 16-bit FMA per pair; the twin: float32, then a cast)."""
@@ -129,12 +123,70 @@ def _scaled8(wd, s, DT: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _x_pair(lo, hi):
+    """float32 tensors -> int32: float16 lo in the low half, float16 hi in the high half (one
+    cvt.rn.f16x2.f32; exact for bf16 / fp16 x times a power of two, above float16's subnormals)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _wide(p, BLOCK_N: tl.constexpr):
+    """[BG] -> [BLOCK_N, BG]: an x pair for every row of the tile."""
+    return tl.broadcast_to(p[None, :], (BLOCK_N, p.shape[0]))
+
+
+@triton.jit
+def _group_dot(wd, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
+    """Words [BN, BG, 2] (a 16-input group's two words) and x' [BG, 2] (xj = inputs 16g + 8i + j,
+    already times the group's power of two) -> [BN, BG] float32: the sum of each group's 16
+    products e2m1 * 2^-14 * x'.
+
+    CUDA: x' becomes float16 pairs (x'_j, x'_j+4) matching the decoded nibble pairs of ASM_GROUP,
+    which multiplies and adds them in packed float16 (8 FMAs a group, one conversion to float32):
+    about half the instructions a value of a float32 decode and FMA. The twin (interpreter):
+    the same sum in float32."""
+    w0, w1 = tl.split(wd)                                                                   # [BN, BG]
+    if PTX:
+        pa, pe = tl.split(_x_pair(x0, x4))                                                  # [BG] each
+        pb, pf = tl.split(_x_pair(x1, x5))
+        pc, pg = tl.split(_x_pair(x2, x6))
+        pd, ph = tl.split(_x_pair(x3, x7))
+        return tl.inline_asm_elementwise(
+            ASM_GROUP, "=r,r,r,r,r,r,r,r,r,r,r",
+            [w0, w1, _wide(pa, BLOCK_N), _wide(pb, BLOCK_N), _wide(pc, BLOCK_N), _wide(pd, BLOCK_N),
+             _wide(pe, BLOCK_N), _wide(pf, BLOCK_N), _wide(pg, BLOCK_N), _wide(ph, BLOCK_N)],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        a0, b0 = tl.split(x0)
+        a1, b1 = tl.split(x1)
+        a2, b2 = tl.split(x2)
+        a3, b3 = tl.split(x3)
+        a4, b4 = tl.split(x4)
+        a5, b5 = tl.split(x5)
+        a6, b6 = tl.split(x6)
+        a7, b7 = tl.split(x7)
+        part = _nibble_f32(w0, 0) * a0[None, :] + _nibble_f32(w1, 0) * b0[None, :]
+        part += _nibble_f32(w0, 1) * a1[None, :] + _nibble_f32(w1, 1) * b1[None, :]
+        part += _nibble_f32(w0, 2) * a2[None, :] + _nibble_f32(w1, 2) * b2[None, :]
+        part += _nibble_f32(w0, 3) * a3[None, :] + _nibble_f32(w1, 3) * b3[None, :]
+        part += _nibble_f32(w0, 4) * a4[None, :] + _nibble_f32(w1, 4) * b4[None, :]
+        part += _nibble_f32(w0, 5) * a5[None, :] + _nibble_f32(w1, 5) * b5[None, :]
+        part += _nibble_f32(w0, 6) * a6[None, :] + _nibble_f32(w1, 6) * b6[None, :]
+        part += _nibble_f32(w0, 7) * a7[None, :] + _nibble_f32(w1, 7) * b7[None, :]
+        return part
+
+
+@triton.jit
 def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sbn,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                       PTX: tl.constexpr = False, PDL: tl.constexpr = False):
     # one row of x; the packed weight as int32 words [N, KW = K / 8], walked as [BLOCK_N, BLOCK_G,
-    # 2] words = BLOCK_G 16-input groups (one block scale each); nibble j of every word times
-    # x[16g + 8i + j], summed per group, the group's block scale, then reduced into [BLOCK_N]
+    # 2] words = BLOCK_G 16-input groups (one block scale each). x is prepared once per tile for
+    # all BLOCK_N rows: each group's 16 values times a power of two that puts the group's largest
+    # below 2^14, as float16 pairs matching the decoded nibble pairs; the products accumulate in
+    # packed float16 (_group_dot), each group's sum then times its block scale and the inverse
+    # power of two (2^14 of the decode included) into a float32 [BLOCK_N] accumulator
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -151,18 +203,27 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
                      mask=mn[:, None, None] & mg[None, :, None], other=0)                   # [BN, BG, 2]
         xb = x_ptr + offs_g[:, None] * 16 + offs_i[None, :] * 8                              # [BG, 2]
         xm = mg[:, None]
-        v0, v1, v2, v3, v4, v5, v6, v7 = _decode8_f32(wd, PTX)
-        part = v0 * tl.load(xb + 0, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v1 * tl.load(xb + 1, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v2 * tl.load(xb + 2, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v3 * tl.load(xb + 3, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v4 * tl.load(xb + 4, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v5 * tl.load(xb + 5, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v6 * tl.load(xb + 6, mask=xm, other=0.0).to(tl.float32)[None, :, :]
-        part += v7 * tl.load(xb + 7, mask=xm, other=0.0).to(tl.float32)[None, :, :]
+        x0 = tl.load(xb + 0, mask=xm, other=0.0).to(tl.float32)
+        x1 = tl.load(xb + 1, mask=xm, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + 2, mask=xm, other=0.0).to(tl.float32)
+        x3 = tl.load(xb + 3, mask=xm, other=0.0).to(tl.float32)
+        x4 = tl.load(xb + 4, mask=xm, other=0.0).to(tl.float32)
+        x5 = tl.load(xb + 5, mask=xm, other=0.0).to(tl.float32)
+        x6 = tl.load(xb + 6, mask=xm, other=0.0).to(tl.float32)
+        x7 = tl.load(xb + 7, mask=xm, other=0.0).to(tl.float32)
+        amax = tl.max(tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                                 tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))),
+                      axis=1)                                                                # [BG]
+        # amax in [2^(e-127), 2^(e-126)): scale 2^(140-e) puts it in [2^13, 2^14) (biased exponent
+        # 267 - e, kept in [14, 254]: no infinity either way); undo = 2^14 / scale
+        sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
+        scale = (sb << 23).to(tl.float32, bitcast=True)[:, None]
+        undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
+        part = _group_dot(wd, x0 * scale, x1 * scale, x2 * scale, x3 * scale, x4 * scale, x5 * scale,
+                          x6 * scale, x7 * scale, BLOCK_N, PTX)                              # [BN, BG]
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(tl.sum(part, axis=2) * bs, axis=1)
-    out = acc * (tl.load(gs_ptr) * 16384.0)
+        acc += tl.sum(part * (bs * undo[None, :]), axis=1)
+    out = acc * tl.load(gs_ptr)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
@@ -218,7 +279,7 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
                  mask=mm[:, None] & mn[None, :])
 
 
-def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=8, block_g=32,
+def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=8, block_g=256,
                             num_warps=4):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
     (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead)."""
@@ -284,14 +345,10 @@ def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
 
 
 def _fma_config(N: int) -> dict:
-    # H100 sweeps of the 8B shapes (results/2026-11-26-nvfp4-pair-decode-h100.md): (8, 64, 8 warps)
-    # on the wide projections, (4, 128, 8) on the few long rows (out, down, q/o, k/v: N <= 4096;
-    # 21.4 / 51.4 / 11.3 us against 23.0 / 54.3 / 12.0), (8, 32, 4) on lm_head (131072 rows)
-    if N >= 65536:
-        return dict(block_n=8, block_g=32, num_warps=4)
-    if N <= 4096:
-        return dict(block_n=4, block_g=128, num_warps=8)
-    return dict(block_n=8, block_g=64, num_warps=8)
+    # H200 sweep of the 8B shapes (benchmarks/results/2026-11-27-nvfp4-half2-h100.md): 8 rows x 256
+    # groups (4096 inputs) a tile, 4 warps, the fastest on every shape (256 values a thread amortise
+    # x's preparation over 8 rows)
+    return dict(block_n=8, block_g=256, num_warps=4)
 
 
 def _dot_config(M: int, N: int) -> dict:

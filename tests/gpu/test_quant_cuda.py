@@ -87,14 +87,26 @@ def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 18560, 4096), (1, 4096, 21504), (1, 33, 16), (1, 5, 272)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
-@pytest.mark.parametrize("config", [dict(block_n=8, block_g=32), dict(block_n=4, block_g=128, num_warps=8),
-                                    dict(block_n=8, block_g=64, num_warps=8)], ids=["8x32", "4x128", "8x64"])
+@pytest.mark.parametrize("config", [dict(block_n=8, block_g=256), dict(block_n=4, block_g=128, num_warps=8),
+                                    dict(block_n=8, block_g=32)], ids=["8x256", "4x128", "8x32"])
 def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
-    """The one-row FMA kernel (int32 words, nibbles decoded through float16 bits) at the dispatch
-    rule's three configs, against the float32 twin (ragged rows and partial group tiles included)."""
+    """The one-row FMA kernel (int32 words, nibble pairs decoded into float16 pairs, packed float16
+    products per group) at the dispatch rule's config (8 x 256) and two smaller tiles, against the
+    float32 twin (ragged rows and partial group tiles included)."""
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **config), DEV, dtype, m, n, k, seed=n)
+
+
+@pytest.mark.parametrize("dtype,lo,hi", [(BF16, -7, -7), (BF16, 6, 6), (BF16, -8, 8), (F16, -4, -4), (F16, 3, 3),
+                                         (F16, -4, 3)], ids=lambda v: str(v))
+def test_nvfp4_fma_kernel_x_range(dtype, lo, hi):
+    """x groups whose products e2m1 * 2^-14 * x would fall below float16's subnormals (x ~ 1e-7,
+    1e-4) or above its largest value (bf16 x up to 1e8): each group's power of two keeps its
+    float16 products accurate and finite. (fp16 x stays >= 1e-4: smaller outputs are float16
+    subnormals themselves, coarser than the tolerance whatever the kernel does.)"""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
+    qc.check_nvfp4_x_range(nvfp4_skinny_linear, DEV, dtype, 4096, 4096, lo, hi, seed=lo + 100 * hi)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

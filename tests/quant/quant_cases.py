@@ -83,6 +83,26 @@ def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     return err
 
 
+def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None):
+    """One row of x whose 16-input groups each have their own magnitude 10^u, u uniform in [lo, hi]
+    (lo == hi: every group alike): the one-row kernel scales each group by a power of two before its
+    float16 products, so groups far below float16's normal range (1e-7) or above its largest value
+    (1e6 with bf16 x) must come out like the float32 twin, with no infinity or NaN."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 10.0 ** (lo + (hi - lo) * torch.rand(K // 16, generator=g, dtype=torch.float64))
+    x = (torch.randn(1, K, generator=g, dtype=torch.float64) * mag.repeat_interleave(16)).to(dtype)
+    w = torch.randn(N, K, generator=g) / math.sqrt(K)
+    packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
+    with poisoned_empty():
+        y = impl(x.to(device), packed, bs, gs)
+    assert torch.isfinite(y).all(), "infinite or NaN outputs"
+    ref = nvfp4_linear_ref(x.float(), packed.cpu(), bs.cpu(), gs.cpu())
+    err = _rel(y.cpu(), ref)
+    tol = tol or {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert err <= tol, f"nvfp4 x groups 1e{lo}..1e{hi} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
 def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     """routed_experts_triton with FP8 merged experts (per-expert scales) vs the reference with the
     weights dequantized exactly (float32 h: the same arithmetic up to summation order)."""
@@ -256,6 +276,9 @@ def _cases():
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
+        "nvfp4_fma_x_range": lambda: max(check_nvfp4_x_range(
+            lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=8, block_g=4), cpu, f32, 24, 160, lo, hi)
+            for lo, hi in ((-7, -7), (6, 6), (-8, 8))),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),
         "fp8_rmsnorm_no_residual": lambda: check_add_rmsnorm_fp8(cpu, f32, 3, 40, seed=1, residual=False),
