@@ -17,7 +17,8 @@ largest in [2^13, 2^14), as float16 pairs matching the decoded nibble pairs. A p
 group's sum is converted to float32 once, times its block scale and the inverse power of two
 (2^14 included). The products are float16 (relative error ~1e-4 against the float32 twin); the
 per-group power of two keeps them finite and above float16's subnormals for any bf16 x. About 4
-SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before).
+SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before). x comes
+in 16-byte loads, a [groups, 16] tile, paired within each thread.
 
 ``_nvfp4_dot_kernel`` (2..128 rows): a pair is multiplied by its block scale in one packed 16-bit
 FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^7, both
@@ -28,8 +29,9 @@ side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measur
 32 rows every projection swaps (the other form does not compile there at 16-wide output tiles).
 
 H100 (2026-11-27, ``benchmarks/results/2026-11-27-nvfp4-half2-h100.md``): one 8B step's projections
-with lm_head, bf16 5.13 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
-packed float16 one. Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
+with lm_head, bf16 5.1 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
+packed float16 one, 2.66 ms with x in 16-byte loads and 4-row tiles (the L1 had been the limit:
+2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
 """
 from __future__ import annotations
 
@@ -137,43 +139,50 @@ def _wide(p, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(wd, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
-    """Words [BN, BG, 2] (a 16-input group's two words) and x' [BG, 2] (xj = inputs 16g + 8i + j,
-    already times the group's power of two) -> [BN, BG] float32: the sum of each group's 16
-    products e2m1 * 2^-14 * x'.
+def _split8(t):
+    """[..., 8] -> its 8 columns, in order."""
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [4, 2]))           # columns 2q / 2q + 1
+    a0, a1 = tl.split(tl.reshape(a, a.shape[:-1] + [2, 2]))
+    b0, b1 = tl.split(tl.reshape(b, b.shape[:-1] + [2, 2]))
+    c0, c4 = tl.split(a0)
+    c2, c6 = tl.split(a1)
+    c1, c5 = tl.split(b0)
+    c3, c7 = tl.split(b1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
-    CUDA: x' becomes float16 pairs (x'_j, x'_j+4) matching the decoded nibble pairs of ASM_GROUP,
-    which multiplies and adds them in packed float16 (8 FMAs a group, one conversion to float32):
-    about half the instructions a value of a float32 decode and FMA. The twin (interpreter):
-    the same sum in float32."""
+
+@triton.jit
+def _group_dot(wd, xs, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
+    """Words [BN, BG, 2] (a 16-input group's two words) and x' [BG, 16] (already times the group's
+    power of two) -> [BN, BG] float32: the sum of each group's 16 products e2m1 * 2^-14 * x'.
+
+    CUDA: x' becomes float16 pairs (x'[8i + j], x'[8i + j + 4]) matching the decoded nibble pairs
+    of ASM_GROUP, which multiplies and adds them in packed float16 (8 FMAs a group, one conversion
+    to float32): about half the instructions a value of a float32 decode and FMA. The twin
+    (interpreter): the same sum in float32."""
     w0, w1 = tl.split(wd)                                                                   # [BN, BG]
+    BG: tl.constexpr = xs.shape[0]
+    x4 = tl.permute(tl.reshape(xs, [BG, 2, 2, 4]), [0, 1, 3, 2])            # [g, i, j, h]: input 8i + 4h + j
+    lo, hi = tl.split(x4)                                                   # [BG, 2, 4]
     if PTX:
-        pa, pe = tl.split(_x_pair(x0, x4))                                                  # [BG] each
-        pb, pf = tl.split(_x_pair(x1, x5))
-        pc, pg = tl.split(_x_pair(x2, x6))
-        pd, ph = tl.split(_x_pair(x3, x7))
+        pr = tl.reshape(_x_pair(lo, hi), [BG, 8])                           # pair (i, j) at column 4i + j
+        p0, p1, p2, p3, p4, p5, p6, p7 = _split8(pr)
         return tl.inline_asm_elementwise(
             ASM_GROUP, "=r,r,r,r,r,r,r,r,r,r,r",
-            [w0, w1, _wide(pa, BLOCK_N), _wide(pb, BLOCK_N), _wide(pc, BLOCK_N), _wide(pd, BLOCK_N),
-             _wide(pe, BLOCK_N), _wide(pf, BLOCK_N), _wide(pg, BLOCK_N), _wide(ph, BLOCK_N)],
+            [w0, w1, _wide(p0, BLOCK_N), _wide(p1, BLOCK_N), _wide(p2, BLOCK_N), _wide(p3, BLOCK_N),
+             _wide(p4, BLOCK_N), _wide(p5, BLOCK_N), _wide(p6, BLOCK_N), _wide(p7, BLOCK_N)],
             dtype=tl.float32, is_pure=True, pack=1)
     else:
-        a0, b0 = tl.split(x0)
-        a1, b1 = tl.split(x1)
-        a2, b2 = tl.split(x2)
-        a3, b3 = tl.split(x3)
-        a4, b4 = tl.split(x4)
-        a5, b5 = tl.split(x5)
-        a6, b6 = tl.split(x6)
-        a7, b7 = tl.split(x7)
-        part = _nibble_f32(w0, 0) * a0[None, :] + _nibble_f32(w1, 0) * b0[None, :]
-        part += _nibble_f32(w0, 1) * a1[None, :] + _nibble_f32(w1, 1) * b1[None, :]
-        part += _nibble_f32(w0, 2) * a2[None, :] + _nibble_f32(w1, 2) * b2[None, :]
-        part += _nibble_f32(w0, 3) * a3[None, :] + _nibble_f32(w1, 3) * b3[None, :]
-        part += _nibble_f32(w0, 4) * a4[None, :] + _nibble_f32(w1, 4) * b4[None, :]
-        part += _nibble_f32(w0, 5) * a5[None, :] + _nibble_f32(w1, 5) * b5[None, :]
-        part += _nibble_f32(w0, 6) * a6[None, :] + _nibble_f32(w1, 6) * b6[None, :]
-        part += _nibble_f32(w0, 7) * a7[None, :] + _nibble_f32(w1, 7) * b7[None, :]
+        l0, l1, l2, l3, l4, l5, l6, l7 = _split8(tl.reshape(lo, [BG, 8]))     # x'[8i + j] at 4i + j
+        h0, h1, h2, h3, h4, h5, h6, h7 = _split8(tl.reshape(hi, [BG, 8]))     # x'[8i + j + 4]
+        part = _nibble_f32(w0, 0) * l0[None, :] + _nibble_f32(w0, 4) * h0[None, :]
+        part += _nibble_f32(w0, 1) * l1[None, :] + _nibble_f32(w0, 5) * h1[None, :]
+        part += _nibble_f32(w0, 2) * l2[None, :] + _nibble_f32(w0, 6) * h2[None, :]
+        part += _nibble_f32(w0, 3) * l3[None, :] + _nibble_f32(w0, 7) * h3[None, :]
+        part += _nibble_f32(w1, 0) * l4[None, :] + _nibble_f32(w1, 4) * h4[None, :]
+        part += _nibble_f32(w1, 1) * l5[None, :] + _nibble_f32(w1, 5) * h5[None, :]
+        part += _nibble_f32(w1, 2) * l6[None, :] + _nibble_f32(w1, 6) * h6[None, :]
+        part += _nibble_f32(w1, 3) * l7[None, :] + _nibble_f32(w1, 7) * h7[None, :]
         return part
 
 
@@ -183,7 +192,8 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
                       PTX: tl.constexpr = False, PDL: tl.constexpr = False):
     # one row of x; the packed weight as int32 words [N, KW = K / 8], walked as [BLOCK_N, BLOCK_G,
     # 2] words = BLOCK_G 16-input groups (one block scale each). x is prepared once per tile for
-    # all BLOCK_N rows: each group's 16 values times a power of two that puts the group's largest
+    # all BLOCK_N rows, loaded as [BLOCK_G, 16] (16-byte vectors: scattered 2-byte loads of x made
+    # the L1 the bottleneck): each group's 16 values times a power of two that puts the group's largest
     # below 2^14, as float16 pairs matching the decoded nibble pairs; the products accumulate in
     # packed float16 (_group_dot), each group's sum then times its block scale and the inverse
     # power of two (2^14 of the decode included) into a float32 [BLOCK_N] accumulator
@@ -201,26 +211,16 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
         mg = offs_g < KW // 2
         wd = tl.load(w_rows + (offs_g[:, None] * 2 + offs_i[None, :])[None, :, :],
                      mask=mn[:, None, None] & mg[None, :, None], other=0)                   # [BN, BG, 2]
-        xb = x_ptr + offs_g[:, None] * 16 + offs_i[None, :] * 8                              # [BG, 2]
-        xm = mg[:, None]
-        x0 = tl.load(xb + 0, mask=xm, other=0.0).to(tl.float32)
-        x1 = tl.load(xb + 1, mask=xm, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + 2, mask=xm, other=0.0).to(tl.float32)
-        x3 = tl.load(xb + 3, mask=xm, other=0.0).to(tl.float32)
-        x4 = tl.load(xb + 4, mask=xm, other=0.0).to(tl.float32)
-        x5 = tl.load(xb + 5, mask=xm, other=0.0).to(tl.float32)
-        x6 = tl.load(xb + 6, mask=xm, other=0.0).to(tl.float32)
-        x7 = tl.load(xb + 7, mask=xm, other=0.0).to(tl.float32)
-        amax = tl.max(tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                                 tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))),
-                      axis=1)                                                                # [BG]
+        offs_c = tl.arange(0, 16)
+        xt = tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None],
+                     other=0.0).to(tl.float32)                                               # [BG, 16]
+        amax = tl.max(tl.abs(xt), axis=1)                                                    # [BG]
         # amax in [2^(e-127), 2^(e-126)): scale 2^(140-e) puts it in [2^13, 2^14) (biased exponent
         # 267 - e, kept in [14, 254]: no infinity either way); undo = 2^14 / scale
         sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
-        scale = (sb << 23).to(tl.float32, bitcast=True)[:, None]
+        scale = (sb << 23).to(tl.float32, bitcast=True)
         undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
-        part = _group_dot(wd, x0 * scale, x1 * scale, x2 * scale, x3 * scale, x4 * scale, x5 * scale,
-                          x6 * scale, x7 * scale, BLOCK_N, PTX)                              # [BN, BG]
+        part = _group_dot(wd, xt * scale[:, None], BLOCK_N, PTX)                              # [BN, BG]
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(part * (bs * undo[None, :]), axis=1)
     out = acc * tl.load(gs_ptr)
@@ -279,7 +279,7 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
                  mask=mm[:, None] & mn[None, :])
 
 
-def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=8, block_g=256,
+def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=4, block_g=256,
                             num_warps=4):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
     (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead)."""
@@ -344,11 +344,13 @@ def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
                          "contiguous weight")
 
 
-def _fma_config(N: int) -> dict:
-    # H200 sweep of the 8B shapes (benchmarks/results/2026-11-27-nvfp4-half2-h100.md): 8 rows x 256
-    # groups (4096 inputs) a tile, 4 warps, the fastest on every shape (256 values a thread amortise
-    # x's preparation over 8 rows)
-    return dict(block_n=8, block_g=256, num_warps=4)
+def _fma_config(N: int, K: int) -> dict:
+    # H100 sweep of the 8B shapes (benchmarks/results/2026-11-27-nvfp4-half2-h100.md, call 9): 4 rows
+    # x 256 groups (4096 inputs) a tile with 4 warps on every shape (2.663 ms for one step's
+    # projections) but the long rows of down_proj (K 21504: 8 x 128, 30.6 us against 32.4)
+    if K >= 16384:
+        return dict(block_n=8, block_g=128, num_warps=4)
+    return dict(block_n=4, block_g=256, num_warps=4)
 
 
 def _dot_config(M: int, N: int) -> dict:
@@ -368,5 +370,5 @@ def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
     M = x.shape[0]
     N = packed.shape[0]
     if M == 1:
-        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N))
+        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N, x.shape[1]))
     return nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias, **_dot_config(M, N))

@@ -87,11 +87,11 @@ def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (1, 18560, 4096), (1, 4096, 21504), (1, 33, 16), (1, 5, 272)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
-@pytest.mark.parametrize("config", [dict(block_n=8, block_g=256), dict(block_n=4, block_g=128, num_warps=8),
-                                    dict(block_n=8, block_g=32)], ids=["8x256", "4x128", "8x32"])
+@pytest.mark.parametrize("config", [dict(block_n=4, block_g=256), dict(block_n=8, block_g=128),
+                                    dict(block_n=8, block_g=32, num_warps=8)], ids=["4x256", "8x128", "8x32"])
 def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
     """The one-row FMA kernel (int32 words, nibble pairs decoded into float16 pairs, packed float16
-    products per group) at the dispatch rule's config (8 x 256) and two smaller tiles, against the
+    products per group) at the dispatch rule's two configs (4 x 256, 8 x 128) and a small tile, against the
     float32 twin (ragged rows and partial group tiles included)."""
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
