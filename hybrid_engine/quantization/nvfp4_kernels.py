@@ -20,6 +20,12 @@ per-group power of two keeps them finite and above float16's subnormals for any 
 SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before). x comes
 in 16-byte loads, a [groups, 16] tile, paired within each thread.
 
+``_nvfp4_rows_kernel`` (2-8 rows; dispatched for 2 rows, and 3-4 on projections with N <= 8192):
+the one-row kernel's arithmetic with the words decoded into float16 pairs once per tile
+(``ASM_DECODE``) and each row's x pairs meeting them (``ASM_PAIRS_DOT``). Decode batches of a few
+rows and speculative verification at batch 1 (K + 1 rows) take it; more rows amortise the
+tensor cores better.
+
 ``_nvfp4_dot_kernel`` (2..128 rows): a pair is multiplied by its block scale in one packed 16-bit
 FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^7, both
 exact), so the tile [BLOCK_N, 8 * BLOCK_W] holds e2m1 * scale * 2^-SHIFT in x's dtype (joined in
@@ -45,6 +51,7 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 from .nvfp4 import GROUP, _check_k
 
 MAX_ROWS = 128
+MAX_FMA_ROWS = 8        # the rows kernel's limit (one ROWS variant each for 2, 4 and 8)
 
 
 def _shift(dst: str, n: int, src: str = "$8") -> str:
@@ -67,6 +74,15 @@ _ASM_GROUP = ("{ .reg .b32 t0, t1, p, a; .reg .b16 h0, h1; .reg .f32 f0, f1; mov
               + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 a, p, ${3 + j}, a;", "$1") + " "
               + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 a, p, ${7 + j}, a;", "$2")
               + " mov.b32 {h0, h1}, a; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; add.f32 $0, f0, f1; }")
+# a group's two words ($8, $9) -> its 8 nibble pairs as 2 x float16 registers ($0 .. $7: word 0's
+# pairs j = 0..3, then word 1's), e2m1 * 2^-14 each (the rows kernel decodes once for all rows)
+_ASM_DECODE = ("{ .reg .b32 t0, t1, p; "
+               + _pairs_ptx(9, 0x0E000E00, lambda j: f"mov.b32 ${j}, p;", "$8") + " "
+               + _pairs_ptx(9, 0x0E000E00, lambda j: f"mov.b32 ${4 + j}, p;", "$9") + " }")
+# 8 decoded pairs ($1 .. $8) and 8 x pairs ($9 .. $16) -> float32 $0: the group's 16 products summed
+_ASM_PAIRS_DOT = ("{ .reg .b32 a; .reg .b16 h0, h1; .reg .f32 f0, f1; mul.rn.f16x2 a, $1, $9; "
+                  + " ".join(f"fma.rn.f16x2 a, ${1 + k}, ${9 + k}, a;" for k in range(1, 8))
+                  + " mov.b32 {h0, h1}, a; cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; add.f32 $0, f0, f1; }")
 # word, 16-bit scale c ($9) -> 8 values (bits e2m1 * 2^-126 for bf16 / e2m1 * 2^-14 for fp16) * c
 _ASM_BF16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x80008000; "
              + _pairs_ptx(6, 0x01C001C0, lambda j: f"fma.rn.bf16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
@@ -75,6 +91,8 @@ _ASM_F16 = ("{ .reg .b32 t0, t1, p, sp, nz; mov.b32 sp, {$9, $9}; mov.b32 nz, 0x
             + _pairs_ptx(9, 0x0E000E00, lambda j: f"fma.rn.f16x2 p, p, sp, nz; mov.b32 {{${j}, ${j + 4}}}, p;")
             + " }")
 ASM_GROUP = tl.constexpr(_ASM_GROUP)
+ASM_DECODE = tl.constexpr(_ASM_DECODE)
+ASM_PAIRS_DOT = tl.constexpr(_ASM_PAIRS_DOT)
 ASM_BF16 = tl.constexpr(_ASM_BF16)
 ASM_F16 = tl.constexpr(_ASM_F16)
 # the dot kernel's tile holds e2m1 * scale * 2^-SHIFT (exact in each dtype: module docstring)
@@ -152,6 +170,20 @@ def _split8(t):
 
 
 @triton.jit
+def _x_lohi(xs):
+    """x' [BG, 16] -> lo, hi [BG, 2, 4]: lo[g, i, j] = input 8i + j, hi = input 8i + j + 4 (the
+    inputs of word i's nibbles j and j + 4), within each thread."""
+    BG: tl.constexpr = xs.shape[0]
+    return tl.split(tl.permute(tl.reshape(xs, [BG, 2, 2, 4]), [0, 1, 3, 2]))  # [g, i, j, h]: 8i + 4h + j
+
+
+@triton.jit
+def _x_pairs(lo, hi):
+    """lo, hi [BG, 2, 4] -> 8 int32 [BG]: float16 pairs (lo, hi) of word 0's j = 0..3, then word 1's."""
+    return _split8(tl.reshape(_x_pair(lo, hi), [lo.shape[0], 8]))        # pair (i, j) at column 4i + j
+
+
+@triton.jit
 def _group_dot(wd, xs, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
     """Words [BN, BG, 2] (a 16-input group's two words) and x' [BG, 16] (already times the group's
     power of two) -> [BN, BG] float32: the sum of each group's 16 products e2m1 * 2^-14 * x'.
@@ -162,11 +194,9 @@ def _group_dot(wd, xs, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
     (interpreter): the same sum in float32."""
     w0, w1 = tl.split(wd)                                                                   # [BN, BG]
     BG: tl.constexpr = xs.shape[0]
-    x4 = tl.permute(tl.reshape(xs, [BG, 2, 2, 4]), [0, 1, 3, 2])            # [g, i, j, h]: input 8i + 4h + j
-    lo, hi = tl.split(x4)                                                   # [BG, 2, 4]
+    lo, hi = _x_lohi(xs)                                                                    # [BG, 2, 4]
     if PTX:
-        pr = tl.reshape(_x_pair(lo, hi), [BG, 8])                           # pair (i, j) at column 4i + j
-        p0, p1, p2, p3, p4, p5, p6, p7 = _split8(pr)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(lo, hi)
         return tl.inline_asm_elementwise(
             ASM_GROUP, "=r,r,r,r,r,r,r,r,r,r,r",
             [w0, w1, _wide(p0, BLOCK_N), _wide(p1, BLOCK_N), _wide(p2, BLOCK_N), _wide(p3, BLOCK_N),
@@ -227,6 +257,61 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit(do_not_specialize=["M"])   # the step's rows: a value must not compile a variant
+def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm, swn, sbn, sym,
+                       HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                       PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    # the one-row kernel for M <= ROWS rows (2-8): a tile's words are decoded into float16 pairs
+    # once (ASM_DECODE), then each row of x is prepared as in the one-row kernel and meets them in
+    # 8 packed FMAs a group (ASM_PAIRS_DOT); row m's sums go to row m of acc [ROWS, BLOCK_N]
+    z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
+    pid = tl.program_id(0) + z
+    x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    offs_i = tl.arange(0, 2)
+    offs_c = tl.arange(0, 16)
+    offs_m = tl.arange(0, ROWS)
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * swn
+    s_rows = bs_ptr + offs_n[:, None].to(tl.int64) * sbn
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, KW // 2, BLOCK_G):
+        offs_g = g0 + tl.arange(0, BLOCK_G)
+        mg = offs_g < KW // 2
+        wd = tl.load(w_rows + (offs_g[:, None] * 2 + offs_i[None, :])[None, :, :],
+                     mask=mn[:, None, None] & mg[None, :, None], other=0)                   # [BN, BG, 2]
+        if PTX:
+            w0, w1 = tl.split(wd)
+            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
+                ASM_DECODE, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w0, w1], dtype=(tl.int32,) * 8, is_pure=True,
+                pack=1)                                                                     # [BN, BG] each
+        bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(ROWS):
+            xt = tl.load(x_ptr + m * sxm + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None] & (offs_c * 0 + m < M)[None, :],
+                         other=0.0).to(tl.float32)                                           # [BG, 16]
+            amax = tl.max(tl.abs(xt), axis=1)
+            sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
+            scale = (sb << 23).to(tl.float32, bitcast=True)
+            undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
+            if PTX:
+                lo, hi = _x_lohi(xt * scale[:, None])
+                p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(lo, hi)
+                part = tl.inline_asm_elementwise(
+                    ASM_PAIRS_DOT, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                    [d0, d1, d2, d3, d4, d5, d6, d7, _wide(p0, BLOCK_N), _wide(p1, BLOCK_N), _wide(p2, BLOCK_N),
+                     _wide(p3, BLOCK_N), _wide(p4, BLOCK_N), _wide(p5, BLOCK_N), _wide(p6, BLOCK_N),
+                     _wide(p7, BLOCK_N)], dtype=tl.float32, is_pure=True, pack=1)             # [BN, BG]
+            else:
+                part = _group_dot(wd, xt * scale[:, None], BLOCK_N, False)
+            row = tl.sum(part * (bs * undo[None, :]), axis=1)                                # [BN]
+            acc = tl.where(offs_m[:, None] == m, acc + row[None, :], acc)
+    out = acc * tl.load(gs_ptr)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & mn[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])   # the step's rows (2-128): a value must not compile a variant
@@ -293,6 +378,25 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, N, K // 8,
         words.stride(0), weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_G=block_g, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
+    return y
+
+
+def nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=4, block_g=256,
+                             num_warps=4):
+    """x [M <= 8, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype: the one-row kernel's
+    packed float16 products for a few rows (decode batches, speculative verification), the
+    weight decoded once per tile for all of them."""
+    M, K = x.shape
+    N = packed.shape[0]
+    _check_layout(x, packed, weight_scale, weight_scale_2)
+    assert 1 <= M <= MAX_FMA_ROWS, f"the rows kernel takes 1 to {MAX_FMA_ROWS} rows"
+    words = packed.view(torch.int32)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rows = 2 if M <= 2 else (4 if M <= 4 else 8)
+    _nvfp4_rows_kernel[(cdiv(N, block_n),)](
+        x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 8,
+        x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, ROWS=rows,
+        BLOCK_N=block_n, BLOCK_G=block_g, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
     return y
 
 
@@ -364,11 +468,27 @@ def _dot_config(M: int, N: int) -> dict:
     return dict(block_n=16 if (N <= 2048 or M > 16) else 32, block_w=64, swap=False, num_stages=3)
 
 
+def _rows_config(M: int, N: int, K: int) -> dict | None:
+    # H100 sweep of the 8B shapes at 2 / 4 / 8 rows (benchmarks/results/2026-11-27-nvfp4-half2-h100.md,
+    # call 13): the rows kernel wins at 2 rows everywhere (one step's projections 3.90 ms against
+    # the dot kernel's 8.27 and bf16's 5.66), at 3-4 rows on the projections with N <= 8192 (out,
+    # down, q/o, k/v), and nowhere at 8 rows (11.75 ms against 8.24): None -> the dot kernel
+    if M == 2:
+        return dict(block_n=8, block_g=64) if K >= 8192 else dict(block_n=4, block_g=256)
+    if M <= 4 and N <= 8192:
+        return dict(block_n=4, block_g=256) if N <= 2048 else dict(block_n=8, block_g=64)
+    return None
+
+
 def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
-    """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype: the FMA kernel for one
-    row, else the dot kernel, at the measured configs."""
-    M = x.shape[0]
+    """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype at the measured configs:
+    the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrower projections), else
+    the dot kernel."""
+    M, K = x.shape
     N = packed.shape[0]
     if M == 1:
-        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N, x.shape[1]))
+        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N, K))
+    rows = _rows_config(M, N, K)
+    if rows is not None:
+        return nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias, **rows)
     return nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias, **_dot_config(M, N))

@@ -49,7 +49,8 @@ def test_nvfp4_kernel(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("M,N", [(1, 64), (1, 16424), (8, 64), (8, 16424), (3, 70000), (20, 100), (70, 20000)],
+@pytest.mark.parametrize("M,N", [(1, 64), (1, 16424), (2, 64), (2, 16424), (4, 100), (8, 64), (8, 16424), (3, 70000),
+                                 (20, 100), (70, 20000)],
                          ids=lambda v: str(v))
 def test_nvfp4_decode_is_exact_for_every_code_and_scale(M, N, dtype):
     """One-hot x rows: each output is one dequantized weight (a single nonzero product), so the
@@ -98,6 +99,19 @@ def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **config), DEV, dtype, m, n, k, seed=n)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(2, 4096, 4096), (2, 4096, 21504), (3, 18560, 4096), (4, 1024, 4096), (5, 33, 272),
+                                   (8, 4096, 8192), (7, 5, 16)], ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+@pytest.mark.parametrize("config", [dict(block_n=4, block_g=256), dict(block_n=8, block_g=64)], ids=["4x256", "8x64"])
+def test_nvfp4_rows_kernel(shape, dtype, config):
+    """The 2-8-row kernel (the weight decoded once per tile, each row's x prepared as in the one-row
+    kernel) at the dispatch rule's two configs, against the float32 twin: 2, 4 and 8 row variants
+    with padding rows (3, 5, 7), ragged N, partial group tiles."""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_rows
+    m, n, k = shape
+    qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_rows(*a, **config), DEV, dtype, m, n, k, seed=n + m)
+
+
 @pytest.mark.parametrize("dtype,lo,hi", [(BF16, -7, -7), (BF16, 6, 6), (BF16, -8, 8), (F16, -4, -4), (F16, 3, 3),
                                          (F16, -4, 3)], ids=lambda v: str(v))
 def test_nvfp4_fma_kernel_x_range(dtype, lo, hi):
@@ -107,6 +121,13 @@ def test_nvfp4_fma_kernel_x_range(dtype, lo, hi):
     subnormals themselves, coarser than the tolerance whatever the kernel does.)"""
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
     qc.check_nvfp4_x_range(nvfp4_skinny_linear, DEV, dtype, 4096, 4096, lo, hi, seed=lo + 100 * hi)
+
+
+@pytest.mark.parametrize("M,lo,hi", [(2, -8, 8), (3, 6, 6), (4, -7, -7)], ids=lambda v: str(v))
+def test_nvfp4_rows_kernel_x_range(M, lo, hi):
+    """The same x ranges through the 2-4-row dispatch (the rows kernel), each row its own groups."""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
+    qc.check_nvfp4_x_range(nvfp4_skinny_linear, DEV, BF16, 4096, 4096, lo, hi, seed=M, M=M)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -83,14 +83,14 @@ def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     return err
 
 
-def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None):
-    """One row of x whose 16-input groups each have their own magnitude 10^u, u uniform in [lo, hi]
+def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None, M=1):
+    """M rows of x whose 16-input groups each have their own magnitude 10^u, u uniform in [lo, hi]
     (lo == hi: every group alike): the one-row kernel scales each group by a power of two before its
     float16 products, so groups far below float16's normal range (1e-7) or above its largest value
     (1e6 with bf16 x) must come out like the float32 twin, with no infinity or NaN."""
     g = torch.Generator().manual_seed(seed)
-    mag = 10.0 ** (lo + (hi - lo) * torch.rand(K // 16, generator=g, dtype=torch.float64))
-    x = (torch.randn(1, K, generator=g, dtype=torch.float64) * mag.repeat_interleave(16)).to(dtype)
+    mag = 10.0 ** (lo + (hi - lo) * torch.rand(M, K // 16, generator=g, dtype=torch.float64))
+    x = (torch.randn(M, K, generator=g, dtype=torch.float64) * mag.repeat_interleave(16, dim=1)).to(dtype)
     w = torch.randn(N, K, generator=g) / math.sqrt(K)
     packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
     with poisoned_empty():
@@ -236,12 +236,14 @@ FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
 FP8_DOT_SHAPES = [(2, 37, 130), (3, 64, 96), (8, 100, 1100), (5, 1, 17)]
 NVFP4_SHAPES = [(1, 33, 16), (2, 70, 48), (5, 1, 272), (8, 130, 544), (20, 40, 64), (70, 17, 32)]
 NVFP4_FMA_SHAPES = [(1, 33, 16), (1, 70, 48), (1, 5, 272), (1, 130, 544)]   # groups not a multiple of BLOCK_G
+NVFP4_ROWS_SHAPES = [(2, 33, 16), (3, 20, 48), (5, 19, 80), (8, 9, 272)]   # ROWS 2 / 4 / 8
 
 
 def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
                                                         fp8_skinny_linear_fma, quantize_rows_fp8)
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_kernels import (nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma,
+                                                          nvfp4_skinny_linear_rows)
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
     def run(fn, shapes, **kw):
@@ -276,9 +278,15 @@ def _cases():
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
+        "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
+            x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
+        "nvfp4_rows_f16": run(check_nvfp4, NVFP4_ROWS_SHAPES[1:3], impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
+            x, p, s, g, b, block_n=4, block_g=2), device=cpu, dtype=f16, bias=False),
         "nvfp4_fma_x_range": lambda: max(check_nvfp4_x_range(
             lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=8, block_g=4), cpu, f32, 24, 160, lo, hi)
             for lo, hi in ((-7, -7), (6, 6), (-8, 8))),
+        "nvfp4_rows_x_range": lambda: check_nvfp4_x_range(
+            lambda x, p, s, g: nvfp4_skinny_linear_rows(x, p, s, g, block_n=8, block_g=4), cpu, f32, 12, 96, -8, 8, M=3),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),
         "fp8_rmsnorm_no_residual": lambda: check_add_rmsnorm_fp8(cpu, f32, 3, 40, seed=1, residual=False),
