@@ -34,7 +34,8 @@ PDL_MODULES = [_module_name(p) for p in _sources()
 LATE_WAIT = {"_conv_update_cols_kernel"}
 # kernels that load an input at addresses no program id enters: that pointer takes z * 16
 POINTER_FROM_WAIT = {"_linear_fma_kernel": "x_ptr", "_linear_dot_kernel": "x_ptr",
-                     "_fp8_fma_kernel": "x_ptr", "_fp8_dot_kernel": "x_ptr", "_nvfp4_fma_kernel": "x_ptr"}
+                     "_fp8_fma_kernel": "x_ptr", "_fp8_dot_kernel": "x_ptr", "_nvfp4_fma_kernel": "x_ptr",
+                     "_nvfp4_rows_kernel": "x_ptr"}
 
 
 def _pdl_kernels(module_name: str):
