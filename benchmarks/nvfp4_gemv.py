@@ -1,10 +1,10 @@
 """NVFP4 decode projections on the Nemotron-H-8B shapes (CUDA): the dispatch rule
-(``nvfp4_skinny_linear``) and a config sweep of both kernels (the FMA kernel at one row, the dot
-kernel in both operand orders at more rows) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
+(``nvfp4_skinny_linear``) and a config sweep of the three kernels (the FMA kernel at one row, the
+rows kernel at 2-8 rows, the dot kernel in both operand orders at more rows) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
 the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
 shape and the totals weighted by calls per 8B decode step (lm_head included).
 
-    python benchmarks/nvfp4_gemv.py [--m 1 2 8 32]
+    python benchmarks/nvfp4_gemv.py [--m 1 2 4 8 32]
 """
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4  #
 SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24), ("mlp up_proj", 21504, 4096, 24),
           ("mlp down_proj", 4096, 21504, 24), ("attn q/o_proj", 4096, 4096, 8), ("attn k/v_proj", 1024, 4096, 8),
           ("lm_head", 131072, 4096, 1)]
-FMA_CFGS = [(8, 256, 4), (8, 128, 4), (8, 128, 8), (4, 256, 4), (8, 64, 8), (16, 128, 4)]
+FMA_CFGS = [(4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 256, 8), (4, 128, 4), (8, 64, 4)]
+# the rows kernel (2-8 rows): (block_n, block_g, warps)
+ROWS_CFGS = [(4, 256, 4), (8, 128, 4), (8, 64, 4), (16, 64, 4)]
 # (block_n, block_w, swap, num_stages)
 DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16, False, 4), (64, 16, True, 4),
             (64, 32, True, 3), (128, 16, True, 3)]
@@ -36,10 +38,13 @@ def candidates(M):
     if M == 1:
         return [(f"fma {c}", functools.partial(NK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
                 for c in FMA_CFGS]
+    rows = [(f"rows {c}", functools.partial(NK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
+            for c in ROWS_CFGS] if M <= NK.MAX_FMA_ROWS else []
     # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles
-    return [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
-             functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2], num_stages=c[3]))
-            for c in DOT_CFGS if c[2] or M <= 32]
+    return rows + [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
+                    functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2],
+                                      num_stages=c[3]))
+                   for c in DOT_CFGS if c[2] or M <= 32]
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Decode-sized NVFP4-weight projections (weight-only, Hopper): Triton.
 
-Both kernels read the packed weight [N, K/2] uint8 as int32 words (8 nibbles = inputs 8w .. 8w+7;
+The kernels read the packed weight [N, K/2] uint8 as int32 words (8 nibbles = inputs 8w .. 8w+7;
 rows must be 4-byte aligned) and decode a word's 8 nibbles with a few integer ops per pair of
 values: on CUDA, inline PTX builds nibbles j and j+4 of a word as one 2 x 16-bit register (the
 magnitude bits shifted into a 16-bit float's low exponent / top mantissa bits, the sign to its
@@ -12,17 +12,21 @@ exact, so the dot kernel refuses bf16 off CUDA); ``tests/quant`` runs it on CPU,
 
 ``_nvfp4_fma_kernel`` (one row, dispatched for M == 1): no tensor cores. Each tile's x is prepared
 once for all its rows: a 16-input group's values times a power of two that puts the group's
-largest in [2^13, 2^14), as float16 pairs matching the decoded nibble pairs. A pair of nibbles
+largest in [2^13, 2^14) (clamped for |x| beyond 2^127 or below 2^-114), as float16 pairs
+matching the decoded nibble pairs. A pair of nibbles
 (float16 bits e2m1 * 2^-14) then takes one packed float16 FMA against its x pair, 8 a group; the
-group's sum is converted to float32 once, times its block scale and the inverse power of two
-(2^14 included). The products are float16 (relative error ~1e-4 against the float32 twin); the
-per-group power of two keeps them finite and above float16's subnormals for any bf16 x. About 4
+group's sum is converted to float32 once, times its block scale, the inverse power of two (2^14
+included) and the global scale (so the float32 accumulator holds y itself: a finite y never
+overflows it). The products are float16: a relative error of ~4e-4 against the float32 twin
+(float16 rounding; bf16 output rounding adds more). The power of two keeps each group's float16
+products finite and normal relative to its largest value, whatever the magnitude of x. About 4
 SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before). x comes
 in 16-byte loads, a [groups, 16] tile, paired within each thread.
 
 ``_nvfp4_rows_kernel`` (2-8 rows; dispatched for 2 rows, and 3-4 on projections with N <= 8192):
 the one-row kernel's arithmetic with the words decoded into float16 pairs once per tile
-(``ASM_DECODE``) and each row's x pairs meeting them (``ASM_PAIRS_DOT``). Decode batches of a few
+(``ASM_DECODE``) and each row's x pairs meeting them (``ASM_PAIRS_DOT``); the global scale on the
+output, as in the dot kernel (outputs beyond ~3e38 times it overflow). Decode batches of a few
 rows and speculative verification at batch 1 (K + 1 rows) take it; more rows amortise the
 tensor cores better.
 
@@ -37,7 +41,7 @@ side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measur
 H100 (2026-11-27, ``benchmarks/results/2026-11-27-nvfp4-half2-h100.md``): one 8B step's projections
 with lm_head, bf16 5.1 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
 packed float16 one, 2.66 ms with x in 16-byte loads and 4-row tiles (the L1 had been the limit:
-2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times both kernels.
+2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times the three kernels.
 """
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ def _nibble_f32(wd, J: tl.constexpr):
     magnitude bits go to bits 9-11 of a float16 (its two lowest exponent bits and top mantissa
     bit) and the sign bit to bit 15, so e >= 1 gives 2^(e-15) (1 + m/2) and e = 0 the subnormal
     m * 2^-15: e2m1 scaled by 2^-14 in both cases; the hardware float16 -> float32 conversion keeps
-    them exact (2^14 goes on the output scale). Shifts are per J at compile time: ~3 integer ops
+    them exact (the kernels fold 2^14 into their scales). Shifts are per J at compile time: ~3 integer ops
     per value (and no int -> float conversion, which bounded the previous decode)."""
     if J <= 2:
         mag = (wd << (9 - 4 * J)) & 0xE00
@@ -235,7 +239,8 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
     offs_i = tl.arange(0, 2)
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * swn
     s_rows = bs_ptr + offs_n[:, None].to(tl.int64) * sbn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    gs = tl.load(gs_ptr)          # on each group's factor, not the output: acc holds y itself, so
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)                      # a finite y never overflows it
     for g0 in range(0, KW // 2, BLOCK_G):
         offs_g = g0 + tl.arange(0, BLOCK_G)
         mg = offs_g < KW // 2
@@ -252,8 +257,8 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
         undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
         part = _group_dot(wd, xt * scale[:, None], BLOCK_N, PTX)                              # [BN, BG]
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(part * (bs * undo[None, :]), axis=1)
-    out = acc * tl.load(gs_ptr)
+        acc += tl.sum(part * (bs * (undo * gs)[None, :]), axis=1)
+    out = acc
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
@@ -307,6 +312,9 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
                 part = _group_dot(wd, xt * scale[:, None], BLOCK_N, False)
             row = tl.sum(part * (bs * undo[None, :]), axis=1)                                # [BN]
             acc = tl.where(offs_m[:, None] == m, acc + row[None, :], acc)
+    # the global scale at the end, as in the dot kernel: acc holds y / gs, so outputs beyond ~3e38 gs
+    # (activations beyond ~1e33) overflow. Folding gs into each group's factor as the one-row
+    # kernel does cost 20% at 2 rows on the (4, 256) tiles (H100, 2026-11-27)
     out = acc * tl.load(gs_ptr)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
@@ -372,6 +380,7 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
     assert M == 1, "the FMA kernel takes one row"
+    _check_x_dtype(x)
     words = packed.view(torch.int32)                        # [N, K / 8], row stride packed.stride(0) / 4
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     _nvfp4_fma_kernel[(cdiv(N, block_n),)](
@@ -389,9 +398,12 @@ def nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias=None,
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
-    assert 1 <= M <= MAX_FMA_ROWS, f"the rows kernel takes 1 to {MAX_FMA_ROWS} rows"
+    assert M <= MAX_FMA_ROWS, f"the rows kernel takes up to {MAX_FMA_ROWS} rows"
+    _check_x_dtype(x)
     words = packed.view(torch.int32)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
     rows = 2 if M <= 2 else (4 if M <= 4 else 8)
     _nvfp4_rows_kernel[(cdiv(N, block_n),)](
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 8,
@@ -410,8 +422,7 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
     _check_layout(x, packed, weight_scale, weight_scale_2)
     assert M <= MAX_ROWS, f"the NVFP4 kernel takes up to {MAX_ROWS} rows"
     ptx = _use_ptx(x)
-    if ptx and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_skinny_linear: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
+    _check_x_dtype(x)
     if not ptx and x.dtype == torch.bfloat16:
         raise ValueError("nvfp4_skinny_linear: bfloat16 x needs CUDA (Triton's interpreter has no exact "
                          "bfloat16 tl.dot); use float16 / float32, or nvfp4_linear, which dequantizes on CPU")
@@ -426,6 +437,13 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SWAP=swap, SHIFT=_SHIFT[x.dtype], PTX=ptx,
         num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+def _check_x_dtype(x) -> None:
+    # CUDA: the one-row and rows kernels round x (times a power of two) to float16, the dot kernel
+    # multiplies in x's dtype; float32 x is for the interpreter's twins
+    if _use_ptx(x) and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_skinny_linear: x must be bfloat16 or float16 on CUDA, got {x.dtype}")
 
 
 def _check_layout(x, packed, weight_scale, weight_scale_2) -> None:
@@ -475,7 +493,7 @@ def _rows_config(M: int, N: int, K: int) -> dict | None:
     # down, q/o, k/v), and nowhere at 8 rows (11.75 ms against 8.24): None -> the dot kernel
     if M == 2:
         return dict(block_n=8, block_g=64) if K >= 8192 else dict(block_n=4, block_g=256)
-    if M <= 4 and N <= 8192:
+    if 3 <= M <= 4 and N <= 8192:
         return dict(block_n=4, block_g=256) if N <= 2048 else dict(block_n=8, block_g=64)
     return None
 

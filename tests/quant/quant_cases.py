@@ -87,7 +87,8 @@ def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None, M=1
     """M rows of x whose 16-input groups each have their own magnitude 10^u, u uniform in [lo, hi]
     (lo == hi: every group alike): the one-row kernel scales each group by a power of two before its
     float16 products, so groups far below float16's normal range (1e-7) or above its largest value
-    (1e6 with bf16 x) must come out like the float32 twin, with no infinity or NaN."""
+    (1e6 with bf16 x) must come out like the float32 twin, with no infinity or NaN; at 1e36 (float32
+    x, outputs near 1e36) the float32 accumulator must not overflow either."""
     g = torch.Generator().manual_seed(seed)
     mag = 10.0 ** (lo + (hi - lo) * torch.rand(M, K // 16, generator=g, dtype=torch.float64))
     x = (torch.randn(M, K, generator=g, dtype=torch.float64) * mag.repeat_interleave(16, dim=1)).to(dtype)
@@ -101,6 +102,17 @@ def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None, M=1
     tol = tol or {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert err <= tol, f"nvfp4 x groups 1e{lo}..1e{hi} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
     return err
+
+
+def check_nvfp4_zero_rows(device):
+    """0-row x through the dispatch and the rows kernel: an empty [0, N] result, no launch error."""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_rows
+    packed, bs, gs = (t.to(device) for t in quantize_nvfp4(torch.randn(40, 64)))
+    x = torch.zeros(0, 64, device=device)
+    for impl in (nvfp4_skinny_linear, nvfp4_skinny_linear_rows):
+        y = impl(x, packed, bs, gs)
+        assert y.shape == (0, 40), (impl.__name__, y.shape)
+    return 0.0
 
 
 def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
@@ -284,9 +296,12 @@ def _cases():
             x, p, s, g, b, block_n=4, block_g=2), device=cpu, dtype=f16, bias=False),
         "nvfp4_fma_x_range": lambda: max(check_nvfp4_x_range(
             lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=8, block_g=4), cpu, f32, 24, 160, lo, hi)
-            for lo, hi in ((-7, -7), (6, 6), (-8, 8))),
-        "nvfp4_rows_x_range": lambda: check_nvfp4_x_range(
-            lambda x, p, s, g: nvfp4_skinny_linear_rows(x, p, s, g, block_n=8, block_g=4), cpu, f32, 12, 96, -8, 8, M=3),
+            for lo, hi in ((-7, -7), (6, 6), (-8, 8), (36, 36))),
+        # the rows kernel applies the global scale at the end (like the dot kernel): no 1e36 case
+        "nvfp4_rows_x_range": lambda: max(check_nvfp4_x_range(
+            lambda x, p, s, g: nvfp4_skinny_linear_rows(x, p, s, g, block_n=8, block_g=4), cpu, f32, 12, 96, lo, hi, M=3)
+            for lo, hi in ((-8, 8), (20, 20))),
+        "nvfp4_zero_rows": lambda: check_nvfp4_zero_rows(cpu),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),
         "fp8_rmsnorm_no_residual": lambda: check_add_rmsnorm_fp8(cpu, f32, 3, 40, seed=1, residual=False),

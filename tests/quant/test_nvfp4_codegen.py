@@ -1,0 +1,44 @@
+"""The NVFP4 decode kernels' CUDA paths (``PTX=True``: the inline PTX decode, packed float16 FMAs and
+x pairs) compile for sm_90 on the CPU. The interpreter cases run the float32 twins (``PTX=False``),
+and their launches are the ones ``test_launched_kernels_compile_for_sm90`` compiles, so without this
+test the PTX strings and their operand lists would first be compiled on a GPU."""
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hybrid_engine.quantization.nvfp4_kernels import _nvfp4_fma_kernel, _nvfp4_rows_kernel  # noqa: E402
+
+ALIGNED = ("x_ptr", "w_ptr", "bs_ptr", "y_ptr", "KW", "swn", "sbn", "sxm", "sym")
+
+
+def _compile(kernel, dtype, consts, num_warps=4):
+    sig = dict(x_ptr=f"*{dtype}", w_ptr="*i32", bs_ptr="*fp8e4nv", gs_ptr="*fp32", b_ptr=f"*{dtype}",
+               y_ptr=f"*{dtype}", M="i32", N="i32", KW="i32", sxm="i32", swn="i32", sbn="i32", sym="i32")
+    sig = {n: sig.get(n, "constexpr") for n in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps)).asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("block_n,block_g", [(4, 256), (8, 128)])
+def test_one_row_kernel_compiles_with_ptx(dtype, block_n, block_g):
+    ptx = _compile(_nvfp4_fma_kernel, dtype, dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_G=block_g, PTX=True,
+                                                  PDL=True))
+    # 8 packed FMAs per group and element; no flush-to-zero (the decode's e = 0 values are subnormal)
+    assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
+    assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("rows,block_n,block_g", [(2, 4, 256), (4, 8, 64), (8, 8, 64)])
+def test_rows_kernel_compiles_with_ptx(dtype, rows, block_n, block_g):
+    ptx = _compile(_nvfp4_rows_kernel, dtype, dict(HAS_BIAS=True, ROWS=rows, BLOCK_N=block_n, BLOCK_G=block_g,
+                                                   PTX=True, PDL=True))
+    # each row: one mul and 7 FMAs per group and element
+    assert len(re.findall(r"mul\.rn\.f16x2", ptx)) >= rows
+    assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 7 * rows
