@@ -41,7 +41,8 @@ side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measur
 H100 (2026-11-27, ``benchmarks/results/2026-11-27-nvfp4-half2-h100.md``): one 8B step's projections
 with lm_head, bf16 5.1 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
 packed float16 one, 2.66 ms with x in 16-byte loads and 4-row tiles (the L1 had been the limit:
-2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``; ``benchmarks/nvfp4_gemv.py`` times the three kernels.
+2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``;
+``benchmarks/nvfp4_gemv.py`` times the three kernels.
 """
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ MAX_FMA_ROWS = 8        # the rows kernel's limit (one ROWS variant each for 2, 
 
 def _shift(dst: str, n: int, src: str = "$8") -> str:
     """PTX: dst = src (a word) shifted left by n (right by -n), logical."""
-    return f"shl.b32 {dst}, {src}, {n};" if n > 0 else (f"shr.b32 {dst}, {src}, {-n};" if n < 0 else f"mov.b32 {dst}, {src};")
+    if n == 0:
+        return f"mov.b32 {dst}, {src};"
+    return f"shl.b32 {dst}, {src}, {n};" if n > 0 else f"shr.b32 {dst}, {src}, {-n};"
 
 
 def _pairs_ptx(mag_at: int, mag_mask: int, tail, src: str = "$8") -> str:
@@ -174,6 +177,18 @@ def _split8(t):
 
 
 @triton.jit
+def _x_scaled(xt):
+    """x [BG, 16] float32 -> (x', undo [BG]): each group times a power of two putting its largest
+    value in [2^13, 2^14), and undo = 2^14 / that power (2^14: the decode's e2m1 * 2^-14). amax in
+    [2^(e-127), 2^(e-126)) takes 2^(140-e), biased exponent 267 - e, kept in [14, 254] so that
+    neither power is infinite or subnormal (x beyond 2^127 or below 2^-114 lands outside)."""
+    amax = tl.max(tl.abs(xt), axis=1)
+    sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
+    scale = (sb << 23).to(tl.float32, bitcast=True)
+    return xt * scale[:, None], ((268 - sb) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _x_lohi(xs):
     """x' [BG, 16] -> lo, hi [BG, 2, 4]: lo[g, i, j] = input 8i + j, hi = input 8i + j + 4 (the
     inputs of word i's nibbles j and j + 4), within each thread."""
@@ -249,13 +264,8 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
         offs_c = tl.arange(0, 16)
         xt = tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None],
                      other=0.0).to(tl.float32)                                               # [BG, 16]
-        amax = tl.max(tl.abs(xt), axis=1)                                                    # [BG]
-        # amax in [2^(e-127), 2^(e-126)): scale 2^(140-e) puts it in [2^13, 2^14) (biased exponent
-        # 267 - e, kept in [14, 254]: no infinity either way); undo = 2^14 / scale
-        sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
-        scale = (sb << 23).to(tl.float32, bitcast=True)
-        undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
-        part = _group_dot(wd, xt * scale[:, None], BLOCK_N, PTX)                              # [BN, BG]
+        xs, undo = _x_scaled(xt)
+        part = _group_dot(wd, xs, BLOCK_N, PTX)                                              # [BN, BG]
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(part * (bs * (undo * gs)[None, :]), axis=1)
     out = acc
@@ -294,14 +304,11 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
                 pack=1)                                                                     # [BN, BG] each
         bs = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & mg[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(ROWS):
-            xt = tl.load(x_ptr + m * sxm + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None] & (offs_c * 0 + m < M)[None, :],
-                         other=0.0).to(tl.float32)                                           # [BG, 16]
-            amax = tl.max(tl.abs(xt), axis=1)
-            sb = tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 14), 254)
-            scale = (sb << 23).to(tl.float32, bitcast=True)
-            undo = ((268 - sb) << 23).to(tl.float32, bitcast=True)
+            xt = tl.load(x_ptr + m * sxm + offs_g[:, None] * 16 + offs_c[None, :],
+                         mask=mg[:, None] & (offs_c * 0 + m < M)[None, :], other=0.0).to(tl.float32)   # [BG, 16]
+            xs, undo = _x_scaled(xt)
             if PTX:
-                lo, hi = _x_lohi(xt * scale[:, None])
+                lo, hi = _x_lohi(xs)
                 p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(lo, hi)
                 part = tl.inline_asm_elementwise(
                     ASM_PAIRS_DOT, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
@@ -309,7 +316,7 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
                      _wide(p3, BLOCK_N), _wide(p4, BLOCK_N), _wide(p5, BLOCK_N), _wide(p6, BLOCK_N),
                      _wide(p7, BLOCK_N)], dtype=tl.float32, is_pure=True, pack=1)             # [BN, BG]
             else:
-                part = _group_dot(wd, xt * scale[:, None], BLOCK_N, False)
+                part = _group_dot(wd, xs, BLOCK_N, False)
             row = tl.sum(part * (bs * undo[None, :]), axis=1)                                # [BN]
             acc = tl.where(offs_m[:, None] == m, acc + row[None, :], acc)
     # the global scale at the end, as in the dot kernel: acc holds y / gs, so outputs beyond ~3e38 gs

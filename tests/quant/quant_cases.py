@@ -299,7 +299,8 @@ def _cases():
             for lo, hi in ((-7, -7), (6, 6), (-8, 8), (36, 36))),
         # the rows kernel applies the global scale at the end (like the dot kernel): no 1e36 case
         "nvfp4_rows_x_range": lambda: max(check_nvfp4_x_range(
-            lambda x, p, s, g: nvfp4_skinny_linear_rows(x, p, s, g, block_n=8, block_g=4), cpu, f32, 12, 96, lo, hi, M=3)
+            lambda x, p, s, g: nvfp4_skinny_linear_rows(x, p, s, g, block_n=8, block_g=4), cpu, f32, 12, 96, lo, hi,
+            M=3)
             for lo, hi in ((-8, 8), (20, 20))),
         "nvfp4_zero_rows": lambda: check_nvfp4_zero_rows(cpu),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
