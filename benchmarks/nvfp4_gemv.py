@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hybrid_engine.quantization.nvfp4_fma_kernels as FK  # noqa: E402
 import hybrid_engine.quantization.nvfp4_kernels as NK  # noqa: E402
 from benchmarks.common import graph_ms, sweep_header  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
@@ -36,10 +37,10 @@ DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16,
 
 def candidates(M):
     if M == 1:
-        return [(f"fma {c}", functools.partial(NK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
+        return [(f"fma {c}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
                 for c in FMA_CFGS]
-    rows = [(f"rows {c}", functools.partial(NK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
-            for c in ROWS_CFGS] if M <= NK.MAX_FMA_ROWS else []
+    rows = [(f"rows {c}", functools.partial(FK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
+            for c in ROWS_CFGS] if M <= FK.MAX_FMA_ROWS else []
     # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles
     return rows + [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
                     functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2],

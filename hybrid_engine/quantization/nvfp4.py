@@ -11,8 +11,8 @@ Real weight: ``E2M1[code] * weight_scale[n, k // 16] * weight_scale_2``. ``e2m1 
 exact in bfloat16 (2 + 4 significant bits), so the kernel converts tiles losslessly and applies the
 global scale once per output.
 
-``nvfp4_linear``: CUDA with 16-bit x and at most 128 rows -> ``nvfp4_kernels`` (decode, the packed
-weight is read once per 64-row tile: a quarter of the bf16 bytes); more rows on CUDA -> the weight dequantized to
+``nvfp4_linear``: CUDA with 16-bit x and at most 128 rows -> ``nvfp4_kernels.nvfp4_skinny_linear`` (decode
+in registers: the packed weight's bytes, a quarter of bf16's); more rows on CUDA -> the weight dequantized to
 x.dtype (exact up to the global scale, applied to the output) and cuBLAS; CPU / float32 ->
 ``nvfp4_linear_ref`` (exact float32 dequantization and matmul).
 """

@@ -94,7 +94,7 @@ def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
     """The one-row FMA kernel (int32 words, nibble pairs decoded into float16 pairs, packed float16
     products per group) at the dispatch rule's two configs (4 x 256, 8 x 128) and a small tile, against the
     float32 twin (ragged rows and partial group tiles included)."""
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **config), DEV, dtype, m, n, k, seed=n)
 
@@ -107,7 +107,7 @@ def test_nvfp4_rows_kernel(shape, dtype, config):
     """The 2-8-row kernel (the weight decoded once per tile, each row's x prepared as in the one-row
     kernel) at the dispatch rule's two configs, against the float32 twin: 2, 4 and 8 row variants
     with padding rows (3, 5, 7), ragged N, partial group tiles."""
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_rows
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_rows
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_rows(*a, **config), DEV, dtype, m, n, k, seed=n + m)
 

@@ -106,7 +106,8 @@ def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None, M=1
 
 def check_nvfp4_zero_rows(device):
     """0-row x through the dispatch and the rows kernel: an empty [0, N] result, no launch error."""
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_rows
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_rows
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
     packed, bs, gs = (t.to(device) for t in quantize_nvfp4(torch.randn(40, 64)))
     x = torch.zeros(0, 64, device=device)
     for impl in (nvfp4_skinny_linear, nvfp4_skinny_linear_rows):
@@ -254,8 +255,8 @@ NVFP4_ROWS_SHAPES = [(2, 33, 16), (3, 20, 48), (5, 19, 80), (8, 9, 272)]   # ROW
 def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
                                                         fp8_skinny_linear_fma, quantize_rows_fp8)
-    from hybrid_engine.quantization.nvfp4_kernels import (nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma,
-                                                          nvfp4_skinny_linear_rows)
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
     def run(fn, shapes, **kw):

@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybrid_engine.quantization.nvfp4_kernels import _nvfp4_fma_kernel, _nvfp4_rows_kernel  # noqa: E402
+from hybrid_engine.quantization.nvfp4_fma_kernels import _nvfp4_fma_kernel, _nvfp4_rows_kernel  # noqa: E402
 
 ALIGNED = ("x_ptr", "w_ptr", "bs_ptr", "y_ptr", "KW", "swn", "sbn", "sxm", "sym")
 

@@ -186,7 +186,8 @@ def test_nvfp4_kernels_refuse_unaligned_packed_rows():
     """Both NVFP4 kernels read the packed weight as int32 words: a weight whose rows do not start
     on 4-byte boundaries is refused by name before any launch (the loader's weights are
     contiguous, K / 2 a multiple of 8)."""
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot, nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot
     p, bs, gs = quantize_nvfp4(torch.randn(4, 32))
     x = torch.randn(1, 32, dtype=torch.bfloat16)
     for width in (33, 20):                 # row stride 33: not a multiple of 4; 20: offsets 1-3
