@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows scored after training")
     ap.add_argument("--bf16-autocast", action=argparse.BooleanOptionalAction, default=None,
                     help="train under bf16 autocast on CUDA (default: the preset's; bench-large: on)")
+    ap.add_argument("--copy-frac", type=float, default=None,
+                    help="share of each batch's windows that repeat a piece of text (default: the preset's, 0)")
     ap.add_argument("--log-every", type=int, default=10, help="steps between loss reads (host syncs)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = ap.parse_args(argv)
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = preset(args.preset, time_budget_s=args.time_budget_s, max_steps=args.max_steps,
                batch_size=args.batch_size, corpus_bytes=args.corpus_bytes, heldout_bytes=args.heldout_bytes,
-               eval_windows=args.eval_windows, bf16_autocast=args.bf16_autocast)
+               eval_windows=args.eval_windows, bf16_autocast=args.bf16_autocast, copy_frac=args.copy_frac)
     report = run(p, args.out, seed=args.seed, device=args.device, log_every=args.log_every,
                  progress=not args.no_progress)
     summary = {k: report[k] for k in ("preset", "device", "params", "steps", "tokens_seen", "timings_s",

@@ -51,6 +51,12 @@ class Preset:
     save_dtype: str = "float32"   # stored tensor dtype
     bf16_autocast: bool = False   # CUDA training under bf16 autocast (weights and optimizer state stay float32)
     config_dtype: str = "float32"  # config.json "dtype" (what `dtype="auto"` runs in)
+    # share of each batch's windows that repeat a piece of text (train.copy_windows), to teach
+    # copying from the context, which speculation on copy-heavy prompts lives on. Off in every
+    # preset: on bench-large (240 s) 0.25 and 0.5 left the held-out loss as it was and the copy
+    # loss high (2.08 nats a copied token at 0.5, natural text 2.71); n-gram acceptance on the edit
+    # workload moved within run-to-run noise (benchmarks/results/2026-11-27-spec-copy-windows-h100.md)
+    copy_frac: float = 0.0
     extra: dict = field(default_factory=dict)
 
 

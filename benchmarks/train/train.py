@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .corpus import HELDOUT_FRAC, build_corpus
 from .fast_scan import training_scan
@@ -37,6 +38,53 @@ def _stream(token_lists, eos: int, order=None) -> torch.Tensor:
         flat.extend(token_lists[i])
         flat.append(eos)
     return torch.tensor(flat, dtype=torch.int64)
+
+
+def copy_windows(stream: torch.Tensor, starts: torch.Tensor, width: int, g: torch.Generator,
+                 min_piece: int = 16) -> torch.Tensor:
+    """[len(starts), width] training windows that repeat a piece of text: from each start, the
+    stream's next ``width - L`` tokens (a natural prefix, a piece of L tokens, the text after it),
+    then the piece again: L uniform in [min_piece, width // 2], the prefix's length uniform in
+    [0, width - 2 L] (so the copy starts 0 .. width - 2 L tokens after the piece ends), both drawn
+    from ``g``. Predicting the second copy needs only the context: the in-context copying
+    (induction) that speculation on copy-heavy prompts relies on, at the distances an edit prompt
+    has (a piece, other text, the piece's start again). Pieces come from the train stream only."""
+    return _copy_windows(stream, starts, width, g, min_piece)[0]
+
+
+def _copy_windows(stream, starts, width, g, min_piece):
+    """copy_windows, and each window's piece length L (its copy is the last L tokens)."""
+    if width < 2 * min_piece:
+        raise ValueError(f"copy windows need width >= {2 * min_piece}, got {width}")
+    lengths = torch.randint(min_piece, width // 2 + 1, (len(starts),), generator=g).tolist()
+    rows = []
+    for s, n in zip(starts.tolist(), lengths):
+        pre = int(torch.randint(0, width - 2 * n + 1, (1,), generator=g))
+        natural = torch.arange(s, s + width - n)                     # prefix, piece, text after it
+        rows.append(stream[torch.cat([natural, natural[pre:pre + n]])])     # ... then the piece again
+    return torch.stack(rows), lengths
+
+
+@torch.no_grad()
+def heldout_copy_loss(target, stream: torch.Tensor, width: int, n: int, device, seed: int = 0) -> float:
+    """The in-memory target's next-token loss on the copies of ``n`` held-out copy windows
+    (copy_windows over the held-out stream: evenly spread starts, a seeded generator), each copy's
+    first token left out (nothing in the context says a copy starts there): near 0 for a model
+    that copies from its context, near its natural loss for one that does not."""
+    if stream.numel() < width + 1 or n < 1:
+        raise ValueError(f"held-out stream of {stream.numel()} tokens has no {n} windows of {width}")
+    starts = torch.linspace(0, stream.numel() - width - 1, n).long()
+    rows, lengths = _copy_windows(stream, starts, width, torch.Generator().manual_seed(seed), 16)
+    target.eval()
+    total = count = 0.0
+    for row, piece in zip(rows, lengths):
+        w = row[None].to(device)
+        logits = target.lm(input_ids=w[:, :-1]).logits.float()[0]                  # [width - 1, V]
+        ce = F.cross_entropy(logits, w[0, 1:], reduction="none")                   # ce[i]: token i + 1
+        total += ce[width - piece:].sum().item()                 # the copy's tokens after its first
+        count += piece - 1
+    target.train()
+    return total / count
 
 
 def _optimizer(module, lr: float, device: torch.device):
@@ -89,6 +137,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     if p.bf16_autocast and dev.type != "cuda":
         raise ValueError(f"bf16 autocast (preset {p.name!r} or --bf16-autocast) is for CUDA training only; "
                          "pass --no-bf16-autocast or --device cuda")
+    if not 0.0 <= p.copy_frac <= 1.0:
+        raise ValueError(f"copy_frac must be in [0, 1], got {p.copy_frac}")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     if dev.type == "cuda":                       # training only: evaluation compares in true float32
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -146,6 +196,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     n_max = train_stream.numel() - (p.seq_len + 1)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=p.bf16_autocast)
     arange = torch.arange(p.seq_len + 1)
+    n_copy = round(p.batch_size * p.copy_frac)                  # the first rows of each batch
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}
     next_log = 0.0
     while step < p.max_steps:
@@ -158,7 +209,10 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
             for group in o.param_groups:
                 group["lr"] = lr * f
         starts = torch.randint(0, n_max + 1, (p.batch_size,), generator=g)
-        batch = train_stream[starts[:, None] + arange].to(dev, non_blocking=True)    # [B, T+1]
+        rows = train_stream[starts[:, None] + arange]                                   # [B, T+1]
+        if n_copy:
+            rows[:n_copy] = copy_windows(train_stream, starts[:n_copy], p.seq_len + 1, g)
+        batch = rows.to(dev, non_blocking=True)
         with training_scan(), autocast:
             main, mtp = target.losses(batch)
         loss = main + p.mtp_weight * mtp
@@ -211,6 +265,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     # ---- evaluate (saved folders, float32; the in-memory modules for reference)
     t0 = time.perf_counter()
     in_memory = training_losses(target, draft, windows, dev)
+    copy_loss = heldout_copy_loss(target, held_stream, p.seq_len + 1, len(windows), dev, seed)
     del target, draft, opt_t, opt_d
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -218,6 +273,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         "windows": len(windows), "tokens_per_window": p.seq_len + 1,
         "uniform": math.log(vocab),
         "training_modules": in_memory,
+        # the same target on held-out text repeated in its context (heldout_copy_loss)
+        "copy_target": copy_loss,
         "transformers": {"target": hf_loss(target_dir, windows, dev), "draft": hf_loss(draft_dir, windows, dev)},
     }
     eng_t = engine_losses(target_dir, windows, dev, mtp=True)
@@ -236,7 +293,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
                    "batch_size": p.batch_size, "lr": p.lr, "draft_lr": p.draft_lr, "mtp_weight": p.mtp_weight,
                    "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype,
                    "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC,
-                   "bf16_autocast": p.bf16_autocast, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
+                   "bf16_autocast": p.bf16_autocast, "copy_frac": p.copy_frac, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
         "steps": step, "tokens_seen": tokens, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "final_train_loss": last, "heldout_loss": heldout, "loss_png": plotted, "history": history,
         "folders": {"target": str(target_dir), "draft": str(draft_dir)},

@@ -150,3 +150,79 @@ def test_bf16_autocast_refused_off_cuda_before_any_work(tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match="CUDA training only"):
         main(["--preset", "tiny", "--bf16-autocast", "--device", "cpu", "--out", str(tmp_path / "y")])
+
+
+def test_copy_windows_repeat_a_piece_of_the_stream():
+    """Each copy window is the stream from its start (width - L tokens: a prefix, a piece of L
+    tokens, the text after it) followed by the piece again; L in [min_piece, width // 2], the
+    piece anywhere in the natural part; the same rows for the same seed."""
+    from benchmarks.train.train import copy_windows
+    stream = torch.randperm(5000)                       # distinct ids: a token's source is unique
+    starts = torch.tensor([0, 17, 4000, 4487, 100, 2000, 3000, 1234])
+    width = 513
+    rows = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
+    again = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
+    assert rows.shape == (8, width) and torch.equal(rows, again)
+    lengths, gaps = set(), set()
+    for row, s in zip(rows, starts.tolist()):
+        m = next(i for i in range(width) if row[i] != stream[s + i])     # the natural part's length
+        n = width - m
+        assert 16 <= n <= width // 2
+        assert torch.equal(row[:m], stream[s:s + m])
+        pre = int((stream[s:s + m] == row[m]).nonzero()[0])                # where the piece starts
+        assert torch.equal(row[m:], row[pre:pre + n])                   # the piece, copied
+        lengths.add(n)
+        gaps.add(m - pre - n)
+    assert len(lengths) > 1 and len(gaps) > 1 and min(gaps) >= 0        # drawn per row
+    with pytest.raises(ValueError, match="width"):
+        copy_windows(stream, starts, 20, torch.Generator())
+
+
+def test_copy_frac_refused_out_of_range_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="copy_frac"):
+        main([*ARGS, "--copy-frac", "1.5", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+
+
+def test_copy_frac_changes_the_training_batches(out, report, tmp_path):
+    """--copy-frac replaces the first rows of each batch with copy windows: the same seed gives a
+    different loss history (and the report records the share)."""
+    assert report["config"]["copy_frac"] == 0.0
+    assert main([*ARGS, "--copy-frac", "0.5", "--out", str(tmp_path)]) == 0
+    copied = json.loads((tmp_path / "train_report.json").read_text())
+    assert copied["config"]["copy_frac"] == 0.5
+    # the held-out losses are still scored on the held-out windows (not on a training batch)
+    assert copied["heldout_loss"]["windows"] == report["heldout_loss"]["windows"] == 2
+    assert copied["heldout_loss"]["transformers"] != report["heldout_loss"]["transformers"]
+    assert 0.0 < report["heldout_loss"]["copy_target"] < 2 * report["heldout_loss"]["uniform"]
+    assert [h["target"] for h in copied["history"]] != [h["target"] for h in report["history"]]
+
+
+def test_heldout_copy_loss_scores_the_copies_after_their_first_token():
+    """An induction oracle (predicts the token that followed the latest earlier occurrence of the
+    current token; uniform where there is none) copies perfectly: on a stream of distinct ids it
+    is right on every copied token but the first, so its copy loss is ~0. Scoring the copy's first
+    token too, or natural tokens, would give ~log V."""
+    from types import SimpleNamespace
+
+    from benchmarks.train.train import heldout_copy_loss
+    V = 3000
+
+    def lm(input_ids):
+        ids = input_ids[0].tolist()
+        logits = torch.zeros(1, len(ids), V)
+        last = {}
+        for i, t in enumerate(ids):
+            if t in last:
+                logits[0, i, ids[last[t] + 1]] = 50.0
+            last[t] = i
+        return SimpleNamespace(logits=logits)
+
+    target = SimpleNamespace(lm=lm, eval=lambda: None, train=lambda: None)
+    stream = torch.randperm(V)
+    loss = heldout_copy_loss(target, stream, 65, 6, "cpu")
+    assert 0.0 <= loss < 1e-3
+    assert math.log(V) - 0.5 < heldout_copy_loss(SimpleNamespace(lm=lambda input_ids: SimpleNamespace(
+        logits=torch.zeros(1, input_ids.shape[1], V)), eval=lambda: None, train=lambda: None), stream, 65, 6, "cpu")
+    with pytest.raises(ValueError, match="windows"):
+        heldout_copy_loss(target, stream[:10], 65, 1, "cpu")
