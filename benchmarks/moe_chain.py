@@ -1,8 +1,9 @@
 """One MoE layer's decode path on the Nano-30B-A3B widths, timed as a chain of layers with distinct
 weights (together beyond L2, so the weights stream from HBM as in a real step) inside one CUDA
-graph: router logits, routing, shared expert, routed experts, combine (CUDA).
+graph: router logits and routing with the shared expert beside them on a side stream
+(``moe_ops.beside``), routed experts, combine (CUDA); ``--serial`` also times one stream.
 
-    python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--profile] --out DIR
+    python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--profile] [--serial] --out DIR
 
 Per token count: microseconds per layer and the layer's bytes over that time (at one token: six
 experts, the shared expert and the float32 router); with --router-tiles, the layer and a
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import graph_ms, save_json  # noqa: E402
 from hybrid_engine.mamba_cache.ops import triton_pdl  # noqa: E402
 from hybrid_engine.models import triton_moe  # noqa: E402
-from hybrid_engine.models.moe_ops import RouteSpec, route, router_logits  # noqa: E402
+from hybrid_engine.models.moe_ops import RouteSpec, beside, route, router_logits  # noqa: E402
 
 from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
@@ -42,12 +43,23 @@ def make_layers(n: int, dev) -> list[dict]:
                  down=w(E, D, F), s_up=w(F_SHARED, D), s_down=w(D, F_SHARED)) for _ in range(n)]
 
 
-def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec):
+def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
+    """One layer as the model runs it: the shared expert on a side stream beside the router and
+    routing (``moe_ops.beside``); ``serial``: all on one stream, shared expert after the routing."""
+    def shared():
+        return triton_moe.rowwise_linear_triton(triton_moe.rowwise_linear_triton(x, ly["s_up"], relu2=True),
+                                                ly["s_down"])
+
+    def routing():
+        return route(router_logits(x, ly["gate"]), ly["bias"], spec)
+
     def run():
-        ids, wts = route(router_logits(x, ly["gate"]), ly["bias"], spec)
-        shared = triton_moe.rowwise_linear_triton(triton_moe.rowwise_linear_triton(x, ly["s_up"], relu2=True),
-                                                  ly["s_down"])
-        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=shared)
+        if serial:
+            ids, wts = routing()
+            s = shared()
+        else:
+            s, (ids, wts) = beside(shared, routing, x.device)
+        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s)
     return run
 
 
@@ -62,6 +74,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers in the chain (8: 1.3 GB)")
     ap.add_argument("--router-tiles", nargs="*", default=[], help="BLOCK_N,BLOCK_K,warps candidates")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--serial", action="store_true",
+                    help="also time each layer on one stream (the shared expert after the routing, as before)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -90,6 +104,13 @@ def main() -> int:
             res["rows"].append(row)
             print(f"T={T} router tiles {row['router_tiles']}: {us:.1f} us per layer, router {router_us:.2f} us"
                   + (f", {row['layer_GBps']:.0f} GB/s" if T == 1 else ""), flush=True)
+        if args.serial:
+            serial = [layer_fn(ly, x, spec, serial=True) for ly in layers]
+            for c in serial:
+                c()
+            us = graph_ms(serial, reps=len(serial)) * 1e3
+            res["rows"].append(dict(tokens=T, router_tiles="default", serial=True, layer_us=us))
+            print(f"T={T} one stream: {us:.1f} us per layer", flush=True)
     if args.profile:
         res["profile_us"] = profile_one_token(layers, spec, dev)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ merged tensors at load, one expert at a time):
   shared_experts.up_proj / down_proj (a relu² MLP of moe_shared_expert_intermediate_size on D)
   fc1_latent_proj [L, D], fc2_latent_proj [D, L]                   (latent MoE only)
 Forward (transformers' NemotronHMoE): routed = experts(fc1(x)) with weights from gate(x), then
-fc2(routed) + shared(x). The work goes through ``moe_ops`` (Triton on CUDA, gather by expert on CPU).
+fc2(routed) + shared(x). The work goes through ``moe_ops`` (Triton on CUDA, gather by expert on CPU);
+on CUDA the shared expert runs on a side stream beside the router (``moe_ops.beside``).
 
 Expert load: each forward adds the number of real tokens (``fb.attn.slot_mapping != 0``: padding
 rows of CUDA-graph buckets write the null KV block) routed to each expert to ``expert_tokens``
@@ -23,7 +24,7 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import MLP
 from .linear import Linear
-from .moe_ops import RouteSpec, route, routed_experts, router_logits, shared_expert
+from .moe_ops import RouteSpec, beside, route, routed_experts, router_logits, shared_expert
 
 ROUTER_FP32_WEIGHTS = ("gate.weight",)     # loader keep_in_fp32 suffixes owned by this module
 
@@ -89,8 +90,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb=None, caches=None) -> torch.Tensor:
         valid = None if fb is None else fb.attn.slot_mapping[:x.shape[0]]
-        ids, w = self.gate(x, self.expert_tokens, valid)                    # [T, k] each
-        shared = shared_expert(x, self.shared_experts)                       # [T, D]
+        # the shared expert [T, D] on a side stream while the router picks ids, w [T, k] (CUDA)
+        shared, (ids, w) = beside(lambda: shared_expert(x, self.shared_experts),
+                                  lambda: self.gate(x, self.expert_tokens, valid), x.device)
         up_s, down_s = self.experts.scales()
         if self.fc1_latent_proj is None:
             return routed_experts(x, self.experts.up_proj, self.experts.down_proj, ids, w, add=shared,

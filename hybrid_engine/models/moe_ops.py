@@ -123,6 +123,36 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
+_AUX_STREAMS: dict[int, "torch.cuda.Stream"] = {}     # one side stream per CUDA device, made on first use
+
+
+def beside(side, main, device: torch.device):
+    """(side(), main()), with side() on the device's auxiliary stream while main() runs on the
+    current stream (CUDA; elsewhere one after the other). The MoE layer computes its shared
+    expert beside the router and the routing, small latency-bound kernels that leave most SMs
+    idle: on the Nano-30B-A3B widths a layer took 69.5 -> 66.3 us at one token, 205.7 -> 201.6 at
+    four (H100, a chain of 8 layers in one CUDA graph, benchmarks/moe_chain.py; results in
+    benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for the
+    current stream's work so far; the current stream waits for the side stream before it returns,
+    and side()'s tensor is recorded on the current stream, so the caching allocator does not hand
+    its memory to the side stream while the current stream still reads it. No host sync; under
+    CUDA-graph capture this is a fork and a join inside the graph."""
+    if device.type != "cuda":
+        return side(), main()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    aux = _AUX_STREAMS.get(index)
+    if aux is None:
+        aux = _AUX_STREAMS[index] = torch.cuda.Stream(device=index)
+    cur = torch.cuda.current_stream(index)
+    aux.wait_stream(cur)
+    with torch.cuda.stream(aux):
+        out_side = side()
+    out_main = main()
+    cur.wait_stream(aux)
+    out_side.record_stream(cur)
+    return out_side, out_main
+
+
 def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
     """The shared relu² MLP (``layers.MLP``); on CUDA decode batches without biases two kernels
     (up with relu² in its epilogue, down) instead of three. Those kernels read the weights as

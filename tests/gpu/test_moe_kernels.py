@@ -165,6 +165,54 @@ def test_alignment_kernel_cuda(T, E, k, bm, load):
 
 
 @pytest.mark.gpu
+def test_moe_block_with_the_shared_expert_beside_equals_one_stream(monkeypatch):
+    """The MoE block runs its shared expert on a side stream beside the router (moe_ops.beside).
+    Eager and replayed from a CUDA graph (a fork and a join inside it), its output equals the
+    same kernels on one stream bit for bit, at decode and grouped-path batch sizes, and the
+    expert counters count each token once per call."""
+    import hybrid_engine.models.moe as moe_mod
+    from hybrid_engine.config import MOE, ModelConfig
+    from hybrid_engine.models.synthetic import sens_init_
+    cfg = ModelConfig(layer_types=(MOE,), vocab_size=16, hidden_size=256, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=128, intermediate_size=256, n_routed_experts=16,
+                      num_experts_per_tok=4, moe_intermediate_size=128, moe_shared_expert_intermediate_size=384,
+                      routed_scaling_factor=2.5)
+    moe = moe_mod.MoE(cfg)
+    sens_init_(moe, seed=5)
+    moe = moe.to("cuda", torch.bfloat16)
+    moe.gate.weight.data = moe.gate.weight.data.float()          # the router runs in float32
+    moe.reset_runtime_state()
+    beside = moe_mod.beside
+
+    def one_stream(side, main, device):
+        return side(), main()
+    for T in (1, 8, 40):
+        x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = moe(x)
+            monkeypatch.setattr(moe_mod, "beside", one_stream)
+            ref = moe(x)
+            monkeypatch.setattr(moe_mod, "beside", beside)
+            torch.testing.assert_close(got, ref, atol=0, rtol=0)
+            assert ref.float().abs().max() > 0.1
+            xs = x.clone()
+            moe(xs)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = moe(xs)
+            for _ in range(2):
+                xs.copy_(torch.randn_like(xs))
+                moe.read_expert_load()
+                g.replay()
+                torch.cuda.synchronize()
+                assert sum(moe.read_expert_load()) == T * 4
+                monkeypatch.setattr(moe_mod, "beside", one_stream)
+                torch.testing.assert_close(y, moe(xs), atol=0, rtol=0)
+                monkeypatch.setattr(moe_mod, "beside", beside)
+
+
+@pytest.mark.gpu
 def test_moe_step_is_graph_capturable():
     """Route + experts inside a CUDA graph: replays with new inputs give the eager result."""
     from hybrid_engine.models.moe_ops import RouteSpec, route, routed_experts
