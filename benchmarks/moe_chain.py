@@ -99,7 +99,7 @@ def main() -> int:
             us = graph_ms(calls, reps=len(calls)) * 1e3
             router_us = graph_ms(routers, reps=len(routers)) * 1e3
             triton_moe.gemv_tiles = real_tiles
-            row = dict(tokens=T, router_tiles=tiles or "default", layer_us=us, router_us=router_us,
+            row = dict(tokens=T, router_tiles=tiles or "default", serial=False, layer_us=us, router_us=router_us,
                        layer_GBps=layer_bytes(T) / us / 1e3 if T == 1 else None)
             res["rows"].append(row)
             print(f"T={T} router tiles {row['router_tiles']}: {us:.1f} us per layer, router {router_us:.2f} us"
@@ -119,13 +119,15 @@ def main() -> int:
 
 
 def profile_one_token(layers, spec, dev) -> list:
-    """[(kernel, us)] in launch order for one layer at one token, PDL off, mean over the chain."""
+    """[(kernel, us)] in launch order for one layer at one token, PDL off, mean over the chain; the
+    layers run on one stream (``serial``): with the side stream the two streams' kernels start in
+    no fixed order, and names would be matched to times by position."""
     from torch.profiler import ProfilerActivity, profile
     before = os.environ.get("HYBRID_ENGINE_PDL")
     os.environ["HYBRID_ENGINE_PDL"] = "0"
     triton_pdl.reset_pdl_choice()
     x = torch.randn(1, D, device=dev, dtype=torch.bfloat16) * 0.1
-    calls = [layer_fn(ly, x, spec) for ly in layers]
+    calls = [layer_fn(ly, x, spec, serial=True) for ly in layers]
     for c in calls:
         c()
     g = torch.cuda.CUDAGraph()

@@ -40,15 +40,19 @@ def _stream(token_lists, eos: int, order=None) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.int64)
 
 
+COPY_MIN_PIECE = 16        # shortest copied piece
+COPY_EVAL_WINDOWS = 64     # held-out copy windows scored after training (seed 0: the same for every run)
+
+
 def copy_windows(stream: torch.Tensor, starts: torch.Tensor, width: int, g: torch.Generator,
-                 min_piece: int = 16) -> torch.Tensor:
+                 min_piece: int = COPY_MIN_PIECE) -> torch.Tensor:
     """[len(starts), width] training windows that repeat a piece of text: from each start, the
     stream's next ``width - L`` tokens (a natural prefix, a piece of L tokens, the text after it),
     then the piece again: L uniform in [min_piece, width // 2], the prefix's length uniform in
     [0, width - 2 L] (so the copy starts 0 .. width - 2 L tokens after the piece ends), both drawn
     from ``g``. Predicting the second copy needs only the context: the in-context copying
     (induction) that speculation on copy-heavy prompts relies on, at the distances an edit prompt
-    has (a piece, other text, the piece's start again). Pieces come from the train stream only."""
+    has (a piece, other text, the piece's start again)."""
     return _copy_windows(stream, starts, width, g, min_piece)[0]
 
 
@@ -74,7 +78,7 @@ def heldout_copy_loss(target, stream: torch.Tensor, width: int, n: int, device, 
     if stream.numel() < width + 1 or n < 1:
         raise ValueError(f"held-out stream of {stream.numel()} tokens has no {n} windows of {width}")
     starts = torch.linspace(0, stream.numel() - width - 1, n).long()
-    rows, lengths = _copy_windows(stream, starts, width, torch.Generator().manual_seed(seed), 16)
+    rows, lengths = _copy_windows(stream, starts, width, torch.Generator().manual_seed(seed), COPY_MIN_PIECE)
     target.eval()
     total = count = 0.0
     for row, piece in zip(rows, lengths):
@@ -196,7 +200,11 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     n_max = train_stream.numel() - (p.seq_len + 1)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=p.bf16_autocast)
     arange = torch.arange(p.seq_len + 1)
-    n_copy = round(p.batch_size * p.copy_frac)                  # the first rows of each batch
+    # the first rows of each batch (at least one when copy_frac > 0), drawn from their own
+    # generator so that the natural windows are the same with and without copies; pieces come
+    # from the train stream only
+    n_copy = math.ceil(p.batch_size * p.copy_frac)
+    g_copy = torch.Generator().manual_seed(seed + 2)
     last = {"target": float("nan"), "mtp": float("nan"), "draft": float("nan")}
     next_log = 0.0
     while step < p.max_steps:
@@ -211,7 +219,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         starts = torch.randint(0, n_max + 1, (p.batch_size,), generator=g)
         rows = train_stream[starts[:, None] + arange]                                   # [B, T+1]
         if n_copy:
-            rows[:n_copy] = copy_windows(train_stream, starts[:n_copy], p.seq_len + 1, g)
+            rows[:n_copy] = copy_windows(train_stream, starts[:n_copy], p.seq_len + 1, g_copy)
         batch = rows.to(dev, non_blocking=True)
         with training_scan(), autocast:
             main, mtp = target.losses(batch)
@@ -265,7 +273,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
     # ---- evaluate (saved folders, float32; the in-memory modules for reference)
     t0 = time.perf_counter()
     in_memory = training_losses(target, draft, windows, dev)
-    copy_loss = heldout_copy_loss(target, held_stream, p.seq_len + 1, len(windows), dev, seed)
+    copy_loss = (heldout_copy_loss(target, held_stream, p.seq_len + 1, COPY_EVAL_WINDOWS, dev)
+                 if p.seq_len + 1 >= 2 * COPY_MIN_PIECE else None)
     del target, draft, opt_t, opt_d
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -273,7 +282,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         "windows": len(windows), "tokens_per_window": p.seq_len + 1,
         "uniform": math.log(vocab),
         "training_modules": in_memory,
-        # the same target on held-out text repeated in its context (heldout_copy_loss)
+        # the same target on held-out text repeated in its context (heldout_copy_loss, 64 windows;
+        # None when the windows are too short for a copy)
         "copy_target": copy_loss,
         "transformers": {"target": hf_loss(target_dir, windows, dev), "draft": hf_loss(draft_dir, windows, dev)},
     }
@@ -293,7 +303,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
                    "batch_size": p.batch_size, "lr": p.lr, "draft_lr": p.draft_lr, "mtp_weight": p.mtp_weight,
                    "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype,
                    "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC,
-                   "bf16_autocast": p.bf16_autocast, "copy_frac": p.copy_frac, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
+                   "bf16_autocast": p.bf16_autocast, "copy_frac": p.copy_frac, "copy_rows_per_batch": n_copy, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
         "steps": step, "tokens_seen": tokens, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "final_train_loss": last, "heldout_loss": heldout, "loss_png": plotted, "history": history,
         "folders": {"target": str(target_dir), "draft": str(draft_dir)},

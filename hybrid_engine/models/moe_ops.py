@@ -130,13 +130,17 @@ def beside(side, main, device: torch.device):
     """(side(), main()), with side() on the device's auxiliary stream while main() runs on the
     current stream (CUDA; elsewhere one after the other). The MoE layer computes its shared
     expert beside the router and the routing, small latency-bound kernels that leave most SMs
-    idle: on the Nano-30B-A3B widths a layer took 69.5 -> 66.3 us at one token, 205.7 -> 201.6 at
-    four (H100, a chain of 8 layers in one CUDA graph, benchmarks/moe_chain.py; results in
-    benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for the
-    current stream's work so far; the current stream waits for the side stream before it returns,
-    and side()'s tensor is recorded on the current stream, so the caching allocator does not hand
-    its memory to the side stream while the current stream still reads it. No host sync; under
-    CUDA-graph capture this is a fork and a join inside the graph."""
+    idle: on the Nano-30B-A3B widths a layer took 69.6 -> 67.0 us at one token, 205.4 -> 201.5 at
+    four (H100, a chain of 8 layers in one CUDA graph, benchmarks/moe_chain.py --serial; results
+    in benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for
+    the current stream's work so far; the current stream waits for the side stream before it
+    returns, and side()'s tensor is recorded on the current stream, so the caching allocator does
+    not hand its memory to the side stream while the current stream still reads it. No host sync;
+    under CUDA-graph capture this is a fork and a join inside the graph.
+    Costs, not yet measured: while a graph is being captured the allocator holds recorded blocks
+    until the capture ends (each MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano
+    graph of T rows); each call makes a few events (host time on eager steps). The stream comes
+    from torch's stream pool; if it is the current stream, the two calls simply run in order."""
     if device.type != "cuda":
         return side(), main()
     index = device.index if device.index is not None else torch.cuda.current_device()

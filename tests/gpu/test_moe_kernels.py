@@ -183,6 +183,12 @@ def test_moe_block_with_the_shared_expert_beside_equals_one_stream(monkeypatch):
     moe.gate.weight.data = moe.gate.weight.data.float()          # the router runs in float32
     moe.reset_runtime_state()
     beside = moe_mod.beside
+    shared_expert, streams = moe_mod.shared_expert, []
+
+    def recorded(x, mlp):                # where the shared expert runs
+        streams.append(torch.cuda.current_stream())
+        return shared_expert(x, mlp)
+    monkeypatch.setattr(moe_mod, "shared_expert", recorded)
 
     def one_stream(side, main, device):
         return side(), main()
@@ -190,6 +196,7 @@ def test_moe_block_with_the_shared_expert_beside_equals_one_stream(monkeypatch):
         x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             got = moe(x)
+            assert streams[-1] != torch.cuda.current_stream()            # on the side stream
             monkeypatch.setattr(moe_mod, "beside", one_stream)
             ref = moe(x)
             monkeypatch.setattr(moe_mod, "beside", beside)
@@ -210,6 +217,31 @@ def test_moe_block_with_the_shared_expert_beside_equals_one_stream(monkeypatch):
                 monkeypatch.setattr(moe_mod, "beside", one_stream)
                 torch.testing.assert_close(y, moe(xs), atol=0, rtol=0)
                 monkeypatch.setattr(moe_mod, "beside", beside)
+
+
+@pytest.mark.gpu
+def test_beside_runs_on_another_stream_and_joins_it():
+    """moe_ops.beside: side() runs on another stream than main(), and the current stream waits for
+    it: a slow side kernel (a ~30 ms spin, then the write) is seen complete by the current stream's
+    next kernel. Without the join the sum reads the output before it is written."""
+    from hybrid_engine.models.moe_ops import beside
+    x = torch.zeros(1 << 20, device="cuda")
+    streams = []
+
+    def side():
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(60_000_000)
+        return x + 1.0
+
+    def main():
+        streams.append(torch.cuda.current_stream())
+        return torch.ones(3, device="cuda")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        s, m = beside(side, main, x.device)
+        total = s.sum()                                      # on the current stream
+        assert float(total) == x.numel() and float(m.sum()) == 3.0
+        assert streams[-2] != streams[-1] == torch.cuda.current_stream()
 
 
 @pytest.mark.gpu

@@ -184,13 +184,32 @@ def test_copy_frac_refused_out_of_range_before_any_work(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_copy_frac_changes_the_training_batches(out, report, tmp_path):
-    """--copy-frac replaces the first rows of each batch with copy windows: the same seed gives a
-    different loss history (and the report records the share)."""
+def _repeats_a_piece(row: torch.Tensor, min_piece: int = 16) -> bool:
+    """Whether the row ends with a copy (>= min_piece tokens) of a run of tokens earlier in it."""
+    w = row.numel()
+    for n in range(min_piece, w // 2 + 1):
+        if bool((row[:w - n].unfold(0, n, 1) == row[w - n:]).all(1).any()):
+            return True
+    return False
+
+
+def test_copy_frac_changes_the_training_batches(out, report, tmp_path, monkeypatch):
+    """--copy-frac replaces the first rows of each batch with copy windows (seen by the model: the
+    first training batch is captured), the same seed gives a different loss history, and the
+    report records the share and the row count."""
+    from benchmarks.train import models
+    batches, losses = [], models.TargetWithMTP.losses
+
+    def spy(self, window):
+        batches.append(window.detach().cpu().clone())
+        return losses(self, window)
+    monkeypatch.setattr(models.TargetWithMTP, "losses", spy)
     assert report["config"]["copy_frac"] == 0.0
     assert main([*ARGS, "--copy-frac", "0.5", "--out", str(tmp_path)]) == 0
     copied = json.loads((tmp_path / "train_report.json").read_text())
-    assert copied["config"]["copy_frac"] == 0.5
+    assert copied["config"]["copy_frac"] == 0.5 and copied["config"]["copy_rows_per_batch"] == 2
+    first = batches[0]                                   # [batch 4, 33] of the tiny preset
+    assert first.shape[0] == 4 and all(_repeats_a_piece(r) for r in first[:2])
     # the held-out losses are still scored on the held-out windows (not on a training batch)
     assert copied["heldout_loss"]["windows"] == report["heldout_loss"]["windows"] == 2
     assert copied["heldout_loss"]["transformers"] != report["heldout_loss"]["transformers"]
