@@ -45,19 +45,15 @@ COPY_EVAL_WINDOWS = 64     # held-out copy windows scored after training (seed 0
 
 
 def copy_windows(stream: torch.Tensor, starts: torch.Tensor, width: int, g: torch.Generator,
-                 min_piece: int = COPY_MIN_PIECE) -> torch.Tensor:
-    """[len(starts), width] training windows that repeat a piece of text: from each start, the
-    stream's next ``width - L`` tokens (a natural prefix, a piece of L tokens, the text after it),
-    then the piece again: L uniform in [min_piece, width // 2], the prefix's length uniform in
-    [0, width - 2 L] (so the copy starts 0 .. width - 2 L tokens after the piece ends), both drawn
-    from ``g``. Predicting the second copy needs only the context: the in-context copying
-    (induction) that speculation on copy-heavy prompts relies on, at the distances an edit prompt
-    has (a piece, other text, the piece's start again)."""
-    return _copy_windows(stream, starts, width, g, min_piece)[0]
-
-
-def _copy_windows(stream, starts, width, g, min_piece):
-    """copy_windows, and each window's piece length L (its copy is the last L tokens)."""
+                 min_piece: int = COPY_MIN_PIECE) -> tuple[torch.Tensor, list[int]]:
+    """[len(starts), width] training windows that repeat a piece of text, and each window's piece
+    length L (its copy is the last L tokens): from each start, the stream's next ``width - L``
+    tokens (a natural prefix, the piece, the text after it), then the piece again; L uniform in
+    [min_piece, width // 2], the prefix's length uniform in [0, width - 2 L] (so the copy starts
+    0 .. width - 2 L tokens after the piece ends), both drawn from ``g``. Predicting the second
+    copy needs only the context: the in-context copying (induction) that speculation on
+    copy-heavy prompts relies on, at the distances an edit prompt has (a piece, other text, the
+    piece's start again)."""
     if width < 2 * min_piece:
         raise ValueError(f"copy windows need width >= {2 * min_piece}, got {width}")
     lengths = torch.randint(min_piece, width // 2 + 1, (len(starts),), generator=g).tolist()
@@ -78,7 +74,7 @@ def heldout_copy_loss(target, stream: torch.Tensor, width: int, n: int, device, 
     if stream.numel() < width + 1 or n < 1:
         raise ValueError(f"held-out stream of {stream.numel()} tokens has no {n} windows of {width}")
     starts = torch.linspace(0, stream.numel() - width - 1, n).long()
-    rows, lengths = _copy_windows(stream, starts, width, torch.Generator().manual_seed(seed), COPY_MIN_PIECE)
+    rows, lengths = copy_windows(stream, starts, width, torch.Generator().manual_seed(seed))
     target.eval()
     total = count = 0.0
     for row, piece in zip(rows, lengths):
@@ -219,7 +215,7 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
         starts = torch.randint(0, n_max + 1, (p.batch_size,), generator=g)
         rows = train_stream[starts[:, None] + arange]                                   # [B, T+1]
         if n_copy:
-            rows[:n_copy] = copy_windows(train_stream, starts[:n_copy], p.seq_len + 1, g_copy)
+            rows[:n_copy] = copy_windows(train_stream, starts[:n_copy], p.seq_len + 1, g_copy)[0]
         batch = rows.to(dev, non_blocking=True)
         with training_scan(), autocast:
             main, mtp = target.losses(batch)
@@ -303,7 +299,8 @@ def run(p: Preset, out: Path, *, seed: int, device: str, log_every: int = 10, pr
                    "batch_size": p.batch_size, "lr": p.lr, "draft_lr": p.draft_lr, "mtp_weight": p.mtp_weight,
                    "max_steps": p.max_steps, "time_budget_s": p.time_budget_s, "save_dtype": p.save_dtype,
                    "tokenizer_bytes": p.tokenizer_bytes, "heldout_frac": HELDOUT_FRAC,
-                   "bf16_autocast": p.bf16_autocast, "copy_frac": p.copy_frac, "copy_rows_per_batch": n_copy, "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
+                   "bf16_autocast": p.bf16_autocast, "copy_frac": p.copy_frac, "copy_rows_per_batch": n_copy,
+                   "training_scan": "benchmarks.train.fast_scan.chunk_scan"},
         "steps": step, "tokens_seen": tokens, "timings_s": {k: round(v, 2) for k, v in timings.items()},
         "final_train_loss": last, "heldout_loss": heldout, "loss_png": plotted, "history": history,
         "folders": {"target": str(target_dir), "draft": str(draft_dir)},

@@ -10,6 +10,8 @@ Public ops (each picks its backend through ``kernel_backend`` and logs the choic
   down[ids[t, j]](act(up[ids[t, j]](h[t]))) [T, D_out] in h's dtype, plus ``add`` when given;
   ``activation`` "relu2" (w_up [E, F, D]) or "swiglu" (w_up [E, 2F, D], gate rows then up rows:
   act = silu(gate) * up, Granite-4.0-H's merged ``input_linear``).
+- ``beside(side, main, device)``: side() on a per-device side stream while main() runs (CUDA):
+  the MoE block's shared expert beside its router and routing.
 
 Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe); CPU ->
 ``grouped_experts_ref``, which runs each expert only over the tokens routed to it (the expert

@@ -160,14 +160,14 @@ def test_copy_windows_repeat_a_piece_of_the_stream():
     stream = torch.randperm(5000)                       # distinct ids: a token's source is unique
     starts = torch.tensor([0, 17, 4000, 4487, 100, 2000, 3000, 1234])
     width = 513
-    rows = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
-    again = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
+    rows, pieces = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
+    again, _ = copy_windows(stream, starts, width, torch.Generator().manual_seed(1))
     assert rows.shape == (8, width) and torch.equal(rows, again)
     lengths, gaps = set(), set()
-    for row, s in zip(rows, starts.tolist()):
+    for row, s, piece in zip(rows, starts.tolist(), pieces):
         m = next(i for i in range(width) if row[i] != stream[s + i])     # the natural part's length
         n = width - m
-        assert 16 <= n <= width // 2
+        assert 16 <= n <= width // 2 and n == piece                     # the returned piece length
         assert torch.equal(row[:m], stream[s:s + m])
         pre = int((stream[s:s + m] == row[m]).nonzero()[0])                # where the piece starts
         assert torch.equal(row[m:], row[pre:pre + n])                   # the piece, copied
