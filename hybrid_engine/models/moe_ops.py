@@ -136,13 +136,15 @@ def beside(side, main, device: torch.device):
     four (H100, a chain of 8 layers in one CUDA graph, benchmarks/moe_chain.py --serial; results
     in benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for
     the current stream's work so far; the current stream waits for the side stream before it
-    returns, and side()'s tensor is recorded on the current stream, so the caching allocator does
-    not hand its memory to the side stream while the current stream still reads it. No host sync;
-    under CUDA-graph capture this is a fork and a join inside the graph.
-    Costs, not yet measured: while a graph is being captured the allocator holds recorded blocks
-    until the capture ends (each MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano
-    graph of T rows); each call makes a few events (host time on eager steps). The stream comes
-    from torch's stream pool; if it is the current stream, the two calls simply run in order."""
+    returns. No host sync; under CUDA-graph capture this is a fork and a join inside the graph.
+    side()'s output is not ``record_stream``-ed on the current stream, on purpose: its block
+    belongs to the side stream's pool, and when the current stream drops it, the only work that
+    can get that block back is later side-stream work, which always starts by waiting for the
+    current stream (the first line below), so it cannot overwrite the block while the current
+    stream still reads it. A recorded block would instead be held until a graph capture ends (each
+    MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano graph of T rows). Each call
+    makes a few events (host time on eager steps). The stream is made on first use, one per
+    device."""
     if device.type != "cuda":
         return side(), main()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -155,7 +157,6 @@ def beside(side, main, device: torch.device):
         out_side = side()
     out_main = main()
     cur.wait_stream(aux)
-    out_side.record_stream(cur)
     return out_side, out_main
 
 
