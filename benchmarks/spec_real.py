@@ -17,9 +17,10 @@ Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, 
 MoE) at the acceptance each method reached, via forced acceptance
 (``SpeculativeConfig.forced_acceptance_rate``: outputs there are NOT the model's).
 
-    # trained run from benchmarks.train (target/, draft/, heldout_files.json); on one H100, in the
-    # same device call (results/2026-11-26-spec-real-bench-large-h100.md):
-    python -m benchmarks.train --preset bench-large --device cuda --out /tmp/run --no-progress --eval-windows 2
+    # trained run from benchmarks.train (target/, draft/, heldout_files.json); on one H100 the
+    # training takes ~8.5 minutes, so the benchmark runs in the next call on the still-warm machine
+    # (results/2026-11-27-train-copy-windows-420s-h100.md):
+    python -m benchmarks.train --preset bench-large --device cuda --out /tmp/run --no-progress --eval-windows 4
     python -m benchmarks.spec_real --run /tmp/run --dtype float32 --ks 3 --batches 1,8 --out $OUT
     # anything else: the embedded default model and a folder of text files
     python -m benchmarks.spec_real --device cpu --files /usr/lib/python3.11/json --methods none,ngram \
