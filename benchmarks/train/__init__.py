@@ -17,7 +17,8 @@ Presets: ``tiny`` (tests, seconds on CPU), ``default`` (the shipped embedded mod
 ~1M MTP step + ~1.3M draft, vocab 4096, bf16 files, 100 s of training), ``bench`` (~90M target
 incl. MTP, vocab 16384, 210 s) and ``bench-large`` (175M target + 24M MTP step + 9M draft, vocab
 16384, bf16 autocast, float32 files, 420 s with half of each batch copy windows: the GPU
-speculative-decoding benchmark's target, ~63 k tokens/s on an H100, a whole run ~8.5 minutes).
+speculative-decoding benchmark's target, ~63 k tokens/s on an H100, a whole run ~8.5 minutes
+with ``--eval-windows 4``).
 While training, transformers' Mamba2 scan is replaced by ``fast_scan`` (the same function as
 matmuls; evaluation runs transformers' own). The time budget covers the training loop only;
 corpus, tokenizer, saving and evaluation come on top (on an H100 about 1-1.5 min per preset). On

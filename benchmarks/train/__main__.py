@@ -1,4 +1,4 @@
-"""``python -m benchmarks.train --preset {tiny,default,bench} --out DIR [--device cuda] [--seed 0]
+"""``python -m benchmarks.train --preset {tiny,default,bench,bench-large} --out DIR [--device cuda] [--seed 0]
 [--time-budget-s S] [--max-steps N]``: see benchmarks/train/__init__.py."""
 from __future__ import annotations
 

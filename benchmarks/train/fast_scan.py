@@ -103,8 +103,9 @@ def _in_chunk_decay(a_cum: torch.Tensor) -> torch.Tensor:
     """a_cum [..., L] (cumulative log decays of a chunk) -> [..., L, L] exp(a_{j+1..i}) for j <= i,
     0 above, as differences of the cumsum. ``segsum`` (masked cumsum, exact for long chunks) took
     ~16% of a bench-large training step on an H100 in its [..., L, L] cumsums, forward and backward
-    (benchmarks/results/2026-11-27-train-copy-windows-420s-h100.md); in float32 the differences lose at
-    most |a_cum| * 6e-8 in the exponent: ~1e-5 relative for a chunk's total decay of -200."""
+    (benchmarks/results/2026-11-27-train-copy-windows-420s-h100.md). In float32 each difference
+    carries about 2 * |a_cum| * 6e-8 of rounding in the exponent, plus the cumsum's own: ~1.5e-5
+    relative at a chunk total of -145 against float64, where segsum gave ~4e-6."""
     L = a_cum.shape[-1]
     causal = torch.ones(L, L, dtype=torch.bool, device=a_cum.device).tril()
     return torch.exp((a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(~causal, -math.inf))

@@ -108,8 +108,9 @@ PRESETS = {
         save_dtype="bfloat16", config_dtype="bfloat16"),
     # a target large enough that a batch-1 decode step on an H100 reads more bytes than its kernels
     # wait on launches (175.5M params, 18 blocks, hidden 1024; + 23.6M MTP step, 9.2M draft),
-    # trained under bf16 autocast in the spec benchmark's own device call: 420 s of training with
-    # half the windows copy windows, ~26.5 M tokens, a whole run ~8.5 minutes on an H100
+    # trained under bf16 autocast on the GPU that then runs the spec benchmark (in the next call on
+    # the warm machine): 420 s of training with half the windows copy windows, ~26.5 M tokens, a
+    # whole run ~8.5 minutes on an H100 with --eval-windows 4 (the default 16 scores longer)
     "bench-large": Preset(
         "bench-large", vocab_size=16384,
         target=dict(pattern="M-M-M*-M-M-M*-M-ME", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,

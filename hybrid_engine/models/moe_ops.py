@@ -137,11 +137,14 @@ def beside(side, main, device: torch.device):
     in benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for
     the current stream's work so far; the current stream waits for the side stream before it
     returns. No host sync; under CUDA-graph capture this is a fork and a join inside the graph.
-    side()'s output is not ``record_stream``-ed on the current stream, on purpose: its block
-    belongs to the side stream's pool, and when the current stream drops it, the only work that
-    can get that block back is later side-stream work, which always starts by waiting for the
-    current stream (the first line below), so it cannot overwrite the block while the current
-    stream still reads it. A recorded block would instead be held until a graph capture ends (each
+    side()'s output is not ``record_stream``-ed on the current stream, on purpose: with torch's
+    default caching allocator its block belongs to the side stream's pool, and when the current
+    stream drops it, the only work that can get that block back is later side-stream work, which
+    always starts by waiting for the current stream (``aux.wait_stream(cur)`` before side()
+    runs), so it cannot overwrite the block while the current stream still reads it. This holds
+    while every caller runs under one current stream, as the engine does (a caller on another
+    stream would need a sync between them), and not under ``backend:cudaMallocAsync``, which has
+    no per-stream pools. A recorded block would instead be held until a graph capture ends (each
     MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano graph of T rows). Each call
     makes a few events (host time on eager steps). The stream is made on first use, one per
     device."""
