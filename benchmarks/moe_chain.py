@@ -3,11 +3,14 @@ weights (together beyond L2, so the weights stream from HBM as in a real step) i
 graph: router logits and routing with the shared expert beside them on a side stream
 (``moe_ops.beside``), routed experts, combine (CUDA); ``--serial`` also times one stream.
 
-    python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--profile] [--serial] --out DIR
+    python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--shared-tiles 8,512,4]
+                                   [--profile] [--serial] --out DIR
 
 Per token count: microseconds per layer and the layer's bytes over that time (at one token: six
 experts, the shared expert and the float32 router); with --router-tiles, the layer and a
-router-only chain under each (BLOCK_N, BLOCK_K, warps) of the router GEMV; with --profile, each
+router-only chain under each (BLOCK_N, BLOCK_K, warps) of the router GEMV; with --shared-tiles,
+the layer under each tile of the shared expert's two GEMVs (bf16 ``rowwise``: they run beside the
+router, so a tile that is best alone need not be best here); with --profile, each
 kernel's time in a layer at one token with programmatic dependent launch off (with it on, the
 profiler counts a kernel from its early launch). HYBRID_ENGINE_PDL=0 runs the whole thing without
 PDL. Writes moe-chain.json to --out.
@@ -63,6 +66,18 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
     return run
 
 
+def tiles_rule(real, router=None, shared=None):
+    """``triton_moe.gemv_tiles`` with the ``rowwise`` role's tiles replaced: ``router`` for the
+    float32 router weight, ``shared`` for the 16-bit shared-expert weights (None: ``real``'s)."""
+    def rule(role, tokens, weight):
+        if role == "rowwise":
+            tiles = router if weight.element_size() == 4 else shared
+            if tiles is not None:
+                return tiles
+        return real(role, tokens, weight)
+    return rule
+
+
 def layer_bytes(tokens: int) -> int:
     experts = min(tokens * TOP_K, E)                     # at most; exactly 6 at one token
     return experts * 2 * D * F * 2 + 2 * D * F_SHARED * 2 + E * D * 4
@@ -73,6 +88,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--layers", type=int, default=8, help="distinct layers in the chain (8: 1.3 GB)")
     ap.add_argument("--router-tiles", nargs="*", default=[], help="BLOCK_N,BLOCK_K,warps candidates")
+    ap.add_argument("--shared-tiles", nargs="*", default=[],
+                    help="BLOCK_N,BLOCK_K,warps candidates for the shared expert's GEMVs")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--serial", action="store_true",
                     help="also time each layer on one stream (the shared expert after the routing, as before)")
@@ -90,20 +107,25 @@ def main() -> int:
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
         calls = [layer_fn(ly, x, spec) for ly in layers]
         routers = [lambda ly=ly: router_logits(x, ly["gate"]) for ly in layers]
-        for tiles in [None] + [tuple(int(v) for v in t.split(",")) for t in args.router_tiles]:
-            if tiles is not None:
-                triton_moe.gemv_tiles = (lambda role, n, w, t=tiles: t if role == "rowwise" and w.element_size() == 4
-                                         else real_tiles(role, n, w))
-            for c in calls + routers:
-                c()
-            us = graph_ms(calls, reps=len(calls)) * 1e3
-            router_us = graph_ms(routers, reps=len(routers)) * 1e3
-            triton_moe.gemv_tiles = real_tiles
-            row = dict(tokens=T, router_tiles=tiles or "default", serial=False, layer_us=us, router_us=router_us,
+        parse = lambda t: tuple(int(v) for v in t.split(","))       # noqa: E731
+        variants = ([(None, None)] + [(parse(t), None) for t in args.router_tiles]
+                    + [(None, parse(t)) for t in args.shared_tiles])
+        for router_t, shared_t in variants:
+            triton_moe.gemv_tiles = tiles_rule(real_tiles, router_t, shared_t)
+            try:
+                for c in calls + routers:
+                    c()
+                us = graph_ms(calls, reps=len(calls)) * 1e3
+                router_us = graph_ms(routers, reps=len(routers)) * 1e3
+            finally:
+                triton_moe.gemv_tiles = real_tiles
+            row = dict(tokens=T, router_tiles=router_t or "default", shared_tiles=shared_t or "default",
+                       serial=False, layer_us=us, router_us=router_us,
                        layer_GBps=layer_bytes(T) / us / 1e3 if T == 1 else None)
             res["rows"].append(row)
-            print(f"T={T} router tiles {row['router_tiles']}: {us:.1f} us per layer, router {router_us:.2f} us"
-                  + (f", {row['layer_GBps']:.0f} GB/s" if T == 1 else ""), flush=True)
+            print(f"T={T} router tiles {row['router_tiles']}, shared tiles {row['shared_tiles']}: {us:.1f} us "
+                  f"per layer, router {router_us:.2f} us" + (f", {row['layer_GBps']:.0f} GB/s" if T == 1 else ""),
+                  flush=True)
         if args.serial:
             serial = [layer_fn(ly, x, spec, serial=True) for ly in layers]
             for c in serial:
