@@ -24,6 +24,7 @@ the k contributions summed in float32 before one rounding to the model dtype.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -143,11 +144,13 @@ def beside(side, main, device: torch.device):
     always starts by waiting for the current stream (``aux.wait_stream(cur)`` before side()
     runs), so it cannot overwrite the block while the current stream still reads it. This holds
     while every caller runs under one current stream, as the engine does (a caller on another
-    stream would need a sync between them), and not under ``backend:cudaMallocAsync``, which has
-    no per-stream pools. A recorded block would instead be held until a graph capture ends (each
-    MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano graph of T rows). Each call
-    makes a few events (host time on eager steps). The stream is made on first use, one per
-    device."""
+    stream would need a sync between them). A recorded block would instead be held until a graph
+    capture ends (each MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano graph of T
+    rows; 158 -> 86 MiB for 8 Nano-width layers at 2048 rows, H100,
+    benchmarks/results/2026-11-27-moe-record-stream-combine-h100.md). Under
+    ``PYTORCH_ALLOC_CONF=backend:cudaMallocAsync`` there are no per-stream pools, so there the
+    output is recorded (``_per_stream_pools``). Each call makes a few events (host time on eager
+    steps). The stream is made on first use, one per device."""
     if device.type != "cuda":
         return side(), main()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -160,7 +163,16 @@ def beside(side, main, device: torch.device):
         out_side = side()
     out_main = main()
     cur.wait_stream(aux)
+    if not _per_stream_pools():
+        out_side.record_stream(cur)
     return out_side, out_main
+
+
+@functools.cache
+def _per_stream_pools() -> bool:
+    """Whether the CUDA allocator keeps a pool per stream (torch's native caching allocator; the
+    backend is fixed when CUDA initialises), which ``beside`` relies on to skip ``record_stream``."""
+    return torch.cuda.memory.get_allocator_backend() == "native"
 
 
 def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:

@@ -245,6 +245,25 @@ def test_beside_runs_on_another_stream_and_joins_it():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_stream_pools", [True, False])
+def test_beside_records_the_side_output_only_without_per_stream_pools(monkeypatch, per_stream_pools):
+    """moe_ops.beside skips record_stream under torch's native allocator (a pool per stream: the
+    side stream's next use of the block waits for the current stream) and records the side output
+    on the current stream under an allocator without per-stream pools (cudaMallocAsync); the
+    machine's allocator here is the native one."""
+    from hybrid_engine.models import moe_ops
+    assert moe_ops._per_stream_pools()
+    recorded = []
+    real = torch.Tensor.record_stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (recorded.append(s), real(t, s)))
+    monkeypatch.setattr(moe_ops, "_per_stream_pools", lambda: per_stream_pools)
+    x = torch.randn(4, 8, device="cuda")
+    s, m = moe_ops.beside(lambda: x * 2.0, lambda: x + 1.0, x.device)
+    torch.testing.assert_close(s, x * 2.0, atol=0, rtol=0)
+    assert recorded == ([] if per_stream_pools else [torch.cuda.current_stream()])
+
+
+@pytest.mark.gpu
 def test_moe_step_is_graph_capturable():
     """Route + experts inside a CUDA graph: replays with new inputs give the eager result."""
     from hybrid_engine.models.moe_ops import RouteSpec, route, routed_experts
