@@ -21,13 +21,15 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_interpreting
-from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
 
 
 @triton.jit
 def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    if PREFETCH:                  # issued before the wait, used after it (triton_pdl)
+        w_first = first_weight_tile(w_ptr, swn, N, K, BLOCK_N, BLOCK_K)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -39,7 +41,13 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
     # weight bytes in flight; 2.740 -> 2.588 ms for one 8B step's FP8 projections (H100,
     # benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PREFETCH:                  # the loop's first iteration, on the tile loaded before the wait
+        offs_k = tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+        acc += tl.sum(w_first.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
@@ -113,7 +121,7 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0),
         PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **pdl_kwargs(x.device))
+        **pdl_kwargs(x.device, prefetch=True))
     return y
 
 

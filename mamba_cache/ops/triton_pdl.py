@@ -33,6 +33,20 @@ non-finite logits. ``tests/engine/test_pdl_contract.py`` checks the contract on 
 compute capability >= 9 with a Triton that has the GDC intrinsics, else ``PDL=False`` (the kernel
 then compiles without them; Triton's interpreter runs it as plain Python).
 ``HYBRID_ENGINE_PDL=0`` turns it off (A/B runs). The choice is logged once per device.
+
+**Weight prefetch before the wait.** A weight-streaming kernel spends its first microseconds
+waiting for DRAM while the GPU's bandwidth idles between two kernels. Such a kernel may take
+``pdl_kwargs(device, prefetch=True)`` and start with ``if PREFETCH: w_first = first_weight_tile(...)``:
+before ``pdl_enter`` it issues the load of the first weight tile its program streams (into
+registers, waited for at its first use after the wait), so those bytes arrive while the previous
+kernel drains. Safe because no step kernel writes a weight (weights are written once, at load);
+routed experts could not do it (their rows depend on routing ids an earlier kernel writes). Only
+the FP8 one-row projection does, where it measured a gain: H100, 8B FP8 batch-1 decode 295.7 ->
+298.7 and 296.2 -> 298.8 tok/s. The bf16 one-row projection lost 1.5% with it, the Nano MoE
+step (router and shared-expert GEMVs too) did not move, and an L2 prefetch
+(``prefetch.global.L2`` per line) instead of registers made FP8 slower (3.38 -> 3.55 ms a step):
+benchmarks/results/2026-11-27-weight-prefetch-h100.md. ``HYBRID_ENGINE_PREFETCH=0`` turns it off
+(A/B runs).
 """
 from __future__ import annotations
 
@@ -65,9 +79,24 @@ def pdl_enter(PDL: tl.constexpr):
         return 0
 
 
+@triton.jit
+def first_weight_tile(w_ptr, stride_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Before ``pdl_enter`` (module docstring): the first [BLOCK_N, BLOCK_K] tile that program_id(0)
+    streams from a weight [N, K] (row stride ``stride_n`` elements; zeros past N / K), loaded into
+    registers. The load is issued here and waited for at its first use, after the grid-dependency
+    wait: its DRAM latency overlaps the previous kernel's end. The caller multiplies it as its
+    K loop's first iteration and starts the loop at BLOCK_K."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_n + offs_k[None, :],
+                   mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
 _OFF = MappingProxyType({"PDL": False})            # read-only: every launch shares them
 _ON = MappingProxyType({"PDL": True, "launch_pdl": True})
+_ON_PREFETCH = MappingProxyType({"PDL": True, "launch_pdl": True, "PREFETCH": True})
 _by_device: dict[int, MappingProxyType] = {}
+_prefetch_on: list[bool] = []                      # HYBRID_ENGINE_PREFETCH, read and logged once
 
 
 def _decide(index: int) -> tuple[bool, str]:
@@ -83,9 +112,11 @@ def _decide(index: int) -> tuple[bool, str]:
     return True, f"compute capability {major}.{minor}"
 
 
-def pdl_kwargs(device: torch.device) -> MappingProxyType:
+def pdl_kwargs(device: torch.device, prefetch: bool = False) -> MappingProxyType:
     """Launch keyword arguments for a PDL-ready kernel on ``device`` (module docstring).
-    Cached per device: one dict lookup on the step path."""
+    ``prefetch``: the kernel has a ``PREFETCH`` flag (``first_weight_tile`` before its wait); it
+    is set where PDL is on and ``HYBRID_ENGINE_PREFETCH`` is not 0. Cached per device: one dict
+    lookup on the step path."""
     if device.type != "cuda":
         return _OFF
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -94,9 +125,21 @@ def pdl_kwargs(device: torch.device) -> MappingProxyType:
         on, why = _decide(index)
         kw = _by_device[index] = _ON if on else _OFF
         logger.info("programmatic dependent launch on cuda:%d: %s (%s)", index, "on" if on else "off", why)
+    if prefetch and kw is _ON and _prefetch_enabled():
+        return _ON_PREFETCH
     return kw
 
 
+def _prefetch_enabled() -> bool:
+    if not _prefetch_on:
+        _prefetch_on.append(os.environ.get("HYBRID_ENGINE_PREFETCH", "1").strip() != "0")
+        logger.info("weight prefetch before the grid-dependency wait: %s",
+                    "on" if _prefetch_on[0] else "off (HYBRID_ENGINE_PREFETCH=0)")
+    return _prefetch_on[0]
+
+
 def reset_pdl_choice() -> None:
-    """Forget the per-device choice (tests and A/B benchmarks that change HYBRID_ENGINE_PDL)."""
+    """Forget the per-device choice and the prefetch switch (tests and A/B benchmarks that change
+    HYBRID_ENGINE_PDL or HYBRID_ENGINE_PREFETCH)."""
     _by_device.clear()
+    _prefetch_on.clear()

@@ -72,11 +72,12 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", 
            "sk_b", "sk_o", "sv_b", "sv_o", "so_t", "hd"}
 
 
-def _memory_ops(kernel, sig, consts, opts, pdl: bool) -> dict:
-    names = list(sig) + list(consts) + ["PDL"]
+def _memory_ops(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> dict:
+    flags = {"PDL": pdl} | ({"PREFETCH": prefetch} if "PREFETCH" in kernel.arg_names else {})
+    names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
-    src = ASTSource(kernel, full, constexprs={**consts, "PDL": pdl}, attrs=attrs)
+    src = ASTSource(kernel, full, constexprs={**consts, **flags}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": pdl}).asm["ptx"]
     ops = re.findall(r"\b(ld\.global[\w.]*|cp\.async\.[\w.]*|st\.global[\w.]*)", ptx)
     return {op: ops.count(op) for op in set(ops)} | {"griddepcontrol": ptx.count("griddepcontrol")}
@@ -89,3 +90,21 @@ def test_pdl_keeps_the_memory_instructions(name):
     on = _memory_ops(kernel, sig, consts, opts, True)
     assert off.pop("griddepcontrol") == 0 and on.pop("griddepcontrol") == 2
     assert on == off
+
+
+def test_early_weight_tile_keeps_the_load_widths():
+    """The FP8 one-row projection's first weight tile loaded before the wait (``PREFETCH``) is the
+    loop's first iteration peeled off: the PTX has the same kinds of loads (widths, vectors) as
+    without it, and its extra loads come before the wait."""
+    kernel, sig, consts, opts = CASES["fp8_fma"]
+    plain = _memory_ops(kernel, sig, consts, opts, True)
+    early = _memory_ops(kernel, sig, consts, opts, True, prefetch=True)
+    assert plain.pop("griddepcontrol") == 2 and early.pop("griddepcontrol") == 2
+    assert set(early) == set(plain), (early, plain)
+    names = list(sig) + list(consts) + ["PDL", "PREFETCH"]
+    full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
+    src = ASTSource(kernel, full, constexprs={**consts, "PDL": True, "PREFETCH": True}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": True}).asm["ptx"]
+    before_wait = ptx[:ptx.index("griddepcontrol.wait")]
+    assert re.search(r"\bld\.global", before_wait), "no weight load issued before the wait"

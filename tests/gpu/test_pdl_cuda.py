@@ -44,3 +44,53 @@ def test_pdl_equals_no_pdl(request, prompts, monkeypatch, model, eager):
     off = _generate(model_dir, prompts, eager, "0", monkeypatch)
     on = _generate(model_dir, prompts, eager, "1", monkeypatch)
     assert on == off
+
+
+def _with_prefetch(env: str, monkeypatch, fn):
+    monkeypatch.setenv("HYBRID_ENGINE_PREFETCH", env)
+    reset_pdl_choice()
+    try:
+        assert pdl_kwargs(torch.device("cuda"), prefetch=True).get("PREFETCH", False) == (env == "1")
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    finally:
+        monkeypatch.delenv("HYBRID_ENGINE_PREFETCH")
+        reset_pdl_choice()
+
+
+def _prefetch_cases():
+    """(name, launch, reference) of every kernel that loads its first weight tile before the
+    wait, on ragged shapes (N, K not multiples of the tiles: the early tile is masked)."""
+    from hybrid_engine.quantization.fp8 import fp8_linear_ref, quantize_fp8
+    from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for N, K, per_channel in [(1001, 1040, True), (1001, 1040, False), (4096, 4096, True), (37, 160, True),
+                              (2048, 8208, True)]:     # 8208: two full K tiles and a ragged third
+        w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
+        x1 = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+        w_q, scale = quantize_fp8(w, per_channel=per_channel)
+        cases.append((f"fp8 one row N={N} K={K} per_channel={per_channel}",
+                      lambda x1=x1, w_q=w_q, scale=scale: fp8_skinny_linear(x1, w_q, scale),
+                      lambda x1=x1, w_q=w_q, scale=scale: fp8_linear_ref(x1, w_q, scale)))
+    return cases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs compute capability 9.0 (Hopper)")
+def test_weight_prefetch_changes_no_result(monkeypatch):
+    """The first weight tile loaded before the wait (``triton_pdl.first_weight_tile``) only moves
+    bytes earlier: each such kernel gives bitwise the same output with it on and off, and that
+    output matches its float32 reference. The memory the outputs land in is poisoned first."""
+    for name, launch, ref in _prefetch_cases():
+        want = ref()
+        results = {}
+        for env in ("0", "1"):
+            poison = torch.full_like(want, float("nan"))    # freed: the output's torch.empty reuses its block
+            del poison
+            results[env] = _with_prefetch(env, monkeypatch, launch)
+        assert torch.equal(results["0"], results["1"]), name
+        got = results["1"].float()
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
