@@ -48,8 +48,11 @@ WORKLOADS = {
         "    for key, value in sorted(",
     ],
     "copy-heavy edit": [
+        # the restart ends at a line break, as an editor's request would: a prompt cut inside a
+        # word ends on a token the block never had there (" na" of " name"), and this small
+        # model then stops copying (n-gram acceptance length 1.63 against 3.67 when cut at a line)
         (_BLOCK + "\n\n# The same function, renamed to parse_field:\n\n"
-         + _BLOCK[:60].replace("parse_header", "parse_field")),
+         + "".join(_BLOCK.splitlines(keepends=True)[:3]).replace("parse_header", "parse_field")),
         "ITEMS = {\n" + "".join(f"    'item_{i}': {i},\n" for i in range(12)) + "}\n\nITEMS_COPY = {\n"
         + "".join(f"    'item_{i}': {i},\n" for i in range(3)),
     ],

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
                     help="train under bf16 autocast on CUDA (default: the preset's; bench-large: on)")
     ap.add_argument("--copy-frac", type=float, default=None,
                     help="share of each batch's windows that repeat a piece of text (default: the preset's: "
-                         "0.5 for bench-large, 0 for the others)")
+                         "0.5 for default and bench-large, 0 for the others)")
     ap.add_argument("--log-every", type=int, default=10, help="steps between loss reads (host syncs)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = ap.parse_args(argv)
