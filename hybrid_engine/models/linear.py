@@ -18,18 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+from hybrid_engine.models.activation import relu2 as relu2_act
 
 _MAX_ROWS = 8
 _FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           relu2: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; ``relu2``: of ``activation.relu2(x)``, which the decode
+    kernels apply as they load x (no relu² kernel, no [M, K] round trip)."""
     if (x.dim() == 2 and x.shape[0] <= _MAX_ROWS and x.is_cuda and x.dtype in _FAST_DTYPES
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and kernel_backend("skinny_linear", x.device) == "triton"):
         from .skinny_linear import skinny_linear, skinny_linear_f32
-        return (skinny_linear_f32 if x.dtype == torch.float32 else skinny_linear)(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return (skinny_linear_f32 if x.dtype == torch.float32 else skinny_linear)(x, weight, bias, relu2=relu2)
+    return F.linear(relu2_act(x) if relu2 else x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -37,3 +41,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_relu2(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(relu2(x))`` (``layers.project_relu2``: the relu² MLP's down_proj)."""
+        return linear(x, self.weight, self.bias, relu2=True)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
+from hybrid_engine.models.activation import relu2 as relu2_act, relu2_flags, x_as_f32
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -37,7 +38,8 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @triton.jit
 def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, RELU2: tl.constexpr = False,
+                       BF16_BITS: tl.constexpr = False):
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -51,6 +53,8 @@ def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         mk = offs_k < K
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
+        if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
+            xt = x_as_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN]
         if x_ptr.dtype.element_ty == tl.float32:
@@ -75,7 +79,8 @@ def _row_store(acc, b_ptr, y_ptr, m: tl.constexpr, M, sym, offs_n, mn, HAS_BIAS:
 @triton.jit
 def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, RELU2: tl.constexpr = False,
+                       BF16_BITS: tl.constexpr = False):
     # one walk over K for all M_ROWS (1, 2, 4 or 8) rows: each weight tile is loaded once and
     # multiplied into one [BLOCK_N, BLOCK_K] accumulator per row (named, not a [M_ROWS, ...] tile,
     # so each row's accumulator has the one-row kernel's layout). A row's sums are the same
@@ -104,17 +109,24 @@ def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
         xp = x_ptr + offs_k
         # row m >= M reads zeros (its sums are computed, never stored): offs_k + m K < M K
-        a0 += wt * tl.load(xp, mask=mk, other=0.0).to(tl.float32)[None, :]
+        a0 += wt * x_as_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
         if M_ROWS > 1:
-            a1 += wt * tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0).to(tl.float32)[None, :]
+            a1 += wt * x_as_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
         if M_ROWS > 2:
-            a2 += wt * tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0).to(tl.float32)[None, :]
-            a3 += wt * tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a2 += wt * x_as_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
+            a3 += wt * x_as_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
         if M_ROWS > 4:
-            a4 += wt * tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0).to(tl.float32)[None, :]
-            a5 += wt * tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0).to(tl.float32)[None, :]
-            a6 += wt * tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0).to(tl.float32)[None, :]
-            a7 += wt * tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0).to(tl.float32)[None, :]
+            a4 += wt * x_as_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
+            a5 += wt * x_as_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
+            a6 += wt * x_as_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
+            a7 += wt * x_as_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
+                                RELU2, BF16_BITS)[None, :]
     _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
     if M_ROWS > 1:
         _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)
@@ -136,9 +148,10 @@ def _check(x, weight):
         raise ValueError("skinny_linear: x and weight need a unit inner stride")
 
 
-def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, pdl=True, **consts):
+def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, pdl=True, relu2=False,
+            **consts):
     """Checks, allocates y [M, N] in x.dtype and launches ``kernel`` over N / block_n programs (with
-    programmatic dependent launch where ``pdl`` and the device allow)."""
+    programmatic dependent launch where ``pdl`` and the device allow; ``relu2``: of relu2(x))."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
@@ -149,26 +162,29 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, p
     kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **consts, **(pdl_kwargs(x.device) if pdl else {}))
+        num_warps=num_warps, num_stages=num_stages, **consts, **relu2_flags(x, relu2),
+        **(pdl_kwargs(x.device) if pdl else {}))
     return y
 
 
 def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warps=4,
-                      num_stages=4):
+                      num_stages=4, relu2=False):
     """x [M <= 16, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (tl.dot kernel; x rows are
-    padded to 16)."""
-    return _launch(_linear_dot_kernel, x, weight, bias, 16, block_n, num_warps, num_stages,
+    padded to 16). ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded."""
+    return _launch(_linear_dot_kernel, x, weight, bias, 16, block_n, num_warps, num_stages, relu2=relu2,
                    BLOCK_M=16, BLOCK_K=block_k)
 
 
 def skinny_linear_fma(x, weight, bias=None, *, block_n=2, block_k=1024, num_warps=4,
-                      num_stages=2):
-    """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel)."""
+                      num_stages=2, relu2=False):
+    """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel).
+    ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded."""
     M = x.shape[0]
     # PDL for one row only, as the FP8 dot kernel (PDL slowed its batch-8 steps); the multi-row
     # timings of results/2026-11-26-f32-rows-h100.md were taken without it
     return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages, pdl=M <= 1,
-                   M_ROWS=1 if M <= 1 else (2 if M <= 2 else (4 if M <= 4 else 8)), BLOCK_K=block_k)
+                   relu2=relu2, M_ROWS=1 if M <= 1 else (2 if M <= 2 else (4 if M <= 4 else 8)),
+                   BLOCK_K=block_k)
 
 
 # configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md);
@@ -211,19 +227,24 @@ def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
 _F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
 
 
-def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """float32 x [M <= 8, K] @ weight[N, K]^T (+ bias): the FMA kernel with one config for all M."""
-    return skinny_linear_fma(x, weight, bias, **_F32_CONFIG)
+def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      relu2: bool = False):
+    """float32 x [M <= 8, K] @ weight[N, K]^T (+ bias): the FMA kernel with one config for all M.
+    ``relu2``: the projection of ``activation.relu2(x)``."""
+    return skinny_linear_fma(x, weight, bias, relu2=relu2, **_F32_CONFIG)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  relu2: bool = False):
     """x [M <= 16, K] @ weight[N, K]^T (+ bias): the FMA kernel for one row; for 2..16 rows the dot
-    kernel, the FMA kernel or cuBLAS by ``_multi_row_route``."""
+    kernel, the FMA kernel or cuBLAS by ``_multi_row_route``. ``relu2``: the projection of
+    ``activation.relu2(x)`` (the relu² MLP's down_proj): the kernels apply it as they load x; the
+    cuBLAS route runs the relu² kernel first."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 1:
-        return skinny_linear_fma(x, weight, bias, **_fma_config(N, K))
+        return skinny_linear_fma(x, weight, bias, relu2=relu2, **_fma_config(N, K))
     kernel, cfg = _multi_row_route(M, N, K)
     if kernel == "cublas":
-        return F.linear(x, weight, bias)
-    return (skinny_linear_fma if kernel == "fma" else skinny_linear_dot)(x, weight, bias, **cfg)
+        return F.linear(relu2_act(x) if relu2 else x, weight, bias)
+    return (skinny_linear_fma if kernel == "fma" else skinny_linear_dot)(x, weight, bias, relu2=relu2, **cfg)

@@ -14,7 +14,8 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
-``Fp8Linear.forward_relu2``): on the W8A8 path the quantizer applies relu² as it reads x.
+``Fp8Linear.forward_relu2``): the decode kernels and the W8A8 path's quantizer apply relu² as they
+read x, so the relu² output is never written in 16 bits.
 ``fp8_linear(Fp8Rows, ...)``: rows already quantized by their producer (the block's RMSNorm,
 ``layers.add_norm_for``; ``takes_fp8_rows`` says when), projected without a quantizer pass; the
 projections that share an input (attention's q, k, v) then share one quantization of it.
@@ -178,7 +179,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, weight_scale: torch
     path = _path(x2.shape[0], K, N, x2.dtype, x2.device)
     if path == "skinny":
         from .fp8_kernels import fp8_skinny_linear
-        y = fp8_skinny_linear((relu2_act(x2) if relu2 else x2).contiguous(), w_q, weight_scale, bias)
+        y = fp8_skinny_linear(x2.contiguous(), w_q, weight_scale, bias, relu2=relu2)   # relu² as x loads
         return y.view(*lead, N)
     if path == "w8a8":
         return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias, relu2=relu2).view(*lead, N)

@@ -22,12 +22,14 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_interpreting
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
+from hybrid_engine.models.activation import relu2_flags, relu2_rounded, x_as_f32
 
 
 @triton.jit
 def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                    RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
     if PREFETCH:                  # issued before the wait, used after it (triton_pdl)
         w_first = first_weight_tile(w_ptr, swn, N, K, BLOCK_N, BLOCK_K)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
@@ -44,15 +46,15 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
     k_start = 0
     if PREFETCH:                  # the loop's first iteration, on the tile loaded before the wait
         offs_k = tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-        acc += tl.sum(w_first.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        xv = x_as_f32(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0), RELU2, BF16_BITS)
+        acc += tl.sum(w_first.to(tl.float32) * xv[None, :], axis=1)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        xv = tl.load(x_ptr + offs_k, mask=mk, other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        xv = x_as_f32(tl.load(x_ptr + offs_k, mask=mk, other=0.0), RELU2, BF16_BITS)
+        acc += tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)
     out = acc
     if PER_CHANNEL:
         out *= tl.load(s_ptr + offs_n, mask=mn, other=0.0)
@@ -66,7 +68,8 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
 @triton.jit
 def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                    RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -80,6 +83,8 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         mk = offs_k < K
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
+        if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
+            xt = x_as_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN] fp8
         acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
@@ -110,8 +115,9 @@ def _per_channel(weight_scale, N) -> bool:
     return weight_scale.dim() == 1 and weight_scale.numel() == N > 1
 
 
-def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k=2048, num_warps=4):
-    """x [1, K] -> [1, N] in x.dtype."""
+def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k=2048, num_warps=4,
+                          relu2=False):
+    """x [1, K] -> [1, N] in x.dtype (``relu2``: of ``activation.relu2(x)``, applied as x is loaded)."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
     N = w_q.shape[0]
@@ -121,13 +127,13 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0),
         PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **pdl_kwargs(x.device, prefetch=True))
+        **relu2_flags(x, relu2), **pdl_kwargs(x.device, prefetch=True))
     return y
 
 
 def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_k=512, num_warps=4,
-                          num_stages=3):
-    """x [M <= 16, K] -> [M, N] in x.dtype."""
+                          num_stages=3, relu2=False):
+    """x [M <= 16, K] -> [M, N] in x.dtype (``relu2``: of ``activation.relu2(x)``)."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
     N = w_q.shape[0]
@@ -142,11 +148,11 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **relu2_flags(x, relu2))
     return y
 
 
-def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
+def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from H100
     sweeps of ``benchmarks/fp8_gemv.py`` on the 8B shapes: one row (2, 2048, 4 warps), and (8, 2048,
     8 warps) for the few long rows (N <= 4096, N * K >= 2^24: down_proj and q/o_proj 32.5 -> 31.8 us,
@@ -158,12 +164,15 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None):
     N = w_q.shape[0]
     if M == 1:
         if N <= 4096 and N * K >= (1 << 24):
-            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8)
-        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4)
+            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8,
+                                         relu2=relu2)
+        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4,
+                                     relu2=relu2)
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
     # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us)
-    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3)
+    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3,
+                                 relu2=relu2)
 
 
 @triton.jit
@@ -270,28 +279,12 @@ def _store_codes(ptrs, xv, s, mask, HW_ROUND: tl.constexpr, STATIC: tl.constexpr
 
 
 @triton.jit
-def _relu2_rounded(xf, dtype: tl.constexpr, BF16_BITS: tl.constexpr):
-    """relu(x)² of float32 ``xf`` rounded to ``dtype`` (x's), back in float32, as
-    ``activation.relu2`` writes it. Non-decreasing in x (each rounding is), so the largest value of
-    a row is this of the row's largest x. The interpreter's float32 -> bfloat16 cast does not round
-    to nearest even, so there (BF16_BITS: bfloat16 x under the interpreter) the rounding is done on
-    the bits: add 0x7FFF plus the kept lowest bit, drop the low 16 bits (the square is >= 0, inf or
-    NaN, which this keeps)."""
-    xf = tl.where(xf < 0.0, 0.0, xf)             # relu that keeps NaN (NaN < 0 is false)
-    sq = xf * xf
-    if BF16_BITS:
-        b = sq.to(tl.int32, bitcast=True)
-        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return sq.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
-    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``_relu2_rounded``),
+    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``activation.relu2_rounded``),
     so the codes equal quantizing that tensor."""
     xv = tl.load(ptrs, mask=mask, other=0.0)
     if RELU2:
-        return _relu2_rounded(xv.to(tl.float32), xv.dtype, BF16_BITS)
+        return relu2_rounded(xv.to(tl.float32), xv.dtype, BF16_BITS)
     return xv.to(tl.float32)
 
 
@@ -348,7 +341,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
             nan_seen = tl.maximum(nan_seen, (xv != xv).to(tl.int32))
         m = tl.max(amax, axis=0)
         if RELU2:
-            m = _relu2_rounded(m, x_ptr.dtype.element_ty, BF16_BITS)
+            m = relu2_rounded(m, x_ptr.dtype.element_ty, BF16_BITS)
         s = _row_scale(m, tl.max(nan_seen, axis=0))
         tl.store(s_ptr + row, s)
     if HW_ROUND:        # the scale's test outside the loop: each loop's body has no branch

@@ -73,7 +73,8 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", 
 
 
 def _memory_ops(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> dict:
-    flags = {"PDL": pdl} | ({"PREFETCH": prefetch} if "PREFETCH" in kernel.arg_names else {})
+    optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False}     # flags with defaults
+    flags = {"PDL": pdl} | {k: v for k, v in optional.items() if k in kernel.arg_names and k not in consts}
     names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
@@ -101,10 +102,30 @@ def test_early_weight_tile_keeps_the_load_widths():
     early = _memory_ops(kernel, sig, consts, opts, True, prefetch=True)
     assert plain.pop("griddepcontrol") == 2 and early.pop("griddepcontrol") == 2
     assert set(early) == set(plain), (early, plain)
-    names = list(sig) + list(consts) + ["PDL", "PREFETCH"]
+    flags = {"PDL": True, "PREFETCH": True, "RELU2": False, "BF16_BITS": False}
+    names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
-    src = ASTSource(kernel, full, constexprs={**consts, "PDL": True, "PREFETCH": True}, attrs=attrs)
+    src = ASTSource(kernel, full, constexprs={**consts, **flags}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": True}).asm["ptx"]
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
     assert re.search(r"\bld\.global", before_wait), "no weight load issued before the wait"
+
+
+@pytest.mark.parametrize("name", ["linear_fma", "linear_dot", "fp8_fma", "fp8_dot"])
+def test_relu2_on_load_keeps_the_load_widths(name):
+    """relu² applied as x is loaded (``RELU2``, the relu² MLP's down_proj) adds arithmetic, not
+    memory instructions: the same loads and stores as without it, vector widths included."""
+    kernel, sig, consts, opts = CASES[name]
+    plain = _memory_ops(kernel, sig, consts, opts, True)
+    fused = _memory_ops(kernel, sig, {**consts, "RELU2": True}, opts, True)
+    assert fused == plain, (fused, plain)
+
+    def ptx(relu2: bool) -> str:
+        names = list(sig) + list(consts) + ["PDL", "RELU2", "BF16_BITS", "PREFETCH"]
+        full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
+        flags = {"PDL": True, "RELU2": relu2, "BF16_BITS": False} | ({"PREFETCH": False} if "PREFETCH" in full else {})
+        return triton.compile(ASTSource(kernel, full, constexprs={**consts, **flags}), target=GPUTarget("cuda", 90, 32),
+                              options={**opts, "launch_pdl": True}).asm["ptx"]
+    muls = [len(re.findall(r"\bmul(?:\.\w+)*\.f32\b", ptx(r))) for r in (False, True)]
+    assert muls[1] > muls[0], muls                               # the squares are there

@@ -263,6 +263,15 @@ CASES = {
     "linear_dot": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_dot(
         x, w, b, block_n=32, block_k=64), "cpu", F32, M, N, K, bias=M != 3, seed=M)
         for M, N, K in ((1, 37, 100), (3, 64, 256), (16, 65, 129))],
+    # relu² applied as x is loaded (the relu² MLP's down_proj); bfloat16 rounds on the bits there
+    "linear_fma_relu2": lambda: [kc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_fma(
+        x, w, b, block_n=8, block_k=64, **k), "cpu", dt, M, N, K, bias=M != 2, seed=M)
+        for dt, M, N, K in ((F32, 1, 37, 100), (torch.float16, 2, 16, 64), (torch.bfloat16, 1, 20, 90),
+                            (torch.bfloat16, 5, 9, 70))],
+    "linear_dot_relu2": lambda: [kc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_dot(
+        x, w, b, block_n=32, block_k=64, **k), "cpu", dt, M, N, K, seed=M)
+        # (no bfloat16: the interpreter's bfloat16 tl.dot is wrong without relu² too; CUDA covers it)
+        for dt, M, N, K in ((F32, 3, 64, 256), (torch.float16, 1, 37, 100), (torch.float16, 4, 33, 129))],
     "attention_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                    [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                    hd=16, bs=4),

@@ -39,6 +39,23 @@ def test_skinny_linear(dtype, case):
         kc.check_linear(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
 
 
+RELU2 = [(1, 4096, 21504), (2, 4096, 21504), (4, 4096, 21504), (8, 4096, 21504), (1, 37, 100), (4, 130, 300)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("M,N,K", RELU2)
+def test_skinny_linear_relu2_on_load(dtype, M, N, K):
+    """The relu² MLP's down_proj at decode (``linear(..., relu2=True)``): the FMA and dot kernels
+    apply relu² as they load x, the cuBLAS route (long rows, 2+ rows) runs the relu² kernel first;
+    each bit for bit the projection of relu2_ref(x), and close to it in float64."""
+    from hybrid_engine.models.skinny_linear import (skinny_linear, skinny_linear_dot, skinny_linear_f32,
+                                                    skinny_linear_fma)
+    impls = [skinny_linear, skinny_linear_dot, skinny_linear_fma]
+    impls += [skinny_linear_f32] if dtype == torch.float32 else []
+    for seed, impl in enumerate(impls):
+        kc.check_linear_relu2(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
+
+
 @pytest.mark.parametrize("M,N,K", [(4, 4096, 4096), (8, 1000, 1024), (3, 18560, 4096)])
 def test_skinny_linear_f32_rows_are_batch_invariant(M, N, K):
     """float32 decode-sized projections: a row's result is the same bits alone or among M rows."""

@@ -69,6 +69,33 @@ def check_fp8(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0, tol=
     return err
 
 
+def check_fp8_relu2(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0):
+    """impl(x, w_q, s, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied as x is
+    loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32 twin."""
+    from hybrid_engine.models.activation import relu2_ref
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 3)
+    x[:, ::5] = 0.0
+    x[:, 2::11] *= 4 if dtype == torch.float16 else 40     # squares below float16's 65504
+    x = x.to(dtype)
+    act = relu2_ref(x)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    w_q, s = quantize_fp8(w, per_channel)
+    x, act, w_q, s = x.to(device), act.to(device), w_q.to(device), s.to(device)
+    b = b.to(device) if bias else None
+    with poisoned_empty():
+        fused = impl(x, w_q, s, b, relu2=True)
+        plain = impl(act, w_q, s, b)
+    assert torch.equal(fused, plain), f"fp8 relu2 M={M} N={N} K={K}: fused differs from the relu2 tensor"
+    assert not torch.equal(fused, impl(x, w_q, s, b)), "relu2 was not applied"
+    ref = fp8_linear_ref(act.float(), w_q, s, None if b is None else b.float())
+    err = _rel(fused.cpu(), ref.cpu())
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert err <= tol, f"fp8 relu2 M={M} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
 def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     x, w, b = _inputs(M, N, K, dtype, bias, seed, device)
     packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
@@ -279,6 +306,10 @@ def _cases():
                                    device=cpu, dtype=f16, per_channel=True),
         "fp8_dispatch": run(check_fp8, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
                             device=cpu, dtype=f16, per_channel=True),
+        "fp8_fma_relu2": run(check_fp8_relu2, FP8_FMA_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_fma(
+            x, w, s, b, block_n=8, block_k=64, **k), device=cpu, dtype=torch.bfloat16, per_channel=True),
+        "fp8_dot_relu2_f16": run(check_fp8_relu2, FP8_DOT_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_dot(
+            x, w, s, b, block_n=16, block_k=32, **k), device=cpu, dtype=f16, per_channel=False),
         "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
             x, p, s, g, b, block_n=16, block_w=4), device=cpu, dtype=f32),
         "nvfp4_dot_swap": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
