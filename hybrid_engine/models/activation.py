@@ -50,7 +50,7 @@ if triton_available():
         return sq.to(dtype).to(tl.float32)
 
     @triton.jit
-    def x_as_f32(v, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
+    def proj_input_f32(v, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
         """A loaded tile of a projection's input x in float32; RELU2: relu(x)² rounded to x's dtype
         first (``relu2_rounded``), so the projection is of ``relu2(x)`` bit for bit, without the
         relu² kernel's launch and its [M, K] round trip (``relu2_flags`` gives the launch's flags)."""
@@ -60,7 +60,7 @@ if triton_available():
 
 
 def relu2_flags(x: torch.Tensor, relu2: bool) -> dict:
-    """Launch flags of a kernel that applies relu² to x as it loads it (``x_as_f32``): RELU2, and
+    """Launch flags of a kernel that applies relu² to x as it loads it (``proj_input_f32``): RELU2, and
     BF16_BITS for bfloat16 x under the interpreter (``relu2_rounded``); none when not ``relu2``."""
     if not relu2:
         return {}

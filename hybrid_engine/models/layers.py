@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _nn_module   # the global forward hooks (project_relu2)
 
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
 
@@ -59,10 +60,12 @@ class RMSNorm(nn.Module):
 
 def project_relu2(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``proj(relu2(h))``; a projection with a ``forward_relu2`` method applies the activation
-    itself (``Fp8Linear``: inside its prefill activation quantizer). A module with forward hooks
-    registered (calibration, debugging) is called as a module so they still see its input."""
+    itself (``Fp8Linear``, ``Linear``: as their kernels load x). A module with forward hooks
+    registered, its own or global ones (calibration, debugging), is called as a module so they
+    still see its input."""
     fused = getattr(proj, "forward_relu2", None)
-    if fused is None or proj._forward_hooks or proj._forward_pre_hooks:
+    if (fused is None or proj._forward_hooks or proj._forward_pre_hooks
+            or _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks):
         return proj(relu2(h))
     return fused(h)
 

@@ -13,9 +13,9 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
     matrix, the router and the shared expert; "up" / "down": the routed experts) at ``tokens`` rows.
     From the H100 tile sweep on the Nano-30B-A3B widths (benchmarks/moe_gemv_sweep.py, results in
     benchmarks/results/2026-11-24-moe-gemv-sweep-h100.md): at one token, wide K tiles and few output
-    rows per program, so that the shared expert spreads over enough SMs; at several tokens the old
-    16 x 128 tiles are as good. The float32 router has its own rule (below), from a sweep inside a
-    chain of MoE layers."""
+    rows per program, so that the expert spreads over enough SMs. The float32 router and the 16-bit
+    shared expert (both "rowwise") have their own rules (below), from sweeps inside a chain of MoE
+    layers, where the shared expert runs beside the router."""
     wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
     if role == "rowwise":
         if wide and weight.shape[0] <= 1024:
@@ -32,7 +32,8 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
         # a sweep inside a chain of Nano MoE layers (benchmarks/moe_chain.py --shared-tiles, H100,
         # benchmarks/results/2026-11-27-moe-shared-tiles-h100.md): us per layer at 1 token
         # 67.2 (8, 512, 4) -> 65.2 (2, 1024, 4); at 4 tokens 201.6 (16, 128, 2) -> 194.9
-        # (16, 256, 4); at 8 tokens (16, 128, 2) stayed best
+        # (16, 256, 4); at 8 tokens (16, 128, 2) stayed best. 2 and 3 tokens were not swept: they
+        # take the 4-token tile
         if tokens == 1:
             return 2, 1024, 4
         return (16, 256, 4) if tokens <= 4 else (16, 128, 2)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-from hybrid_engine.models.activation import relu2 as relu2_act, relu2_flags, x_as_f32
+from hybrid_engine.models.activation import proj_input_f32, relu2 as relu2_act, relu2_flags
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -54,7 +54,7 @@ def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
         if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
-            xt = x_as_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
+            xt = proj_input_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN]
         if x_ptr.dtype.element_ty == tl.float32:
@@ -109,23 +109,23 @@ def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
         xp = x_ptr + offs_k
         # row m >= M reads zeros (its sums are computed, never stored): offs_k + m K < M K
-        a0 += wt * x_as_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
+        a0 += wt * proj_input_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
         if M_ROWS > 1:
-            a1 += wt * x_as_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
+            a1 += wt * proj_input_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
         if M_ROWS > 2:
-            a2 += wt * x_as_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
+            a2 += wt * proj_input_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
-            a3 += wt * x_as_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
+            a3 += wt * proj_input_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
         if M_ROWS > 4:
-            a4 += wt * x_as_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
+            a4 += wt * proj_input_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
-            a5 += wt * x_as_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
+            a5 += wt * proj_input_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
-            a6 += wt * x_as_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
+            a6 += wt * proj_input_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
-            a7 += wt * x_as_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
+            a7 += wt * proj_input_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
                                 RELU2, BF16_BITS)[None, :]
     _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
     if M_ROWS > 1:

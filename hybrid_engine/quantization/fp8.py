@@ -163,9 +163,10 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, weight_scale: torch
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                relu2: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths). ``relu2``: the
-    projection of ``activation.relu2(x)``; the W8A8 path applies it inside its activation
-    quantizer (the relu² output is never written), the others call ``relu2`` first. x an
-    ``Fp8Rows`` [M, K] (``takes_fp8_rows`` held for its 16-bit rows): the W8A8 product of its codes."""
+    projection of ``activation.relu2(x)``; the decode kernels and the W8A8 path's activation
+    quantizer apply it as they read x (the relu² output is never written), the CPU reference calls
+    ``relu2`` first. x an ``Fp8Rows`` [M, K] (``takes_fp8_rows`` held for its 16-bit rows): the
+    W8A8 product of its codes."""
     N = w_q.shape[0]
     # stored scale shapes [] / [1] (per tensor) and [N] / [N, 1] (per channel) -> [] or [N] (views)
     weight_scale = weight_scale.reshape(()) if weight_scale.numel() == 1 else weight_scale.reshape(-1)

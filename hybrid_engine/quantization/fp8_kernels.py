@@ -22,7 +22,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_interpreting
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
-from hybrid_engine.models.activation import relu2_flags, relu2_rounded, x_as_f32
+from hybrid_engine.models.activation import proj_input_f32, relu2_flags, relu2_rounded
 
 
 @triton.jit
@@ -46,14 +46,14 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
     k_start = 0
     if PREFETCH:                  # the loop's first iteration, on the tile loaded before the wait
         offs_k = tl.arange(0, BLOCK_K)
-        xv = x_as_f32(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0), RELU2, BF16_BITS)
+        xv = proj_input_f32(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0), RELU2, BF16_BITS)
         acc += tl.sum(w_first.to(tl.float32) * xv[None, :], axis=1)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        xv = x_as_f32(tl.load(x_ptr + offs_k, mask=mk, other=0.0), RELU2, BF16_BITS)
+        xv = proj_input_f32(tl.load(x_ptr + offs_k, mask=mk, other=0.0), RELU2, BF16_BITS)
         acc += tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)
     out = acc
     if PER_CHANNEL:
@@ -84,7 +84,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
         if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
-            xt = x_as_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
+            xt = proj_input_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN] fp8
         acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
@@ -280,12 +280,9 @@ def _store_codes(ptrs, xv, s, mask, HW_ROUND: tl.constexpr, STATIC: tl.constexpr
 
 @triton.jit
 def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
-    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``activation.relu2_rounded``),
+    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``activation.proj_input_f32``),
     so the codes equal quantizing that tensor."""
-    xv = tl.load(ptrs, mask=mask, other=0.0)
-    if RELU2:
-        return relu2_rounded(xv.to(tl.float32), xv.dtype, BF16_BITS)
-    return xv.to(tl.float32)
+    return proj_input_f32(tl.load(ptrs, mask=mask, other=0.0), RELU2, BF16_BITS)
 
 
 @triton.jit

@@ -50,6 +50,7 @@ benchmarks/results/2026-11-27-weight-prefetch-h100.md. ``HYBRID_ENGINE_PREFETCH=
 """
 from __future__ import annotations
 
+import functools
 import os
 from types import MappingProxyType
 
@@ -85,7 +86,9 @@ def first_weight_tile(w_ptr, stride_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.
     streams from a weight [N, K] (row stride ``stride_n`` elements; zeros past N / K), loaded into
     registers. The load is issued here and waited for at its first use, after the grid-dependency
     wait: its DRAM latency overlaps the previous kernel's end. The caller multiplies it as its
-    K loop's first iteration and starts the loop at BLOCK_K."""
+    K loop's first iteration and starts the loop at BLOCK_K. The weight must not be written by a
+    PDL kernel launched just before (none writes one); a torch op that wrote it has completed,
+    since a kernel without PDL lets its successor start only when it ends."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_n + offs_k[None, :],
@@ -96,7 +99,6 @@ _OFF = MappingProxyType({"PDL": False})            # read-only: every launch sha
 _ON = MappingProxyType({"PDL": True, "launch_pdl": True})
 _ON_PREFETCH = MappingProxyType({"PDL": True, "launch_pdl": True, "PREFETCH": True})
 _by_device: dict[int, MappingProxyType] = {}
-_prefetch_on: list[bool] = []                      # HYBRID_ENGINE_PREFETCH, read and logged once
 
 
 def _decide(index: int) -> tuple[bool, str]:
@@ -130,16 +132,16 @@ def pdl_kwargs(device: torch.device, prefetch: bool = False) -> MappingProxyType
     return kw
 
 
+@functools.cache
 def _prefetch_enabled() -> bool:
-    if not _prefetch_on:
-        _prefetch_on.append(os.environ.get("HYBRID_ENGINE_PREFETCH", "1").strip() != "0")
-        logger.info("weight prefetch before the grid-dependency wait: %s",
-                    "on" if _prefetch_on[0] else "off (HYBRID_ENGINE_PREFETCH=0)")
-    return _prefetch_on[0]
+    """HYBRID_ENGINE_PREFETCH, read and logged once (until ``reset_pdl_choice``)."""
+    on = os.environ.get("HYBRID_ENGINE_PREFETCH", "1").strip() != "0"
+    logger.info("weight prefetch before the grid-dependency wait: %s", "on" if on else "off (HYBRID_ENGINE_PREFETCH=0)")
+    return on
 
 
 def reset_pdl_choice() -> None:
     """Forget the per-device choice and the prefetch switch (tests and A/B benchmarks that change
     HYBRID_ENGINE_PDL or HYBRID_ENGINE_PREFETCH)."""
     _by_device.clear()
-    _prefetch_on.clear()
+    _prefetch_enabled.cache_clear()

@@ -72,14 +72,20 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", 
            "sk_b", "sk_o", "sv_b", "sv_o", "so_t", "hd"}
 
 
-def _memory_ops(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> dict:
+def _ptx(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> str:
+    """The kernel's PTX for sm_90; the optional flags a kernel has (PREFETCH, RELU2, BF16_BITS)
+    take ``prefetch`` / False unless ``consts`` sets them."""
     optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False}     # flags with defaults
     flags = {"PDL": pdl} | {k: v for k, v in optional.items() if k in kernel.arg_names and k not in consts}
     names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
     src = ASTSource(kernel, full, constexprs={**consts, **flags}, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": pdl}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": pdl}).asm["ptx"]
+
+
+def _memory_ops(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> dict:
+    ptx = _ptx(kernel, sig, consts, opts, pdl, prefetch)
     ops = re.findall(r"\b(ld\.global[\w.]*|cp\.async\.[\w.]*|st\.global[\w.]*)", ptx)
     return {op: ops.count(op) for op in set(ops)} | {"griddepcontrol": ptx.count("griddepcontrol")}
 
@@ -96,36 +102,33 @@ def test_pdl_keeps_the_memory_instructions(name):
 def test_early_weight_tile_keeps_the_load_widths():
     """The FP8 one-row projection's first weight tile loaded before the wait (``PREFETCH``) is the
     loop's first iteration peeled off: the PTX has the same kinds of loads (widths, vectors) as
-    without it, and its extra loads come before the wait."""
+    without it. Without PREFETCH nothing is loaded before the wait; with it, some loads are, and
+    no more than one weight tile's worth: (BLOCK_N x BLOCK_K bytes) / (16 bytes x 128 threads)
+    vector loads per thread. (That they read only the weight is checked on the source:
+    test_pdl_contract.py.)"""
     kernel, sig, consts, opts = CASES["fp8_fma"]
     plain = _memory_ops(kernel, sig, consts, opts, True)
     early = _memory_ops(kernel, sig, consts, opts, True, prefetch=True)
     assert plain.pop("griddepcontrol") == 2 and early.pop("griddepcontrol") == 2
     assert set(early) == set(plain), (early, plain)
-    flags = {"PDL": True, "PREFETCH": True, "RELU2": False, "BF16_BITS": False}
-    names = list(sig) + list(consts) + list(flags)
-    full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED and n in sig}
-    src = ASTSource(kernel, full, constexprs={**consts, **flags}, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**opts, "launch_pdl": True}).asm["ptx"]
-    before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-    assert re.search(r"\bld\.global", before_wait), "no weight load issued before the wait"
+
+    def loads_before_wait(prefetch: bool) -> int:
+        ptx = _ptx(kernel, sig, consts, opts, True, prefetch)
+        return len(re.findall(r"\bld\.global", ptx[:ptx.index("griddepcontrol.wait")]))
+    tile_loads = consts["BLOCK_N"] * consts["BLOCK_K"] // (16 * 32 * opts["num_warps"])
+    assert loads_before_wait(False) == 0
+    assert 0 < loads_before_wait(True) <= tile_loads, (loads_before_wait(True), tile_loads)
 
 
 @pytest.mark.parametrize("name", ["linear_fma", "linear_dot", "fp8_fma", "fp8_dot"])
 def test_relu2_on_load_keeps_the_load_widths(name):
     """relu² applied as x is loaded (``RELU2``, the relu² MLP's down_proj) adds arithmetic, not
-    memory instructions: the same loads and stores as without it, vector widths included."""
+    memory instructions: the same loads and stores as without it, vector widths included, and
+    more float32 multiplies (the squares)."""
     kernel, sig, consts, opts = CASES[name]
     plain = _memory_ops(kernel, sig, consts, opts, True)
     fused = _memory_ops(kernel, sig, {**consts, "RELU2": True}, opts, True)
     assert fused == plain, (fused, plain)
-
-    def ptx(relu2: bool) -> str:
-        names = list(sig) + list(consts) + ["PDL", "RELU2", "BF16_BITS", "PREFETCH"]
-        full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
-        flags = {"PDL": True, "RELU2": relu2, "BF16_BITS": False} | ({"PREFETCH": False} if "PREFETCH" in full else {})
-        return triton.compile(ASTSource(kernel, full, constexprs={**consts, **flags}), target=GPUTarget("cuda", 90, 32),
-                              options={**opts, "launch_pdl": True}).asm["ptx"]
-    muls = [len(re.findall(r"\bmul(?:\.\w+)*\.f32\b", ptx(r))) for r in (False, True)]
-    assert muls[1] > muls[0], muls                               # the squares are there
+    muls = [len(re.findall(r"\bmul(?:\.\w+)*\.f32\b", _ptx(kernel, sig, {**consts, "RELU2": r}, opts, True)))
+            for r in (False, True)]
+    assert muls[1] > muls[0], muls

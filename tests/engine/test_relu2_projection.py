@@ -37,3 +37,26 @@ def test_linear_relu2_off_the_fast_path_is_f_linear_of_relu2():
     w, b = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
     assert torch.equal(linear(x, w, b, relu2=True), torch.nn.functional.linear(relu2_ref(x), w, b))
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@torch.no_grad()
+def test_a_global_forward_hook_sees_the_activation():
+    """A hook registered for every module (``register_module_forward_hook``) also takes the
+    unfused path, so it sees relu2(h) as the down projection's input."""
+    g = torch.Generator().manual_seed(5)
+    mlp = MLP(8, 16)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(2, 8, generator=g)
+    seen = {}
+
+    def record(mod, args, out):            # returns None: the module's output is kept
+        seen.setdefault(id(mod), args[0])
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        y = mlp(x)
+    finally:
+        handle.remove()
+    h = mlp.up_proj(x)
+    assert torch.equal(seen[id(mlp.down_proj)], relu2_ref(h))
+    assert torch.equal(y, mlp(x))

@@ -40,6 +40,7 @@ KERNEL_CASES += ["ssd_emit", "ssd_emit_lowp_f16",                  # prefix-cach
                  "conv_windows", "conv_windows_w2_channel_major"]
 KERNEL_CASES += ["ssu_norm", "ssu_norm_k0", "ssu_norm_pblocks", "ssu_norm_f16",  # SSU + norm
                  "ssu_norm_dispatch"]
+KERNEL_CASES += ["linear_fma_relu2", "linear_dot_relu2"]            # relu² applied as x loads
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +95,9 @@ def test_cdiv_is_the_ceiling_of_the_quotient():
     for a in range(0, 70):
         for b in (1, 2, 16, 64):
             assert cdiv(a, b) == math.ceil(a / b) and isinstance(cdiv(a, b), int)
+
+
+def test_every_case_of_the_script_is_asserted(interpreter_results):
+    """A case added to interpret_cases.py but not to KERNEL_CASES would run and never be checked."""
+    ran = {k for k in interpreter_results if not k.startswith("_")}
+    assert ran == set(KERNEL_CASES), (sorted(ran - set(KERNEL_CASES)), sorted(set(KERNEL_CASES) - ran))

@@ -6,8 +6,10 @@ step of the 8B shape (non-finite logits) while one kernel lacked the wait."""
 import pytest
 import torch
 
+import kernel_cases as kc
+
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_kwargs, reset_pdl_choice
+from hybrid_engine.mamba_cache.ops.triton_pdl import HAS_GDC, pdl_kwargs, reset_pdl_choice
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +69,7 @@ def _prefetch_cases():
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for N, K, per_channel in [(1001, 1040, True), (1001, 1040, False), (4096, 4096, True), (37, 160, True),
-                              (2048, 8208, True)]:     # 8208: two full K tiles and a ragged third
+                              (2048, 8208, True)]:     # 8208: four full K tiles of 2048 and a ragged fifth
         w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
         x1 = torch.randn(1, K, device="cuda", generator=g).bfloat16()
         w_q, scale = quantize_fp8(w, per_channel=per_channel)
@@ -77,8 +79,8 @@ def _prefetch_cases():
     return cases
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="PDL needs compute capability 9.0 (Hopper)")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9
+                    or not HAS_GDC, reason="PDL needs compute capability 9.0 (Hopper) and Triton >= 3.5")
 def test_weight_prefetch_changes_no_result(monkeypatch):
     """The first weight tile loaded before the wait (``triton_pdl.first_weight_tile``) only moves
     bytes earlier: each such kernel gives bitwise the same output with it on and off, and that
@@ -87,10 +89,30 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
         want = ref()
         results = {}
         for env in ("0", "1"):
-            poison = torch.full_like(want, float("nan"))    # freed: the output's torch.empty reuses its block
-            del poison
+            kc.poison_allocator("cuda")             # the output's torch.empty gets NaN-filled memory
             results[env] = _with_prefetch(env, monkeypatch, launch)
         assert torch.equal(results["0"], results["1"]), name
         got = results["1"].float()
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9
+                    or not HAS_GDC, reason="PDL needs compute capability 9.0 (Hopper) and Triton >= 3.5")
+def test_fp8_engine_tokens_equal_with_and_without_the_early_weight_tile(wide_target, prompts, monkeypatch):
+    """In an engine step the FP8 one-row projection follows kernels that write its input x: with the
+    early weight tile (PREFETCH) its greedy tokens equal those without it, at batch 1 and 8."""
+    outs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("HYBRID_ENGINE_PREFETCH", env)
+        reset_pdl_choice()
+        try:
+            llm = LLM(wide_target, dtype="bfloat16", device="cuda", max_num_seqs=8, quantization="fp8")
+            params = SamplingParams(max_tokens=24, ignore_eos=True)
+            outs[env] = [[o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+                         for batch in ([prompts[3]], prompts)]
+            del llm
+        finally:
+            monkeypatch.delenv("HYBRID_ENGINE_PREFETCH")
+            reset_pdl_choice()
+    assert outs["1"] == outs["0"]

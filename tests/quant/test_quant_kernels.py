@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "fp8_experts_decode",
-         "fp8_experts_grouped"]
+         "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dot_relu2_f16"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,12 @@ def interpreter_results():
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_under_interpreter(interpreter_results, case):
     assert_case(interpreter_results, case)
+
+
+def test_every_case_of_the_script_is_asserted(interpreter_results):
+    """A case added to quant_cases.py but not to CASES would run and never be checked."""
+    ran = {k for k in interpreter_results if not k.startswith("_")}
+    assert ran == set(CASES), (sorted(ran - set(CASES)), sorted(set(CASES) - ran))
 
 
 def test_launched_kernels_compile_for_sm90(interpreter_results):
