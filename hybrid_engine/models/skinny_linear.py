@@ -112,21 +112,21 @@ def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         a0 += wt * proj_input_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
         if M_ROWS > 1:
             a1 += wt * proj_input_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
         if M_ROWS > 2:
             a2 += wt * proj_input_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
             a3 += wt * proj_input_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
         if M_ROWS > 4:
             a4 += wt * proj_input_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
             a5 += wt * proj_input_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
             a6 += wt * proj_input_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
             a7 += wt * proj_input_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
-                                RELU2, BF16_BITS)[None, :]
+                                      RELU2, BF16_BITS)[None, :]
     _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
     if M_ROWS > 1:
         _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)

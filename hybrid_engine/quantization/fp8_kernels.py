@@ -279,13 +279,6 @@ def _store_codes(ptrs, xv, s, mask, HW_ROUND: tl.constexpr, STATIC: tl.constexpr
 
 
 @triton.jit
-def _load_row_tile(ptrs, mask, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
-    """A tile of the row in float32; RELU2: relu(x)² rounded to x's dtype first (``activation.proj_input_f32``),
-    so the codes equal quantizing that tensor."""
-    return proj_input_f32(tl.load(ptrs, mask=mask, other=0.0), RELU2, BF16_BITS)
-
-
-@triton.jit
 def _quantize_tiles(x_row, q_row, K, s, FAST_DIV: tl.constexpr, HW_ROUND: tl.constexpr, STATIC: tl.constexpr,
                     RELU2: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The second pass of a wide row: its codes under the scale s, tile by tile."""
@@ -293,7 +286,7 @@ def _quantize_tiles(x_row, q_row, K, s, FAST_DIV: tl.constexpr, HW_ROUND: tl.con
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
+        xv = proj_input_f32(tl.load(x_row + offs, mask=mk, other=0.0), RELU2, BF16_BITS)
         tl.store(q_row + offs, _quantize(xv, s, r, FAST_DIV, HW_ROUND, STATIC), mask=mk)
 
 
@@ -315,7 +308,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
     if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
         offs = tl.arange(0, BLOCK_K)
         mk = offs < K
-        xv = _load_row_tile(x_row + offs, mk, RELU2, BF16_BITS)
+        xv = proj_input_f32(tl.load(x_row + offs, mask=mk, other=0.0), RELU2, BF16_BITS)
         if STATIC:
             s = tl.load(in_scale_ptr).to(tl.float32)
         else:

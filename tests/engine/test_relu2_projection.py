@@ -1,7 +1,7 @@
 """The relu² MLP hands its up projection's output to the down projection's ``forward_relu2``
 (``layers.project_relu2``): for the plain ``models.linear.Linear`` that is ``linear(x, w, b,
 relu2=True)``, whose decode kernels apply relu² as they load x (CUDA; the kernels' bit-for-bit
-checks are ``kernel_cases.check_linear_relu2``, under the interpreter and on CUDA). On CPU it is
+checks are ``linear_cases.check_linear_relu2``, under the interpreter and on CUDA). On CPU it is
 F.linear of relu2(x), exactly what the MLP computed before."""
 import torch
 

@@ -15,6 +15,7 @@ torch.set_num_threads(1)
 import checkpoint_cases as cc  # noqa: E402
 import attention_cases as ac  # noqa: E402
 import kernel_cases as kc  # noqa: E402
+import linear_cases as lc  # noqa: E402
 import ssd_pooled_cases as spc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
@@ -255,20 +256,20 @@ CASES = {
                                                                         streaming=st),
                                         "cpu", F32, 5, 48, 12, seed=bt) for bt, nw, st in ((1, 1, False),
                                                                                           (2, 2, True))],
-    "linear_fma": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_fma(
+    "linear_fma": lambda: [lc.check_linear(lambda x, w, b: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
         for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300), (6, 20, 90))],
-    "linear_fma_rows_invariant": lambda: kc.check_linear_rows_invariant(
+    "linear_fma_rows_invariant": lambda: lc.check_linear_rows_invariant(
         lambda x, w, b: skinny_linear_fma(x, w, b, block_n=8, block_k=64), "cpu", 8, 21, 150),
-    "linear_dot": lambda: [kc.check_linear(lambda x, w, b: skinny_linear_dot(
+    "linear_dot": lambda: [lc.check_linear(lambda x, w, b: skinny_linear_dot(
         x, w, b, block_n=32, block_k=64), "cpu", F32, M, N, K, bias=M != 3, seed=M)
         for M, N, K in ((1, 37, 100), (3, 64, 256), (16, 65, 129))],
     # relu² applied as x is loaded (the relu² MLP's down_proj); bfloat16 rounds on the bits there
-    "linear_fma_relu2": lambda: [kc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_fma(
+    "linear_fma_relu2": lambda: [lc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64, **k), "cpu", dt, M, N, K, bias=M != 2, seed=M)
         for dt, M, N, K in ((F32, 1, 37, 100), (torch.float16, 2, 16, 64), (torch.bfloat16, 1, 20, 90),
                             (torch.bfloat16, 5, 9, 70))],
-    "linear_dot_relu2": lambda: [kc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_dot(
+    "linear_dot_relu2": lambda: [lc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_dot(
         x, w, b, block_n=32, block_k=64, **k), "cpu", dt, M, N, K, seed=M)
         # (no bfloat16: the interpreter's bfloat16 tl.dot is wrong without relu² too; CUDA covers it)
         for dt, M, N, K in ((F32, 3, 64, 256), (torch.float16, 1, 37, 100), (torch.float16, 4, 33, 129))],

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kernel_cases as kc
+import linear_cases as lc
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +37,7 @@ def test_skinny_linear(dtype, case):
     impls = [skinny_linear, skinny_linear_dot] + ([skinny_linear_fma] if M <= 8 else [])
     impls += [skinny_linear_f32] if dtype == torch.float32 and M <= 8 else []
     for seed, impl in enumerate(impls):
-        kc.check_linear(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
+        lc.check_linear(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
 
 
 RELU2 = [(1, 4096, 21504), (2, 4096, 21504), (4, 4096, 21504), (8, 4096, 21504), (1, 37, 100), (4, 130, 300)]
@@ -53,14 +54,14 @@ def test_skinny_linear_relu2_on_load(dtype, M, N, K):
     impls = [skinny_linear, skinny_linear_dot, skinny_linear_fma]
     impls += [skinny_linear_f32] if dtype == torch.float32 else []
     for seed, impl in enumerate(impls):
-        kc.check_linear_relu2(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
+        lc.check_linear_relu2(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
 
 
 @pytest.mark.parametrize("M,N,K", [(4, 4096, 4096), (8, 1000, 1024), (3, 18560, 4096)])
 def test_skinny_linear_f32_rows_are_batch_invariant(M, N, K):
     """float32 decode-sized projections: a row's result is the same bits alone or among M rows."""
     from hybrid_engine.models.skinny_linear import skinny_linear_f32
-    kc.check_linear_rows_invariant(skinny_linear_f32, DEV, M, N, K, seed=M)
+    lc.check_linear_rows_invariant(skinny_linear_f32, DEV, M, N, K, seed=M)
 
 
 def test_linear_module_dispatch():
