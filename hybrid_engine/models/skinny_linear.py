@@ -38,8 +38,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @triton.jit
 def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, RELU2: tl.constexpr = False,
-                       BF16_BITS: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -53,8 +52,6 @@ def _linear_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         mk = offs_k < K
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
-        if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
-            xt = proj_input_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN]
         if x_ptr.dtype.element_ty == tl.float32:
@@ -168,10 +165,12 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, p
 
 
 def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warps=4,
-                      num_stages=4, relu2=False):
+                      num_stages=4):
     """x [M <= 16, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (tl.dot kernel; x rows are
-    padded to 16). ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded."""
-    return _launch(_linear_dot_kernel, x, weight, bias, 16, block_n, num_warps, num_stages, relu2=relu2,
+    padded to 16). No relu² on load here (``skinny_linear`` runs the relu² kernel first): in the FP8
+    twin of this kernel, squaring each [16, BLOCK_K] x tile between its load and the dot made the 8B
+    batch-8 step 27% longer (``fp8_kernels.fp8_skinny_linear_dot``)."""
+    return _launch(_linear_dot_kernel, x, weight, bias, 16, block_n, num_warps, num_stages,
                    BLOCK_M=16, BLOCK_K=block_k)
 
 
@@ -238,13 +237,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   relu2: bool = False):
     """x [M <= 16, K] @ weight[N, K]^T (+ bias): the FMA kernel for one row; for 2..16 rows the dot
     kernel, the FMA kernel or cuBLAS by ``_multi_row_route``. ``relu2``: the projection of
-    ``activation.relu2(x)`` (the relu² MLP's down_proj): the kernels apply it as they load x; the
-    cuBLAS route runs the relu² kernel first."""
+    ``activation.relu2(x)`` (the relu² MLP's down_proj): the FMA kernel applies it as it loads x;
+    the dot and cuBLAS routes run the relu² kernel first."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 1:
         return skinny_linear_fma(x, weight, bias, relu2=relu2, **_fma_config(N, K))
     kernel, cfg = _multi_row_route(M, N, K)
-    if kernel == "cublas":
-        return F.linear(relu2_act(x) if relu2 else x, weight, bias)
-    return (skinny_linear_fma if kernel == "fma" else skinny_linear_dot)(x, weight, bias, relu2=relu2, **cfg)
+    if kernel == "fma":
+        return skinny_linear_fma(x, weight, bias, relu2=relu2, **cfg)
+    x = relu2_act(x) if relu2 else x
+    return F.linear(x, weight, bias) if kernel == "cublas" else skinny_linear_dot(x, weight, bias, **cfg)

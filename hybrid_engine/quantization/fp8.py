@@ -14,8 +14,9 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
-``Fp8Linear.forward_relu2``): the decode kernels and the W8A8 path's quantizer apply relu² as they
-read x, so the relu² output is never written in 16 bits.
+``Fp8Linear.forward_relu2``): the one-row decode kernel and the W8A8 path's quantizer apply relu² as
+they read x, so there the relu² output is never written in 16 bits; 2-8 rows run the relu² kernel
+before the dot kernel (``fp8_kernels.fp8_skinny_linear_dot`` says why).
 ``fp8_linear(Fp8Rows, ...)``: rows already quantized by their producer (the block's RMSNorm,
 ``layers.add_norm_for``; ``takes_fp8_rows`` says when), projected without a quantizer pass; the
 projections that share an input (attention's q, k, v) then share one quantization of it.
@@ -163,9 +164,9 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, weight_scale: torch
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                relu2: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype (see the module docstring for the paths). ``relu2``: the
-    projection of ``activation.relu2(x)``; the decode kernels and the W8A8 path's activation
-    quantizer apply it as they read x (the relu² output is never written), the CPU reference calls
-    ``relu2`` first. x an ``Fp8Rows`` [M, K] (``takes_fp8_rows`` held for its 16-bit rows): the
+    projection of ``activation.relu2(x)``; the one-row decode kernel and the W8A8 path's activation
+    quantizer apply it as they read x, the few-row decode path and the CPU reference call ``relu2``
+    first. x an ``Fp8Rows`` [M, K] (``takes_fp8_rows`` held for its 16-bit rows): the
     W8A8 product of its codes."""
     N = w_q.shape[0]
     # stored scale shapes [] / [1] (per tensor) and [N] / [N, 1] (per channel) -> [] or [N] (views)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_interpreting
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
-from hybrid_engine.models.activation import proj_input_f32, relu2_flags, relu2_rounded
+from hybrid_engine.models.activation import proj_input_f32, relu2 as relu2_act, relu2_flags, relu2_rounded
 
 
 @triton.jit
@@ -68,8 +68,7 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
 @triton.jit
 def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                    RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -83,8 +82,6 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         mk = offs_k < K
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
-        if RELU2:                 # exact in x's dtype (activation.relu2_rounded rounds to it)
-            xt = proj_input_f32(xt, RELU2, BF16_BITS).to(x_ptr.dtype.element_ty)
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN] fp8
         acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
@@ -132,8 +129,11 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
 
 
 def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_k=512, num_warps=4,
-                          num_stages=3, relu2=False):
-    """x [M <= 16, K] -> [M, N] in x.dtype (``relu2``: of ``activation.relu2(x)``)."""
+                          num_stages=3):
+    """x [M <= 16, K] -> [M, N] in x.dtype. No relu² on load here: squaring each [16, BLOCK_K] x
+    tile between its load and the dot made the 8B FP8 decode step at batch 8 5.20 -> 6.61 ms (H100,
+    ``benchmarks/results/2026-11-27-relu2-rows-h100.md``), so ``fp8_skinny_linear`` runs the relu²
+    kernel first for 2+ rows."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
     N = w_q.shape[0]
@@ -148,12 +148,13 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **relu2_flags(x, relu2))
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
-    """x [M <= 8, K]: the FMA kernel for one row, the dot kernel for more. Block sizes from H100
+    """x [M <= 8, K]: the FMA kernel for one row (``relu2`` applied as x loads), the dot kernel for
+    more (after the relu² kernel, for ``relu2``). Block sizes from H100
     sweeps of ``benchmarks/fp8_gemv.py`` on the 8B shapes: one row (2, 2048, 4 warps), and (8, 2048,
     8 warps) for the few long rows (N <= 4096, N * K >= 2^24: down_proj and q/o_proj 32.5 -> 31.8 us,
     8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
@@ -171,8 +172,8 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
     # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us)
-    return fp8_skinny_linear_dot(x, w_q, weight_scale, bias, block_n=32, block_k=512, num_stages=3,
-                                 relu2=relu2)
+    return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,
+                                 block_k=512, num_stages=3)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import kernel_cases as kc  # noqa: E402
 import linear_cases as lc  # noqa: E402
 import ssd_pooled_cases as spc  # noqa: E402
 from hybrid_engine.attention.triton_attention import triton_paged_attention  # noqa: E402
-from hybrid_engine.models.skinny_linear import skinny_linear_dot, skinny_linear_fma  # noqa: E402
+from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv import triton_causal_conv1d_varlen  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv_update import triton_causal_conv1d_update  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_conv_windows import triton_conv_windows_before  # noqa: E402
@@ -269,10 +269,9 @@ CASES = {
         x, w, b, block_n=8, block_k=64, **k), "cpu", dt, M, N, K, bias=M != 2, seed=M)
         for dt, M, N, K in ((F32, 1, 37, 100), (torch.float16, 2, 16, 64), (torch.bfloat16, 1, 20, 90),
                             (torch.bfloat16, 5, 9, 70))],
-    "linear_dot_relu2": lambda: [lc.check_linear_relu2(lambda x, w, b, **k: skinny_linear_dot(
-        x, w, b, block_n=32, block_k=64, **k), "cpu", dt, M, N, K, seed=M)
-        # (no bfloat16: the interpreter's bfloat16 tl.dot is wrong without relu² too; CUDA covers it)
-        for dt, M, N, K in ((F32, 3, 64, 256), (torch.float16, 1, 37, 100), (torch.float16, 4, 33, 129))],
+    # the dispatcher: relu² on load in the FMA kernel, the relu² kernel before the dot kernel
+    "linear_dispatch_relu2": lambda: [lc.check_linear_relu2(skinny_linear, "cpu", torch.float16, M, 40, 96,
+                                                            bias=M % 2 == 0, seed=M) for M in range(1, 9)],
     "attention_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                    [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                    hd=16, bs=4),

@@ -46,8 +46,9 @@ RELU2_SHAPES = [(1, 4096, 21504), (2, 4096, 21504), (8, 4096, 21504), (1, 37, 13
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", RELU2_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RELU2_SHAPES])
 def test_fp8_skinny_relu2_on_load(shape, dtype):
-    """The relu² MLP's FP8 down_proj at decode: the kernels apply relu² as they load x (one row: with
-    the first weight tile loaded before the PDL wait), bit for bit the projection of relu2_ref(x)."""
+    """The relu² MLP's FP8 down_proj at decode: the one-row kernel applies relu² as it loads x (with
+    the first weight tile loaded before the PDL wait), 2+ rows run the relu² kernel before the dot
+    kernel; bit for bit the projection of relu2_ref(x)."""
     m, n, k = shape
     qc.check_fp8_relu2(fp8_skinny_linear, DEV, dtype, m, n, k, per_channel=m != 2, seed=m + n)
 

@@ -46,12 +46,11 @@ RELU2 = [(1, 4096, 21504), (2, 4096, 21504), (4, 4096, 21504), (8, 4096, 21504),
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("M,N,K", RELU2)
 def test_skinny_linear_relu2_on_load(dtype, M, N, K):
-    """The relu² MLP's down_proj at decode (``linear(..., relu2=True)``): the FMA and dot kernels
-    apply relu² as they load x, the cuBLAS route (long rows, 2+ rows) runs the relu² kernel first;
-    each bit for bit the projection of relu2_ref(x), and close to it in float64."""
-    from hybrid_engine.models.skinny_linear import (skinny_linear, skinny_linear_dot, skinny_linear_f32,
-                                                    skinny_linear_fma)
-    impls = [skinny_linear, skinny_linear_dot, skinny_linear_fma]
+    """The relu² MLP's down_proj at decode (``linear(..., relu2=True)``): the FMA kernel applies
+    relu² as it loads x, the dot and cuBLAS routes run the relu² kernel first; each bit for bit the
+    projection of relu2_ref(x), and close to it in float64."""
+    from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_f32, skinny_linear_fma
+    impls = [skinny_linear, skinny_linear_fma]
     impls += [skinny_linear_f32] if dtype == torch.float32 else []
     for seed, impl in enumerate(impls):
         lc.check_linear_relu2(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)

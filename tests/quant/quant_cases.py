@@ -308,8 +308,9 @@ def _cases():
                             device=cpu, dtype=f16, per_channel=True),
         "fp8_fma_relu2": run(check_fp8_relu2, FP8_FMA_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_fma(
             x, w, s, b, block_n=8, block_k=64, **k), device=cpu, dtype=torch.bfloat16, per_channel=True),
-        "fp8_dot_relu2_f16": run(check_fp8_relu2, FP8_DOT_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_dot(
-            x, w, s, b, block_n=16, block_k=32, **k), device=cpu, dtype=f16, per_channel=False),
+        # the dispatcher: relu² on load for one row, the relu² kernel then the dot kernel for more
+        "fp8_dispatch_relu2": run(check_fp8_relu2, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
+                                  device=cpu, dtype=f16, per_channel=True),
         "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
             x, p, s, g, b, block_n=16, block_w=4), device=cpu, dtype=f32),
         "nvfp4_dot_swap": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
