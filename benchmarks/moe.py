@@ -16,7 +16,9 @@ distinct routed experts per layer per step (from the per-expert token counts of 
 tokens route independently) + b embedding rows + Mamba states + KV; memory bandwidth is
 measured in the same run (device copy). Prefill tokens/s beside the measured bf16 matmul peak,
 counting the FLOPs of dense weights, the selected experts only, and attention.
-Prints a markdown table; writes ``moe-<shape>.json`` to --out.
+``--quantization fp8``: the end-to-end rows with the weights quantized at load (FP8 linears and
+routed experts; issue 17's "30B-A3B shape in FP8"), their roofline counting the bytes as stored.
+Prints a markdown table; writes ``moe-<shape>-<device>[-fp8].json`` to --out.
 """
 from __future__ import annotations
 
@@ -182,13 +184,14 @@ def weight_split(model) -> tuple[int, int, int]:
 def param_split(model) -> tuple[int, int]:
     """(parameters of every weight a prefill token multiplies by, except the routed experts, the
     embedding table and the lm_head; parameters of one routed expert of one layer). Counted in
-    elements, not bytes: the router stays float32 in a bf16 model."""
+    elements, not bytes: the router stays float32 in a bf16 model. A quantized model's scales
+    (``*_scale``) are not weights a token multiplies by."""
     dense = expert = n_moe = 0
     for name, p in model.named_parameters():
         if name.endswith(("experts.up_proj", "experts.down_proj")):
             expert += p.numel() // p.shape[0]
             n_moe += name.endswith("experts.up_proj")
-        elif not name.endswith(("embeddings.weight", "lm_head.weight")):
+        elif not name.endswith(("embeddings.weight", "lm_head.weight", "_scale")):
             dense += p.numel()
     return dense, expert // max(n_moe, 1)
 
@@ -221,11 +224,15 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
     model, mc = llm.engine.model, llm.engine.cfg.model
     dense, per_expert, emb = weight_split(model)
     moe_layers = len([1 for n, _ in model.named_parameters() if n.endswith("experts.up_proj")])
+    # the most memory held while building (loading, quantizing at load, KV cache, graphs)
+    build_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     print(f"engine ready in {time.perf_counter() - t0:.0f}s: dense {dense / 1e9:.2f} GB, "
-          f"{moe_layers} MoE layers x {mc.n_routed_experts} experts x {per_expert / 1e6:.1f} MB", flush=True)
+          f"{moe_layers} MoE layers x {mc.n_routed_experts} experts x {per_expert / 1e6:.1f} MB, "
+          f"peak GPU memory while building {build_peak / 1e9:.1f} GB", flush=True)
     rng = np.random.default_rng(0)
     params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)   # noqa: E731
-    out = {"decode": [], "prefill": []}
+    out = {"decode": [], "prefill": [], "build_peak_GB": build_peak / 1e9,
+           "weights_GB": (dense + moe_layers * mc.n_routed_experts * per_expert + emb) / 1e9}
     for b in batches:
         prompts = [rng.integers(3, mc.vocab_size, prompt_len).tolist() for _ in range(b)]
         llm.generate(prompts, params(2), use_tqdm=False)                               # warm-up
@@ -305,6 +312,10 @@ def main() -> int:
     ap.add_argument("--profile-prefill", type=int, nargs="*", default=[],
                     help="prefill lengths (of --prefill) to also profile by kernel (CUDA)")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="prefill_cuda_graphs=False (eager prefills)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="end-to-end rows only: LLM(quantization=...) quantizes the random weights at load "
+                         "(FP8: per-channel linears, per-expert routed experts); the roofline counts the "
+                         "stored bytes, the prefill percentage stays against the bf16 matmul peak")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-super-layer", action="store_true", help="no kernel rows for the Super latent layer")
@@ -319,10 +330,11 @@ def main() -> int:
     bw = copy_bandwidth(dev, (1 << 30) if big else (64 << 20))
     peak = matmul_peak(dev, dtype, 8192 if big else 512)
     res = dict(shape=args.shape, device=torch.cuda.get_device_name() if big else "cpu", dtype=str(dtype),
-               copy_bw_TBps=bw / 1e12, matmul_peak_TFLOPs=peak / 1e12, command=" ".join(sys.argv))
+               quantization=args.quantization, copy_bw_TBps=bw / 1e12, matmul_peak_TFLOPs=peak / 1e12,
+               command=" ".join(sys.argv))
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"moe-{args.shape}-{dev.type}.json"
+    path = args.out / f"moe-{args.shape}-{dev.type}{'-' + args.quantization if args.quantization else ''}.json"
     if not args.skip_kernels:
         res["kernels"] = kernel_rows(shape, dev, dtype, args.tokens, bw, peak)
         save_json(path, res)
@@ -337,12 +349,13 @@ def main() -> int:
     if not args.skip_e2e:
         res.update(e2e(shape, dev, dtype, args.batches, args.prefill, args.gen, args.prompt_len, bw, peak,
                        args.kv_fraction, profile_lens=set(args.profile_prefill),
-                       **({"prefill_cuda_graphs": False} if args.no_prefill_graphs else {})))
+                       **({"prefill_cuda_graphs": False} if args.no_prefill_graphs else {}),
+                       **({"quantization": args.quantization} if args.quantization else {})))
         save_json(path, res)
     if args.vs_transformers:
         res["cpu_vs_transformers"] = cpu_vs_transformers()
         save_json(path, res)
-    print(f"\n### MoE {args.shape} on {res['device']} ({dtype}; copy {bw / 1e12:.2f} TB/s, "
+    print(f"\n### MoE {args.shape} on {res['device']} ({dtype}{', ' + args.quantization if args.quantization else ''}; copy {bw / 1e12:.2f} TB/s, "
           f"matmul {peak / 1e12:.0f} TFLOP/s)\n")
     for key, title in (("kernels", f"{args.shape} MoE layer"), ("kernels_super_layer", "Super latent expert layer")):
         if key not in res:

@@ -55,5 +55,8 @@ def build_model(model_cfg, model_dir, dtype: torch.dtype, device: torch.device, 
     if q is not None and q.source == "online":
         from hybrid_engine.quantization.linear import quantize_linears
         quantize_linears(model, q)
+        if torch.device(device).type == "cuda":
+            # the freed 16-bit weights go back to the device: the KV budget is a share of free memory
+            torch.cuda.empty_cache()
     model.reset_runtime_state()      # buffers outside the checkpoint (to_empty left them unset)
     return model.eval()

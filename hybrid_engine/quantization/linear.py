@@ -239,13 +239,18 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
 
     ``stored`` (source "checkpoint"): {module name: {tensor suffix: shape}} of the layers the
     checkpoint stores quantized; exactly those are swapped. Source "online": every ``nn.Linear``
-    whose name ``q`` does not exclude (a weight shared with the embeddings stays 16-bit)."""
+    whose name ``q`` does not exclude (a weight shared with the embeddings stays 16-bit).
+
+    Online, the 16-bit model is on the device: each layer's 16-bit module is freed as soon as its
+    quantized one replaces it (the loops hold names, not modules), so the peak stays the 16-bit
+    weights plus one layer's worth, not the 16-bit and quantized models together (the full
+    Nano-30B-A3B, 63 GB in bf16, ran out of memory on an 80 GB H100 that way)."""
     build = LINEAR_METHODS[(q.method, q.source)]
     shared = {id(p) for n, p in model.named_parameters() if n.endswith("embeddings.weight")}
     names = []
-    for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear) or isinstance(mod, QuantLinear):
-            continue
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)]
+    for name in linears:
+        mod = model.get_submodule(name)
         if stored is not None:
             if name not in stored:
                 continue
@@ -255,7 +260,9 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
             logger.info("%s stays 16-bit: NVFP4 needs in_features (%d) to be a multiple of %d", name,
                         mod.in_features, GROUP)
             continue
-        _swap(model, name, build(mod, (stored or {}).get(name, {})))
+        new = build(mod, (stored or {}).get(name, {}))
+        del mod                                   # the last reference besides the parent's
+        _swap(model, name, new)
         names.append(name)
     if stored is not None:
         rest = sorted(set(stored) - set(names))
@@ -275,10 +282,9 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
     elif q.method == "fp8":
         from hybrid_engine.models.moe import Experts
         from .experts import Fp8Experts
-        for name, mod in list(model.named_modules()):
-            if isinstance(mod, Experts) and not q.excluded(name):
-                _swap(model, name, Fp8Experts.quantized_from(mod))
-                names.append(name)
+        for name in [n for n, m in model.named_modules() if isinstance(m, Experts) and not q.excluded(n)]:
+            _swap(model, name, Fp8Experts.quantized_from(model.get_submodule(name)))
+            names.append(name)
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
     logger.info("quantization %s (%s): %d linear / expert modules quantized; kernels: %s", q.method, q.source,
                 len(names), _KERNELS[q.method])

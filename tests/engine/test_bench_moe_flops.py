@@ -39,3 +39,20 @@ def test_prefill_flops_counts_the_experts_of_every_moe_layer():
     assert param_split(llm16.engine.model) == (dense, per_expert)
     one_layer = prefill_flops(mc, n, dense, per_expert, 1)     # the old count
     assert one_layer < 0.85 * by_hand
+
+
+def test_fp8_rows_count_the_experts_as_stored():
+    """``moe.py --quantization fp8``: the random weights are quantized at load (routed experts and
+    linears), and the roofline's byte count (``weight_split``) takes an FP8 expert at one byte a
+    weight, half a bf16 one; the prefill FLOPs (``param_split``) do not change."""
+    from benchmarks.moe import weight_split
+    from hybrid_engine.quantization.experts import Fp8Experts
+    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
+    bf16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15).engine.model
+    fp8 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15, quantization="fp8").engine.model
+    assert sum(isinstance(m, Fp8Experts) for m in fp8.modules()) == SHAPE_TINY["pattern"].count("E")
+    dense16, expert16, emb16 = weight_split(bf16)
+    dense8, expert8, emb8 = weight_split(fp8)
+    assert expert16 == 2 * expert8 and emb8 == emb16
+    assert dense8 < 0.75 * dense16            # the linears are FP8 too (the router and norms are not)
+    assert param_split(fp8) == param_split(bf16)
