@@ -152,6 +152,16 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
     return y
 
 
+def _wastes_wide_k_tiles(K: int) -> bool:
+    """True when 2048-wide K tiles would leave over a fifth of their lanes masked (the Nano widths:
+    K = 2688 takes two tiles, 4096 lanes). Such rows take (4, 1024, 4 warps): the best, or within 2%
+    of it, of 15 one-row configs on the three K = 2688 projections of the Nano-30B-A3B shape (mamba
+    in_proj 13.7 -> 12.0 us, attention q_proj 7.3 -> 6.0, shared-expert up 7.3 -> 5.7; H100,
+    ``benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md``). K = 3712 and 4096 keep the 2048
+    tiles, best there in the same sweep."""
+    return cdiv(K, 2048) * 2048 * 4 > 5 * K
+
+
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     """x [M <= 8, K]: the FMA kernel for one row (``relu2`` applied as x loads), the dot kernel for
     more (after the relu² kernel, for ``relu2``). Block sizes from H100
@@ -159,11 +169,15 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     8 warps) for the few long rows (N <= 4096, N * K >= 2^24: down_proj and q/o_proj 32.5 -> 31.8 us,
     8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
     (2, 4096, 8);
-    ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); more rows 32-wide tiles, K tiles of
+    ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``), and (4, 1024, 4) where wide K tiles
+    would be mostly masked (``_wastes_wide_k_tiles``); more rows 32-wide tiles, K tiles of
     512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
     M, K = x.shape
     N = w_q.shape[0]
     if M == 1:
+        if _wastes_wide_k_tiles(K):
+            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=4, block_k=1024, num_warps=4,
+                                         relu2=relu2)
         if N <= 4096 and N * K >= (1 << 24):
             return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8,
                                          relu2=relu2)

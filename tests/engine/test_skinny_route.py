@@ -30,3 +30,23 @@ def test_fma_route_configs_by_rows():
     """k/v at 2 rows: one walk of (2, 2048); at 3-4 rows: (4, 1024) (H100 6.6 us vs 8.8 for the dot kernel)."""
     assert _multi_row_route(2, 1024, 4096)[1] == dict(block_n=2, block_k=2048, num_warps=4)
     assert _multi_row_route(4, 1024, 4096)[1] == dict(block_n=4, block_k=1024, num_warps=4)
+
+
+def test_fp8_one_row_configs_of_the_swept_shapes(monkeypatch):
+    """The FP8 one-row dispatch (``fp8_kernels.fp8_skinny_linear``) on the shapes its configs were
+    swept on: K = 2688 (Nano: mamba in_proj, q_proj, shared-expert up) takes (4, 1024, 4), whose
+    K tiles are not mostly masked; the 8B shapes and the Nano K = 3712 / 4096 ones keep 2048-wide
+    tiles (benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md, 2026-11-26-fp8-gemv-reduce-h100.md)."""
+    import torch
+    from hybrid_engine.quantization import fp8_kernels
+    seen = []
+    monkeypatch.setattr(fp8_kernels, "fp8_skinny_linear_fma",
+                        lambda x, w, s, b, **cfg: seen.append((cfg["block_n"], cfg["block_k"], cfg["num_warps"])))
+    want = {(10304, 2688): (4, 1024, 4), (4096, 2688): (4, 1024, 4), (3712, 2688): (4, 1024, 4),
+            (2688, 4096): (2, 2048, 4), (2688, 3712): (2, 2048, 4), (18560, 4096): (2, 2048, 4),
+            (4096, 21504): (8, 2048, 8), (4096, 4096): (8, 2048, 8), (1024, 4096): (2, 2048, 4)}
+    for (N, K), cfg in want.items():
+        seen.clear()
+        fp8_kernels.fp8_skinny_linear(torch.zeros(1, K), torch.zeros(N, K, dtype=torch.float8_e4m3fn),
+                                      torch.ones(N))
+        assert seen == [cfg], ((N, K), seen)
