@@ -8,9 +8,11 @@
   (``torch._scaled_mm``) with the activations quantized by the torch ops (before) and by the one-pass
   Triton kernel (``quantize_rows_fp8``), per-channel weight scales and per-token activation scales.
 
-Totals weight each shape by its calls per 8B step.
+Totals weight each shape by its calls per step. ``--model nano``: the Nemotron-3-Nano-30B-A3B
+projections that ``fp8_skinny_linear`` runs under ``quantization="fp8"`` (Mamba, attention and the
+shared expert; the lm_head stays 16-bit), with the one-row configs swept for them.
 
-    python benchmarks/fp8_gemv.py [--m 1 2 4 8] [--prefill 2048 8192] [--json f.json]
+    python benchmarks/fp8_gemv.py [--model 8b|nano] [--m 1 2 4 8] [--prefill 2048 8192] [--json f.json]
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import graph_ms, sweep_header, time_candidates  # noqa: E402
-from benchmarks.gemv import SHAPES  # noqa: E402
+from benchmarks.gemv import NANO_SHAPES, SHAPES  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
 from hybrid_engine.quantization.fp8 import quantize_activations, quantize_fp8  # noqa: E402
 from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,  # noqa: E402
@@ -34,6 +36,14 @@ from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinn
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (1, 2048, 4), (2, 2048, 4),
                                (4, 2048, 8), (8, 2048, 8), (2, 4096, 8), (4, 512, 4), (1, 4096, 4))]
+# the Nano sweep (hidden 2688: K tiles of 2048 leave a third of their lanes masked;
+# benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md)
+NANO_FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
+                 for bn, bk, nw in ((2, 2048, 4), (8, 2048, 8), (2, 1024, 4), (4, 1024, 4), (8, 1024, 8),
+                                    (2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 512, 8),
+                                    (4, 256, 4), (8, 256, 4), (16, 256, 4), (16, 128, 4), (8, 128, 4))]
+FP8_NANO_SHAPES = ([s for s in NANO_SHAPES if s[0] != "lm_head"]
+                   + [("shared up", 3712, 2688, 23), ("shared down", 2688, 3712, 23)])
 DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
             for bn, bk, nw, st in ((16, 512, 4, 3), (16, 1024, 4, 3), (32, 512, 4, 3), (32, 256, 4, 4),
                                    (64, 256, 4, 4), (16, 256, 4, 4), (32, 1024, 4, 2), (64, 512, 4, 3))]
@@ -43,8 +53,8 @@ def _copies(nbytes: int) -> int:
     return max(1, min(8, -(-(200 << 20) // nbytes)))          # working set beyond L2
 
 
-def decode(ms_list, bw, res):
-    for name, N, K, per_step in SHAPES:
+def decode(ms_list, bw, res, shapes=SHAPES, fma_cfgs=FMA_CFGS):
+    for name, N, K, per_step in shapes:
         w = torch.randn(N, K, device="cuda") * 0.02
         q, s = quantize_fp8(w, per_channel=True)
         ws = [(q.clone(), s.clone()) for _ in range(_copies(N * K))]
@@ -56,7 +66,7 @@ def decode(ms_list, bw, res):
             cands = [("rule", {}, lambda a, x=x: fp8_skinny_linear(x, *a))]
             cands += [("dot", c, lambda a, x=x, c=c: fp8_skinny_linear_dot(x, *a, **c)) for c in DOT_CFGS]
             if M == 1:
-                cands += [("fma", c, lambda a, x=x, c=c: fp8_skinny_linear_fma(x, *a, **c)) for c in FMA_CFGS]
+                cands += [("fma", c, lambda a, x=x, c=c: fp8_skinny_linear_fma(x, *a, **c)) for c in fma_cfgs]
             for kind, cfg, ms, err in time_candidates(f"{name} M={M}", cands, ws, ref):
                 nbytes = N * K + 4 * N + (M * K + M * N) * 2
                 res.append(dict(part="decode", shape=name, N=N, K=K, M=M, per_step=per_step, kind=kind, cfg=cfg,
@@ -79,8 +89,8 @@ def _scaled_mm(x, q, s, quant):
     return torch._scaled_mm(x_q, q.t(), scale_a=xs, scale_b=s.reshape(1, -1), out_dtype=x.dtype)
 
 
-def prefill(tokens_list, res):
-    for name, N, K, per_step in SHAPES:
+def prefill(tokens_list, res, shapes=SHAPES):
+    for name, N, K, per_step in shapes:
         if name == "lm_head":            # prefill takes the logits of the last tokens only
             continue
         w = torch.randn(N, K, device="cuda") * 0.02
@@ -105,13 +115,13 @@ def prefill(tokens_list, res):
         torch.cuda.empty_cache()
 
 
-def summary(res, head) -> str:
-    lines = [head, "", "## Decode (one 8B step's projections, weighted by calls per step)", "",
+def summary(res, head, shapes=SHAPES, model="8B") -> str:
+    lines = [head, "", f"## Decode (one {model} step's projections, weighted by calls per step)", "",
              "| M | bf16 rule ms | fp8 rule ms | fp8 best per shape ms | fp8 rule / bf16 | best / bf16 |",
              "|---|---|---|---|---|---|"]
     for M in sorted({r["M"] for r in res if r["part"] == "decode"}):
         tot = {"bf16": 0.0, "rule": 0.0, "best": 0.0}
-        for name, N, K, per_step in SHAPES:
+        for name, N, K, per_step in shapes:
             rows = [r for r in res if r["part"] == "decode" and r["shape"] == name and r["M"] == M]
             by = {k: [r for r in rows if r["kind"] == k] for k in ("bf16 rule", "rule")}
             fp8 = sorted([r for r in rows if r["kind"] not in ("bf16 rule",)], key=lambda r: r["ms"])
@@ -128,7 +138,7 @@ def summary(res, head) -> str:
                          f"{tot['bf16'] / tot['rule']:.2f}x | {tot['bf16'] / tot['best']:.2f}x |")
     pre = [r for r in res if r["part"] == "prefill"]
     if pre:
-        lines += ["", "## Prefill (one 8B step's projections)", "",
+        lines += ["", f"## Prefill (one {model} step's projections)", "",
                   "| tokens | bf16 ms | fp8 torch quant ms | fp8 triton quant ms | quant only ms | fp8 (triton) vs bf16 |",
                   "|---|---|---|---|---|---|"]
         for T in sorted({r["T"] for r in pre}):
@@ -146,14 +156,16 @@ def main() -> int:
     ap.add_argument("--m", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--model", choices=["8b", "nano"], default="8b")
     args = ap.parse_args()
+    shapes, fma_cfgs = (SHAPES, FMA_CFGS) if args.model == "8b" else (FP8_NANO_SHAPES, NANO_FMA_CFGS)
     head, bw = sweep_header()
     res = []
     if args.m:
-        decode(args.m, bw, res)
+        decode(args.m, bw, res, shapes, fma_cfgs)
     if args.prefill:
-        prefill(args.prefill, res)
-    text = summary(res, head)
+        prefill(args.prefill, res, shapes)
+    text = summary(res, head, shapes, "8B" if args.model == "8b" else "Nano-30B-A3B")
     print(text, flush=True)
     if args.json:
         args.json.write_text(json.dumps(dict(head=head, rows=res), indent=1))

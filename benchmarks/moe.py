@@ -220,6 +220,8 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_config(tmp / "m", shape)
     t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)       # the build's own peak, not the kernel rows'
     llm = build_llm(model_dir, dev, dtype, max(batches), max(prefill_lens + [2048]), kv_fraction, **engine_kw)
     model, mc = llm.engine.model, llm.engine.cfg.model
     dense, per_expert, emb = weight_split(model)
@@ -335,6 +337,8 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s, {dtype} matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"moe-{args.shape}-{dev.type}{'-' + args.quantization if args.quantization else ''}.json"
+    if args.quantization and not args.skip_kernels:
+        print("note: the kernel rows stay bf16; --quantization applies to the end-to-end rows", flush=True)
     if not args.skip_kernels:
         res["kernels"] = kernel_rows(shape, dev, dtype, args.tokens, bw, peak)
         save_json(path, res)
@@ -355,7 +359,8 @@ def main() -> int:
     if args.vs_transformers:
         res["cpu_vs_transformers"] = cpu_vs_transformers()
         save_json(path, res)
-    print(f"\n### MoE {args.shape} on {res['device']} ({dtype}{', ' + args.quantization if args.quantization else ''}; copy {bw / 1e12:.2f} TB/s, "
+    quant_tag = f", {args.quantization}" if args.quantization else ""
+    print(f"\n### MoE {args.shape} on {res['device']} ({dtype}{quant_tag}; copy {bw / 1e12:.2f} TB/s, "
           f"matmul {peak / 1e12:.0f} TFLOP/s)\n")
     for key, title in (("kernels", f"{args.shape} MoE layer"), ("kernels_super_layer", "Super latent expert layer")):
         if key not in res:

@@ -36,8 +36,8 @@ if triton_available():
     @triton.jit
     def relu2_rounded(xf, dtype: tl.constexpr, BF16_BITS: tl.constexpr):
         """relu(x)² of float32 ``xf`` rounded to ``dtype`` (x's), back in float32, as ``relu2``
-        writes it: the projections that apply relu² to x as they load it (``skinny_linear``, the FP8
-        kernels) give the projection of ``relu2(x)`` bit for bit. Non-decreasing in x (each rounding
+        writes it: the projections that apply relu² to x as they load it (the register-FMA kernels:
+        ``skinny_linear``'s and the one-row FP8 one) give the projection of ``relu2(x)`` bit for bit. Non-decreasing in x (each rounding
         is), so the largest value of a row is this of the row's largest x. The interpreter's
         float32 -> bfloat16 cast does not round to nearest even, so there (BF16_BITS: bfloat16 x
         under the interpreter) the rounding is done on the bits: add 0x7FFF plus the kept lowest

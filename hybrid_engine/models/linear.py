@@ -26,8 +26,9 @@ _FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            relu2: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; ``relu2``: of ``activation.relu2(x)``, which the decode
-    kernels apply as they load x (no relu² kernel, no [M, K] round trip)."""
+    """``F.linear(x, weight, bias)``; ``relu2``: of ``activation.relu2(x)``, which the decode FMA
+    kernel applies as it loads x (no relu² kernel, no [M, K] round trip); the dot and cuBLAS routes
+    run the relu² kernel first (``skinny_linear.skinny_linear``)."""
     if (x.dim() == 2 and x.shape[0] <= _MAX_ROWS and x.is_cuda and x.dtype in _FAST_DTYPES
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and kernel_backend("skinny_linear", x.device) == "triton"):

@@ -181,7 +181,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w_q: torch.Tensor, weight_scale: torch
     path = _path(x2.shape[0], K, N, x2.dtype, x2.device)
     if path == "skinny":
         from .fp8_kernels import fp8_skinny_linear
-        y = fp8_skinny_linear(x2.contiguous(), w_q, weight_scale, bias, relu2=relu2)   # relu² as x loads
+        y = fp8_skinny_linear(x2.contiguous(), w_q, weight_scale, bias, relu2=relu2)   # relu² on load at one row
         return y.view(*lead, N)
     if path == "w8a8":
         return fp8_scaled_mm(x2, w_q, weight_scale, input_scale, bias, relu2=relu2).view(*lead, N)

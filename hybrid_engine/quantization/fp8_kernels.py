@@ -154,11 +154,12 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
 
 def _wastes_wide_k_tiles(K: int) -> bool:
     """True when 2048-wide K tiles would leave over a fifth of their lanes masked (the Nano widths:
-    K = 2688 takes two tiles, 4096 lanes). Such rows take (4, 1024, 4 warps): the best, or within 2%
-    of it, of 15 one-row configs on the three K = 2688 projections of the Nano-30B-A3B shape (mamba
-    in_proj 13.7 -> 12.0 us, attention q_proj 7.3 -> 6.0, shared-expert up 7.3 -> 5.7; H100,
-    ``benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md``). K = 3712 and 4096 keep the 2048
-    tiles, best there in the same sweep."""
+    K = 2688 takes two tiles, 4096 lanes, a third masked). Such rows take (4, 1024, 4 warps): the
+    best, or within 2% of it, of 15 one-row configs on the three K = 2688 projections of the
+    Nano-30B-A3B shape (mamba in_proj 13.8 -> 12.0 us, attention q_proj 7.3 -> 6.0, shared-expert up
+    7.2 -> 5.7; H100, ``benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md``). K = 3712 and 4096
+    keep the 2048 tiles, best there in the same sweep. Other widths it takes (K < 1639, 3072,
+    4480, ...) were not measured; it comes before the long-row rule."""
     return cdiv(K, 2048) * 2048 * 4 > 5 * K
 
 
@@ -170,7 +171,7 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
     (2, 4096, 8);
     ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``), and (4, 1024, 4) where wide K tiles
-    would be mostly masked (``_wastes_wide_k_tiles``); more rows 32-wide tiles, K tiles of
+    would leave over a fifth of their lanes masked (``_wastes_wide_k_tiles``); more rows 32-wide tiles, K tiles of
     512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
     M, K = x.shape
     N = w_q.shape[0]

@@ -35,7 +35,7 @@ def test_fma_route_configs_by_rows():
 def test_fp8_one_row_configs_of_the_swept_shapes(monkeypatch):
     """The FP8 one-row dispatch (``fp8_kernels.fp8_skinny_linear``) on the shapes its configs were
     swept on: K = 2688 (Nano: mamba in_proj, q_proj, shared-expert up) takes (4, 1024, 4), whose
-    K tiles are not mostly masked; the 8B shapes and the Nano K = 3712 / 4096 ones keep 2048-wide
+    K tiles leave fewer lanes masked; the 8B shapes and the Nano K = 3712 / 4096 ones keep 2048-wide
     tiles (benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md, 2026-11-26-fp8-gemv-reduce-h100.md)."""
     import torch
     from hybrid_engine.quantization import fp8_kernels

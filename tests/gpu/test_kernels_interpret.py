@@ -40,7 +40,7 @@ KERNEL_CASES += ["ssd_emit", "ssd_emit_lowp_f16",                  # prefix-cach
                  "conv_windows", "conv_windows_w2_channel_major"]
 KERNEL_CASES += ["ssu_norm", "ssu_norm_k0", "ssu_norm_pblocks", "ssu_norm_f16",  # SSU + norm
                  "ssu_norm_dispatch"]
-KERNEL_CASES += ["linear_fma_relu2", "linear_dispatch_relu2"]      # relu² applied as x loads
+KERNEL_CASES += ["linear_fma_relu2", "linear_dispatch_relu2"]      # the relu² MLP's down_proj
 
 
 @pytest.fixture(scope="module")

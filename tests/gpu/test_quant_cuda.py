@@ -40,7 +40,8 @@ def test_fp8_skinny_kernel(shape, per_channel, dtype):
     qc.check_fp8(fp8_skinny_linear, DEV, dtype, m, n, k, per_channel, seed=m + n)
 
 
-RELU2_SHAPES = [(1, 4096, 21504), (2, 4096, 21504), (8, 4096, 21504), (1, 37, 130), (3, 1, 17)]
+# one row: the long-row (8, 2048, 8), the plain (2, 2048, 4) and the narrow-K (4, 1024, 4) configs
+RELU2_SHAPES = [(1, 4096, 21504), (1, 5000, 4096), (1, 37, 130), (2, 4096, 21504), (8, 4096, 21504), (3, 1, 17)]
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
