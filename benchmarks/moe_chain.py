@@ -4,13 +4,18 @@ graph: router logits and routing with the shared expert beside them on a side st
 (``moe_ops.beside``), routed experts, combine (CUDA); ``--serial`` also times one stream.
 
     python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--shared-tiles 8,512,4]
+                                   [--expert-tiles up:16,512,4 down:8,512,4] [--fp8]
                                    [--profile] [--serial] --out DIR
 
 Per token count: microseconds per layer and the layer's bytes over that time (at one token: six
 experts, the shared expert and the float32 router); with --router-tiles, the layer and a
 router-only chain under each (BLOCK_N, BLOCK_K, warps) of the router GEMV; with --shared-tiles,
 the layer under each tile of the shared expert's two GEMVs (bf16 ``rowwise``: they run beside the
-router, so a tile that is best alone need not be best here); with --profile, each
+router, so a tile that is best alone need not be best here); with --expert-tiles, the layer under
+each tile of the routed experts' up or down GEMV; with --fp8, the layers as ``quantization="fp8"``
+builds them (routed experts FP8 with a scale per expert, the shared expert's two projections FP8
+with per-channel scales through ``fp8_linear``; the float32 router stays). Under any candidate
+tiles the default is timed again last, so the run's own drift shows. With --profile, each
 kernel's time in a layer at one token with programmatic dependent launch off (with it on, the
 profiler counts a kernel from its early launch). HYBRID_ENGINE_PDL=0 runs the whole thing without
 PDL. Writes moe-chain.json to --out.
@@ -38,18 +43,37 @@ D, F, F_SHARED = (SHAPE_NANO[k] for k in ("hidden_size", "moe_intermediate_size"
 E, TOP_K = SHAPE_NANO["n_routed_experts"], SHAPE_NANO["num_experts_per_tok"]
 
 
-def make_layers(n: int, dev) -> list[dict]:
+def make_layers(n: int, dev, fp8: bool = False) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     def w(*shape, dtype=torch.bfloat16):
         return (torch.randn(*shape, generator=g, device=dev) * 0.02).to(dtype)
-    return [dict(gate=w(E, D, dtype=torch.float32), bias=torch.zeros(E, device=dev), up=w(E, F, D),
-                 down=w(E, D, F), s_up=w(F_SHARED, D), s_down=w(D, F_SHARED)) for _ in range(n)]
+    layers = [dict(gate=w(E, D, dtype=torch.float32), bias=torch.zeros(E, device=dev), up=w(E, F, D),
+                   down=w(E, D, F), s_up=w(F_SHARED, D), s_down=w(D, F_SHARED)) for _ in range(n)]
+    return [fp8_layer(ly) for ly in layers] if fp8 else layers
+
+
+def fp8_layer(ly: dict) -> dict:
+    """``ly`` as ``quantization="fp8"`` stores it: routed experts with one scale per expert and
+    projection (``Fp8Experts.quantized_from``), the shared expert's projections per channel."""
+    from hybrid_engine.quantization.fp8 import quantize_fp8
+    out = dict(gate=ly["gate"], bias=ly["bias"])
+    for name in ("up", "down"):
+        pairs = [quantize_fp8(ly[name][e], per_channel=False) for e in range(ly[name].shape[0])]
+        out[name] = torch.stack([q for q, _ in pairs])
+        out[name + "_scale"] = torch.stack([s.reshape(()) for _, s in pairs]).float()
+    for name in ("s_up", "s_down"):
+        out[name], out[name + "_scale"] = quantize_fp8(ly[name], per_channel=True)
+    return out
 
 
 def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
     """One layer as the model runs it: the shared expert on a side stream beside the router and
     routing (``moe_ops.beside``); ``serial``: all on one stream, shared expert after the routing."""
     def shared():
+        if "s_up_scale" in ly:           # FP8, as Fp8Linear runs it (relu² through forward_relu2)
+            from hybrid_engine.quantization.fp8 import fp8_linear
+            h = fp8_linear(x, ly["s_up"], ly["s_up_scale"])
+            return fp8_linear(h, ly["s_down"], ly["s_down_scale"], relu2=True)
         return triton_moe.rowwise_linear_triton(triton_moe.rowwise_linear_triton(x, ly["s_up"], relu2=True),
                                                 ly["s_down"])
 
@@ -62,25 +86,37 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
             s = shared()
         else:
             s, (ids, wts) = beside(shared, routing, x.device)
-        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s)
+        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s,
+                                         up_scale=ly.get("up_scale"), down_scale=ly.get("down_scale"))
     return run
 
 
-def tiles_rule(real, router=None, shared=None):
-    """``triton_moe.gemv_tiles`` with the ``rowwise`` role's tiles replaced: ``router`` for the
-    float32 router weight, ``shared`` for the 16-bit shared-expert weights (None: ``real``'s)."""
+def tiles_rule(real, router=None, shared=None, up=None, down=None):
+    """``triton_moe.gemv_tiles`` with some roles' tiles replaced: ``router`` for the float32 router
+    weight, ``shared`` for the 16-bit shared-expert weights (``rowwise``), ``up`` / ``down`` for the
+    routed experts' GEMVs (None: ``real``'s)."""
     def rule(role, tokens, weight):
         if role == "rowwise":
             tiles = router if weight.element_size() == 4 else shared
-            if tiles is not None:
-                return tiles
-        return real(role, tokens, weight)
+        else:
+            tiles = up if role == "up" else down
+        return tiles if tiles is not None else real(role, tokens, weight)
     return rule
 
 
-def layer_bytes(tokens: int) -> int:
+def parse_expert_tiles(text: str) -> tuple[str, tuple[int, int, int]]:
+    """"up:16,512,4" -> ("up", (16, 512, 4)); ValueError naming the accepted form otherwise."""
+    role, _, tiles = text.partition(":")
+    vals = tiles.split(",")
+    if role not in ("up", "down") or len(vals) != 3 or not all(v.strip().isdigit() for v in vals):
+        raise ValueError(f"--expert-tiles takes ROLE:BLOCK_N,BLOCK_K,WARPS with ROLE up or down, got {text!r}")
+    return role, tuple(int(v) for v in vals)
+
+
+def layer_bytes(tokens: int, weight_bytes: int = 2) -> int:
+    """Bytes a layer reads (``weight_bytes`` per expert / shared-expert weight: 2 bf16, 1 FP8)."""
     experts = min(tokens * TOP_K, E)                     # at most; exactly 6 at one token
-    return experts * 2 * D * F * 2 + 2 * D * F_SHARED * 2 + E * D * 4
+    return (experts * 2 * D * F + 2 * D * F_SHARED) * weight_bytes + E * D * 4
 
 
 def main() -> int:
@@ -90,6 +126,9 @@ def main() -> int:
     ap.add_argument("--router-tiles", nargs="*", default=[], help="BLOCK_N,BLOCK_K,warps candidates")
     ap.add_argument("--shared-tiles", nargs="*", default=[],
                     help="BLOCK_N,BLOCK_K,warps candidates for the shared expert's GEMVs")
+    ap.add_argument("--expert-tiles", nargs="*", default=[],
+                    help="ROLE:BLOCK_N,BLOCK_K,warps candidates for the routed experts' GEMVs (ROLE up or down)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 routed and shared experts, as quantization='fp8'")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--serial", action="store_true",
                     help="also time each layer on one stream (the shared expert after the routing, as before)")
@@ -98,9 +137,11 @@ def main() -> int:
     dev = torch.device("cuda")
     spec = RouteSpec(num_experts=E, top_k=TOP_K, n_group=SHAPE_NANO["n_group"], topk_group=SHAPE_NANO["topk_group"],
                      norm_topk_prob=SHAPE_NANO["norm_topk_prob"], scale=SHAPE_NANO["routed_scaling_factor"])
-    layers = make_layers(args.layers, dev)
+    expert_tiles = [parse_expert_tiles(t) for t in args.expert_tiles]     # before any GPU work
+    layers = make_layers(args.layers, dev, fp8=args.fp8)
+    wbytes = 1 if args.fp8 else 2
     pdl = triton_pdl.pdl_kwargs(dev)["PDL"]
-    res = dict(device=torch.cuda.get_device_name(), pdl=pdl, command=" ".join(sys.argv), rows=[])
+    res = dict(device=torch.cuda.get_device_name(), pdl=pdl, fp8=args.fp8, command=" ".join(sys.argv), rows=[])
     print(f"{res['device']}, PDL {'on' if pdl else 'off'}, {args.layers} layers", flush=True)
     real_tiles = triton_moe.gemv_tiles
     for T in args.tokens:
@@ -108,10 +149,15 @@ def main() -> int:
         calls = [layer_fn(ly, x, spec) for ly in layers]
         routers = [lambda ly=ly: router_logits(x, ly["gate"]) for ly in layers]
         parse = lambda t: tuple(int(v) for v in t.split(","))       # noqa: E731
-        variants = ([(None, None)] + [(parse(t), None) for t in args.router_tiles]
-                    + [(None, parse(t)) for t in args.shared_tiles])
-        for router_t, shared_t in variants:
-            triton_moe.gemv_tiles = tiles_rule(real_tiles, router_t, shared_t)
+        variants = ([dict()] + [dict(router=parse(t)) for t in args.router_tiles]
+                    + [dict(shared=parse(t)) for t in args.shared_tiles]
+                    + [{role: tiles} for role, tiles in expert_tiles])
+        if len(variants) > 1:
+            variants.append(dict())                     # the default again: the run's drift
+        for v in variants:
+            router_t, shared_t = v.get("router"), v.get("shared")
+            expert_t = {k: v[k] for k in ("up", "down") if k in v}
+            triton_moe.gemv_tiles = tiles_rule(real_tiles, router_t, shared_t, **expert_t)
             try:
                 for c in calls + routers:
                     c()
@@ -120,10 +166,12 @@ def main() -> int:
             finally:
                 triton_moe.gemv_tiles = real_tiles
             row = dict(tokens=T, router_tiles=router_t or "default", shared_tiles=shared_t or "default",
+                       expert_tiles={k: list(t) for k, t in expert_t.items()} or "default",
                        serial=False, layer_us=us, router_us=router_us,
-                       layer_GBps=layer_bytes(T) / us / 1e3 if T == 1 else None)
+                       layer_GBps=layer_bytes(T, wbytes) / us / 1e3 if T == 1 else None)
             res["rows"].append(row)
-            print(f"T={T} router tiles {row['router_tiles']}, shared tiles {row['shared_tiles']}: {us:.1f} us "
+            print(f"T={T} router tiles {row['router_tiles']}, shared tiles {row['shared_tiles']}, expert tiles "
+                  f"{row['expert_tiles']}: {us:.1f} us "
                   f"per layer, router {router_us:.2f} us" + (f", {row['layer_GBps']:.0f} GB/s" if T == 1 else ""),
                   flush=True)
         if args.serial:
