@@ -55,12 +55,13 @@ def make_layers(n: int, dev, fp8: bool = False) -> list[dict]:
 def fp8_layer(ly: dict) -> dict:
     """``ly`` as ``quantization="fp8"`` stores it: routed experts with one scale per expert and
     projection (``Fp8Experts.quantized_from``), the shared expert's projections per channel."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.quantization.experts import Fp8Experts
     from hybrid_engine.quantization.fp8 import quantize_fp8
-    out = dict(gate=ly["gate"], bias=ly["bias"])
-    for name in ("up", "down"):
-        pairs = [quantize_fp8(ly[name][e], per_channel=False) for e in range(ly[name].shape[0])]
-        out[name] = torch.stack([q for q, _ in pairs])
-        out[name + "_scale"] = torch.stack([s.reshape(()) for _, s in pairs]).float()
+    experts = Fp8Experts.quantized_from(SimpleNamespace(up_proj=ly["up"], down_proj=ly["down"]))
+    out = dict(gate=ly["gate"], bias=ly["bias"], up=experts.up_proj.data, down=experts.down_proj.data,
+               up_scale=experts.up_proj_weight_scale.data, down_scale=experts.down_proj_weight_scale.data)
     for name in ("s_up", "s_down"):
         out[name], out[name + "_scale"] = quantize_fp8(ly[name], per_channel=True)
     return out

@@ -177,13 +177,13 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     N = w_q.shape[0]
     if M == 1:
         if _wastes_wide_k_tiles(K):
-            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=4, block_k=1024, num_warps=4,
-                                         relu2=relu2)
-        if N <= 4096 and N * K >= (1 << 24):
-            return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=8, block_k=2048, num_warps=8,
-                                         relu2=relu2)
-        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=2, block_k=2048, num_warps=4,
-                                     relu2=relu2)
+            block_n, block_k, warps = 4, 1024, 4
+        elif N <= 4096 and N * K >= (1 << 24):
+            block_n, block_k, warps = 8, 2048, 8
+        else:
+            block_n, block_k, warps = 2, 2048, 4
+        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=block_n, block_k=block_k,
+                                     num_warps=warps, relu2=relu2)
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
     # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us)
