@@ -2,7 +2,8 @@
 
 Chunks of ``chunk_size`` tokens counted from each sequence's start; global chunk c belongs to the
 sequence b with cum[b-1] <= c < cum[b] (cum = inclusive cumsum of ceil(L_b / chunk_size)); chunk
-ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four launches:
+ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Three launches by
+default (steps 2 and 3 fused), four with ``fused_pass=False``:
 
 1. ``_chunk_dt_kernel``  (chunk, head block): chunk metadata (start token, length), dt =
    clamp(softplus(dt_raw + dt_bias)) and the inclusive cumsum of dt*A inside the chunk.
@@ -12,6 +13,10 @@ ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Four la
    h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
    chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
    by step 4; in place over S_c otherwise).
+2+3. Default: ``triton_ssd_fused_pass`` (sequence, head, P block) does both, each program walking
+   its sequence's chunks with S_c in registers (no float32 S round trip through memory, one
+   launch fewer): 1.03-1.19x the whole scan on an H100 from 304 to 8192 tokens and in batches
+   (``benchmarks/results/2026-11-28-ssd-fused-pass-h100.md``).
 4. Chunk output: y_i = exp(cum_i) C_i h_in^T + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
    + D x_i   (tl.dot, causal blocks only).  Default path by dot operand dtype (``_DEFAULTS``):
    - bf16 / fp16 models (``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``, one program
@@ -44,6 +49,7 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
+from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_PASS_DEFAULT, launch_chunk_pass
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
@@ -148,7 +154,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            cb_dtype=None, heads_per_program=None, state_block_k=None,
                            state_num_warps=None, state_num_stages=None, state_block_p=None,
                            emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None,
-                           emit_out=None, emit_rows=None):
+                           emit_out=None, emit_rows=None, fused_pass=None, fused_block_k=None,
+                           fused_block_p=None, fused_num_warps=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
     (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
@@ -180,6 +187,11 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     (``MambaMetadata.ssd_chunk_layout``); None computes them here.
     emit_out [R,H,P,N] / emit_rows [M]: the emitted states go to emit_out[emit_rows] (checkpoint
     rows, in place; ``emit_states``' out / out_rows) and the third result is emit_out.
+    fused_pass: steps 2 and 3 in one launch (``triton_ssd_fused_pass``: each program walks its
+    sequence's chunks, S_c kept in registers; None: ``FUSED_PASS_DEFAULT``, on); False runs the
+    chunk-state and state-pass kernels, which the chunk-state options configure.
+    fused_block_k / fused_block_p / fused_num_warps: the fused kernel's options (None: its
+    defaults).
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -195,6 +207,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             (y, final, emit_out if emit_rows is not None else torch.empty((0, H, P, N), device=dev))
     _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
     NC = max(NC, 1)
+    fused_pass = FUSED_PASS_DEFAULT if fused_pass is None else bool(fused_pass)
     if chunk_layout is not None and T < 2**31:
         qsl, cum = chunk_layout
     else:
@@ -241,12 +254,19 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     meta = torch.empty((NC, 2), dtype=torch.int32, device=dev)
     dtc = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
-    S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
+    # S: the chunk states (unfused), then the float32 entry states the emits read; the fused pass
+    # needs it only for the emits of a 16-bit model (else h_in itself is float32)
+    need_s = not fused_pass or (emit_at is not None and lowp)
+    S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev) if need_s else None
     # chunk-entry states: rounded to the dot operand dtype anyway under lowp, so stored that way
-    hin = torch.empty((NC, H, P, N), dtype=x.dtype, device=dev) if lowp else S
+    hin = torch.empty((NC, H, P, N), dtype=x.dtype if lowp else torch.float32, device=dev) \
+        if (lowp or S is None) else S
     cb = torch.empty((NC, G, BLOCK_L, BLOCK_L) if cb_pre else (1,),
                      dtype=x.dtype if cb_round else torch.float32, device=dev)
     BLOCK_H = max(1, min(next_pow2(H), 4096 // BLOCK_L))
+    if pooled:      # bool -> uint8 (a view when contiguous): Triton loads bytes
+        has_init = has_initial_state.view(torch.uint8) if has_initial_state.is_contiguous() \
+            else has_initial_state.to(torch.uint8)
     with device_ctx(x):
         _chunk_dt_kernel[(NC, cdiv(H, BLOCK_H))](
             dt_raw, dt_bias, A, qsl, cum, meta, dtc, cuma,
@@ -260,21 +280,25 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 B, C, meta, cb, G, N, *B.stride(), *C.stride(),
                 PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
             )
-        launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
-                           state_block_k, state_num_warps, state_num_stages, state_block_p)
-        BN_PASS = min(BLOCK_N, 64)
-        BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
-        nnb = cdiv(N, BN_PASS)
-        if pooled:      # bool -> uint8 (a view when contiguous): Triton loads bytes
-            has_init = has_initial_state.view(torch.uint8) if has_initial_state.is_contiguous() \
-                else has_initial_state.to(torch.uint8)
-        _state_pass_kernel[(Bn, H, cdiv(P, BP_PASS) * nnb)](
-            S, hin, cuma, cum, initial_states, final,
-            state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
-            *initial_states.stride(), *final.stride(),
-            BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
-            POOLED=pooled, NULL=NULL_SLOT, num_warps=4,
-        )
+        if fused_pass:
+            launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin,
+                              S if (emit_at is not None and hin is not S) else None,
+                              initial_states, final, state_indices, has_init if pooled else None, Bn,
+                              prec, lowp, BLOCK_L, BLOCK_N, pooled, NULL_SLOT, fused_block_k,
+                              fused_block_p, fused_num_warps)
+        else:
+            launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
+                               state_block_k, state_num_warps, state_num_stages, state_block_p)
+            BN_PASS = min(BLOCK_N, 64)
+            BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
+            nnb = cdiv(N, BN_PASS)
+            _state_pass_kernel[(Bn, H, cdiv(P, BP_PASS) * nnb)](
+                S, hin, cuma, cum, initial_states, final,
+                state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
+                *initial_states.stride(), *final.stride(),
+                BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
+                POOLED=pooled, NULL=NULL_SLOT, num_warps=4,
+            )
         npb = cdiv(P, BP_OUT)
         nmb = cdiv(cs, BLOCK_M)
         strides = (*x.stride(), *B.stride(), *C.stride(), *y.stride())
@@ -295,8 +319,10 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     final = None if pooled else final
     if emit_at is None:
         return y, final
-    # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S)
-    return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, S, emit_at, cs, out=emit_out, out_rows=emit_rows)
+    # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S; the
+    # fused pass's h32, or its float32 hin)
+    h32 = S if S is not None else hin
+    return y, final, emit_states(x, B, qsl, cum, meta, dtc, cuma, h32, emit_at, cs, out=emit_out, out_rows=emit_rows)
 
 
 def triton_ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices,

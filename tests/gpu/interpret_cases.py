@@ -239,14 +239,27 @@ CASES = {
     # looped over with the whole chunk's B tile); 3 / 6 heads per group (short head blocks), P
     # not a power of two, sequences of 0 / 1 tokens and of whole chunks, several K steps
     "ssd_state_opts": lambda: [kc.check_ssd(       # chunk-state options: K step, P block, launch
-        lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=bk, state_block_p=bp, **k),
+        lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=bk, state_block_p=bp, fused_pass=False, **k),
         "cpu", F32, [20, 0, 1, 45, 32, 3], H=6, G=2, P=P, N=20, chunk_size=32, seed=10 + bk)
         for bk, bp, P in ((16, None, 12), (32, 16, 40))],
     "ssd_state_opts_f16": lambda: kc.check_ssd(
         lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=16, state_num_warps=8,
-                                               state_num_stages=2, **k),
+                                               state_num_stages=2, fused_pass=False, **k),
         "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=14,
         out_dtype=torch.float16),
+    # steps 2 and 3 fused (triton_ssd_fused_pass, the default) on many chunks, with its options
+    # (P not a power of two: masked columns), and the unfused kernels
+    "ssd_fused_long": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, fused_pass=True, fused_block_k=16, fused_block_p=16, **k),
+        "cpu", F32, [150, 1, 0, 70], H=6, G=2, P=40, N=20, chunk_size=16, seed=15),
+    "ssd_unfused": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, fused_pass=False, **k), "cpu", F32, [16, 1, 0, 35, 7], seed=16),
+    "ssd_pooled_fused_emit": lambda: [spc.check_ssd_pooled(
+        lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=fused, **k), "cpu", dt, [21, 9, 40],
+        fresh=(0,), null_rows=(2,), emit=[3, 15, 16, 20, 29], seed=17) for fused, dt in ((True, torch.float16),
+                                                                                   (False, torch.float16))],
+    "ssd_emit_fused_f16": lambda: [check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16,
+                                                  seed=2, lowp=True, fused_pass=fused) for fused in (True, False)],
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
     "norm_then_gate": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12, seed=3,

@@ -196,6 +196,13 @@ def test_ssd_pooled(dtype):
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
                         chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
+    # the unfused chunk-state and state-pass kernels (the default fuses them), then the fused
+    # kernel on sequences of many chunks
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
+    for fused, lens, cs in ((False, [300, 40], 128), (True, [700, 9, 33], 32)):
+        spc.check_ssd_pooled(functools.partial(triton_ssd_scan_varlen_pooled, fused_pass=fused), DEV, dtype, lens,
+                            fresh=(1,), H=16, G=2, P=64, N=128, chunk_size=cs, emit=[0, 127, 128, 299, 300, 339],
+                            seed=2, step_layout=True)
 
 
 SSD_VARIANT_CASES = [SSD[0], SSD[3], SSD[6]]
@@ -229,6 +236,7 @@ SSD_OUT_CASES = [
     dict(lens=[70, 1, 129], H=12, G=2, P=32, N=64, chunk_size=64),              # hpg 6, cs 64
     dict(lens=[300, 5, 0, 129], H=12, G=2, P=64, N=128, chunk_size=128),        # hpg 6, cs 128
     SSD[6],                                                                     # hpg 8, cs 256
+    dict(lens=[700, 9, 0, 33], H=6, G=2, P=24, N=24, chunk_size=32),            # 22 chunks
 ]
 SSD_OUT_OPTIONS = [      # (options, SSD_OUT_CASES indices)
     (dict(), (1, 3)),
@@ -241,12 +249,20 @@ SSD_OUT_OPTIONS = [      # (options, SSD_OUT_CASES indices)
 
 
 # chunk-state (step 2) options (triton_ssd_scan_varlen docstring): K step, P block (P = 24 leaves
-# masked columns), launch knobs, on 2 / 3 / 6 / 8 heads per group and chunks 16..256
+# masked columns), launch knobs, on 2 / 3 / 6 / 8 heads per group and chunks 16..256; they act on
+# the unfused kernels only (the default fuses steps 2 and 3: triton_ssd_fused_pass)
 SSD_OUT_OPTIONS += [
-    (dict(state_block_k=16), (0, 1, 3)),
-    (dict(state_block_k=64), (1, 2, 4)),
-    (dict(state_block_k=32, state_num_warps=8, state_num_stages=3), (2, 3, 4)),
-    (dict(state_block_p=32, state_num_stages=2), (0, 1, 3)),
+    (dict(state_block_k=16, fused_pass=False), (0, 1, 3)),
+    (dict(state_block_k=64, fused_pass=False), (1, 2, 4)),
+    (dict(state_block_k=32, state_num_warps=8, state_num_stages=3, fused_pass=False), (2, 3, 4)),
+    (dict(state_block_p=32, state_num_stages=2, fused_pass=False), (0, 1, 3, 5)),
+]
+# steps 2 and 3 fused (triton_ssd_fused_pass, the default): on 22 chunks, its options (P = 24:
+# masked columns)
+SSD_OUT_OPTIONS += [
+    (dict(fused_pass=True), (4, 5)),
+    (dict(fused_pass=True, fused_block_p=16, fused_block_k=64, fused_num_warps=8), (1, 3, 5)),
+    (dict(fused_pass=True, fused_block_p=64, fused_block_k=16), (0, 2)),
 ]
 
 

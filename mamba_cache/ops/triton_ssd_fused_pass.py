@@ -1,0 +1,123 @@
+"""Steps 2 and 3 of the chunked SSD scan (``triton_ssd``) in one launch (the default).
+
+``_chunk_pass_kernel``: one program per (sequence, head, head_dim block) walks the sequence's
+chunks in order; per chunk it stores the entry state h_in(c) = h, computes the state the chunk
+produces from zero, S_c = sum_k (x_k w_k)^T B_k with w_k = exp(cum_last - cum_k) dt_k (the same
+K steps and dots as ``triton_ssd_state._chunk_state_kernel``), and moves on with
+h = exp(cum_last) h + S_c (as ``triton_ssd_pass._state_pass_kernel``). The final state is written
+out (to the pool slot with ``POOLED``, with its NULL_SLOT and fresh-start rules).
+
+Why: the two kernels wrote every chunk's float32 S_c to memory and read it back (4 MB a chunk at
+the 8B shape's 128 heads x 64 x 128) and cost a second launch. Fused, S_c never leaves registers.
+The chunks of one sequence are then computed one after another instead of in parallel, yet on an
+H100 (8B shape, bf16, ``benchmarks/ssd_fused_pass.py``, 2026-11-28) the whole scan was faster
+at every length measured, one sequence of 128 to 8192 tokens (1.00-1.15x; 64 chunks: 782 ->
+682 us) and batches of 8 x 300, 32 x 200, 4 x 2048, 2 x 4096 (1.07-1.19x), so it is the
+default everywhere (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` keeps the two kernels.
+
+h_in is stored in the dtype the chunk-output dots take; ``STORE32`` also stores the float32 entry
+state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+
+FUSED_PASS_DEFAULT = True
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr"])
+def _chunk_pass_kernel(
+    x_ptr, B_ptr, meta_ptr, dtc_ptr, cuma_ptr, cum_ptr, hin_ptr, h32_ptr,
+    init_ptr, final_ptr, slot_ptr, has_init_ptr,
+    H, P, N, nheads_per_group,
+    sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+    si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
+    PREC: tl.constexpr, LOWP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE32: tl.constexpr = False, POOLED: tl.constexpr = False, NULL: tl.constexpr = 0,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    g = h // nheads_per_group
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    cum_b = tl.load(cum_ptr + b)
+    first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
+    m_out = m2
+    if POOLED:      # [S, H, P, N] pool view: row b's slot
+        row = tl.load(slot_ptr + b).to(tl.int64)
+        m_out = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + row) != NULL)
+    else:
+        row = b.to(tl.int64)
+    st = tl.load(init_ptr + row * si_b + h * si_h + offs_p[:, None] * si_p
+                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
+    if POOLED:      # a fresh start (or NULL_SLOT) is zeros, whatever the slot holds (a select: a stale NaN stays out)
+        st = tl.where((tl.load(has_init_ptr + b) != 0) & (row != NULL), st, 0.0)
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    for c in range(first, cum_b):
+        crow = (c * H + h).to(tl.int64)
+        tl.store(hin_ptr + crow * P * N + tile, st.to(hin_ptr.dtype.element_ty), mask=m2)
+        if STORE32:
+            tl.store(h32_ptr + crow * P * N + tile, st, mask=m2)
+        clen = tl.load(meta_ptr + c * 2 + 1)
+        cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
+        lrow = crow * BLOCK_L
+        cum_last = tl.load(cuma_ptr + lrow + clen - 1)
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, clen, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < clen
+            tok = cstart + offs_k
+            xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
+            bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
+                         mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
+            dtk = tl.load(dtc_ptr + lrow + offs_k, mask=mk, other=0.0)
+            cumk = tl.load(cuma_ptr + lrow + offs_k, mask=mk, other=0.0)
+            wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
+            xw = xk.to(tl.float32) * wk[:, None]
+            if LOWP:       # 16-bit operands, float32 accumulation
+                acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
+            else:
+                acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
+        # the chunk's total decay: cuma's padded positions repeat the last cumsum (step 1)
+        st = tl.exp(tl.load(cuma_ptr + lrow + BLOCK_L - 1)) * st + acc
+    tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p
+             + offs_n[None, :] * sf_n, st, mask=m_out)
+
+
+# lowp (16-bit dot operands) and float32 defaults: K step as the chunk-state kernel's, head_dim
+# blocks of 32 (two programs a head at P = 64: 256 programs for one sequence of 128 heads). H100
+# sweep at 304 tokens (12 configs of block_p 16/32/64, block_k 32/64, 4/8 warps): 66.3-68.6 us
+# for the whole scan except 8 warps with 16-column blocks (71.9-75.4); no config stood out
+_FUSED_DEFAULTS = dict(block_k=32, block_p=32, num_warps=4)
+_FUSED_DEFAULTS_F32 = dict(_FUSED_DEFAULTS, block_k=64)
+
+
+def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, final, state_indices,
+                      has_init, Bn, prec, lowp, BLOCK_L, BLOCK_N, pooled, null_slot,
+                      block_k=None, block_p=None, num_warps=None):
+    """Steps 2 and 3 for every sequence: hin [NC, H, P, N] (the chunk-entry states in the dot
+    dtype), h32 (the float32 entry states for the emits; None: not stored), the final states into
+    ``final`` (the pool view with ``pooled``). Options (None: the defaults above)."""
+    H, P = x.shape[1:]
+    G = B.shape[-2]
+    d = _FUSED_DEFAULTS if lowp else _FUSED_DEFAULTS_F32
+    BP = min(max(16, next_pow2(P)), max(16, next_pow2(block_p or d["block_p"])))
+    BK = min(BLOCK_L, max(16, next_pow2(block_k or d["block_k"])))
+    store32 = h32 is not None
+    _chunk_pass_kernel[(Bn, H, cdiv(P, BP))](
+        x, B, meta, dtc, cuma, cum, hin, h32 if store32 else hin,
+        initial_states, final, state_indices if pooled else cum, has_init if pooled else cum,
+        H, P, B.shape[-1], H // G, *x.stride(), *B.stride(),
+        *initial_states.stride(), *final.stride(),
+        PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BLOCK_N,
+        STORE32=store32, POOLED=pooled, NULL=null_slot, num_warps=num_warps or d["num_warps"],
+    )
