@@ -21,8 +21,10 @@ groups of ``--inner`` calls.  mamba-ssm comes from its pure-python wheel through
 
 ``--variants`` times our SSD scan at 8192 tokens with each chunk-output / chunk-state config of
 ``VARIANTS`` (keyword options of ``triton_ssd_scan_varlen``; see its docstring) next to the
-default (``--state-variants``: the chunk-state configs ``STATE_VARIANTS`` only); with
-``--profile`` also the GPU time of each config's step-2 kernel (chunk state) and step-4 kernels
+default (``--state-variants``: the chunk-state configs ``STATE_VARIANTS`` only, which run the
+unfused steps 2 and 3; the default fuses them); with
+``--profile`` also the GPU time of each config's step-2 kernel (chunk state, or the fused
+steps 2 and 3) and step-4 kernels
 (C.B precompute + chunk output) from torch.profiler.  Without mamba-ssm installed only our side
 is timed (its columns read n/a).
 """
@@ -131,7 +133,9 @@ NEW_VARIANTS = [
 # chunk-state (step 2) configs (triton_ssd_state.launch_chunk_state): K step, stages, warps, P
 # block.  Multi-head programs (2 or 4 heads sharing the B tile) were swept on 2026-11-22 and lost
 # (201-1104 us vs 165 us for K 32 with one head; results/2026-11-22-vs-mamba-ssm-h100.md).
-STATE_VARIANTS = [dict(state_block_k=bk, **kw) for bk, kw in (     # default: block_k 32 (lowp)
+# They configure the unfused kernels (fused_pass=False); the default fuses steps 2 and 3
+# (triton_ssd_fused_pass), so the first state variant is the unfused default itself.
+STATE_VARIANTS = [dict(fused_pass=False)] + [dict(state_block_k=bk, fused_pass=False, **kw) for bk, kw in (
     (64, {}), (16, {}), (32, dict(state_num_stages=2)), (32, dict(state_num_stages=3)),
     (32, dict(state_num_stages=4)), (32, dict(state_num_warps=8)), (16, dict(state_num_stages=3)),
     (32, dict(state_block_p=32)))]
@@ -139,10 +143,10 @@ VARIANTS = OLD_VARIANTS + NEW_VARIANTS + STATE_VARIANTS
 
 
 def step_us(fn):
-    """GPU us per call of the chunk-state step (step 2) and of the chunk-output step (step 4:
-    C.B precompute + chunk-output kernels)."""
+    """GPU us per call of the chunk-state step (step 2; the fused steps 2 and 3 by default) and of
+    the chunk-output step (step 4: C.B precompute + chunk-output kernels)."""
     ks = profile_kernels(fn)
-    return (sum(us for k, us in ks if "_chunk_state" in k),
+    return (sum(us for k, us in ks if "_chunk_state" in k or "_chunk_pass" in k),
             sum(us for k, us in ks if "_chunk_out" in k or "_chunk_cb" in k))
 
 

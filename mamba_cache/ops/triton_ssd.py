@@ -2,8 +2,8 @@
 
 Chunks of ``chunk_size`` tokens counted from each sequence's start; global chunk c belongs to the
 sequence b with cum[b-1] <= c < cum[b] (cum = inclusive cumsum of ceil(L_b / chunk_size)); chunk
-ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Three launches by
-default (steps 2 and 3 fused), four with ``fused_pass=False``:
+ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Three launches with
+steps 2 and 3 fused (the default on the 8B shape), four without:
 
 1. ``_chunk_dt_kernel``  (chunk, head block): chunk metadata (start token, length), dt =
    clamp(softplus(dt_raw + dt_bias)) and the inclusive cumsum of dt*A inside the chunk.
@@ -13,10 +13,14 @@ default (steps 2 and 3 fused), four with ``fused_pass=False``:
    h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
    chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
    by step 4; in place over S_c otherwise).
-2+3. Default: ``triton_ssd_fused_pass`` (sequence, head, P block) does both, each program walking
-   its sequence's chunks with S_c in registers (no float32 S round trip through memory, one
-   launch fewer): 1.03-1.19x the whole scan on an H100 from 304 to 8192 tokens and in batches
-   (``benchmarks/results/2026-11-28-ssd-fused-pass-h100.md``).
+   Steps 2 and 3 as written run with ``fused_pass=False`` (and by default for few heads and
+   long sequences: ``fuse_by_default``).  Otherwise ``triton_ssd_fused_pass`` (sequence, head,
+   P block) does both in one launch, each program
+   walking its sequence's chunks with S_c in registers (no float32 S round trip through memory):
+   1.00-1.15x the whole scan on an H100 for one sequence of 128 to 8192 tokens, 1.07-1.19x in
+   batches (``benchmarks/results/2026-11-28-ssd-fused-pass-h100.md``).  h_in then goes to its own
+   buffer (the model dtype under ``lowp``, else float32), and a float32 copy for the emits only
+   on steps that emit under ``lowp``.
 4. Chunk output: y_i = exp(cum_i) C_i h_in^T + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
    + D x_i   (tl.dot, causal blocks only).  Default path by dot operand dtype (``_DEFAULTS``):
    - bf16 / fp16 models (``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``, one program
@@ -49,7 +53,7 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
-from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_PASS_DEFAULT, launch_chunk_pass
+from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default, launch_chunk_pass
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
@@ -177,9 +181,9 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     all; pairs best with cb_pre, else C.B is recomputed per column block).
     cb_dtype: "float32" or "model": C.B rounded to the model dtype where it is kept (the cb_pre
     buffer, the multi-head kernel's registers); the decay / dt weighting stays float32.
-    Chunk-state (step 2) options (``triton_ssd_state.launch_chunk_state``; None: its
-    defaults): state_block_k (tokens per K step), state_block_p (head_dim columns per program),
-    state_num_warps, state_num_stages.
+    Chunk-state (step 2) options, with ``fused_pass=False`` only (a ValueError otherwise)
+    (``triton_ssd_state.launch_chunk_state``; None: its defaults): state_block_k (tokens per K
+    step), state_block_p (head_dim columns per program), state_num_warps, state_num_stages.
     state_indices [B] / has_initial_state [B] (``triton_ssd_scan_varlen_pooled``): initial_states is
     the pool view [S,H,P,N]; the state pass reads row b's start at its slot (zeros where it starts
     fresh) and writes its final state there; the second result is then None.
@@ -188,10 +192,11 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     emit_out [R,H,P,N] / emit_rows [M]: the emitted states go to emit_out[emit_rows] (checkpoint
     rows, in place; ``emit_states``' out / out_rows) and the third result is emit_out.
     fused_pass: steps 2 and 3 in one launch (``triton_ssd_fused_pass``: each program walks its
-    sequence's chunks, S_c kept in registers; None: ``FUSED_PASS_DEFAULT``, on); False runs the
+    sequence's chunks, S_c kept in registers; None: ``fuse_by_default``, which fuses wherever
+    the heads are many enough for the chunk count: always on the 8B shape); False runs the
     chunk-state and state-pass kernels, which the chunk-state options configure.
     fused_block_k / fused_block_p / fused_num_warps: the fused kernel's options (None: its
-    defaults).
+    defaults; a ValueError with ``fused_pass=False``).
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -205,9 +210,18 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         final = None if pooled else final
         return (y, final) if emit_at is None else \
             (y, final, emit_out if emit_rows is not None else torch.empty((0, H, P, N), device=dev))
-    _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
+    max_len, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
     NC = max(NC, 1)
-    fused_pass = FUSED_PASS_DEFAULT if fused_pass is None else bool(fused_pass)
+    fused_pass = fuse_by_default(max_len, NC, H, cs) if fused_pass is None else bool(fused_pass)
+    # options of the kernels that do not run would be dropped without a word: refuse them
+    unused = {k: v for k, v in (("state_block_k", state_block_k), ("state_block_p", state_block_p),
+                                ("state_num_warps", state_num_warps), ("state_num_stages", state_num_stages))
+              if v is not None} if fused_pass else \
+        {k: v for k, v in (("fused_block_k", fused_block_k), ("fused_block_p", fused_block_p),
+                           ("fused_num_warps", fused_num_warps)) if v is not None}
+    if unused:
+        raise ValueError(f"triton_ssd_scan_varlen: {sorted(unused)} configure the "
+                         f"{'unfused chunk-state kernel: pass fused_pass=False' if fused_pass else 'fused pass: drop fused_pass=False'}")
     if chunk_layout is not None and T < 2**31:
         qsl, cum = chunk_layout
     else:
@@ -255,7 +269,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     dtc = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     # S: the chunk states (unfused), then the float32 entry states the emits read; the fused pass
-    # needs it only for the emits of a 16-bit model (else h_in itself is float32)
+    # needs it only for the emits under lowp (else h_in itself is float32)
     need_s = not fused_pass or (emit_at is not None and lowp)
     S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev) if need_s else None
     # chunk-entry states: rounded to the dot operand dtype anyway under lowp, so stored that way

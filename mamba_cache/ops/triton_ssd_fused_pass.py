@@ -1,4 +1,4 @@
-"""Steps 2 and 3 of the chunked SSD scan (``triton_ssd``) in one launch (the default).
+"""Steps 2 and 3 of the chunked SSD scan (``triton_ssd``) in one launch.
 
 ``_chunk_pass_kernel``: one program per (sequence, head, head_dim block) walks the sequence's
 chunks in order; per chunk it stores the entry state h_in(c) = h, computes the state the chunk
@@ -12,8 +12,16 @@ the 8B shape's 128 heads x 64 x 128) and cost a second launch. Fused, S_c never 
 The chunks of one sequence are then computed one after another instead of in parallel, yet on an
 H100 (8B shape, bf16, ``benchmarks/ssd_fused_pass.py``, 2026-11-28) the whole scan was faster
 at every length measured, one sequence of 128 to 8192 tokens (1.00-1.15x; 64 chunks: 782 ->
-682 us) and batches of 8 x 300, 32 x 200, 4 x 2048, 2 x 4096 (1.07-1.19x), so it is the
-default everywhere (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` keeps the two kernels.
+682 us) and batches of 8 x 300, 32 x 200, 4 x 2048, 2 x 4096 (1.07-1.19x).
+
+When it is the default (``fuse_by_default``): the fused kernel's time grows with the longest
+sequence's chunk count (each program's chain of chunks, latency-bound), the two kernels' with
+the bytes of all chunk states (chunks x heads). On the 8B shape one 8192-token sequence took
+~4.7 us per chunk in the chain against ~0.05 us per (chunk, head) in the two kernels, so the
+fused kernel is chosen where longest-chunks x ``FUSED_HEADS_PER_CHAIN`` <= total chunks x heads:
+always with 128 heads (8B), but not for one long sequence with 64 heads (the Nano shape), which
+keeps the two kernels there until a measurement says otherwise. ``fused_pass=True / False``
+forces either.
 
 h_in is stored in the dtype the chunk-output dots take; ``STORE32`` also stores the float32 entry
 state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``).
@@ -25,7 +33,16 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 
-FUSED_PASS_DEFAULT = True
+# heads' worth of chunk-state bytes that cost what one chunk of the fused chain costs (8B shape,
+# H100, 2026-11-28: 4.7 us per chained chunk / 0.049 us per (chunk, head) ~ 96)
+FUSED_HEADS_PER_CHAIN = 96
+
+
+def fuse_by_default(max_len: int, num_chunks: int, num_heads: int, chunk_size: int) -> bool:
+    """Whether the scan fuses steps 2 and 3 when the caller does not say: host ints only (the
+    longest sequence's length bound, the chunk count bound ``NC``, the heads, the chunk size)."""
+    chain = cdiv(max(max_len, 1), chunk_size)
+    return chain * FUSED_HEADS_PER_CHAIN <= num_chunks * num_heads
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr"])

@@ -235,9 +235,9 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen(*a, heads_per_program=4, cb_pre=True,
                                                cb_dtype="model", block_m=16, block_p=16, **k),
         "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=9),
-    # chunk-state (step 2) options: several heads of a group per program (stacked along M, or
-    # looped over with the whole chunk's B tile); 3 / 6 heads per group (short head blocks), P
-    # not a power of two, sequences of 0 / 1 tokens and of whole chunks, several K steps
+    # chunk-state (step 2) options on the unfused kernels: K step, P block, launch knobs; 3 / 6
+    # heads per group, P not a power of two, sequences of 0 / 1 tokens and of whole chunks,
+    # several K steps
     "ssd_state_opts": lambda: [kc.check_ssd(       # chunk-state options: K step, P block, launch
         lambda *a, **k: triton_ssd_scan_varlen(*a, state_block_k=bk, state_block_p=bp, fused_pass=False, **k),
         "cpu", F32, [20, 0, 1, 45, 32, 3], H=6, G=2, P=P, N=20, chunk_size=32, seed=10 + bk)
@@ -258,6 +258,10 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=fused, **k), "cpu", dt, [21, 9, 40],
         fresh=(0,), null_rows=(2,), emit=[3, 15, 16, 20, 29], seed=17) for fused, dt in ((True, torch.float16),
                                                                                    (False, torch.float16))],
+    # unfused float32: the entry states stay in place over S, which the emits read; null rows
+    "ssd_pooled_unfused_emit": lambda: spc.check_ssd_pooled(
+        lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=False, **k), "cpu", F32, [21, 9, 0, 40],
+        fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29], seed=18),
     "ssd_emit_fused_f16": lambda: [check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16,
                                                   seed=2, lowp=True, fused_pass=fused) for fused in (True, False)],
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),

@@ -183,9 +183,12 @@ SSD = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(SSD)))
 def test_ssd(dtype, case):
-    for seed in (0, 1):      # y in float32, then in the model dtype (what the model asks for)
-        kc.check_ssd(ssd_scan_varlen, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed],
-                     **SSD[case])
+    # y in float32 through the public op (on these few heads its default runs the unfused steps
+    # 2 and 3: fuse_by_default), then in the model dtype (what the model asks for) with steps 2
+    # and 3 fused (the 8B shape's default)
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    for seed, impl in enumerate((ssd_scan_varlen, functools.partial(triton_ssd_scan_varlen, fused_pass=True))):
+        kc.check_ssd(impl, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed], **SSD[case])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -196,8 +199,8 @@ def test_ssd_pooled(dtype):
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
                         chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
-    # the unfused chunk-state and state-pass kernels (the default fuses them), then the fused
-    # kernel on sequences of many chunks
+    # the unfused chunk-state and state-pass kernels (what fuse_by_default picks for these few
+    # heads, forced), then the fused kernel on sequences of many chunks
     from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
     for fused, lens, cs in ((False, [300, 40], 128), (True, [700, 9, 33], 32)):
         spc.check_ssd_pooled(functools.partial(triton_ssd_scan_varlen_pooled, fused_pass=fused), DEV, dtype, lens,
@@ -250,17 +253,18 @@ SSD_OUT_OPTIONS = [      # (options, SSD_OUT_CASES indices)
 
 # chunk-state (step 2) options (triton_ssd_scan_varlen docstring): K step, P block (P = 24 leaves
 # masked columns), launch knobs, on 2 / 3 / 6 / 8 heads per group and chunks 16..256; they act on
-# the unfused kernels only (the default fuses steps 2 and 3: triton_ssd_fused_pass)
+# the unfused kernels only (fused_pass=False; the 8B shape fuses steps 2 and 3 by default)
 SSD_OUT_OPTIONS += [
     (dict(state_block_k=16, fused_pass=False), (0, 1, 3)),
     (dict(state_block_k=64, fused_pass=False), (1, 2, 4)),
     (dict(state_block_k=32, state_num_warps=8, state_num_stages=3, fused_pass=False), (2, 3, 4)),
     (dict(state_block_p=32, state_num_stages=2, fused_pass=False), (0, 1, 3, 5)),
 ]
-# steps 2 and 3 fused (triton_ssd_fused_pass, the default): on 22 chunks, its options (P = 24:
-# masked columns)
+# steps 2 and 3 fused (triton_ssd_fused_pass; test_ssd runs it on every SSD case):
+# its options (P = 24: masked columns; 22 chunks), and the unfused kernels with float32 dot
+# operands on a 16-bit model (h_in in place over S)
 SSD_OUT_OPTIONS += [
-    (dict(fused_pass=True), (4, 5)),
+    (dict(fused_pass=False, lowp=False), (3, 5)),
     (dict(fused_pass=True, fused_block_p=16, fused_block_k=64, fused_num_warps=8), (1, 3, 5)),
     (dict(fused_pass=True, fused_block_p=64, fused_block_k=16), (0, 2)),
 ]

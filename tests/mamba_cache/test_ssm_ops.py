@@ -237,3 +237,33 @@ def test_step_chunk_layout_per_chunk_size_and_fresh_after_replace():
     assert md.ssd_chunk_layout(4) is md.ssd_chunk_layout(4)
     other = dataclasses.replace(md, prefill_query_start_loc=qsl_of([3, 3], torch.int64))
     assert other.ssd_chunk_layout(4)[1].tolist() == [1, 2]
+
+
+def test_ssd_kernel_options_of_the_kernels_that_do_not_run_are_refused():
+    """The chunk-state options configure the unfused steps 2 and 3, the fused_* options the fused
+    pass: passing one to the path that does not run is a ValueError naming it, not
+    a silent no-op (a benchmark once timed the fused kernel under chunk-state labels). Raised on
+    the host before any launch, so plain CPU tensors do."""
+    from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
+    T, H, P, G, N = 8, 2, 4, 1, 4
+    args = (torch.zeros(T, H, P), torch.zeros(T, H), torch.zeros(H), -torch.ones(H), torch.zeros(T, G, N),
+            torch.zeros(T, G, N), torch.zeros(H), torch.tensor([0, T]), torch.zeros(1, H, P, N), 4)
+    with pytest.raises(ValueError, match=r"state_num_warps.*fused_pass=False"):
+        triton_ssd_scan_varlen(*args, fused_pass=True, state_num_warps=8)
+    with pytest.raises(ValueError, match=r"fused_block_p.*drop fused_pass=False"):
+        triton_ssd_scan_varlen(*args, fused_pass=False, fused_block_p=16)
+
+
+@pytest.mark.parametrize("lens,heads,fused", [
+    ([304], 128, True), ([8192], 128, True), ([300] * 8, 128, True),     # the 8B shape: always
+    ([8192], 64, False), ([4096, 4096], 64, True), ([300] * 8, 64, True),  # the Nano shape's heads
+    ([35, 7, 16], 4, False)])                                           # the tests' few heads
+def test_ssd_fuses_steps_2_and_3_where_its_chain_is_short_for_its_heads(lens, heads, fused):
+    """fuse_by_default from host bounds as the mixer passes them (query_start_loc on the device:
+    NC = T // chunk + B; the longest length from max_seqlen): the fused kernel's chain of the
+    longest sequence's chunks against the two kernels' chunk-state bytes (chunks x heads)."""
+    from hybrid_engine.mamba_cache.ops.ssd import _grid_size
+    from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    max_len, NC = _grid_size(qsl, sum(lens), 128, max(lens), exact=False)
+    assert fuse_by_default(max_len, NC, heads, 128) is fused
