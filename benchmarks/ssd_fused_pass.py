@@ -5,6 +5,7 @@ CUDA graph of repeated calls (median of replays), per variant of the scan's opti
     python benchmarks/ssd_fused_pass.py                  # lengths: fused vs unfused; options at 304
     python benchmarks/ssd_fused_pass.py --lens 2348 --sweep-tokens 4096 8192 --no-options
     python benchmarks/ssd_fused_pass.py --profile --out DIR     # + per-kernel us
+    python benchmarks/ssd_fused_pass.py --shape nano --lens 8192 --no-options   # 64 heads: checks fuse_by_default
 
 Rows:
 - ``--lens``: the sequences of one call (default: one of 304 tokens, the cached request of
@@ -26,14 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import graph_ms, kernel_times  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled  # noqa: E402
 
-H, P, N, G, CS = 128, 64, 128, 8, 128
-I, CONV = H * P, H * P + 2 * G * N
+P, N, CS = 64, 128, 128
+SHAPES = {"8b": (128, 8), "nano": (64, 8)}          # (Mamba heads, groups); head_dim 64, state 128
 
 
-def make_case(lens, dtype=torch.bfloat16, seed=0):
+def make_case(lens, H=128, G=8, dtype=torch.bfloat16, seed=0):
     """Inputs shaped as the mixer passes them: x / B / C strided views of one conv output, dt a
     view of the in_proj output; a pool of len(lens)+2 slots whose rows start from random states."""
     g = torch.Generator(device="cuda").manual_seed(seed)
+    I, CONV = H * P, H * P + 2 * G * N
     T = sum(lens)
     dev = "cuda"
     xbc = torch.randn(T, CONV, generator=g, device=dev).to(dtype)
@@ -83,22 +85,29 @@ def main():
     ap.add_argument("--batches", default="8x300,32x200", help="extra batches for the fused/unfused rows: BxL,...")
     ap.add_argument("--no-options", action="store_true", help="skip the option sweep")
     ap.add_argument("--profile", action="store_true", help="per-kernel us of the default and unfused calls")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                    help="Mamba heads and groups: 8b (128, 8) or nano (64, 8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    res = {"lens": a.lens, "rows": [], "options": [], "profile": {}}
+    H, G = SHAPES[a.shape]
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {a.shape} "
+          f"({H} heads, {G} groups)")
+    from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default
+    res = {"shape": a.shape, "lens": a.lens, "rows": [], "options": [], "profile": {}}
     cases = [[L] for L in a.sweep_tokens] + [[int(L)] * int(b) for b, L in
                                              (s.split("x") for s in a.batches.split(",") if s)]
     cases = [list(a.lens)] + [c for c in cases if c != list(a.lens)]
-    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6}")
+    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6} default")
     for lens in cases:
-        args, kw = make_case(lens)
+        args, kw = make_case(lens, H, G)
         t_old = time_variant(args, kw, dict(fused_pass=False))
         t_new = time_variant(args, kw, dict(fused_pass=True))
         label = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
-        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f}", flush=True)
-        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new))
-    args, kw = make_case(list(a.lens))
+        dflt = fuse_by_default(max(lens), sum(lens) // CS + len(lens), H, CS)   # as the mixer's bounds give
+        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {'fused' if dflt else 'unfused'}",
+              flush=True)
+        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new, default_fused=dflt))
+    args, kw = make_case(list(a.lens), H, G)
     if not a.no_options:
         variants = [dict(fused_pass=False), dict()]
         variants += [dict(fused_pass=True, fused_block_p=bp, fused_block_k=bk, fused_num_warps=w)
