@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
+from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
 # heads' worth of chunk-state bytes that cost what one chunk of the fused chain costs (8B shape,
 # H100, 2026-11-28: 4.7 us per chained chunk / 0.049 us per (chunk, head) ~ 96)
@@ -67,16 +69,8 @@ def _chunk_pass_kernel(
     m2 = mp[:, None] & mn[None, :]
     cum_b = tl.load(cum_ptr + b)
     first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
-    m_out = m2
-    if POOLED:      # [S, H, P, N] pool view: row b's slot
-        row = tl.load(slot_ptr + b).to(tl.int64)
-        m_out = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + row) != NULL)
-    else:
-        row = b.to(tl.int64)
-    st = tl.load(init_ptr + row * si_b + h * si_h + offs_p[:, None] * si_p
-                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
-    if POOLED:      # a fresh start (or NULL_SLOT) is zeros, whatever the slot holds (a select: a stale NaN stays out)
-        st = tl.where((tl.load(has_init_ptr + b) != 0) & (row != NULL), st, 0.0)
+    st, row, m_out = start_state(init_ptr, slot_ptr, has_init_ptr, b, h, offs_p, offs_n, m2, si_b, si_h, si_p,
+                                 si_n, BLOCK_P, BLOCK_N, POOLED, NULL)
     tile = offs_p[:, None] * N + offs_n[None, :]
     for c in range(first, cum_b):
         crow = (c * H + h).to(tl.int64)
@@ -86,24 +80,9 @@ def _chunk_pass_kernel(
         clen = tl.load(meta_ptr + c * 2 + 1)
         cstart = tl.load(meta_ptr + c * 2).to(tl.int64)
         lrow = crow * BLOCK_L
-        cum_last = tl.load(cuma_ptr + lrow + clen - 1)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, clen, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < clen
-            tok = cstart + offs_k
-            xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
-            bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
-                         mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
-            dtk = tl.load(dtc_ptr + lrow + offs_k, mask=mk, other=0.0)
-            cumk = tl.load(cuma_ptr + lrow + offs_k, mask=mk, other=0.0)
-            wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
-            xw = xk.to(tl.float32) * wk[:, None]
-            if LOWP:       # 16-bit operands, float32 accumulation
-                acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
-            else:
-                acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
+        acc = chunk_state_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, clen, h, g, offs_p, offs_n,
+                               mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                               PREC, LOWP, BLOCK_K, BLOCK_P, BLOCK_N)
         # the chunk's total decay: cuma's padded positions repeat the last cumsum (step 1)
         st = tl.exp(tl.load(cuma_ptr + lrow + BLOCK_L - 1)) * st + acc
     tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p

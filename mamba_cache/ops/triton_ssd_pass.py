@@ -15,6 +15,26 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def start_state(init_ptr, slot_ptr, has_init_ptr, b, h, offs_p, offs_n, m2, si_b, si_h, si_p, si_n,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, POOLED: tl.constexpr, NULL: tl.constexpr):
+    """(state [BLOCK_P, BLOCK_N] float32, row, store mask) of sequence b's start: row b of
+    init, or with ``POOLED`` (init a [S, H, P, N] pool view) its slot's state, zeros where it
+    starts fresh or sits on NULL_SLOT (whose final state is then not stored: the mask).
+    Shared by ``_state_pass_kernel`` and the fused pass (``triton_ssd_fused_pass``)."""
+    m_out = m2
+    if POOLED:      # [S, H, P, N] pool view: row b's slot
+        row = tl.load(slot_ptr + b).to(tl.int64)
+        m_out = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + row) != NULL)
+    else:
+        row = b.to(tl.int64)
+    st = tl.load(init_ptr + row * si_b + h * si_h + offs_p[:, None] * si_p
+                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
+    if POOLED:      # a fresh start (or NULL_SLOT) is zeros, whatever the slot holds (a select: a stale NaN stays out)
+        st = tl.where((tl.load(has_init_ptr + b) != 0) & (row != NULL), st, 0.0)
+    return st, row, m_out
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr"])
 def _state_pass_kernel(
     S_ptr, hin_ptr, cuma_ptr, cum_ptr, init_ptr, final_ptr, slot_ptr, has_init_ptr,
@@ -32,16 +52,8 @@ def _state_pass_kernel(
     m2 = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     cum_b = tl.load(cum_ptr + b)
     first = tl.load(cum_ptr + b - 1, mask=b > 0, other=0)
-    m_out = m2
-    if POOLED:      # [S, H, P, N] pool view: row b's slot
-        row = tl.load(slot_ptr + b).to(tl.int64)
-        m_out = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + row) != NULL)
-    else:
-        row = b.to(tl.int64)
-    st = tl.load(init_ptr + row * si_b + h * si_h + offs_p[:, None] * si_p
-                 + offs_n[None, :] * si_n, mask=m2, other=0.0).to(tl.float32)
-    if POOLED:      # a fresh start (or NULL_SLOT) is zeros, whatever the slot holds (a select: a stale NaN stays out)
-        st = tl.where((tl.load(has_init_ptr + b) != 0) & (row != NULL), st, 0.0)
+    st, row, m_out = start_state(init_ptr, slot_ptr, has_init_ptr, b, h, offs_p, offs_n, m2, si_b, si_h, si_p,
+                                 si_n, BLOCK_P, BLOCK_N, POOLED, NULL)
     tile = offs_p[:, None] * N + offs_n[None, :]
     # two-stage software pipeline: chunk c+1's partial state and decay are loaded while chunk c
     # is processed (the chain h -> h' is latency-bound otherwise)

@@ -21,6 +21,35 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 
 
 @triton.jit
+def chunk_state_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, clen, h, g, offs_p, offs_n, mp, mn,
+                     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                     PREC: tl.constexpr, LOWP: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """S_c [BLOCK_P, BLOCK_N] float32 of one (chunk, head, P block): the chunk's clen tokens from
+    packed token cstart in K steps of BLOCK_K; lrow = (c * H + h) * BLOCK_L indexes dtc / cuma.
+    Shared by ``_chunk_state_kernel`` and the fused pass (``triton_ssd_fused_pass``)."""
+    cum_last = tl.load(cuma_ptr + lrow + clen - 1)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, clen, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < clen
+        tok = cstart + offs_k
+        xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                     mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
+        bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
+                     mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
+        dtk = tl.load(dtc_ptr + lrow + offs_k, mask=mk, other=0.0)
+        cumk = tl.load(cuma_ptr + lrow + offs_k, mask=mk, other=0.0)
+        wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
+        xw = xk.to(tl.float32) * wk[:, None]
+        if LOWP:       # 16-bit operands, float32 accumulation
+            acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
+        else:
+            acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _chunk_state_kernel(
     x_ptr, B_ptr, meta_ptr, dtc_ptr, cuma_ptr, S_ptr,
     H, P, N, nheads_per_group,
@@ -40,24 +69,9 @@ def _chunk_state_kernel(
         mp = offs_p < P
         mn = offs_n < N
         row = (c * H + h).to(tl.int64) * BLOCK_L
-        cum_last = tl.load(cuma_ptr + row + clen - 1)
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, clen, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < clen
-            tok = cstart + offs_k
-            xk = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                         mask=mk[:, None] & mp[None, :], other=0.0)                   # [K, P]
-            bk = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
-                         mask=mk[:, None] & mn[None, :], other=0.0)                   # [K, N]
-            dtk = tl.load(dtc_ptr + row + offs_k, mask=mk, other=0.0)
-            cumk = tl.load(cuma_ptr + row + offs_k, mask=mk, other=0.0)
-            wk = tl.where(mk, tl.exp(cum_last - cumk) * dtk, 0.0)
-            xw = xk.to(tl.float32) * wk[:, None]
-            if LOWP:       # 16-bit operands, float32 accumulation
-                acc = tl.dot(tl.trans(xw.to(bk.dtype)), bk, acc)
-            else:
-                acc = tl.dot(tl.trans(xw), bk.to(tl.float32), acc, input_precision=PREC)
+        acc = chunk_state_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, cstart, clen, h, g, offs_p, offs_n,
+                               mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                               PREC, LOWP, BLOCK_K, BLOCK_P, BLOCK_N)
         S_off = ((c * H + h).to(tl.int64) * P + offs_p[:, None]) * N + offs_n[None, :]
         tl.store(S_ptr + S_off, acc, mask=mp[:, None] & mn[None, :])
 
