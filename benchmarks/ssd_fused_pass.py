@@ -13,6 +13,8 @@ Rows:
   restored state (pool slot, has_initial_state) and emits the state after its last full 16-token
   block into a checkpoint row, as a prefill that saves a chat turn's end does.
 - sweep of sequence lengths and batches: the fused steps 2+3 against the two kernels;
+- a third column: the fused pass storing the emits itself (``fused_emits``: no emit kernel, no
+  float32 copy of the entry states);
 - option sweep at the first length: the fused kernel's block_p / block_k / warps and the chunk
   output's heads per program / rows per program.
 """
@@ -97,16 +99,18 @@ def main():
     cases = [[L] for L in a.sweep_tokens] + [[int(L)] * int(b) for b, L in
                                              (s.split("x") for s in a.batches.split(",") if s)]
     cases = [list(a.lens)] + [c for c in cases if c != list(a.lens)]
-    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6} default")
+    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6} {'+emits us':>9} default")
     for lens in cases:
         args, kw = make_case(lens, H, G)
         t_old = time_variant(args, kw, dict(fused_pass=False))
         t_new = time_variant(args, kw, dict(fused_pass=True))
+        t_emit = time_variant(args, kw, dict(fused_pass=True, fused_emits=True))
         label = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
         dflt = fuse_by_default(max(lens), sum(lens) // CS + len(lens), H, CS)   # as the mixer's bounds give
-        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {'fused' if dflt else 'unfused'}",
-              flush=True)
-        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new, default_fused=dflt))
+        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {t_emit:9.1f} "
+              f"{'fused' if dflt else 'unfused'}", flush=True)
+        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new, fused_emits_us=t_emit,
+                                default_fused=dflt))
     args, kw = make_case(list(a.lens), H, G)
     if not a.no_options:
         variants = [dict(fused_pass=False), dict()]
@@ -121,7 +125,8 @@ def main():
             print(f"  {json.dumps(v):90s} {t:7.1f} us", flush=True)
             res["options"].append(dict(options=v, us=t))
     if a.profile:
-        for name, opts in (("default", {}), ("unfused", dict(fused_pass=False))):
+        for name, opts in (("default", {}), ("unfused", dict(fused_pass=False)),
+                           ("fused, emits inside", dict(fused_pass=True, fused_emits=True))):
             rows = profile_variant(args, kw, opts)
             print(f"per-kernel us, {name}:")
             for k, c, us in rows:

@@ -49,11 +49,11 @@ import triton.language as tl
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size, check_pooled_emits
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, search_iters, tl_helpers
-from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_states
+from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_output, emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
-from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default, launch_chunk_pass
+from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_EMITS_DEFAULT, fuse_by_default, launch_chunk_pass
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
@@ -159,7 +159,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            state_num_warps=None, state_num_stages=None, state_block_p=None,
                            emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None,
                            emit_out=None, emit_rows=None, fused_pass=None, fused_block_k=None,
-                           fused_block_p=None, fused_num_warps=None):
+                           fused_block_p=None, fused_num_warps=None, fused_emits=None):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
     (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
@@ -196,7 +196,10 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     the heads are many enough for the chunk count: always on the 8B shape); False runs the
     chunk-state and state-pass kernels, which the chunk-state options configure.
     fused_block_k / fused_block_p / fused_num_warps: the fused kernel's options (None: its
-    defaults; a ValueError with ``fused_pass=False``).
+    defaults; a ValueError with ``fused_pass=False``). fused_emits: the fused kernel also stores
+    the emits (from the float32 entry state it holds in registers: no float32 copy of the entry
+    states, no emit kernel); None: ``FUSED_EMITS_DEFAULT`` (off until measured on a GPU); needs
+    the fused pass.
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -219,9 +222,14 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
               if v is not None} if fused_pass else \
         {k: v for k, v in (("fused_block_k", fused_block_k), ("fused_block_p", fused_block_p),
                            ("fused_num_warps", fused_num_warps)) if v is not None}
+    if fused_emits and not fused_pass:
+        unused["fused_emits"] = fused_emits
+    fused_emits = fused_pass and (FUSED_EMITS_DEFAULT if fused_emits is None else bool(fused_emits))
     if unused:
         raise ValueError(f"triton_ssd_scan_varlen: {sorted(unused)} configure the "
-                         f"{'unfused chunk-state kernel: pass fused_pass=False' if fused_pass else 'fused pass: drop fused_pass=False'}")
+                         + ("unfused chunk-state kernel, which this call does not run: pass fused_pass=False"
+                            if fused_pass else "fused pass, which this call does not run (fused_pass=False, or "
+                            "fuse_by_default chose the two kernels): pass fused_pass=True"))
     if chunk_layout is not None and T < 2**31:
         qsl, cum = chunk_layout
     else:
@@ -270,7 +278,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     cuma = torch.empty((NC, H, BLOCK_L), dtype=torch.float32, device=dev)
     # S: the chunk states (unfused), then the float32 entry states the emits read; the fused pass
     # needs it only for the emits under lowp (else h_in itself is float32)
-    need_s = not fused_pass or (emit_at is not None and lowp)
+    need_s = not fused_pass or (emit_at is not None and lowp and not fused_emits)
     S = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev) if need_s else None
     # chunk-entry states: rounded to the dot operand dtype anyway under lowp, so stored that way
     hin = torch.empty((NC, H, P, N), dtype=x.dtype if lowp else torch.float32, device=dev) \
@@ -295,11 +303,16 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
             )
         if fused_pass:
+            kernel_emits = emit_at is not None and fused_emits
+            if kernel_emits:
+                emit_out = emit_output(emit_at, emit_out, emit_rows, H, P, N, dev)
             launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin,
-                              S if (emit_at is not None and hin is not S) else None,
+                              S if (emit_at is not None and S is not None) else None,
                               initial_states, final, state_indices, has_init if pooled else None, Bn,
                               prec, lowp, BLOCK_L, BLOCK_N, pooled, NULL_SLOT, fused_block_k,
-                              fused_block_p, fused_num_warps)
+                              fused_block_p, fused_num_warps,
+                              **(dict(emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
+                                 if kernel_emits else {}))
         else:
             launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
                                state_block_k, state_num_warps, state_num_stages, state_block_p)
@@ -333,6 +346,8 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     final = None if pooled else final
     if emit_at is None:
         return y, final
+    if fused_emits:                 # stored by the fused pass
+        return y, final, emit_out
     # S now holds every chunk's float32 entry state (in place over S_c: STORE32, or hin is S; the
     # fused pass's h32, or its float32 hin)
     h32 = S if S is not None else hin

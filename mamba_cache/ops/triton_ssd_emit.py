@@ -66,6 +66,25 @@ def _emit_kernel(
     tl.store(out_ptr + (orow * H + h) * P * N + tile, tl.exp(cum_i) * h_in + acc, mask=mask)
 
 
+def emit_output(emit_at, out, out_rows, H: int, P: int, N: int, device) -> torch.Tensor:
+    """The emits' destination, checked: ``out`` (a contiguous float32 [M, H, P, N], or with
+    ``out_rows`` [M] a contiguous float32 [R, H, P, N] whose rows ``out_rows`` receive them), or a
+    new [M, H, P, N]. Shared by ``emit_states`` and the fused pass's in-kernel emits."""
+    M = emit_at.numel()
+    rows = out_rows is not None
+    if out is None:
+        if rows:
+            raise ValueError("emit_states: out_rows needs out")
+        return torch.empty((M, H, P, N), dtype=torch.float32, device=device)
+    if out.shape[1:] != (H, P, N) or (not rows and out.shape[0] != M) or out.dtype != torch.float32 \
+            or not out.is_contiguous():
+        raise ValueError(f"emit_states: out must be a contiguous float32 {('R' if rows else M, H, P, N)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
+        raise ValueError(f"emit_states: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
+    return out
+
+
 def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=None, out_rows=None) -> torch.Tensor:
     """The states after the packed tokens ``emit_at`` [M] -> [M, H, P, N] float32.
 
@@ -80,16 +99,7 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
     T, H, P = x.shape
     G, N = B.shape[-2:]
     rows = out_rows is not None
-    if out is None:
-        if rows:
-            raise ValueError("emit_states: out_rows needs out")
-        out = torch.empty((M, H, P, N), dtype=torch.float32, device=x.device)
-    elif out.shape[1:] != (H, P, N) or (not rows and out.shape[0] != M) or out.dtype != torch.float32 \
-            or not out.is_contiguous():
-        raise ValueError(f"emit_states: out must be a contiguous float32 {('R' if rows else M, H, P, N)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
-        raise ValueError(f"emit_states: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
+    out = emit_output(emit_at, out, out_rows, H, P, N, x.device)
     if M == 0:
         return out
     if not (dtc.is_contiguous() and cuma.is_contiguous() and h_in.is_contiguous() and meta.is_contiguous()):

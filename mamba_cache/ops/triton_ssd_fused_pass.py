@@ -38,6 +38,9 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 # heads' worth of chunk-state bytes that cost what one chunk of the fused chain costs (8B shape,
 # H100, 2026-11-28: 4.7 us per chained chunk / 0.049 us per (chunk, head) ~ 96)
 FUSED_HEADS_PER_CHAIN = 96
+# the emits inside the fused pass (``fused_emits``): written 2026-11-28 without GPU time left;
+# off until an H100 run of benchmarks/ssd_fused_pass.py compares it with the emit kernel
+FUSED_EMITS_DEFAULT = False
 
 
 def fuse_by_default(max_len: int, num_chunks: int, num_heads: int, chunk_size: int) -> bool:
@@ -47,16 +50,41 @@ def fuse_by_default(max_len: int, num_chunks: int, num_heads: int, chunk_size: i
     return chain * FUSED_HEADS_PER_CHAIN <= num_chunks * num_heads
 
 
-@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr"])
+@triton.jit
+def _emit_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p, offs_n, mp, mn,
+               sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_{j<=i} exp(cum_i - cum_j) dt_j x_j B_j^T over the chunk's first i + 1 tokens, float32
+    operands and IEEE dots: ``triton_ssd_emit._emit_kernel``'s sum, with the same K steps."""
+    cum_i = tl.load(cuma_ptr + lrow + i)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, i + 1, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        live = offs_k <= i
+        tok = cstart + offs_k
+        w = tl.exp(cum_i - tl.load(cuma_ptr + lrow + offs_k, mask=live, other=0.0)) * \
+            tl.load(dtc_ptr + lrow + offs_k, mask=live, other=0.0)
+        w = tl.where(live, w, 0.0)
+        xs = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                     mask=live[:, None] & mp[None, :], other=0.0).to(tl.float32) * w[:, None]
+        bs = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
+                     mask=live[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(tl.trans(xs), bs, acc, input_precision="ieee")
+    return acc, cum_i
+
+
+@triton.jit(do_not_specialize=["num_emits"],
+            do_not_specialize_on_alignment=["slot_ptr", "has_init_ptr", "emit_ptr", "erow_ptr"])
 def _chunk_pass_kernel(
     x_ptr, B_ptr, meta_ptr, dtc_ptr, cuma_ptr, cum_ptr, hin_ptr, h32_ptr,
-    init_ptr, final_ptr, slot_ptr, has_init_ptr,
-    H, P, N, nheads_per_group,
+    init_ptr, final_ptr, slot_ptr, has_init_ptr, emit_ptr, eout_ptr, erow_ptr,
+    H, P, N, nheads_per_group, num_emits,
     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
     si_b, si_h, si_p, si_n, sf_b, sf_h, sf_p, sf_n,
     PREC: tl.constexpr, LOWP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE32: tl.constexpr = False, POOLED: tl.constexpr = False, NULL: tl.constexpr = 0,
+    EMITS: tl.constexpr = False, OUT_ROWS: tl.constexpr = False, EMIT_K: tl.constexpr = 32,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,6 +111,17 @@ def _chunk_pass_kernel(
         acc = chunk_state_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, clen, h, g, offs_p, offs_n,
                                mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
                                PREC, LOWP, BLOCK_K, BLOCK_P, BLOCK_N)
+        if EMITS:       # prefix-cache emits inside this chunk: h = exp(cum_i) h_in + the chunk's sum to i
+            for m in range(0, num_emits):
+                i = tl.load(emit_ptr + m).to(tl.int64) - cstart      # offset in this chunk, if it is here
+                if (i >= 0) & (i < clen):
+                    part, cum_i = _emit_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
+                                             offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                                             EMIT_K, BLOCK_P, BLOCK_N)
+                    orow = tl.zeros([], dtype=tl.int64) + m                # where emit m is stored
+                    if OUT_ROWS:
+                        orow = tl.load(erow_ptr + m).to(tl.int64)
+                    tl.store(eout_ptr + (orow * H + h) * P * N + tile, tl.exp(cum_i) * st + part, mask=m2)
         # the chunk's total decay: cuma's padded positions repeat the last cumsum (step 1)
         st = tl.exp(tl.load(cuma_ptr + lrow + BLOCK_L - 1)) * st + acc
     tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p
@@ -99,21 +138,29 @@ _FUSED_DEFAULTS_F32 = dict(_FUSED_DEFAULTS, block_k=64)
 
 def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, final, state_indices,
                       has_init, Bn, prec, lowp, BLOCK_L, BLOCK_N, pooled, null_slot,
-                      block_k=None, block_p=None, num_warps=None):
+                      block_k=None, block_p=None, num_warps=None, emit_at=None, emit_out=None,
+                      emit_rows=None):
     """Steps 2 and 3 for every sequence: hin [NC, H, P, N] (the chunk-entry states in the dot
     dtype), h32 (the float32 entry states for the emits; None: not stored), the final states into
-    ``final`` (the pool view with ``pooled``). Options (None: the defaults above)."""
+    ``final`` (the pool view with ``pooled``). With ``emit_at`` [M] the kernel also stores the
+    state after each of those packed tokens into ``emit_out`` (rows ``emit_rows`` of it, or row m),
+    from its float32 entry state in registers: no h32, no emit kernel. Options (None: the
+    defaults above)."""
     H, P = x.shape[1:]
     G = B.shape[-2]
     d = _FUSED_DEFAULTS if lowp else _FUSED_DEFAULTS_F32
     BP = min(max(16, next_pow2(P)), max(16, next_pow2(block_p or d["block_p"])))
     BK = min(BLOCK_L, max(16, next_pow2(block_k or d["block_k"])))
     store32 = h32 is not None
+    emits = emit_at is not None and emit_at.numel() > 0
+    rows = emit_rows is not None
     _chunk_pass_kernel[(Bn, H, cdiv(P, BP))](
         x, B, meta, dtc, cuma, cum, hin, h32 if store32 else hin,
         initial_states, final, state_indices if pooled else cum, has_init if pooled else cum,
-        H, P, B.shape[-1], H // G, *x.stride(), *B.stride(),
+        emit_at if emits else cum, emit_out if emits else hin, emit_rows if (emits and rows) else cum,
+        H, P, B.shape[-1], H // G, emit_at.numel() if emits else 0, *x.stride(), *B.stride(),
         *initial_states.stride(), *final.stride(),
         PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BLOCK_N,
-        STORE32=store32, POOLED=pooled, NULL=null_slot, num_warps=num_warps or d["num_warps"],
+        STORE32=store32, POOLED=pooled, NULL=null_slot, EMITS=emits, OUT_ROWS=emits and rows,
+        EMIT_K=min(32, BLOCK_L), num_warps=num_warps or d["num_warps"],
     )

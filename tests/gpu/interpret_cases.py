@@ -262,6 +262,17 @@ CASES = {
     "ssd_pooled_unfused_emit": lambda: spc.check_ssd_pooled(
         lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=False, **k), "cpu", F32, [21, 9, 0, 40],
         fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29], seed=18),
+    # the emits stored by the fused pass itself (fused_emits): into checkpoint rows (pooled,
+    # null and fresh rows, two emits in one chunk, a repeated padding emit) and into a new
+    # [M, H, P, N] (f16 with lowp: no float32 copy of the entry states exists then)
+    "ssd_fused_emits": lambda: [
+        spc.check_ssd_pooled(lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=True, fused_emits=True, **k),
+                             "cpu", F32, [21, 9, 0, 40], fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29, 29],
+                             seed=19),
+        check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16, seed=3, lowp=True,
+                       fused_pass=True, fused_emits=True),
+        check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], seed=4, fused_pass=True,
+                       fused_emits=True)],
     "ssd_emit_fused_f16": lambda: [check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16,
                                                   seed=2, lowp=True, fused_pass=fused) for fused in (True, False)],
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),

@@ -202,8 +202,10 @@ def test_ssd_pooled(dtype):
     # the unfused chunk-state and state-pass kernels (what fuse_by_default picks for these few
     # heads, forced), then the fused kernel on sequences of many chunks
     from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
-    for fused, lens, cs in ((False, [300, 40], 128), (True, [700, 9, 33], 32)):
-        spc.check_ssd_pooled(functools.partial(triton_ssd_scan_varlen_pooled, fused_pass=fused), DEV, dtype, lens,
+    # and the emits stored by the fused pass itself (fused_emits)
+    for opts, lens, cs in ((dict(fused_pass=False), [300, 40], 128), (dict(fused_pass=True), [700, 9, 33], 32),
+                           (dict(fused_pass=True, fused_emits=True), [300, 40, 33], 128)):
+        spc.check_ssd_pooled(functools.partial(triton_ssd_scan_varlen_pooled, **opts), DEV, dtype, lens,
                             fresh=(1,), H=16, G=2, P=64, N=128, chunk_size=cs, emit=[0, 127, 128, 299, 300, 339],
                             seed=2, step_layout=True)
 

@@ -250,8 +250,10 @@ def test_ssd_kernel_options_of_the_kernels_that_do_not_run_are_refused():
             torch.zeros(T, G, N), torch.zeros(H), torch.tensor([0, T]), torch.zeros(1, H, P, N), 4)
     with pytest.raises(ValueError, match=r"state_num_warps.*fused_pass=False"):
         triton_ssd_scan_varlen(*args, fused_pass=True, state_num_warps=8)
-    with pytest.raises(ValueError, match=r"fused_block_p.*drop fused_pass=False"):
+    with pytest.raises(ValueError, match=r"fused_block_p.*pass fused_pass=True"):
         triton_ssd_scan_varlen(*args, fused_pass=False, fused_block_p=16)
+    with pytest.raises(ValueError, match=r"fused_emits.*pass fused_pass=True"):     # the default: unfused here
+        triton_ssd_scan_varlen(*args, fused_emits=True)
 
 
 @pytest.mark.parametrize("lens,heads,fused", [
