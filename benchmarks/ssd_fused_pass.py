@@ -5,7 +5,8 @@ CUDA graph of repeated calls (median of replays), per variant of the scan's opti
     python benchmarks/ssd_fused_pass.py                  # lengths: fused vs unfused; options at 304
     python benchmarks/ssd_fused_pass.py --lens 2348 --sweep-tokens 4096 8192 --no-options
     python benchmarks/ssd_fused_pass.py --profile --out DIR     # + per-kernel us
-    python benchmarks/ssd_fused_pass.py --shape nano --lens 8192 --no-options   # 64 heads: checks fuse_by_default
+    python benchmarks/ssd_fused_pass.py --shape nano --lens 8192 --no-options   # 64 heads (not yet measured)
+    python benchmarks/ssd_fused_pass.py --lens 8192 --emit-every 1024 --no-options  # many emits a sequence
 
 Rows:
 - ``--lens``: the sequences of one call (default: one of 304 tokens, the cached request of
@@ -33,7 +34,7 @@ P, N, CS = 64, 128, 128
 SHAPES = {"8b": (128, 8), "nano": (64, 8)}          # (Mamba heads, groups); head_dim 64, state 128
 
 
-def make_case(lens, H=128, G=8, dtype=torch.bfloat16, seed=0):
+def make_case(lens, H=128, G=8, dtype=torch.bfloat16, seed=0, emit_every=0):
     """Inputs shaped as the mixer passes them: x / B / C strided views of one conv output, dt a
     view of the in_proj output; a pool of len(lens)+2 slots whose rows start from random states."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -52,10 +53,13 @@ def make_case(lens, H=128, G=8, dtype=torch.bfloat16, seed=0):
     slots = torch.arange(1, Bn + 1, device=dev)
     has_init = torch.ones(Bn, dtype=torch.bool, device=dev)
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-    emit = torch.tensor([s + max(L // 16 * 16, 1) - 1 for s, L in zip(qsl[:-1].tolist(), lens)],
-                        dtype=torch.int64, device=dev)
-    ckpt = torch.zeros(Bn + 1, H, P, N, device=dev)
-    rows = torch.arange(Bn, device=dev)
+    at = []
+    for s, L in zip(qsl[:-1].tolist(), lens):     # every emit_every tokens, then the last full block
+        at += [s + q - 1 for q in range(emit_every, L, emit_every)] if emit_every else []
+        at.append(s + max(L // 16 * 16, 1) - 1)
+    emit = torch.tensor(at, dtype=torch.int64, device=dev)
+    ckpt = torch.zeros(len(at) + 1, H, P, N, device=dev)
+    rows = torch.arange(len(at), device=dev)
     args = (x.reshape(T, H, P), dt, dt_bias, A, B.reshape(T, G, N), C.reshape(T, G, N), D, qsl, pool, slots,
             has_init, CS)
     return args, dict(max_seqlen=max(lens), out_dtype=dtype, emit_at=emit, emit_out=ckpt, emit_rows=rows)
@@ -87,6 +91,8 @@ def main():
     ap.add_argument("--batches", default="8x300,32x200", help="extra batches for the fused/unfused rows: BxL,...")
     ap.add_argument("--no-options", action="store_true", help="skip the option sweep")
     ap.add_argument("--profile", action="store_true", help="per-kernel us of the default and unfused calls")
+    ap.add_argument("--emit-every", type=int, default=0,
+                    help="also emit every N tokens of each sequence (a prefill crossing checkpoint boundaries)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
                     help="Mamba heads and groups: 8b (128, 8) or nano (64, 8)")
     ap.add_argument("--out", default=None)
@@ -94,24 +100,20 @@ def main():
     H, G = SHAPES[a.shape]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {a.shape} "
           f"({H} heads, {G} groups)")
-    from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default
     res = {"shape": a.shape, "lens": a.lens, "rows": [], "options": [], "profile": {}}
     cases = [[L] for L in a.sweep_tokens] + [[int(L)] * int(b) for b, L in
                                              (s.split("x") for s in a.batches.split(",") if s)]
     cases = [list(a.lens)] + [c for c in cases if c != list(a.lens)]
-    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6} {'+emits us':>9} default")
+    print(f"{'batch':>12} {'unfused us':>11} {'fused us':>9} {'ratio':>6} {'+emits us':>9}")
     for lens in cases:
-        args, kw = make_case(lens, H, G)
+        args, kw = make_case(lens, H, G, emit_every=a.emit_every)
         t_old = time_variant(args, kw, dict(fused_pass=False))
         t_new = time_variant(args, kw, dict(fused_pass=True))
         t_emit = time_variant(args, kw, dict(fused_pass=True, fused_emits=True))
         label = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
-        dflt = fuse_by_default(max(lens), sum(lens) // CS + len(lens), H, CS)   # as the mixer's bounds give
-        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {t_emit:9.1f} "
-              f"{'fused' if dflt else 'unfused'}", flush=True)
-        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new, fused_emits_us=t_emit,
-                                default_fused=dflt))
-    args, kw = make_case(list(a.lens), H, G)
+        print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {t_emit:9.1f}", flush=True)
+        res["rows"].append(dict(batch=label, unfused_us=t_old, fused_us=t_new, fused_emits_us=t_emit))
+    args, kw = make_case(list(a.lens), H, G, emit_every=a.emit_every)
     if not a.no_options:
         variants = [dict(fused_pass=False), dict()]
         variants += [dict(fused_pass=True, fused_block_p=bp, fused_block_k=bk, fused_num_warps=w)

@@ -23,8 +23,8 @@ groups of ``--inner`` calls.  mamba-ssm comes from its pure-python wheel through
 ``VARIANTS`` (keyword options of ``triton_ssd_scan_varlen``; see its docstring) next to the
 default (``--state-variants``: the chunk-state configs ``STATE_VARIANTS`` only, which run the
 unfused steps 2 and 3; the default fuses them); with
-``--profile`` also the GPU time of each config's step-2 kernel (chunk state, or the fused
-steps 2 and 3) and step-4 kernels
+``--profile`` also the GPU time of each config's steps 2 and 3 (the fused kernel, or the
+chunk-state and state-pass kernels) and step-4 kernels
 (C.B precompute + chunk output) from torch.profiler.  Without mamba-ssm installed only our side
 is timed (its columns read n/a).
 """
@@ -143,10 +143,11 @@ VARIANTS = OLD_VARIANTS + NEW_VARIANTS + STATE_VARIANTS
 
 
 def step_us(fn):
-    """GPU us per call of the chunk-state step (step 2; the fused steps 2 and 3 by default) and of
-    the chunk-output step (step 4: C.B precompute + chunk-output kernels)."""
+    """GPU us per call of steps 2 and 3 (the fused kernel by default, the chunk-state and
+    state-pass kernels with fused_pass=False: comparable either way) and of the chunk-output step
+    (step 4: C.B precompute + chunk-output kernels)."""
     ks = profile_kernels(fn)
-    return (sum(us for k, us in ks if "_chunk_state" in k or "_chunk_pass" in k),
+    return (sum(us for k, us in ks if "_chunk_state" in k or "_state_pass" in k or "_chunk_pass" in k),
             sum(us for k, us in ks if "_chunk_out" in k or "_chunk_cb" in k))
 
 
@@ -223,7 +224,7 @@ def main():
                 try:
                     dy = float((fn()[0].float() - y0).abs().max()) / float(y0.abs().max())
                     t_v = time_ms(fn, a.reps, a.inner)
-                    k_us = (", step 2 {:.1f} us, step 4 {:.1f} us".format(*step_us(fn))
+                    k_us = (", steps 2+3 {:.1f} us, step 4 {:.1f} us".format(*step_us(fn))
                             if a.profile else "")
                 except Exception as exc:   # a config that does not compile / fit: report, go on
                     print(f"  variant {kw}: FAILED {type(exc).__name__}: {str(exc)[:200]}",

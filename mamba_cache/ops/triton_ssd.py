@@ -3,7 +3,7 @@
 Chunks of ``chunk_size`` tokens counted from each sequence's start; global chunk c belongs to the
 sequence b with cum[b-1] <= c < cum[b] (cum = inclusive cumsum of ceil(L_b / chunk_size)); chunk
 ids past cum[B-1] (the grid is an upper bound, no host sync) are empty.  Three launches with
-steps 2 and 3 fused (the default on the 8B shape), four without:
+steps 2 and 3 fused (the default), four without:
 
 1. ``_chunk_dt_kernel``  (chunk, head block): chunk metadata (start token, length), dt =
    clamp(softplus(dt_raw + dt_bias)) and the inclusive cumsum of dt*A inside the chunk.
@@ -13,14 +13,14 @@ steps 2 and 3 fused (the default on the 8B shape), four without:
    h_in(c) = h; h = exp(cum_last_c) h + S_c; final state out.  h_in is stored in the dtype the
    chunk-output dots take (the model dtype under ``lowp``: half the bytes written here and read
    by step 4; in place over S_c otherwise).
-   Steps 2 and 3 as written run with ``fused_pass=False`` (and by default for few heads and
-   long sequences: ``fuse_by_default``).  Otherwise ``triton_ssd_fused_pass`` (sequence, head,
-   P block) does both in one launch, each program
+   Steps 2 and 3 as written run with ``fused_pass=False`` only.  By default
+   ``triton_ssd_fused_pass`` (sequence, head, P block) does both in one launch, each program
    walking its sequence's chunks with S_c in registers (no float32 S round trip through memory):
    1.00-1.15x the whole scan on an H100 for one sequence of 128 to 8192 tokens, 1.07-1.19x in
    batches (``benchmarks/results/2026-11-28-ssd-fused-pass-h100.md``).  h_in then goes to its own
    buffer (the model dtype under ``lowp``, else float32), and a float32 copy for the emits only
-   on steps that emit under ``lowp``.
+   on steps that emit under ``lowp`` (none with ``fused_emits``: the fused kernel stores the
+   emits itself).
 4. Chunk output: y_i = exp(cum_i) C_i h_in^T + sum_{j<=i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j
    + D x_i   (tl.dot, causal blocks only).  Default path by dot operand dtype (``_DEFAULTS``):
    - bf16 / fp16 models (``lowp``): ``triton_ssd_heads._chunk_out_heads_kernel``, one program
@@ -53,7 +53,7 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_output, emit_stat
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
-from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_EMITS_DEFAULT, fuse_by_default, launch_chunk_pass
+from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_EMITS_DEFAULT, FUSED_PASS_DEFAULT, launch_chunk_pass
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
@@ -192,8 +192,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     emit_out [R,H,P,N] / emit_rows [M]: the emitted states go to emit_out[emit_rows] (checkpoint
     rows, in place; ``emit_states``' out / out_rows) and the third result is emit_out.
     fused_pass: steps 2 and 3 in one launch (``triton_ssd_fused_pass``: each program walks its
-    sequence's chunks, S_c kept in registers; None: ``fuse_by_default``, which fuses wherever
-    the heads are many enough for the chunk count: always on the 8B shape); False runs the
+    sequence's chunks, S_c kept in registers; None: ``FUSED_PASS_DEFAULT``, on); False runs the
     chunk-state and state-pass kernels, which the chunk-state options configure.
     fused_block_k / fused_block_p / fused_num_warps: the fused kernel's options (None: its
     defaults; a ValueError with ``fused_pass=False``). fused_emits: the fused kernel also stores
@@ -203,19 +202,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
-    Bn = query_start_loc.numel() - 1
-    dev = x.device
-    cs = int(chunk_size)
-    y = torch.empty((T, H, P), dtype=out_dtype, device=dev)
-    pooled = state_indices is not None
-    final = initial_states if pooled else torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
-    if Bn == 0:
-        final = None if pooled else final
-        return (y, final) if emit_at is None else \
-            (y, final, emit_out if emit_rows is not None else torch.empty((0, H, P, N), device=dev))
-    max_len, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
-    NC = max(NC, 1)
-    fused_pass = fuse_by_default(max_len, NC, H, cs) if fused_pass is None else bool(fused_pass)
+    fused_pass = FUSED_PASS_DEFAULT if fused_pass is None else bool(fused_pass)
     # options of the kernels that do not run would be dropped without a word: refuse them
     unused = {k: v for k, v in (("state_block_k", state_block_k), ("state_block_p", state_block_p),
                                 ("state_num_warps", state_num_warps), ("state_num_stages", state_num_stages))
@@ -228,8 +215,19 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     if unused:
         raise ValueError(f"triton_ssd_scan_varlen: {sorted(unused)} configure the "
                          + ("unfused chunk-state kernel, which this call does not run: pass fused_pass=False"
-                            if fused_pass else "fused pass, which this call does not run (fused_pass=False, or "
-                            "fuse_by_default chose the two kernels): pass fused_pass=True"))
+                            if fused_pass else "fused pass, which fused_pass=False turns off"))
+    Bn = query_start_loc.numel() - 1
+    dev = x.device
+    cs = int(chunk_size)
+    y = torch.empty((T, H, P), dtype=out_dtype, device=dev)
+    pooled = state_indices is not None
+    final = initial_states if pooled else torch.empty((Bn, H, P, N), dtype=torch.float32, device=dev)
+    if Bn == 0:
+        final = None if pooled else final
+        return (y, final) if emit_at is None else \
+            (y, final, emit_out if emit_rows is not None else torch.empty((0, H, P, N), device=dev))
+    _, NC = _grid_size(query_start_loc, T, cs, max_seqlen)
+    NC = max(NC, 1)
     if chunk_layout is not None and T < 2**31:
         qsl, cum = chunk_layout
     else:

@@ -74,14 +74,14 @@ def emit_output(emit_at, out, out_rows, H: int, P: int, N: int, device) -> torch
     rows = out_rows is not None
     if out is None:
         if rows:
-            raise ValueError("emit_states: out_rows needs out")
+            raise ValueError("emits: out_rows needs out")
         return torch.empty((M, H, P, N), dtype=torch.float32, device=device)
     if out.shape[1:] != (H, P, N) or (not rows and out.shape[0] != M) or out.dtype != torch.float32 \
             or not out.is_contiguous():
-        raise ValueError(f"emit_states: out must be a contiguous float32 {('R' if rows else M, H, P, N)}, got "
+        raise ValueError(f"emits: out must be a contiguous float32 {('R' if rows else M, H, P, N)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     if rows and (out_rows.shape != (M,) or out_rows.stride(0) != 1):
-        raise ValueError(f"emit_states: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
+        raise ValueError(f"emits: out_rows must be a contiguous [{M}], got {tuple(out_rows.shape)}")
     return out
 
 

@@ -14,17 +14,18 @@ H100 (8B shape, bf16, ``benchmarks/ssd_fused_pass.py``, 2026-11-28) the whole sc
 at every length measured, one sequence of 128 to 8192 tokens (1.00-1.15x; 64 chunks: 782 ->
 682 us) and batches of 8 x 300, 32 x 200, 4 x 2048, 2 x 4096 (1.07-1.19x).
 
-When it is the default (``fuse_by_default``): the fused kernel's time grows with the longest
-sequence's chunk count (each program's chain of chunks, latency-bound), the two kernels' with
-the bytes of all chunk states (chunks x heads). On the 8B shape one 8192-token sequence took
-~4.7 us per chunk in the chain against ~0.05 us per (chunk, head) in the two kernels, so the
-fused kernel is chosen where longest-chunks x ``FUSED_HEADS_PER_CHAIN`` <= total chunks x heads:
-always with 128 heads (8B), but not for one long sequence with 64 heads (the Nano shape), which
-keeps the two kernels there until a measurement says otherwise. ``fused_pass=True / False``
-forces either.
+It is the default (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` runs the two kernels. Shapes
+not measured: with fewer heads (the Nano shape's 64, or the 8B shape sharded over 2 GPUs) the
+chunk-state kernel's share shrinks with the heads while both the fused chain and the state pass's
+own chain over a sequence's chunks do not (the 2026-11-22 8192-token profile: chunk state 0.193 ms,
+state pass 0.192 ms), so for one long sequence the two paths should come out about even there;
+``benchmarks/ssd_fused_pass.py --shape nano`` measures it.
 
 h_in is stored in the dtype the chunk-output dots take; ``STORE32`` also stores the float32 entry
-state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``).
+state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``). With ``EMITS``
+(``fused_emits``) the kernel stores the emits itself instead, from the float32 entry state in its
+registers, with the emit kernel's sums and K steps (bit-identical to it under the interpreter at
+the default P block of 32).
 """
 from __future__ import annotations
 
@@ -35,19 +36,12 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
-# heads' worth of chunk-state bytes that cost what one chunk of the fused chain costs (8B shape,
-# H100, 2026-11-28: 4.7 us per chained chunk / 0.049 us per (chunk, head) ~ 96)
-FUSED_HEADS_PER_CHAIN = 96
-# the emits inside the fused pass (``fused_emits``): written 2026-11-28 without GPU time left;
-# off until an H100 run of benchmarks/ssd_fused_pass.py compares it with the emit kernel
+FUSED_PASS_DEFAULT = True
+# the emits inside the fused pass (``fused_emits``): written 2026-11-28 without GPU time left; off
+# until an H100 run of benchmarks/ssd_fused_pass.py compares it with the emit kernel. Compiled for
+# sm_90 (8B shape, bf16, pooled) the emitting variant uses 255 registers with a few spills against
+# 167 without, for every chunk of the chain, and each program scans all M emits per chunk
 FUSED_EMITS_DEFAULT = False
-
-
-def fuse_by_default(max_len: int, num_chunks: int, num_heads: int, chunk_size: int) -> bool:
-    """Whether the scan fuses steps 2 and 3 when the caller does not say: host ints only (the
-    longest sequence's length bound, the chunk count bound ``NC``, the heads, the chunk size)."""
-    chain = cdiv(max(max_len, 1), chunk_size)
-    return chain * FUSED_HEADS_PER_CHAIN <= num_chunks * num_heads
 
 
 @triton.jit

@@ -248,7 +248,7 @@ CASES = {
         "cpu", torch.float16, [16, 1, 0, 35, 7], H=12, G=2, P=24, chunk_size=32, seed=14,
         out_dtype=torch.float16),
     # steps 2 and 3 fused (triton_ssd_fused_pass, the default) on many chunks, with its options
-    # (P not a power of two: masked columns), and the unfused kernels
+    # (P not a power of two: masked columns), and the unfused kernels forced
     "ssd_fused_long": lambda: kc.check_ssd(
         lambda *a, **k: triton_ssd_scan_varlen(*a, fused_pass=True, fused_block_k=16, fused_block_p=16, **k),
         "cpu", F32, [150, 1, 0, 70], H=6, G=2, P=40, N=20, chunk_size=16, seed=15),
@@ -258,17 +258,19 @@ CASES = {
         lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=fused, **k), "cpu", dt, [21, 9, 40],
         fresh=(0,), null_rows=(2,), emit=[3, 15, 16, 20, 29], seed=17) for fused, dt in ((True, torch.float16),
                                                                                    (False, torch.float16))],
-    # unfused float32: the entry states stay in place over S, which the emits read; null rows
+    # unfused float32: the entry states stay in place over S, which the emits read; emits in the
+    # null row 3 (tokens 30-69) too
     "ssd_pooled_unfused_emit": lambda: spc.check_ssd_pooled(
         lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=False, **k), "cpu", F32, [21, 9, 0, 40],
-        fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29], seed=18),
-    # the emits stored by the fused pass itself (fused_emits): into checkpoint rows (pooled,
-    # null and fresh rows, two emits in one chunk, a repeated padding emit) and into a new
-    # [M, H, P, N] (f16 with lowp: no float32 copy of the entry states exists then)
+        fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29, 45, 69], seed=18),
+    # the emits stored by the fused pass itself (fused_emits): into checkpoint rows (pooled; a
+    # fresh row, emits in the null row 3 (tokens 30-69), two emits in one chunk, a token emitted
+    # twice into two rows) and into a new [M, H, P, N] (f16 with lowp: no float32 copy of the
+    # entry states exists then)
     "ssd_fused_emits": lambda: [
         spc.check_ssd_pooled(lambda *a, **k: triton_ssd_scan_varlen_pooled(*a, fused_pass=True, fused_emits=True, **k),
-                             "cpu", F32, [21, 9, 0, 40], fresh=(1,), null_rows=(3,), emit=[3, 15, 16, 20, 29, 29],
-                             seed=19),
+                             "cpu", F32, [21, 9, 0, 40], fresh=(1,), null_rows=(3,),
+                             emit=[3, 15, 16, 20, 29, 29, 45, 69], seed=19),
         check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16, seed=3, lowp=True,
                        fused_pass=True, fused_emits=True),
         check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], seed=4, fused_pass=True,

@@ -183,11 +183,10 @@ SSD = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", range(len(SSD)))
 def test_ssd(dtype, case):
-    # y in float32 through the public op (on these few heads its default runs the unfused steps
-    # 2 and 3: fuse_by_default), then in the model dtype (what the model asks for) with steps 2
-    # and 3 fused (the 8B shape's default)
+    # y in float32 through the public op (steps 2 and 3 fused: the default), then in the model
+    # dtype (what the model asks for) with the two unfused kernels
     from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen
-    for seed, impl in enumerate((ssd_scan_varlen, functools.partial(triton_ssd_scan_varlen, fused_pass=True))):
+    for seed, impl in enumerate((ssd_scan_varlen, functools.partial(triton_ssd_scan_varlen, fused_pass=False))):
         kc.check_ssd(impl, DEV, dtype, seed=seed, out_dtype=(F32, dtype)[seed], **SSD[case])
 
 
@@ -199,8 +198,8 @@ def test_ssd_pooled(dtype):
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [16, 1, 35, 7, 9, 4], fresh=(1, 2, 5), null_rows=(4, 5))
     spc.check_ssd_pooled(ssd_scan_varlen_pooled, DEV, dtype, [300, 40], fresh=(0,), H=16, G=2, P=64, N=128,
                         chunk_size=128, emit=[0, 127, 128, 299, 300, 339], seed=1, step_layout=True)
-    # the unfused chunk-state and state-pass kernels (what fuse_by_default picks for these few
-    # heads, forced), then the fused kernel on sequences of many chunks
+    # the unfused chunk-state and state-pass kernels (the default fuses them), then the fused
+    # kernel on sequences of many chunks
     from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
     # and the emits stored by the fused pass itself (fused_emits)
     for opts, lens, cs in ((dict(fused_pass=False), [300, 40], 128), (dict(fused_pass=True), [700, 9, 33], 32),
@@ -262,7 +261,7 @@ SSD_OUT_OPTIONS += [
     (dict(state_block_k=32, state_num_warps=8, state_num_stages=3, fused_pass=False), (2, 3, 4)),
     (dict(state_block_p=32, state_num_stages=2, fused_pass=False), (0, 1, 3, 5)),
 ]
-# steps 2 and 3 fused (triton_ssd_fused_pass; test_ssd runs it on every SSD case):
+# steps 2 and 3 fused (triton_ssd_fused_pass, the default; test_ssd runs both paths on every case):
 # its options (P = 24: masked columns; 22 chunks), and the unfused kernels with float32 dot
 # operands on a 16-bit model (h_in in place over S)
 SSD_OUT_OPTIONS += [

@@ -248,24 +248,15 @@ def test_ssd_kernel_options_of_the_kernels_that_do_not_run_are_refused():
     T, H, P, G, N = 8, 2, 4, 1, 4
     args = (torch.zeros(T, H, P), torch.zeros(T, H), torch.zeros(H), -torch.ones(H), torch.zeros(T, G, N),
             torch.zeros(T, G, N), torch.zeros(H), torch.tensor([0, T]), torch.zeros(1, H, P, N), 4)
-    with pytest.raises(ValueError, match=r"state_num_warps.*fused_pass=False"):
+    with pytest.raises(ValueError, match=r"state_block_k.*pass fused_pass=False"):      # the default fuses
+        triton_ssd_scan_varlen(*args, state_block_k=16)
+    with pytest.raises(ValueError, match=r"state_num_warps.*pass fused_pass=False"):
         triton_ssd_scan_varlen(*args, fused_pass=True, state_num_warps=8)
-    with pytest.raises(ValueError, match=r"fused_block_p.*pass fused_pass=True"):
+    with pytest.raises(ValueError, match=r"fused_block_p.*fused_pass=False turns off"):
         triton_ssd_scan_varlen(*args, fused_pass=False, fused_block_p=16)
-    with pytest.raises(ValueError, match=r"fused_emits.*pass fused_pass=True"):     # the default: unfused here
-        triton_ssd_scan_varlen(*args, fused_emits=True)
+    with pytest.raises(ValueError, match=r"fused_emits.*fused_pass=False turns off"):
+        triton_ssd_scan_varlen(*args, fused_pass=False, fused_emits=True)
+    with pytest.raises(ValueError, match=r"fused_emits.*fused_pass=False turns off"):   # even with no rows
+        triton_ssd_scan_varlen(*args[:7], torch.tensor([0]), torch.zeros(0, H, P, N), 4, fused_pass=False,
+                               fused_emits=True)
 
-
-@pytest.mark.parametrize("lens,heads,fused", [
-    ([304], 128, True), ([8192], 128, True), ([300] * 8, 128, True),     # the 8B shape: always
-    ([8192], 64, False), ([4096, 4096], 64, True), ([300] * 8, 64, True),  # the Nano shape's heads
-    ([35, 7, 16], 4, False)])                                           # the tests' few heads
-def test_ssd_fuses_steps_2_and_3_where_its_chain_is_short_for_its_heads(lens, heads, fused):
-    """fuse_by_default from host bounds as the mixer passes them (query_start_loc on the device:
-    NC = T // chunk + B; the longest length from max_seqlen): the fused kernel's chain of the
-    longest sequence's chunks against the two kernels' chunk-state bytes (chunks x heads)."""
-    from hybrid_engine.mamba_cache.ops.ssd import _grid_size
-    from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import fuse_by_default
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    max_len, NC = _grid_size(qsl, sum(lens), 128, max(lens), exact=False)
-    assert fuse_by_default(max_len, NC, heads, 128) is fused
