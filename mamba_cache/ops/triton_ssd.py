@@ -304,8 +304,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             kernel_emits = emit_at is not None and fused_emits
             if kernel_emits:
                 emit_out = emit_output(emit_at, emit_out, emit_rows, H, P, N, dev)
-            launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin,
-                              S if (emit_at is not None and S is not None) else None,
+            launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, S,       # S: only for emits under lowp
                               initial_states, final, state_indices, has_init if pooled else None, Bn,
                               prec, lowp, BLOCK_L, BLOCK_N, pooled, NULL_SLOT, fused_block_k,
                               fused_block_p, fused_num_warps,

@@ -18,11 +18,36 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
 
 
-@triton.jit(do_not_specialize=["nseq", "T"],
+@triton.jit
+def emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, tok0, i, h, g, p, n, mp, mn,
+                 sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(sum_{j<=i} exp(cum_i - cum_j) dt_j x_j B_j^T [BLOCK_P, BLOCK_N], cum_i) over the first
+    i + 1 tokens of the chunk starting at packed token tok0 (row = (c * H + h) * BLOCK_L indexes
+    dtc / cuma): float32 operands, IEEE dots. Shared by ``_emit_kernel`` and the fused pass's
+    in-kernel emits (``triton_ssd_fused_pass``)."""
+    cum_i = tl.load(cuma_ptr + row + i)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, i + 1, BLOCK_K):                     # only the chunk's tokens up to i
+        j = k0 + tl.arange(0, BLOCK_K)
+        live = j <= i                                       # (masked lanes load nothing)
+        tok = tok0 + j
+        w = tl.exp(cum_i - tl.load(cuma_ptr + row + j, mask=live, other=0.0)) * \
+            tl.load(dtc_ptr + row + j, mask=live, other=0.0)
+        w = tl.where(live, w, 0.0)                          # [BLOCK_K]
+        xs = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + p[None, :] * sx_p,
+                     mask=live[:, None] & mp[None, :], other=0.0).to(tl.float32) * w[:, None]
+        bs = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + n[None, :] * sb_n,
+                     mask=live[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(tl.trans(xs), bs, acc, input_precision="ieee")   # [BLOCK_P, BLOCK_N]
+    return acc, cum_i
+
+
+@triton.jit(do_not_specialize=["nseq"],
             do_not_specialize_on_alignment=["qsl_ptr", "emit_ptr", "out_row_ptr"])
 def _emit_kernel(
     x_ptr, B_ptr, qsl_ptr, cum_ptr, meta_ptr, dtc_ptr, cuma_ptr, hin_ptr, emit_ptr, out_ptr, out_row_ptr,
-    nseq, T, H, P, N, heads_per_group, cs,
+    nseq, H, P, N, heads_per_group, cs,
     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     OUT_ROWS: tl.constexpr = False,
@@ -43,23 +68,11 @@ def _emit_kernel(
     i = pos % cs                                                                     # offset in it
     tok0 = tl.load(meta_ptr + c * 2).to(tl.int64)          # the chunk's first packed token
     row = (c * H + h) * BLOCK_L                             # dtc / cuma: [NC, H, BLOCK_L] contiguous
-    cum_i = tl.load(cuma_ptr + row + i)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     g = h // heads_per_group
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, i + 1, BLOCK_K):                     # only the chunk's tokens up to i
-        j = k0 + tl.arange(0, BLOCK_K)
-        live = j <= i
-        tok = tl.minimum(tok0 + j, T - 1)
-        w = tl.exp(cum_i - tl.load(cuma_ptr + row + j, mask=live, other=0.0)) * \
-            tl.load(dtc_ptr + row + j, mask=live, other=0.0)
-        w = tl.where(live, w, 0.0)                          # [BLOCK_K]
-        xs = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + p[None, :] * sx_p,
-                     mask=live[:, None] & (p[None, :] < P), other=0.0).to(tl.float32) * w[:, None]
-        bs = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + n[None, :] * sb_n,
-                     mask=live[:, None] & (n[None, :] < N), other=0.0).to(tl.float32)
-        acc = tl.dot(tl.trans(xs), bs, acc, input_precision="ieee")   # [BLOCK_P, BLOCK_N]
+    acc, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, tok0, i, h, g, p, n, p < P, n < N,
+                              sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, BLOCK_K, BLOCK_P, BLOCK_N)
     mask = (p[:, None] < P) & (n[None, :] < N)
     tile = p[:, None] * N + n[None, :]
     h_in = tl.load(hin_ptr + (c * H + h) * P * N + tile, mask=mask, other=0.0)
@@ -96,7 +109,7 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
     contiguous float32 [R, H, P, N] whose rows ``out_rows`` receive the states (the checkpoint
     rows, written in place)."""
     M = emit_at.numel()
-    T, H, P = x.shape
+    H, P = x.shape[1:]
     G, N = B.shape[-2:]
     rows = out_rows is not None
     out = emit_output(emit_at, out, out_rows, H, P, N, x.device)
@@ -111,7 +124,7 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
     with device_ctx(x):
         _emit_kernel[(M, H, cdiv(P, BLOCK_P))](
             x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, out, out_rows if rows else emit_at,
-            qsl.numel() - 1, T, H, P, N, H // G, cs, *x.stride(), *B.stride(),
+            qsl.numel() - 1, H, P, N, H // G, cs, *x.stride(), *B.stride(),
             BLOCK_L=BLOCK_L, BLOCK_K=min(32, BLOCK_L), BLOCK_P=BLOCK_P, BLOCK_N=max(16, next_pow2(N)),
             OUT_ROWS=rows, num_warps=4,
         )

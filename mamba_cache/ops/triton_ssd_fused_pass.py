@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_partial
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
@@ -42,29 +43,6 @@ FUSED_PASS_DEFAULT = True
 # sm_90 (8B shape, bf16, pooled) the emitting variant uses 255 registers with a few spills against
 # 167 without, for every chunk of the chain, and each program scans all M emits per chunk
 FUSED_EMITS_DEFAULT = False
-
-
-@triton.jit
-def _emit_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p, offs_n, mp, mn,
-               sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """sum_{j<=i} exp(cum_i - cum_j) dt_j x_j B_j^T over the chunk's first i + 1 tokens, float32
-    operands and IEEE dots: ``triton_ssd_emit._emit_kernel``'s sum, with the same K steps."""
-    cum_i = tl.load(cuma_ptr + lrow + i)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, i + 1, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        live = offs_k <= i
-        tok = cstart + offs_k
-        w = tl.exp(cum_i - tl.load(cuma_ptr + lrow + offs_k, mask=live, other=0.0)) * \
-            tl.load(dtc_ptr + lrow + offs_k, mask=live, other=0.0)
-        w = tl.where(live, w, 0.0)
-        xs = tl.load(x_ptr + tok[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                     mask=live[:, None] & mp[None, :], other=0.0).to(tl.float32) * w[:, None]
-        bs = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + offs_n[None, :] * sb_n,
-                     mask=live[:, None] & mn[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(tl.trans(xs), bs, acc, input_precision="ieee")
-    return acc, cum_i
 
 
 @triton.jit(do_not_specialize=["num_emits"],
@@ -109,9 +87,9 @@ def _chunk_pass_kernel(
             for m in range(0, num_emits):
                 i = tl.load(emit_ptr + m).to(tl.int64) - cstart      # offset in this chunk, if it is here
                 if (i >= 0) & (i < clen):
-                    part, cum_i = _emit_tile(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
-                                             offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-                                             EMIT_K, BLOCK_P, BLOCK_N)
+                    part, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
+                                               offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                                               EMIT_K, BLOCK_P, BLOCK_N)
                     orow = tl.zeros([], dtype=tl.int64) + m                # where emit m is stored
                     if OUT_ROWS:
                         orow = tl.load(erow_ptr + m).to(tl.int64)
