@@ -13,9 +13,10 @@ Rows:
   ``ttft_profile.py``: 300 new tokens after a 2048-token restore, padded to 304); each starts from a
   restored state (pool slot, has_initial_state) and emits the state after its last full 16-token
   block into a checkpoint row, as a prefill that saves a chat turn's end does.
-- sweep of sequence lengths and batches: the fused steps 2+3 against the two kernels;
-- a third column: the fused pass storing the emits itself (``fused_emits``: no emit kernel, no
-  float32 copy of the entry states);
+- sweep of sequence lengths and batches: the fused steps 2+3 (the emits by the emit kernel,
+  ``fused_emits=False``) against the two kernels;
+- a third column: the fused pass storing the emits itself (``fused_emits``, the default: no emit
+  kernel, no float32 copy of the entry states);
 - option sweep at the first length: the fused kernel's block_p / block_k / warps and the chunk
   output's heads per program / rows per program.
 """
@@ -108,7 +109,7 @@ def main():
     for lens in cases:
         args, kw = make_case(lens, H, G, emit_every=a.emit_every)
         t_old = time_variant(args, kw, dict(fused_pass=False))
-        t_new = time_variant(args, kw, dict(fused_pass=True))
+        t_new = time_variant(args, kw, dict(fused_pass=True, fused_emits=False))
         t_emit = time_variant(args, kw, dict(fused_pass=True, fused_emits=True))
         label = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
         print(f"{label:>12} {t_old:11.1f} {t_new:9.1f} {t_old / t_new:6.2f} {t_emit:9.1f}", flush=True)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -154,18 +154,6 @@ def _combine_splits_kernel(
              out.to(o_ptr.dtype.element_ty), mask=mi[:, None] & md[None, :])
 
 
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len: int, max_seq_len: int, *, k_scale=None, v_scale=None,
                            block_n=None, num_warps=None, num_splits=None, num_stages=None, block_q=None):
@@ -220,7 +208,7 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
 
     n_splits = 1
     programs = B * nkv * nqb
-    sms = _num_sms(q.device)
+    sms = num_sms(q.device)
     if num_splits is not None:
         n_splits = max(1, int(num_splits))
     elif nqb == 1 and programs < sms:

@@ -83,6 +83,20 @@ def search_iters(nseq: int) -> int:
     return max(12, int(nseq).bit_length() + 1)
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached; 132, an H100's, for any other device:
+    the interpreter's launches then choose as on an H100)."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids: plain integer arithmetic (``triton.cdiv`` is a constexpr
     function on newer Triton, ~1.5 us a call through its wrapper: several per launch on eager steps)."""

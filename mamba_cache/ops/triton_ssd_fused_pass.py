@@ -14,35 +14,40 @@ H100 (8B shape, bf16, ``benchmarks/ssd_fused_pass.py``, 2026-11-28) the whole sc
 at every length measured, one sequence of 128 to 8192 tokens (1.00-1.15x; 64 chunks: 782 ->
 682 us) and batches of 8 x 300, 32 x 200, 4 x 2048, 2 x 4096 (1.07-1.19x).
 
-It is the default (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` runs the two kernels. Shapes
-not measured: with fewer heads (the Nano shape's 64, or the 8B shape sharded over 2 GPUs) the
-chunk-state kernel's share shrinks with the heads while both the fused chain and the state pass's
-own chain over a sequence's chunks do not (the 2026-11-22 8192-token profile: chunk state 0.193 ms,
-state pass 0.192 ms), so for one long sequence the two paths should come out about even there;
-``benchmarks/ssd_fused_pass.py --shape nano`` measures it.
+It is the default (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` runs the two kernels. With fewer
+heads (the Nano shape's 64, or the 8B shape over 2 GPUs) one sequence gives 128 programs of 32
+columns, fewer than an H100's 132 SMs, and the default blocks were slower than the two kernels
+there (Nano shape, one 8192-token sequence: 452.5 vs 424.2 us; 2048 tokens 141.9 vs 130.4);
+such launches take 16-column blocks (``_FUSED_NARROW``) unless they store emits. Two or more sequences of 64 heads were
+faster fused with the default blocks (2 x 4096 1.13x, 8 x 300 1.13x, 32 x 200 1.16x).
 
 h_in is stored in the dtype the chunk-output dots take; ``STORE32`` also stores the float32 entry
 state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``). With ``EMITS``
 (``fused_emits``) the kernel stores the emits itself instead, from the float32 entry state in its
 registers, with the emit kernel's sums and K steps (bit-identical to it under the interpreter at
-the default P block of 32).
+the default P block of 32); ``emit_at`` must then be sorted (non-decreasing packed token
+indices, as the engine's checkpoint saves are): each program binary-searches its sequence's
+first emit and walks the rest once.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_partial
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
 FUSED_PASS_DEFAULT = True
-# the emits inside the fused pass (``fused_emits``): written 2026-11-28 without GPU time left; off
-# until an H100 run of benchmarks/ssd_fused_pass.py compares it with the emit kernel. Compiled for
-# sm_90 (8B shape, bf16, pooled) the emitting variant uses 255 registers with a few spills against
-# 167 without, for every chunk of the chain, and each program scans all M emits per chunk
-FUSED_EMITS_DEFAULT = False
+# the emits inside the fused pass (``fused_emits``): faster than the emit kernel in every row
+# measured on an H100 (2026-11-28, benchmarks/ssd_fused_pass.py, one 8B-shape layer, bf16: 1 x 256
+# 64.1 -> 56.9 us, 8 x 300 287.0 -> 267.2, 32 x 200 857.7 -> 845.0, 1 x 8192 with an emit every
+# 1024 tokens 741.7 -> 672.1; Nano shape 1 x 8192 452.5 -> 399.8). The emitting variant compiles
+# to more registers (255 vs 167 for sm_90, 8B, bf16, pooled); each program finds its sequence's
+# first emit by binary search and walks its emits once (a scan of all M emits a chunk had made
+# 32 x 200 slower, 1015 us)
+FUSED_EMITS_DEFAULT = True
 
 
 @triton.jit(do_not_specialize=["num_emits"],
@@ -72,6 +77,15 @@ def _chunk_pass_kernel(
     st, row, m_out = start_state(init_ptr, slot_ptr, has_init_ptr, b, h, offs_p, offs_n, m2, si_b, si_h, si_p,
                                  si_n, BLOCK_P, BLOCK_N, POOLED, NULL)
     tile = offs_p[:, None] * N + offs_n[None, :]
+    m = tl.zeros([], dtype=tl.int64)        # EMITS: the next emit to look at (emits are sorted by token)
+    if EMITS:       # binary search for this sequence's first emit, then walk its emits once, chunk by chunk
+        seq_start = tl.load(meta_ptr + first * 2, mask=first < cum_b, other=0).to(tl.int64)   # (no chunks: no loop)
+        hi = tl.zeros([], dtype=tl.int64) + num_emits
+        while m < hi:
+            mid = (m + hi) // 2
+            below = tl.load(emit_ptr + mid).to(tl.int64) < seq_start
+            m = tl.where(below, mid + 1, m)
+            hi = tl.where(below, hi, mid)
     for c in range(first, cum_b):
         crow = (c * H + h).to(tl.int64)
         tl.store(hin_ptr + crow * P * N + tile, st.to(hin_ptr.dtype.element_ty), mask=m2)
@@ -84,16 +98,21 @@ def _chunk_pass_kernel(
                                mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
                                PREC, LOWP, BLOCK_K, BLOCK_P, BLOCK_N)
         if EMITS:       # prefix-cache emits inside this chunk: h = exp(cum_i) h_in + the chunk's sum to i
-            for m in range(0, num_emits):
-                i = tl.load(emit_ptr + m).to(tl.int64) - cstart      # offset in this chunk, if it is here
-                if (i >= 0) & (i < clen):
-                    part, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
-                                               offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-                                               EMIT_K, BLOCK_P, BLOCK_N)
-                    orow = tl.zeros([], dtype=tl.int64) + m                # where emit m is stored
-                    if OUT_ROWS:
-                        orow = tl.load(erow_ptr + m).to(tl.int64)
-                    tl.store(eout_ptr + (orow * H + h) * P * N + tile, tl.exp(cum_i) * st + part, mask=m2)
+            # the emits from m on that fall before the chunk's end are this chunk's (sorted; m is
+            # past every earlier chunk's and sequence's); past the last emit, i is the chunk's end
+            i = tl.load(emit_ptr + m, mask=m < num_emits, other=0).to(tl.int64) - cstart
+            i = tl.where(m < num_emits, i, clen)
+            while i < clen:
+                part, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
+                                           offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
+                                           EMIT_K, BLOCK_P, BLOCK_N)
+                orow = m                                                    # where emit m is stored
+                if OUT_ROWS:
+                    orow = tl.load(erow_ptr + m).to(tl.int64)
+                tl.store(eout_ptr + (orow * H + h) * P * N + tile, tl.exp(cum_i) * st + part, mask=m2)
+                m += 1
+                i = tl.load(emit_ptr + m, mask=m < num_emits, other=0).to(tl.int64) - cstart
+                i = tl.where(m < num_emits, i, clen)
         # the chunk's total decay: cuma's padded positions repeat the last cumsum (step 1)
         st = tl.exp(tl.load(cuma_ptr + lrow + BLOCK_L - 1)) * st + acc
     tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p
@@ -106,6 +125,13 @@ def _chunk_pass_kernel(
 # for the whole scan except 8 warps with 16-column blocks (71.9-75.4); no config stood out
 _FUSED_DEFAULTS = dict(block_k=32, block_p=32, num_warps=4)
 _FUSED_DEFAULTS_F32 = dict(_FUSED_DEFAULTS, block_k=64)
+# lowp launches with fewer programs of 32 columns than the GPU has SMs (one sequence of 64 heads:
+# the Nano shape, or the 8B shape over 2 GPUs) and no emits inside: 16-column blocks double the
+# programs. H100, Nano shape, one sequence, whole scan with one emit by the emit kernel
+# (2026-11-28): 8192 tokens 454.6 -> 397.2 us (two kernels: 409.3), 2048 tokens 140.7 -> 131.6
+# (129.2); of 12 configs these were the fastest at both lengths. With the emits inside they were
+# slower than the default blocks (8192 tokens: 475.2 vs 399.8 us; 2048: 150.2 vs 126.5)
+_FUSED_NARROW = dict(block_k=64, block_p=16, num_warps=8)
 
 
 def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, final, state_indices,
@@ -120,11 +146,13 @@ def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, fina
     defaults above)."""
     H, P = x.shape[1:]
     G = B.shape[-2]
+    emits = emit_at is not None and emit_at.numel() > 0
     d = _FUSED_DEFAULTS if lowp else _FUSED_DEFAULTS_F32
+    if lowp and not emits and Bn * H * cdiv(P, 32) < num_sms(x.device):
+        d = _FUSED_NARROW
     BP = min(max(16, next_pow2(P)), max(16, next_pow2(block_p or d["block_p"])))
     BK = min(BLOCK_L, max(16, next_pow2(block_k or d["block_k"])))
     store32 = h32 is not None
-    emits = emit_at is not None and emit_at.numel() > 0
     rows = emit_rows is not None
     _chunk_pass_kernel[(Bn, H, cdiv(P, BP))](
         x, B, meta, dtc, cuma, cum, hin, h32 if store32 else hin,
