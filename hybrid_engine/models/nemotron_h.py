@@ -145,7 +145,8 @@ class Mamba2Mixer(nn.Module):
                 cp.reshape(-1, self.G, self.N), self.D, md.prefill_query_start_loc, ssm_state[:, 0],
                 md.prefill_slots, md.has_initial_state, self.chunk_size, dt_limit=self.dt_limit,
                 max_seqlen=md.max_prefill_len, out_dtype=x.dtype, chunk_layout=md.ssd_chunk_layout(self.chunk_size),
-                **(dict(emit_at=md.ckpt_token, emit_out=ckpts.ssm[self.ordinal], emit_rows=md.ckpt_rows)
+                **(dict(emit_at=md.ckpt_token, emit_out=ckpts.ssm[self.ordinal], emit_rows=md.ckpt_rows,
+                        emits_sorted=True)       # by construction (test_ckpt_tokens_sorted)
                    if saving else {}))
             ys.append(y.reshape(-1, self.I))
         # y arrives in the model dtype: the kernels round their float32 result once (no cast kernel)

@@ -245,17 +245,19 @@ def ssd_scan_varlen_pooled(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, stat
                            has_initial_state, chunk_size, dt_limit=(0.0, math.inf), *,
                            max_seqlen: int | None = None, out_dtype: torch.dtype = torch.float32,
                            emit_at: torch.Tensor | None = None, emit_out: torch.Tensor | None = None,
-                           emit_rows: torch.Tensor | None = None, chunk_layout=None):
+                           emit_rows: torch.Tensor | None = None, chunk_layout=None, emits_sorted: bool = False):
     """Public entry point of the pooled form (``ssd_scan_varlen_pooled_ref``; what the mixer's
     prefill calls): on CUDA the state pass reads and writes the pool by slot, so the step spends
     no gather, select or scatter on the initial and final states. ``chunk_layout``: the Triton
     kernels' (query_start_loc int32, cumulative chunk counts int32), made once a step
-    (``MambaMetadata.ssd_chunk_layout``); the reference makes its own."""
+    (``MambaMetadata.ssd_chunk_layout``); the reference makes its own. ``emits_sorted``: the
+    caller promises emit_at is non-decreasing (the Triton path then skips sorting it); any order
+    gives the same result."""
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     args = (x, dt_raw, dt_bias, A, B, C, D, query_start_loc, states, state_indices, has_initial_state, chunk_size,
             dt_limit)
     kw = dict(max_seqlen=max_seqlen, out_dtype=out_dtype, emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
     if kernel_backend("ssd_scan_varlen", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled
-        return triton_ssd_scan_varlen_pooled(*args, **kw, chunk_layout=chunk_layout)
+        return triton_ssd_scan_varlen_pooled(*args, **kw, chunk_layout=chunk_layout, emits_sorted=emits_sorted)
     return ssd_scan_varlen_pooled_ref(*args, **kw)

@@ -53,7 +53,8 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_output, emit_stat
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
-from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import FUSED_EMITS_DEFAULT, FUSED_PASS_DEFAULT, launch_chunk_pass
+from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import (FUSED_EMITS_DEFAULT, FUSED_PASS_DEFAULT,
+                                                                   launch_chunk_pass, narrow_launch)
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
 
 _softplus, _silu = tl_helpers()
@@ -159,7 +160,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            state_num_warps=None, state_num_stages=None, state_block_p=None,
                            emit_at=None, state_indices=None, has_initial_state=None, chunk_layout=None,
                            emit_out=None, emit_rows=None, fused_pass=None, fused_block_k=None,
-                           fused_block_p=None, fused_num_warps=None, fused_emits=None):
+                           fused_block_p=None, fused_num_warps=None, fused_emits=None, emits_sorted=False):
     """Same arguments and results as ``ssd_scan_varlen_ref`` -> (y [T,H,P] out_dtype,
     final [B,H,P,N] f32), plus with ``emit_at`` [M] the states after those tokens [M,H,P,N] f32
     (``triton_ssd_emit.emit_states``: from the float32 chunk-entry states the state pass keeps and the chunk's
@@ -198,8 +199,10 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     defaults; a ValueError with ``fused_pass=False``). fused_emits: the fused kernel also stores
     the emits (from the float32 entry state it holds in registers: no float32 copy of the entry
     states, no emit kernel); None: ``FUSED_EMITS_DEFAULT`` (on: faster than the emit kernel in
-    every H100 row measured); needs the fused pass, and ``emit_at`` sorted (non-decreasing; the
-    engine's saves are): an unsorted emit_at misses emits there.
+    every H100 row measured), except where the fused pass takes its narrow blocks
+    (``narrow_launch``); needs the fused pass. Its kernel walks the emits in token order:
+    ``emits_sorted`` says emit_at is non-decreasing (the engine's saves are), else it is sorted
+    on the device first (an argsort and two gathers).
     """
     T, H, P = x.shape
     G, N = B.shape[-2:]
@@ -212,7 +215,6 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                            ("fused_num_warps", fused_num_warps)) if v is not None}
     if fused_emits and not fused_pass:
         unused["fused_emits"] = fused_emits
-    fused_emits = fused_pass and (FUSED_EMITS_DEFAULT if fused_emits is None else bool(fused_emits))
     if unused:
         raise ValueError(f"triton_ssd_scan_varlen: {sorted(unused)} configure the "
                          + ("unfused chunk-state kernel, which this call does not run: pass fused_pass=False"
@@ -245,6 +247,9 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     lowp = _DEFAULTS["lowp"] if lowp is None else lowp
     lowp = bool(lowp) and x.dtype in (torch.bfloat16, torch.float16) and B.dtype == x.dtype \
         and C.dtype == x.dtype
+    if fused_emits is None:     # inside the narrow blocks the emits were slower (_FUSED_NARROW)
+        fused_emits = FUSED_EMITS_DEFAULT and not narrow_launch(Bn, H, P, lowp, dev)
+    fused_emits = fused_pass and bool(fused_emits)
     # step 4: which kernel, then its defaults
     BP_OUT = min(BLOCK_P, max(16, next_pow2(block_p or _DEFAULTS["block_p"] or P)))
     hpg = H // G
@@ -303,14 +308,18 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
             )
         if fused_pass:
             kernel_emits = emit_at is not None and fused_emits
+            emits_k = {}
             if kernel_emits:
                 emit_out = emit_output(emit_at, emit_out, emit_rows, H, P, N, dev)
+                emits_k = dict(emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
+                if not emits_sorted:    # the kernel walks them in token order; each keeps its row
+                    order = torch.argsort(emit_at, stable=True)
+                    emits_k.update(emit_at=emit_at[order],
+                                   emit_rows=order if emit_rows is None else emit_rows[order])
             launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, S,       # S: only for emits under lowp
                               initial_states, final, state_indices, has_init if pooled else None, Bn,
                               prec, lowp, BLOCK_L, BLOCK_N, pooled, NULL_SLOT, fused_block_k,
-                              fused_block_p, fused_num_warps,
-                              **(dict(emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
-                                 if kernel_emits else {}))
+                              fused_block_p, fused_num_warps, **emits_k)
         else:
             launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
                                state_block_k, state_num_warps, state_num_stages, state_block_p)

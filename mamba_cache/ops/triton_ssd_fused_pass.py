@@ -17,17 +17,19 @@ at every length measured, one sequence of 128 to 8192 tokens (1.00-1.15x; 64 chu
 It is the default (``FUSED_PASS_DEFAULT``); ``fused_pass=False`` runs the two kernels. With fewer
 heads (the Nano shape's 64, or the 8B shape over 2 GPUs) one sequence gives 128 programs of 32
 columns, fewer than an H100's 132 SMs, and the default blocks were slower than the two kernels
-there (Nano shape, one 8192-token sequence: 452.5 vs 424.2 us; 2048 tokens 141.9 vs 130.4);
-such launches take 16-column blocks (``_FUSED_NARROW``) unless they store emits. Two or more sequences of 64 heads were
+there (Nano shape, one 8192-token sequence: 451.5-452.5 vs 412.9-424.2 us in two runs; 2048
+tokens 141.9-142.8 vs 129.9-130.4);
+such launches take 16-column blocks (``_FUSED_NARROW``), and their emits go to the emit kernel. Two or more sequences of 64 heads were
 faster fused with the default blocks (2 x 4096 1.13x, 8 x 300 1.13x, 32 x 200 1.16x).
 
 h_in is stored in the dtype the chunk-output dots take; ``STORE32`` also stores the float32 entry
 state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``). With ``EMITS``
 (``fused_emits``) the kernel stores the emits itself instead, from the float32 entry state in its
 registers, with the emit kernel's sums and K steps (bit-identical to it under the interpreter at
-the default P block of 32); ``emit_at`` must then be sorted (non-decreasing packed token
-indices, as the engine's checkpoint saves are): each program binary-searches its sequence's
-first emit and walks the rest once.
+the default P block of 32). The kernel takes ``emit_at`` sorted (non-decreasing packed token
+indices): each program binary-searches its sequence's first emit and walks the rest once.
+``triton_ssd`` sorts on the device unless the caller says they are (``emits_sorted``: the
+engine's checkpoint saves are).
 """
 from __future__ import annotations
 
@@ -126,12 +128,18 @@ def _chunk_pass_kernel(
 _FUSED_DEFAULTS = dict(block_k=32, block_p=32, num_warps=4)
 _FUSED_DEFAULTS_F32 = dict(_FUSED_DEFAULTS, block_k=64)
 # lowp launches with fewer programs of 32 columns than the GPU has SMs (one sequence of 64 heads:
-# the Nano shape, or the 8B shape over 2 GPUs) and no emits inside: 16-column blocks double the
-# programs. H100, Nano shape, one sequence, whole scan with one emit by the emit kernel
-# (2026-11-28): 8192 tokens 454.6 -> 397.2 us (two kernels: 409.3), 2048 tokens 140.7 -> 131.6
-# (129.2); of 12 configs these were the fastest at both lengths. With the emits inside they were
-# slower than the default blocks (8192 tokens: 475.2 vs 399.8 us; 2048: 150.2 vs 126.5)
+# the Nano shape, or the 8B shape over 2 GPUs; a prefill graph's pad row counts as a sequence):
+# 16-column blocks double the programs. H100, Nano shape, one sequence, whole scan with one emit
+# by the emit kernel (2026-11-28): 8192 tokens 454.6 -> 397.2 us (two kernels: 409.3), 2048
+# tokens 140.7 -> 131.6 (129.2); of 12 configs these were the fastest at both lengths. Their
+# emits are stored by the emit kernel by default (``triton_ssd``): inside these blocks they were
+# slower (8192 tokens: 475.2 us, against 399.8 with the default blocks and the emits inside)
 _FUSED_NARROW = dict(block_k=64, block_p=16, num_warps=8)
+
+
+def narrow_launch(Bn: int, H: int, P: int, lowp: bool, device) -> bool:
+    """True where the fused pass takes ``_FUSED_NARROW``'s blocks (options left at None)."""
+    return bool(lowp) and Bn * H * cdiv(P, 32) < num_sms(device)
 
 
 def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, final, state_indices,
@@ -147,9 +155,10 @@ def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, fina
     H, P = x.shape[1:]
     G = B.shape[-2]
     emits = emit_at is not None and emit_at.numel() > 0
-    d = _FUSED_DEFAULTS if lowp else _FUSED_DEFAULTS_F32
-    if lowp and not emits and Bn * H * cdiv(P, 32) < num_sms(x.device):
-        d = _FUSED_NARROW
+    # the blocks never depend on the emits: y and the final states of a step that saves
+    # checkpoints are bit for bit those of the same step without saves
+    d = _FUSED_NARROW if narrow_launch(Bn, H, P, lowp, x.device) else \
+        _FUSED_DEFAULTS if lowp else _FUSED_DEFAULTS_F32
     BP = min(max(16, next_pow2(P)), max(16, next_pow2(block_p or d["block_p"])))
     BK = min(BLOCK_L, max(16, next_pow2(block_k or d["block_k"])))
     store32 = h32 is not None

@@ -275,13 +275,30 @@ CASES = {
                        fused_pass=True, fused_emits=True),
         check_ssd_emit(F32, [21, 7, 16, 1], [0, 3, 15, 16, 20, 21, 27, 28, 43, 44], seed=4, fused_pass=True,
                        fused_emits=True)],
-    # f16 emits three ways: the fused pass storing them (the default; the narrow blocks a launch
-    # of few programs takes, and 32-column blocks), the fused pass's float32 entry states read by
-    # the emit kernel, and the two unfused kernels
+    # f16 emits three ways at 16 head_dim columns: the fused pass storing them, the fused pass's
+    # float32 entry states read by the emit kernel, and the two unfused kernels
+    # the fused pass's emit walk at its edges (binary search per sequence, then one walk): empty
+    # sequences first, between and last; a token emitted three times; an emit on every token;
+    # emits on both sides of every chunk edge; an unsorted emit_at (sorted on the device first,
+    # each emit keeping its output row) and one the caller says is sorted
+    "ssd_fused_emit_edges": lambda: [check_ssd_emit(F32, lens, emit, seed=seed, fused_pass=True, fused_emits=True, **kw)
+                                     for lens, emit, seed, kw in (
+        ([0, 21, 0, 7, 16, 0, 1, 0], [0, 15, 15, 16, 20, 21, 27, 28, 31, 32, 43, 44, 44, 44], 6, {}),
+        ([40, 9], list(range(49)), 7, dict(emits_sorted=True)),
+        ([17, 8, 24], [7, 8, 15, 16, 24, 25, 32, 33, 40, 48], 8, dict(chunk_size=8)),
+        ([21, 7, 16], [27, 3, 20, 0, 43, 3], 9, {}))],
+    # 64 head_dim columns in 64-token chunks, f16: few programs, so the narrow blocks (16 columns,
+    # emits by the emit kernel unless asked in), and 32-column blocks, with the emits either way;
+    # check_ssd_emit also asserts y and the final states are those of the call without emits
+    "ssd_emit_blocks_f16": lambda: [check_ssd_emit(torch.float16, [130, 70], [0, 63, 64, 129, 130, 199], chunk_size=64,
+                                                   H=2, G=1, P=64, seed=10, lowp=True, **kw)
+                                    for kw in (dict(), dict(fused_emits=True),
+                                               dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4),
+                                               dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4,
+                                                    fused_emits=False))],
     "ssd_emit_fused_f16": lambda: [check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16,
                                                   seed=2, lowp=True, **kw)
-                                   for kw in (dict(), dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4),
-                                              dict(fused_emits=False), dict(fused_pass=False))],
+                                   for kw in (dict(fused_emits=True), dict(fused_emits=False), dict(fused_pass=False))],
     "ssd_sequential": lambda: kc.check_ssd(triton_ssd_scan_sequential, "cpu", F32, [9, 0, 4]),
     "norm": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12),
     "norm_then_gate": lambda: kc.check_norm(triton_gated_rmsnorm, "cpu", F32, 5, 48, 12, seed=3,

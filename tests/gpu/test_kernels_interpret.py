@@ -33,7 +33,8 @@ KERNEL_CASES += ["ssd_default_f16", "ssd_cb_model_f16",   # SSD chunk output
                  "ssd_heads_loop", "ssd_heads_cb_pre_f16"]
 KERNEL_CASES += ["ssd_state_opts", "ssd_state_opts_f16"]          # SSD chunk state
 KERNEL_CASES += ["ssd_fused_long", "ssd_unfused", "ssd_pooled_fused_emit", "ssd_emit_fused_f16",
-                 "ssd_pooled_unfused_emit", "ssd_fused_emits"]  # steps 2+3 fused
+                 "ssd_pooled_unfused_emit", "ssd_fused_emits", "ssd_fused_emit_edges",
+                 "ssd_emit_blocks_f16"]  # steps 2+3 fused
 KERNEL_CASES += ["ssd_pooled", "ssd_pooled_emit", "ssd_pooled_step_layout",
                  "engine_prefix_hits"]  # the engine on the Triton Mamba ops                  # SSD reading / writing the pool by slot
 KERNEL_CASES += ["ssd_emit", "ssd_emit_lowp_f16",                  # prefix-cache emits
