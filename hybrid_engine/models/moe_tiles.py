@@ -40,7 +40,15 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
     if wide:
         return 8, 128, 4
     if tokens == 1:
-        return (16, 256, 4) if role == "up" else (4, 256, 2)
+        if role == "up":
+            return 16, 256, 4
+        # FP8 experts (one byte a weight): the down projection's 512-wide K tiles read as many
+        # bytes a step as the 16-bit 256-wide ones. A chain of FP8 Nano MoE layers at one token,
+        # four alternations: 44.9-45.2 (4, 256, 2) -> 42.6-42.9 us per layer (H100,
+        # benchmarks/moe_chain.py --fp8 --expert-tiles, results in
+        # benchmarks/results/2026-11-28-moe-fp8-down-tiles-h100.md); the 16-bit experts' candidates
+        # there were within the run's noise of (4, 256, 2), which they keep
+        return (8, 512, 4) if weight.element_size() == 1 else (4, 256, 2)
     return 8, 512, 4
 
 

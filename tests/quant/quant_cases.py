@@ -344,6 +344,8 @@ def _cases():
         "fp8_quantize_rows_relu2_one_pass": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=2048,
                                                                         relu2=True),
         "fp8_experts_decode": lambda: check_fp8_experts(cpu, f32, 3, 6, 2, 40, 24, grouped=False),
+        # one token: FP8 experts' down projection takes its own tile there (moe_tiles.gemv_tiles)
+        "fp8_experts_decode_one": lambda: check_fp8_experts(cpu, f32, 1, 6, 3, 40, 600, grouped=False, seed=2),
         "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
     }
 
