@@ -42,8 +42,8 @@ from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
 FUSED_PASS_DEFAULT = True
-# the emits inside the fused pass (``fused_emits``): faster than the emit kernel in every row
-# measured on an H100 (2026-11-28, benchmarks/ssd_fused_pass.py, one 8B-shape layer, bf16: 1 x 256
+# the emits inside the fused pass (``fused_emits``), except on narrow launches (``_FUSED_NARROW``):
+# with the default blocks faster than the emit kernel in every row measured on an H100 (2026-11-28, benchmarks/ssd_fused_pass.py, one 8B-shape layer, bf16: 1 x 256
 # 64.1 -> 56.9 us, 8 x 300 287.0 -> 267.2, 32 x 200 857.7 -> 845.0, 1 x 8192 with an emit every
 # 1024 tokens 741.7 -> 672.1; Nano shape 1 x 8192 452.5 -> 399.8). The emitting variant compiles
 # to more registers (255 vs 167 for sm_90, 8B, bf16, pooled); each program finds its sequence's
@@ -138,7 +138,8 @@ _FUSED_NARROW = dict(block_k=64, block_p=16, num_warps=8)
 
 
 def narrow_launch(Bn: int, H: int, P: int, lowp: bool, device) -> bool:
-    """True where the fused pass takes ``_FUSED_NARROW``'s blocks (options left at None)."""
+    """True where the fused pass's default blocks are ``_FUSED_NARROW``'s (block options left at
+    None take them; the emits then default to the emit kernel, whatever blocks are passed)."""
     return bool(lowp) and Bn * H * cdiv(P, 32) < num_sms(device)
 
 

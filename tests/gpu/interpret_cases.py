@@ -293,7 +293,8 @@ CASES = {
     "ssd_emit_blocks_f16": lambda: [check_ssd_emit(torch.float16, [130, 70], [0, 63, 64, 129, 130, 199], chunk_size=64,
                                                    H=2, G=1, P=64, seed=10, lowp=True, **kw)
                                     for kw in (dict(), dict(fused_emits=True),
-                                               dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4),
+                                               dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4,
+                                                    fused_emits=True),
                                                dict(fused_block_p=32, fused_block_k=32, fused_num_warps=4,
                                                     fused_emits=False))],
     "ssd_emit_fused_f16": lambda: [check_ssd_emit(torch.float16, [40, 9], [0, 15, 16, 31, 39, 40, 48], chunk_size=16,
