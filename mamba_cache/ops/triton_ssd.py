@@ -52,7 +52,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_p
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_output, emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
-from hybrid_engine.mamba_cache.ops.triton_ssd_pass import _state_pass_kernel
+from hybrid_engine.mamba_cache.ops.triton_ssd_pass import launch_state_pass
 from hybrid_engine.mamba_cache.ops.triton_ssd_fused_pass import (FUSED_EMITS_DEFAULT, FUSED_PASS_DEFAULT,
                                                                    launch_chunk_pass, narrow_launch)
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import launch_chunk_state
@@ -307,15 +307,10 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
                 PREC=prec, BLOCK_L=BLOCK_L, BLOCK_M=BM_CB, BLOCK_N=BLOCK_N, num_warps=4,
             )
         if fused_pass:
-            kernel_emits = emit_at is not None and fused_emits
             emits_k = {}
-            if kernel_emits:
+            if emit_at is not None and fused_emits:
                 emit_out = emit_output(emit_at, emit_out, emit_rows, H, P, N, dev)
-                emits_k = dict(emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows)
-                if not emits_sorted:    # the kernel walks them in token order; each keeps its row
-                    order = torch.argsort(emit_at, stable=True)
-                    emits_k.update(emit_at=emit_at[order],
-                                   emit_rows=order if emit_rows is None else emit_rows[order])
+                emits_k = dict(emit_at=emit_at, emit_out=emit_out, emit_rows=emit_rows, emits_sorted=emits_sorted)
             launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, S,       # S: only for emits under lowp
                               initial_states, final, state_indices, has_init if pooled else None, Bn,
                               prec, lowp, BLOCK_L, BLOCK_N, pooled, NULL_SLOT, fused_block_k,
@@ -323,16 +318,9 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         else:
             launch_chunk_state(x, B, meta, dtc, cuma, S, NC, prec, lowp, BLOCK_L, BLOCK_N,
                                state_block_k, state_num_warps, state_num_stages, state_block_p)
-            BN_PASS = min(BLOCK_N, 64)
-            BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
-            nnb = cdiv(N, BN_PASS)
-            _state_pass_kernel[(Bn, H, cdiv(P, BP_PASS) * nnb)](
-                S, hin, cuma, cum, initial_states, final,
-                state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
-                *initial_states.stride(), *final.stride(),
-                BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=emit_at is not None and hin is not S,
-                POOLED=pooled, NULL=NULL_SLOT, num_warps=4,
-            )
+            launch_state_pass(S, hin, cuma, cum, initial_states, final, state_indices,
+                              has_init if pooled else None, Bn, BLOCK_L, BLOCK_P, BLOCK_N,
+                              store32=emit_at is not None and hin is not S, pooled=pooled, null_slot=NULL_SLOT)
         npb = cdiv(P, BP_OUT)
         nmb = cdiv(cs, BLOCK_M)
         strides = (*x.stride(), *B.stride(), *C.stride(), *y.stride())

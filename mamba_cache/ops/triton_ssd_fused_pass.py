@@ -28,11 +28,12 @@ state into ``h32`` for the prefix-cache emits (``triton_ssd_emit``). With ``EMIT
 registers, with the emit kernel's sums and K steps (bit-identical to it under the interpreter at
 the default P block of 32). The kernel takes ``emit_at`` sorted (non-decreasing packed token
 indices): each program binary-searches its sequence's first emit and walks the rest once.
-``triton_ssd`` sorts on the device unless the caller says they are (``emits_sorted``: the
+``launch_chunk_pass`` sorts them on the device unless the caller says they are (``emits_sorted``: the
 engine's checkpoint saves are).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -146,16 +147,20 @@ def narrow_launch(Bn: int, H: int, P: int, lowp: bool, device) -> bool:
 def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, final, state_indices,
                       has_init, Bn, prec, lowp, BLOCK_L, BLOCK_N, pooled, null_slot,
                       block_k=None, block_p=None, num_warps=None, emit_at=None, emit_out=None,
-                      emit_rows=None):
+                      emit_rows=None, emits_sorted=False):
     """Steps 2 and 3 for every sequence: hin [NC, H, P, N] (the chunk-entry states in the dot
     dtype), h32 (the float32 entry states for the emits; None: not stored), the final states into
     ``final`` (the pool view with ``pooled``). With ``emit_at`` [M] the kernel also stores the
     state after each of those packed tokens into ``emit_out`` (rows ``emit_rows`` of it, or row m),
-    from its float32 entry state in registers: no h32, no emit kernel. Options (None: the
-    defaults above)."""
+    from its float32 entry state in registers: no h32, no emit kernel; the kernel walks them in
+    token order, so they are sorted here first (an argsort and gathers on the device) unless
+    ``emits_sorted`` says they are. Options (None: the defaults above)."""
     H, P = x.shape[1:]
     G = B.shape[-2]
     emits = emit_at is not None and emit_at.numel() > 0
+    if emits and not emits_sorted:      # the kernel walks them in token order; each keeps its row
+        order = torch.argsort(emit_at, stable=True)
+        emit_at, emit_rows = emit_at[order], order if emit_rows is None else emit_rows[order]
     # the blocks never depend on the emits: y and the final states of a step that saves
     # checkpoints are bit for bit those of the same step without saves
     d = _FUSED_NARROW if narrow_launch(Bn, H, P, lowp, x.device) else \

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+
 
 @triton.jit
 def start_state(init_ptr, slot_ptr, has_init_ptr, b, h, offs_p, offs_n, m2, si_b, si_h, si_p, si_n,
@@ -76,3 +78,21 @@ def _state_pass_kernel(
         st = dec * st + s_c
     tl.store(final_ptr + row * sf_b + h * sf_h + offs_p[:, None] * sf_p
              + offs_n[None, :] * sf_n, st, mask=m_out)
+
+
+def launch_state_pass(S, hin, cuma, cum, initial_states, final, state_indices, has_init, Bn: int,
+                      BLOCK_L: int, BLOCK_P: int, BLOCK_N: int, store32: bool, pooled: bool, null_slot: int):
+    """Step 3 for every sequence (``fused_pass=False``): S [NC, H, P, N] the chunk states from
+    zero (step 2), hin the chunk-entry states out (S itself when float32), the final states into
+    ``final`` (the pool view with ``pooled``: state_indices / has_init [Bn] uint8)."""
+    _, H, P, N = S.shape
+    BN_PASS = min(BLOCK_N, 64)
+    BP_PASS = max(1, min(BLOCK_P, 1024 // BN_PASS))
+    nnb = cdiv(N, BN_PASS)
+    _state_pass_kernel[(Bn, H, cdiv(P, BP_PASS) * nnb)](
+        S, hin, cuma, cum, initial_states, final,
+        state_indices if pooled else cum, has_init if pooled else cum, H, P, N, nnb,
+        *initial_states.stride(), *final.stride(),
+        BLOCK_L=BLOCK_L, BLOCK_P=BP_PASS, BLOCK_N=BN_PASS, STORE32=store32,
+        POOLED=pooled, NULL=null_slot, num_warps=4,
+    )
