@@ -42,7 +42,7 @@ def _changed_outside(before, caches, save_rows):
     for name, now, slots_dim, keep in (("conv", caches.mamba.conv_all, 1, keep_slots),
                                        ("ssm", caches.mamba.ssm_all, 1, keep_slots),
                                        ("ck_conv", ck.conv_all, 1, keep_rows), ("ck_ssm", ck.ssm_all, 1, keep_rows)):
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=now.device)
         if not torch.equal(before[name].index_select(slots_dim, idx), now.index_select(slots_dim, idx)):
             bad.append(name)
     for name in ("k", "v"):
@@ -93,6 +93,9 @@ class PrefillRerunExecutor(EagerExecutor):
         self.prefill = prefill
         self.splits = 0
 
+    def prefill_dest(self, num_tokens, *, restores, saves, logits):
+        return self.prefill.dest(num_tokens, restores=restores, saves=saves, logits=logits)
+
     def forward(self, fb):
         got = self.prefill.forward(fb)
         md = fb.mamba
@@ -117,6 +120,9 @@ def install_reruns(llm, max_tokens=2048, cls=None, decode_buckets=None):
                                      pad_restores=inner.caches.checkpoints is not None,
                                      decode_buckets=decode_buckets)
     runner.executor = PrefillRerunExecutor(inner, pg)
+    for plan in runner.plans:                  # the plans stage prefill-only steps into its graphs' arenas
+        if hasattr(plan, "res"):
+            plan.res.executor = runner.executor
     return pg
 
 

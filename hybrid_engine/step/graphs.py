@@ -49,6 +49,11 @@ class EagerExecutor:
         its own (eager)."""
         return None
 
+    def prefill_dest(self, num_tokens: int, *, restores: int, saves: int, logits: int):
+        """The static inputs (``prefill_staging.PrefillStatic``) a prefill-only step may be staged
+        into; None: the caller stages its own batch."""
+        return None
+
 
 @dataclass
 class _Graph:
@@ -158,6 +163,10 @@ class CudaGraphExecutor(EagerExecutor):
             self._load(g.fb, fb, num_rows, tokens_per_row)
         g.graph.replay()
         return hidden, logits
+
+    def prefill_dest(self, num_tokens: int, *, restores: int, saves: int, logits: int):
+        return None if self.prefill is None else self.prefill.dest(num_tokens, restores=restores, saves=saves,
+                                                                   logits=logits)
 
     def _splits(self, fb: ForwardBatch) -> bool:
         """Whether a step runs as a decode graph plus a prefill graph: decode rows of a captured

@@ -31,6 +31,7 @@ import torch
 
 from .forward_batch import ForwardBatch
 from .prefill_layout import PrefillKey, load_prefill, prefill_bucket, split_decode_prefill, static_prefill_batch
+from .prefill_staging import PrefillStatic, in_arena
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -63,9 +64,10 @@ def forward_split(fb: ForwardBatch, prefill_forward, decode_forward) -> tuple[to
 @dataclass
 class _PrefillGraph:
     graph: torch.cuda.CUDAGraph   # (anything with replay(): tests record an eager rerun)
-    fb: ForwardBatch              # static inputs (load_prefill fills them)
+    fb: ForwardBatch              # static inputs (load_prefill fills them, or one H2D copy: static)
     hidden: torch.Tensor          # [bucket, D] static output (a view of the graphs' one hidden buffer)
     logits: torch.Tensor          # [key.logits, V] static output
+    static: PrefillStatic | None  # prefill-only keys: fb as views of one arena (MixedPlan stages into it)
 
 
 class PrefillGraphs:
@@ -84,6 +86,7 @@ class PrefillGraphs:
         self.decode_buckets = tuple(sorted(decode_buckets))
         self.max_decode_tokens = (self.decode_buckets[-1] * max_decode_len) if self.decode_buckets else 0
         self.mixed_steps = 0              # steps of decode rows and a prefill row replayed as one graph
+        self.staged_steps = 0             # prefill-only steps staged straight into their graph's arena
         self.max_blocks, self.max_model_len, self.device = max_blocks, max_model_len, device
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
         self.graphs: dict[PrefillKey, _PrefillGraph] = {}
@@ -131,7 +134,10 @@ class PrefillGraphs:
                 logger.warning("prefill CUDA graphs: capturing %s failed (%s: %s); steps of this shape run "
                                "eagerly", key, type(e).__name__, e)
                 return None
-        load_prefill(g.fb, fb)
+        if fb.input_ids.data_ptr() == g.fb.input_ids.data_ptr():     # staged in place (dest): no copies
+            self.staged_steps += 1
+        else:
+            load_prefill(g.fb, fb)
         g.graph.replay()
         td, td_pad = fb.mamba.num_decode_tokens, key.decode_tokens
         self.mixed_steps += td > 0
@@ -147,13 +153,24 @@ class PrefillGraphs:
         with _sync_check_paused(self.device):     # capturing allocates and syncs, once per key
             static = static_prefill_batch(key, max_blocks=self.max_blocks, max_model_len=self.max_model_len,
                                           device=self.device)
+            arena = None if key.decode_rows else in_arena(key, static)
+            static = static if arena is None else arena.fb
             fresh = lambda: replace(static, mamba=replace(static.mamba))   # noqa: E731  (an empty chunk-layout memo)
             load_prefill(static, fb, harmless=True)
             graph, hidden, logits = self._record(fresh)
         took = time.perf_counter() - t0
         self.capture_s += took
         logger.info("captured a prefill CUDA graph %s in %.2fs (%d now)", key, took, len(self.graphs) + 1)
-        return _PrefillGraph(graph=graph, fb=static, hidden=hidden, logits=logits)
+        return _PrefillGraph(graph=graph, fb=static, hidden=hidden, logits=logits, static=arena)
+
+    def dest(self, num_tokens: int, *, restores: int, saves: int, logits: int) -> PrefillStatic | None:
+        """The static inputs a prefill-only step of these host counts may be staged into
+        (``prefill_staging``): those of its key's captured graph, else None (no graph yet: the
+        step's forward captures one from a staged batch, or runs eagerly)."""
+        key = PrefillKey.prefill_only(num_tokens, restores=restores, saves=saves, logits=logits,
+                                      max_tokens=self.max_tokens, pad_restores=self.pad_restores)
+        g = self.graphs.get(key) if key is not None else None
+        return g.static if g is not None else None
 
     def _record(self, fresh):
         """-> (graph, hidden, logits) of ``self._forward(fresh())``, after one warm-up run of it on

@@ -76,16 +76,30 @@ class PrefillKey:
         if nd and not (decode_buckets and nd <= decode_buckets[-1]):
             return None
         n = lambda t: 0 if t is None else t.shape[0]      # noqa: E731
-        saves = n(md.ckpt_rows)
         return cls(bucket=prefill_bucket(num_tokens), restores=1 if pad_restores else n(md.restore_rows),
-                   saves=saves and max(2, 1 << (saves - 1).bit_length()),
+                   saves=_padded_saves(n(md.ckpt_rows)),
                    logits=fb.logits_indices.shape[0] - md.num_decode_tokens,
                    decode_rows=next(b for b in decode_buckets if b >= nd) if nd else 0,
                    decode_len=md.decode_len if nd else 1)
 
+    @classmethod
+    def prefill_only(cls, num_tokens: int, *, restores: int, saves: int, logits: int, max_tokens: int,
+                     pad_restores: bool = False) -> "PrefillKey | None":
+        """``of`` a step of one prefill row and no decode rows, from its host counts (restores,
+        checkpoint saves, logits rows: 0 or 1), before its batch exists."""
+        if not 0 < num_tokens <= max_tokens:
+            return None
+        return cls(bucket=prefill_bucket(num_tokens), restores=1 if pad_restores else restores,
+                   saves=_padded_saves(saves), logits=logits)
+
     @property
     def decode_tokens(self) -> int:
         return self.decode_rows * self.decode_len
+
+
+def _padded_saves(saves: int) -> int:
+    """A step's checkpoint saves as its key counts them: 0, or the next power of two >= 2."""
+    return saves and max(2, 1 << (saves - 1).bit_length())
 
 
 def static_prefill_batch(key: PrefillKey, *, max_blocks: int, max_model_len: int,

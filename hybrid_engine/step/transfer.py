@@ -74,6 +74,20 @@ class H2D:
         dev.copy_(buf[start:start + n], non_blocking=True)
         return dev
 
+    def put_image(self, out: torch.Tensor, fill) -> None:
+        """``fill(words)`` writes a host image of ``out`` (a persistent int64 device buffer: a
+        prefill graph's static arena) into this step's staging words; one copy sends it to ``out``.
+        Its previous contents are read only by kernels enqueued earlier on the main stream."""
+        n = out.numel()
+        if not self.cuda:
+            host = np.empty(n, dtype=np.int64)
+            fill(host)
+            out.copy_(torch.from_numpy(host))
+            return
+        buf, start = self._reserve(n)
+        fill(self._np(buf)[start:start + n])
+        out.copy_(buf[start:start + n], non_blocking=True)
+
     def _reserve(self, words: int) -> tuple[torch.Tensor, int]:
         """``words`` int64 words of this step's ring slot -> (pinned buffer, start word)."""
         buf = self._ring[self._i]

@@ -55,6 +55,8 @@ def test_one_request_prefills_replay_padded_and_match_transformers(hybrid_dir, a
     assert all(k.restores == 1 for k in keys) and any(k.saves for k in keys), keys   # restores padded
     assert {k.logits for k in keys} == {0, 1}, keys
     assert pg.replays > len(keys) and sum(c > 0 for c in cached) >= 5, (pg.replays, cached)
+    # each key's first step captured from a staged batch; every later one was staged into the arena
+    assert pg.staged_steps == pg.replays - len(keys) > 0, (pg.staged_steps, pg.replays, len(keys))
 
 
 def test_split_decode_prefill_views_each_part_in_its_own_offsets():

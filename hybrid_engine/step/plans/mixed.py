@@ -9,7 +9,12 @@ import torch
 from ..forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from ..step_io import PrevStep, SpecInputs, StepInputs, StepRows
 from .base import StepPlan, StepResources, cat_rows, draft_width, require_prev
+from ..prefill_staging import PrefillHost
 from .staging import sampling_tensors, stage_sampling
+
+# host arrays only a ForwardBatch reads: a step staged into a prefill graph's arena sends them there
+_FORWARD_ONLY = ("ids_p", "pos_p", "slot_p", "qsl_p", "init_p", "seq_p", "logits_idx", "bt", "qsl")
+_NO_SAVES = np.zeros(0, dtype=np.int64)
 
 
 class MixedPlan(StepPlan):
@@ -84,6 +89,22 @@ class MixedPlan(StepPlan):
                 # of its previous sample (host-known)
                 host["a_prev"] = np.ones(num_decode, dtype=np.int64)
         random_np = stage_sampling(b, host, rows)
+        # a prefill-only step whose graph exists: its forward inputs go straight into the graph's
+        # static arena (prefill_staging: no load_prefill copies before the replay)
+        dest = (res.executor.prefill_dest(int(len_p[0]), restores=len(ckpt.get("restore_rows", ())),
+                                          saves=len(ckpt.get("ckpt_rows", ())), logits=int(samples_p[0]))
+                if not num_decode and num_prefill == 1 else None)
+        if dest is not None:
+            ph = PrefillHost(input_ids=host["ids_p"], positions=pos_p, slot_mapping=host["slot_p"],
+                             block_table=host["bt"][0], seq_len=int(start_p[0] + len_p[0]), slot=int(host["slots"][0]),
+                             has_initial_state=bool(start_p[0] > 0),
+                             restore=((int(ckpt["restore_slots"][0]), int(ckpt["restore_rows"][0]))
+                                      if "restore_rows" in ckpt else None),
+                             ckpt_token=ckpt.get("ckpt_token", _NO_SAVES), ckpt_rows=ckpt.get("ckpt_rows", _NO_SAVES),
+                             logits=bool(samples_p[0]))
+            res.h2d.put_image(dest.arena, lambda image: dest.write(image, ph))
+            for name in (*_FORWARD_ONLY, *ckpt):
+                del host[name]
         staged = dict(zip(host, res.h2d.put(*host.values())))                 # the step's one H2D copy
         if num_decode:
             ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev, k)
@@ -93,9 +114,31 @@ class MixedPlan(StepPlan):
             drafts, draft_probs = res.consts.empty_rows(k), None               # [0, K]
         start = cat_rows(start_d, staged["start_p"], num_decode, num_prefill)
         num_tokens = staged["num_tokens"]
+        if dest is not None:
+            fb = dest.view(ph, decode_len=tokens_per_row, num_accepted=a_prev)
+        else:
+            fb = self._forward_batch(order, staged, ckpt, len_p, start, num_tokens, ids_d, pos_d, slot_d, a_prev,
+                                     num_decode, num_prefill, tokens_per_row)
+        sampling_all, sampling_decode, sampling_prefill = sampling_tensors(
+            b, res.consts, staged, rows, num_decode, sample_rows_p, random_np)
+        rows_sampling = np.concatenate([rows[:num_decode], rows_p[samples_p]])
+        spec = (SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all)
+                if res.num_spec else None)                                   # a spec engine verifies, even 0 drafts
+        return StepInputs(
+            fb=fb, num_decode=num_decode, num_prefill=num_prefill, start=start, num_tokens=num_tokens,
+            backup=staged["backup"], slots=staged["slots"], sample_rows_p=staged["sample_rows_p"],
+            sample_pos_p=staged["sample_pos_p"], next_input_ids=staged["next_ids"], is_decode=staged["is_decode"],
+            query_start_loc=staged["qsl64"], sampling_decode=sampling_decode, sampling_prefill=sampling_prefill,
+            rows_sampling_np=rows_sampling, spec=spec)
+
+    @staticmethod
+    def _forward_batch(order, staged: dict[str, torch.Tensor], ckpt: dict, len_p: np.ndarray, start: torch.Tensor,
+                       num_tokens: torch.Tensor, ids_d, pos_d, slot_d, a_prev: torch.Tensor, num_decode: int,
+                       num_prefill: int, tokens_per_row: int) -> ForwardBatch:
+        """The step's ForwardBatch from its staged arrays (decode rows' from the device gathers)."""
         seq_lens = (start + num_tokens).to(torch.int32) if num_decode else staged["seq_p"]
         max_seq = int(max([r.start_pos + r.num_tokens for r in order], default=1))
-        fb = ForwardBatch(
+        return ForwardBatch(
             input_ids=cat_rows(ids_d, staged["ids_p"], num_decode, num_prefill),
             positions=cat_rows(pos_d, staged["pos_p"], num_decode, num_prefill),
             attn=AttnMetadata(query_start_loc=staged["qsl"], seq_lens=seq_lens, block_tables=staged["bt"],
@@ -109,17 +152,6 @@ class MixedPlan(StepPlan):
                                 prefill_slots=staged["slots"][num_decode:], has_initial_state=staged["init_p"],
                                 **{name: staged[name] for name in ckpt}),
             logits_indices=staged["logits_idx"])
-        sampling_all, sampling_decode, sampling_prefill = sampling_tensors(
-            b, res.consts, staged, rows, num_decode, sample_rows_p, random_np)
-        rows_sampling = np.concatenate([rows[:num_decode], rows_p[samples_p]])
-        spec = (SpecInputs(drafts=drafts, draft_probs=draft_probs, sampling_all=sampling_all)
-                if res.num_spec else None)                                   # a spec engine verifies, even 0 drafts
-        return StepInputs(
-            fb=fb, num_decode=num_decode, num_prefill=num_prefill, start=start, num_tokens=num_tokens,
-            backup=staged["backup"], slots=staged["slots"], sample_rows_p=staged["sample_rows_p"],
-            sample_pos_p=staged["sample_pos_p"], next_input_ids=staged["next_ids"], is_decode=staged["is_decode"],
-            query_start_loc=staged["qsl64"], sampling_decode=sampling_decode, sampling_prefill=sampling_prefill,
-            rows_sampling_np=rows_sampling, spec=spec)
 
     def _decode_inputs(self, staged: dict[str, torch.Tensor], prev: PrevStep, k: int):
         """Decode rows' inputs gathered from the previous step's outputs through staged["prev"]

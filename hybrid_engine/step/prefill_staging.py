@@ -1,0 +1,135 @@
+"""A prefill graph's static inputs as one device arena, filled by one H2D copy (issue 19).
+
+A request arriving at an idle engine runs a prefill-only step: every one of its forward inputs is
+known on the host. ``load_prefill`` copies a staged batch into a graph's static buffers with ~30
+device ops (~0.3-0.55 ms of host time on the H100 machines' CPUs, before the replay: a cached
+request's TTFT pays all of it). Here the static buffers of a key are views of one int64 arena
+(``PrefillStatic``), so ``MixedPlan`` writes the step's host image of the arena
+(``PrefillStatic.write``, the same values ``load_prefill`` would leave) into the pinned staging ring
+and sends it with one copy; the step's ``ForwardBatch`` is a view of the arena at the real sizes
+(``PrefillStatic.view``), and the forward, seeing its inputs already in place, replays without
+copies. Only prefill-only keys (no decode rows) take this path: a mixed step's decode rows come
+from the previous step's device outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from hybrid_engine.mamba_cache import NULL_SLOT
+
+from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from .prefill_layout import PrefillKey
+
+# the static tensors of a ForwardBatch, by (part, field): part None is the batch itself
+_TENSORS = ((None, "input_ids"), (None, "positions"), ("attn", "query_start_loc"), ("attn", "seq_lens"),
+            ("attn", "block_tables"), ("attn", "slot_mapping"), ("mamba", "decode_slots"),
+            ("mamba", "num_accepted"), ("mamba", "prefill_query_start_loc"), ("mamba", "prefill_slots"),
+            ("mamba", "has_initial_state"), ("mamba", "restore_slots"), ("mamba", "restore_rows"),
+            ("mamba", "ckpt_seq"), ("mamba", "ckpt_token"), ("mamba", "ckpt_rows"), (None, "logits_indices"))
+
+
+@dataclass(frozen=True)
+class PrefillHost:
+    """A prefill-only step's forward inputs on the host: one prefill row of T tokens."""
+    input_ids: np.ndarray        # [T] int64
+    positions: np.ndarray        # [T] int64
+    slot_mapping: np.ndarray     # [T] int64 KV slots
+    block_table: np.ndarray      # [C] int32, C <= the graphs' max_blocks
+    seq_len: int                 # start + T
+    slot: int                    # the row's Mamba pool slot
+    has_initial_state: bool      # the chunk continues an earlier chunk (or a restore)
+    restore: tuple[int, int] | None   # (pool slot, checkpoint row) restored before the forward
+    ckpt_token: np.ndarray       # [M] int64 prefill-token index before each saved boundary
+    ckpt_rows: np.ndarray        # [M] int64 checkpoint rows written
+    logits: bool                 # the row samples: its last token's logits are computed
+
+
+@dataclass(frozen=True)
+class PrefillStatic:
+    """A prefill-only key's static inputs: ``fb``'s tensors are views of ``arena``."""
+    key: PrefillKey
+    fb: ForwardBatch                        # the graph's static batch (bucket-sized, the pad row)
+    arena: torch.Tensor                     # [W] int64 device words holding every tensor of fb
+    template: np.ndarray                    # [W] int64 the arena as built (the fixed parts)
+    offsets: dict[str, int]                 # field name -> word offset in the arena
+
+    def write(self, image: np.ndarray, h: PrefillHost) -> None:
+        """Write into ``image`` ([W] int64 host words) what ``load_prefill`` leaves in the static
+        buffers for the step ``h`` (pad tokens: token 0, position 0, the null KV block)."""
+        key, t = self.key, h.input_ids.shape[0]
+        image[:] = self.template
+
+        def at(name: str, dtype, n: int) -> np.ndarray:
+            off = self.offsets[name]
+            return image[off:off + (n * np.dtype(dtype).itemsize + 7) // 8].view(dtype)[:n]
+
+        at("input_ids", np.int64, t)[:] = h.input_ids
+        at("positions", np.int64, t)[:] = h.positions
+        at("attn.query_start_loc", np.int32, 2)[1] = t
+        at("attn.seq_lens", np.int32, 1)[0] = h.seq_len
+        at("attn.block_tables", np.int32, h.block_table.shape[0])[:] = h.block_table   # row 0; the rest 0
+        at("attn.slot_mapping", np.int64, t)[:] = h.slot_mapping
+        at("mamba.prefill_query_start_loc", np.int64, 2)[1] = t
+        at("mamba.prefill_slots", np.int64, 1)[0] = h.slot
+        at("mamba.has_initial_state", np.bool_, 1)[0] = h.has_initial_state
+        if key.restores:
+            at("mamba.restore_rows", np.int64, 1)[0] = -1 if h.restore is None else h.restore[1]
+            at("mamba.restore_slots", np.int64, 1)[0] = NULL_SLOT if h.restore is None else h.restore[0]
+        if key.saves:
+            m = h.ckpt_rows.shape[0]
+            for name, vals in (("mamba.ckpt_token", h.ckpt_token), ("mamba.ckpt_rows", h.ckpt_rows)):
+                dst = at(name, np.int64, key.saves)
+                dst[:m] = vals
+                dst[m:] = vals[m - 1]        # the padded saves repeat the last one (same values, same row)
+            at("mamba.ckpt_seq", np.int64, key.saves)[:] = 0     # every save is of the one prefill row
+        if key.logits:
+            at("logits_indices", np.int64, 1)[0] = t - 1
+
+    def view(self, h: PrefillHost, *, decode_len: int, num_accepted: torch.Tensor) -> ForwardBatch:
+        """The step's ForwardBatch as views of the arena at the real sizes (what MixedPlan's staged
+        batch would be); the forward replays the graph on it without copies."""
+        f, t = self.fb, h.input_ids.shape[0]
+        a, m = f.attn, f.mamba
+        saves = h.ckpt_rows.shape[0]
+        restored = h.restore is not None
+        return ForwardBatch(
+            input_ids=f.input_ids[:t], positions=f.positions[:t],
+            attn=AttnMetadata(query_start_loc=a.query_start_loc, seq_lens=a.seq_lens,
+                              block_tables=a.block_tables[:, :h.block_table.shape[0]],
+                              slot_mapping=a.slot_mapping[:t], max_query_len=t, max_seq_len=h.seq_len),
+            mamba=MambaMetadata(num_decode_rows=0, decode_len=decode_len, decode_slots=m.decode_slots,
+                                num_accepted=num_accepted, prefill_query_start_loc=m.prefill_query_start_loc[:2],
+                                prefill_qsl_cpu=(0, t), prefill_slots=m.prefill_slots[:1],
+                                has_initial_state=m.has_initial_state[:1],
+                                restore_slots=m.restore_slots if restored else None,
+                                restore_rows=m.restore_rows if restored else None,
+                                ckpt_seq=m.ckpt_seq[:saves] if saves else None,
+                                ckpt_token=m.ckpt_token[:saves] if saves else None,
+                                ckpt_rows=m.ckpt_rows[:saves] if saves else None),
+            logits_indices=f.logits_indices)
+
+
+def in_arena(key: PrefillKey, fb: ForwardBatch) -> PrefillStatic:
+    """``fb`` (a freshly built static batch) moved into one int64 arena: same values, every tensor
+    a view of it (one word-aligned region each)."""
+    parts = [(part, name, t) for part, name in _TENSORS
+             if (t := getattr(fb if part is None else getattr(fb, part), name)) is not None]
+    offsets, words = {}, 0
+    for part, name, t in parts:
+        offsets[name if part is None else f"{part}.{name}"] = words
+        words += (t.numel() * t.element_size() + 7) // 8
+    arena = torch.zeros(max(words, 1), dtype=torch.int64, device=fb.input_ids.device)
+    views: dict[str | None, dict[str, torch.Tensor]] = {None: {}, "attn": {}, "mamba": {}}
+    for part, name, t in parts:
+        off = offsets[name if part is None else f"{part}.{name}"]
+        w = (t.numel() * t.element_size() + 7) // 8
+        v = arena[off:off + w].view(t.dtype)[:t.numel()].view(t.shape)
+        v.copy_(t)
+        views[part][name] = v
+    moved = replace(fb, attn=replace(fb.attn, **views["attn"]), mamba=replace(fb.mamba, **views["mamba"]),
+                    **views[None])
+    return PrefillStatic(key=key, fb=moved, arena=arena, template=arena.cpu().numpy().copy(), offsets=offsets)
+
