@@ -167,26 +167,26 @@ class CachingBlockAllocator(BlockAllocator):
     # ---- prefix caching ------------------------------------------------------------------
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         """The blocks of the longest prefix of ``hashes`` that is cached (no references taken)."""
-        out = []
-        for h in hashes:
-            b = self._by_hash.get(h)
-            if b is None:
-                break
-            out.append(b)
+        out = list(map(self._by_hash.get, hashes))          # C-level loops: ~130 blocks a 2k prompt
+        if None in out:
+            del out[out.index(None):]
         return out
 
     def num_unreferenced(self, blocks: Iterable[int]) -> int:
         """How many of ``blocks`` sit on the LRU list (taking them shrinks ``num_free``)."""
-        return sum(1 for b in blocks if self._ref[b] == 0)
+        return list(map(self._ref.__getitem__, blocks)).count(0)
 
     def take(self, blocks: Iterable[int]) -> None:
         """One more reference on each (cached) block: a request shares it."""
+        ref, lru = self._ref, self._lru
+        blocks = list(blocks)
+        if None in map(self._hash.__getitem__, blocks):
+            b = next(b for b in blocks if self._hash[b] is None)
+            raise ValueError(f"block {b} is not a cached block")
         for b in blocks:
-            if self._hash[b] is None:
-                raise ValueError(f"block {b} is not a cached block")
-            if self._ref[b] == 0:
-                del self._lru[b]
-            self._ref[b] += 1
+            if not ref[b]:
+                del lru[b]
+            ref[b] += 1
 
     def register(self, block: int, block_hash: bytes) -> bool:
         """Record that referenced ``block`` holds the computed KV of ``block_hash``. False (nothing

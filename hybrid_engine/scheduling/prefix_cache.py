@@ -62,6 +62,42 @@ def hash_blocks(tokens: list[int], block_size: int, lookahead: int, parent: byte
     return out
 
 
+class RecentChains:
+    """The hash chains of the last few prompts hashed, beside their tokens: a new prompt that
+    shares a prefix with one of them takes those hashes and hashes only the rest. A chat resends
+    its system prompt and history every turn; hashing 2k tokens costs ~0.1 ms on a fast host and
+    0.25-0.55 ms on the H100 machines' CPUs, before the step that serves the turn can launch."""
+
+    def __init__(self, block_size: int, lookahead: int, size: int = 4):
+        self.block_size, self.lookahead, self.size = block_size, lookahead, size
+        self._entries: list[tuple[np.ndarray, list[bytes]]] = []   # (tokens [n], chain over them), newest first
+        self.reused_blocks = 0                                      # blocks whose hash was taken, not computed
+
+    def chain(self, tokens) -> list[bytes]:
+        """``hash_blocks(tokens, block_size, lookahead)`` (from ROOT_HASH), equal by construction:
+        block k's hash is reused only from a chain whose tokens equal these on every position it
+        covers, ``[0, (k+1)*bs + lookahead)``."""
+        bs, la = self.block_size, self.lookahead
+        arr = np.asarray(tokens, dtype=np.int64)
+        best: list[bytes] = []
+        reuse = 0
+        for e_tokens, e_chain in self._entries:
+            n = min(e_tokens.shape[0], arr.shape[0])
+            diff = np.flatnonzero(e_tokens[:n] != arr[:n])
+            same = int(diff[0]) if diff.shape[0] else n               # equal leading tokens
+            k = min(len(e_chain), max(same - la, 0) // bs)
+            if k > reuse:
+                best, reuse = e_chain, k
+        out = best[:reuse]
+        out += hash_blocks(arr, bs, la, out[-1] if out else ROOT_HASH, reuse)
+        self.reused_blocks += reuse
+        if out:
+            # the chain a later prompt will compare against; one this chain extends is dropped
+            kept = [e for e in self._entries if not (e[1] is best and reuse == len(best))]
+            self._entries = [(arr[:len(out) * bs + la], out)] + kept[:self.size - 1]
+        return list(out)
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     num_tokens: int = 0                 # tokens restored (a multiple of the block size)
@@ -130,6 +166,7 @@ class PrefixCache(NoPrefixCache):
         self._kv_upto: dict[str, int] = {}         # req id -> blocks already planned for registration
         self._divergence: dict[str, int] = {}      # req id -> boundary past its restore to save at
         self._chain_end: dict[str, bytes] = {}     # req id -> its deepest checkpoint restored, saved or passed
+        self.recent = RecentChains(block_size, lookahead)   # prompts' chains, reused by prompts sharing a prefix
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
 
     # ---- hashes -----------------------------------------------------------------------------
@@ -138,7 +175,10 @@ class PrefixCache(NoPrefixCache):
         tokens = req.all_token_ids
         hs = req.block_hashes
         if (len(hs) + 1) * self.block_size + self.lookahead <= len(tokens):
-            hs.extend(hash_blocks(tokens, self.block_size, self.lookahead, hs[-1] if hs else ROOT_HASH, len(hs)))
+            if hs:                                  # outputs arrived: extend the request's own chain
+                hs.extend(hash_blocks(tokens, self.block_size, self.lookahead, hs[-1], len(hs)))
+            else:                                   # a prompt: recent prompts may share its prefix
+                hs.extend(self.recent.chain(tokens))
         return hs
 
     def is_boundary(self, q: int, target: int) -> bool:

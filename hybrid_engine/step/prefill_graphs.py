@@ -134,7 +134,8 @@ class PrefillGraphs:
                 logger.warning("prefill CUDA graphs: capturing %s failed (%s: %s); steps of this shape run "
                                "eagerly", key, type(e).__name__, e)
                 return None
-        if fb.input_ids.data_ptr() == g.fb.input_ids.data_ptr():     # staged in place (dest): no copies
+        # only PrefillStatic.view aliases a static buffer, and it stages every field: no copies
+        if fb.input_ids.data_ptr() == g.fb.input_ids.data_ptr():
             self.staged_steps += 1
         else:
             load_prefill(g.fb, fb)

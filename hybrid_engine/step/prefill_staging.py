@@ -5,7 +5,7 @@ known on the host. ``load_prefill`` copies a staged batch into a graph's static 
 device ops (~0.3-0.55 ms of host time on the H100 machines' CPUs, before the replay: a cached
 request's TTFT pays all of it). Here the static buffers of a key are views of one int64 arena
 (``PrefillStatic``), so ``MixedPlan`` writes the step's host image of the arena
-(``PrefillStatic.write``, the same values ``load_prefill`` would leave) into the pinned staging ring
+(``PrefillStatic.write``, the values ``load_prefill`` would leave) into the pinned staging ring
 and sends it with one copy; the step's ``ForwardBatch`` is a view of the arena at the real sizes
 (``PrefillStatic.view``), and the forward, seeing its inputs already in place, replays without
 copies. Only prefill-only keys (no decode rows) take this path: a mixed step's decode rows come
@@ -31,6 +31,9 @@ _TENSORS = ((None, "input_ids"), (None, "positions"), ("attn", "query_start_loc"
             ("mamba", "ckpt_seq"), ("mamba", "ckpt_token"), ("mamba", "ckpt_rows"), (None, "logits_indices"))
 
 
+_NP_DTYPE = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
 @dataclass(frozen=True)
 class PrefillHost:
     """A prefill-only step's forward inputs on the host: one prefill row of T tokens."""
@@ -54,39 +57,42 @@ class PrefillStatic:
     fb: ForwardBatch                        # the graph's static batch (bucket-sized, the pad row)
     arena: torch.Tensor                     # [W] int64 device words holding every tensor of fb
     template: np.ndarray                    # [W] int64 the arena as built (the fixed parts)
-    offsets: dict[str, int]                 # field name -> word offset in the arena
+    host: np.ndarray                        # [W] int64 host scratch the image is built in
+    fields: dict[str, np.ndarray]           # field name -> its flat view of ``host``, in its dtype
 
     def write(self, image: np.ndarray, h: PrefillHost) -> None:
         """Write into ``image`` ([W] int64 host words) what ``load_prefill`` leaves in the static
-        buffers for the step ``h`` (pad tokens: token 0, position 0, the null KV block)."""
-        key, t = self.key, h.input_ids.shape[0]
-        image[:] = self.template
-
-        def at(name: str, dtype, n: int) -> np.ndarray:
-            off = self.offsets[name]
-            return image[off:off + (n * np.dtype(dtype).itemsize + 7) // 8].view(dtype)[:n]
-
-        at("input_ids", np.int64, t)[:] = h.input_ids
-        at("positions", np.int64, t)[:] = h.positions
-        at("attn.query_start_loc", np.int32, 2)[1] = t
-        at("attn.seq_lens", np.int32, 1)[0] = h.seq_len
-        at("attn.block_tables", np.int32, h.block_table.shape[0])[:] = h.block_table   # row 0; the rest 0
-        at("attn.slot_mapping", np.int64, t)[:] = h.slot_mapping
-        at("mamba.prefill_query_start_loc", np.int64, 2)[1] = t
-        at("mamba.prefill_slots", np.int64, 1)[0] = h.slot
-        at("mamba.has_initial_state", np.bool_, 1)[0] = h.has_initial_state
+        buffers for the step ``h``, except that pad tokens get token 0 and position 0 (load_prefill
+        leaves an earlier step's there; either is harmless: the pad row is a fresh NULL_SLOT row
+        past attention's one row, writing the null KV block). Built in ``host`` (views made once)
+        and copied: ``image`` is a new staging slot every step."""
+        key, t, f = self.key, h.input_ids.shape[0], self.fields
+        if not 0 < t < key.bucket or h.block_table.shape[0] > self.fb.attn.block_tables.shape[1]:
+            # a field would spill into the next one (load_prefill's copies would raise here)
+            raise ValueError(f"a step of {t} tokens and {h.block_table.shape[0]} blocks does not fit "
+                             f"{key} (bucket > tokens, at most {self.fb.attn.block_tables.shape[1]} blocks)")
+        self.host[:] = self.template
+        f["input_ids"][:t] = h.input_ids
+        f["positions"][:t] = h.positions
+        f["attn.query_start_loc"][1] = t
+        f["attn.seq_lens"][0] = h.seq_len
+        f["attn.block_tables"][:h.block_table.shape[0]] = h.block_table      # row 0; the rest stay 0
+        f["attn.slot_mapping"][:t] = h.slot_mapping
+        f["mamba.prefill_query_start_loc"][1] = t
+        f["mamba.prefill_slots"][0] = h.slot
+        f["mamba.has_initial_state"][0] = h.has_initial_state
         if key.restores:
-            at("mamba.restore_rows", np.int64, 1)[0] = -1 if h.restore is None else h.restore[1]
-            at("mamba.restore_slots", np.int64, 1)[0] = NULL_SLOT if h.restore is None else h.restore[0]
+            f["mamba.restore_rows"][0] = -1 if h.restore is None else h.restore[1]
+            f["mamba.restore_slots"][0] = NULL_SLOT if h.restore is None else h.restore[0]
         if key.saves:
             m = h.ckpt_rows.shape[0]
             for name, vals in (("mamba.ckpt_token", h.ckpt_token), ("mamba.ckpt_rows", h.ckpt_rows)):
-                dst = at(name, np.int64, key.saves)
-                dst[:m] = vals
-                dst[m:] = vals[m - 1]        # the padded saves repeat the last one (same values, same row)
-            at("mamba.ckpt_seq", np.int64, key.saves)[:] = 0     # every save is of the one prefill row
+                f[name][:m] = vals
+                f[name][m:] = vals[m - 1]    # the padded saves repeat the last one (same values, same row)
+            # ckpt_seq stays 0: every save is of the one prefill row
         if key.logits:
-            at("logits_indices", np.int64, 1)[0] = t - 1
+            f["logits_indices"][0] = t - 1
+        image[:] = self.host
 
     def view(self, h: PrefillHost, *, decode_len: int, num_accepted: torch.Tensor) -> ForwardBatch:
         """The step's ForwardBatch as views of the arena at the real sizes (what MixedPlan's staged
@@ -131,5 +137,12 @@ def in_arena(key: PrefillKey, fb: ForwardBatch) -> PrefillStatic:
         views[part][name] = v
     moved = replace(fb, attn=replace(fb.attn, **views["attn"]), mamba=replace(fb.mamba, **views["mamba"]),
                     **views[None])
-    return PrefillStatic(key=key, fb=moved, arena=arena, template=arena.cpu().numpy().copy(), offsets=offsets)
+    template = arena.cpu().numpy().copy()
+    host = template.copy()
+    host_fields = {}
+    for part, name, t in parts:
+        full = name if part is None else f"{part}.{name}"
+        w = (t.numel() * t.element_size() + 7) // 8
+        host_fields[full] = host[offsets[full]:offsets[full] + w].view(_NP_DTYPE[t.dtype])[:t.numel()]
+    return PrefillStatic(key=key, fb=moved, arena=arena, template=template, host=host, fields=host_fields)
 

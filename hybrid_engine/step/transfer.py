@@ -117,14 +117,11 @@ class H2D:
 
     @staticmethod
     def _unpack(dev: torch.Tensor, flat: list[np.ndarray], words: list[int]) -> list[torch.Tensor]:
-        """dev[total] int64 holding the packed arrays -> one tensor per array (views of dev): each
-        array's words sliced, viewed in its dtype, cut to its size and shape (2-4 view ops an
-        array)."""
+        """dev[total] int64 holding the packed arrays -> one tensor per array (views of dev): the
+        words split in one op, each part viewed in its array's dtype, cut to its size and shape
+        (0-3 view ops an array)."""
         out: list[torch.Tensor] = []
-        off = 0
-        for a, w in zip(flat, words):
-            t = dev[off:off + w]
-            off += w
+        for a, t in zip(flat, dev.split(words)):                  # one op: a view per array
             dt = _TORCH_DTYPE[a.dtype.str[1:]]
             if dt is not torch.int64:
                 t = t.view(dt)

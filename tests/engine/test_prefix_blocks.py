@@ -8,7 +8,7 @@ import pytest
 
 from hybrid_engine.attention.block_pool import CachingBlockAllocator, NoFreeBlocks
 from hybrid_engine.mamba_cache.checkpoints import CheckpointIndex
-from hybrid_engine.scheduling.prefix_cache import hash_blocks
+from hybrid_engine.scheduling.prefix_cache import RecentChains, hash_blocks
 
 
 def test_hash_chain_names_prefix_and_position():
@@ -26,6 +26,27 @@ def test_hash_chain_names_prefix_and_position():
     toks = list(range(3, 40))
     full = hash_blocks(toks, 4, 1)
     assert full[:3] + hash_blocks(toks, 4, 1, parent=full[2], start_block=3) == full
+
+
+@pytest.mark.parametrize("bs, lookahead", [(4, 0), (4, 1), (16, 1), (3, 2)])
+def test_recent_chains_equal_hashing_from_scratch(bs, lookahead):
+    """Prompts sharing prefixes of every length with recent ones (a block boundary, one token
+    before or after it, inside the lookahead, none at all, one prompt a prefix of another): each
+    chain equals hash_blocks from scratch, and the shared blocks were reused, not rehashed."""
+    rng = np.random.default_rng(bs * 10 + lookahead)
+    rc = RecentChains(bs, lookahead, size=3)
+    base = rng.integers(0, 50, 120).tolist()
+    for it in range(150):
+        cut = int(rng.integers(0, 121))
+        tail = rng.integers(0, 3, int(rng.integers(0, 30))).tolist()      # 0..2: often equal to base by chance
+        tokens = base[:cut] + tail if rng.random() < 0.85 else rng.integers(0, 3, int(rng.integers(0, 40))).tolist()
+        assert rc.chain(tokens) == hash_blocks(tokens, bs, lookahead), it
+    assert rc.reused_blocks > 150 * 2, rc.reused_blocks
+    full = base + [7] * (2 * bs)
+    rc.chain(full)
+    before = rc.reused_blocks
+    assert rc.chain(full[:len(full) - 1]) == hash_blocks(full[:len(full) - 1], bs, lookahead)
+    assert rc.reused_blocks - before == len(hash_blocks(full[:len(full) - 1], bs, lookahead))   # all reused
 
 
 def test_refcounts_share_and_return():

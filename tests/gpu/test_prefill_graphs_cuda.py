@@ -45,6 +45,7 @@ def test_prefill_graphs_match_transformers_and_the_eager_engine(target):
             keys = list(pg.graphs)
             assert any(k.restores for k in keys) and any(k.saves for k in keys), keys
             assert {k.logits for k in keys} == {0, 1}, keys
+            assert pg.staged_steps > 0, pg.staged_steps     # later steps of a key: staged into its arena
         else:
             assert pg is None
         ck = llm.engine.caches.checkpoints
@@ -122,6 +123,7 @@ def test_captured_prefill_steps_never_sync_the_host(target):
     eng.add_request(eng.make_request(system + user(), SamplingParams(max_tokens=8, ignore_eos=True)))
     launch_steps_without_sync(eng, 5)                    # the restoring prefill (a replay), then decode
     assert len(eng.runner.executor.prefill.graphs) == n  # no new capture: the step above was a replay
+    assert eng.runner.executor.prefill.staged_steps >= 1  # ... staged into its arena (pinned ring, one copy)
     # a request of the same shape arrives while that one decodes: its step is a mixed step (a new
     # key: captured here, then replayed by a third such request under the detector)
     long = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from ..forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
+from ..prefill_staging import PrefillHost
 from ..step_io import PrevStep, SpecInputs, StepInputs, StepRows
 from .base import StepPlan, StepResources, cat_rows, draft_width, require_prev
-from ..prefill_staging import PrefillHost
 from .staging import sampling_tensors, stage_sampling
 
 # host arrays only a ForwardBatch reads: a step staged into a prefill graph's arena sends them there
@@ -18,7 +18,8 @@ _NO_SAVES = np.zeros(0, dtype=np.int64)
 
 
 class MixedPlan(StepPlan):
-    """Host arrays of the step -> one H2D copy -> the ForwardBatch. Decode rows' tokens, positions
+    """Host arrays of the step -> one H2D copy (two for a step staged into a prefill graph's
+    arena) -> the ForwardBatch. Decode rows' tokens, positions
     and accepted counts come from the previous step's device outputs; everything host-exact
     (prefill tokens and positions, query lengths, Mamba prefill metadata, sampling parameters) is
     staged, so the device only gathers and does no bookkeeping arithmetic the host can do."""
@@ -105,7 +106,7 @@ class MixedPlan(StepPlan):
             res.h2d.put_image(dest.arena, lambda image: dest.write(image, ph))
             for name in (*_FORWARD_ONLY, *ckpt):
                 del host[name]
-        staged = dict(zip(host, res.h2d.put(*host.values())))                 # the step's one H2D copy
+        staged = dict(zip(host, res.h2d.put(*host.values())))        # one H2D copy (a second: the arena's)
         if num_decode:
             ids_d, pos_d, slot_d, start_d, a_prev, drafts, draft_probs = self._decode_inputs(staged, prev, k)
         else:
