@@ -230,13 +230,21 @@ def shape_dirs(shape: str, tmp: Path) -> tuple[Path, Path | None]:
         from benchmarks.moe import SHAPE_NANO
         target = dict(SHAPE_NANO, num_nextn_predict_layers=1)
         vocab = SHAPE_NANO.get("vocab_size", 131072)
+    elif shape == "bench-large":                # the trained benchmark target's shape (issue 15's step costs)
+        from benchmarks.train.models import MTP_PATTERN, PRESETS
+        p = PRESETS["bench-large"]
+        vocab = p.vocab_size
+        target = dict(p.target, vocab_size=vocab, num_nextn_predict_layers=1, mtp_pattern=MTP_PATTERN,
+                      tie_word_embeddings=False)
+        return (write_config(tmp / f"{shape}-target", target),
+                write_config(tmp / f"{shape}-draft", dict(p.draft, vocab_size=vocab)))
     elif shape == "tiny":                       # CPU tests
         target = dict(pattern="M*-", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       intermediate_size=128, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
                       vocab_size=512, num_nextn_predict_layers=1)
         vocab = 512
     else:
-        raise SystemExit(f"unknown shape {shape!r}: 8b, nano or tiny")
+        raise SystemExit(f"unknown shape {shape!r}: 8b, nano, bench-large or tiny")
     draft = dict(SHAPE_SMALL, vocab_size=vocab) if shape != "tiny" else dict(target, pattern="M-", num_nextn_predict_layers=0)
     return write_config(tmp / f"{shape}-target", target), write_config(tmp / f"{shape}-draft", draft)
 
@@ -317,7 +325,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="MTP drafts over the first N vocabulary ids (SpeculativeConfig.draft_vocab_size)")
-    ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano (empty: skip)")
+    ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano,bench-large (empty: skip)")
     ap.add_argument("--forced-methods", type=words, default=["ngram", "mtp"])
     ap.add_argument("--forced-k", type=int, default=3)
     ap.add_argument("--forced-dtype", default="bfloat16",

@@ -8,6 +8,9 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
     python benchmarks/spec_step_cost.py --shape 8b --forced 0.81 --dtype bfloat16 --out $OUT
         # a random-weight shape (its MTP layer; draft: the small shape), every draft accepted with
         # probability 0.81 (forced acceptance, benchmark only; the fused verify-step plan draws the coins)
+    python benchmarks/spec_step_cost.py --shape bench-large --methods none,ngram,mtp --out $OUT
+        # the trained spec benchmark's target and draft shapes (benchmarks/train preset bench-large)
+        # with random weights: its step costs without training first
     --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
     --batch 8                        # B requests at once (the prompt rotated per row)
 
@@ -100,7 +103,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every method")
-    ap.add_argument("--shape", choices=["8b", "nano"], default=None,
+    ap.add_argument("--shape", choices=["8b", "nano", "bench-large"], default=None,
                     help="a random-weight shape instead of --model (draft model: the small shape)")
     ap.add_argument("--forced", type=float, default=None,
                     help="forced acceptance rate of every draft (benchmark only; drawn inside the fused verify-step plan)")

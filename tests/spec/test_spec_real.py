@@ -91,3 +91,18 @@ def test_mean_tpot_excludes_the_first_token():
     assert mean_tpot([out(11, 5.0, 6.0), out(5, 1.0, 3.0)]) == pytest.approx((0.1 + 0.5) / 2)
     assert mean_tpot([out(1, 2.0, 2.0), out(3, 1.0, 2.0)]) == pytest.approx(0.5)
     assert mean_tpot([out(1, 2.0, 2.0)]) is None
+
+
+def test_bench_large_shape_is_the_trained_presets_target_and_draft(tmp_path):
+    """``--shape bench-large`` (spec_step_cost, --forced-shapes) writes the bench-large preset's
+    target with its MTP block (attention + MoE) and the preset's draft, at its vocabulary: the step
+    costs of the trained benchmark's models, measured with random weights."""
+    from hybrid_engine.config import ATTENTION, MOE, ModelConfig
+    from benchmarks.train.models import PRESETS
+    p = PRESETS["bench-large"]
+    target, draft = spec_real.shape_dirs("bench-large", tmp_path)
+    t, d = ModelConfig.from_json(target), ModelConfig.from_json(draft)
+    assert t.hidden_size == p.target["hidden_size"] and t.vocab_size == d.vocab_size == p.vocab_size
+    assert len(t.layer_types) == len(p.target["pattern"]) and t.num_nextn_predict_layers == 1
+    assert tuple(t.mtp_layer_types) == (ATTENTION, MOE), t.mtp_layer_types
+    assert d.hidden_size == p.draft["hidden_size"] and len(d.layer_types) == len(p.draft["pattern"])
