@@ -78,7 +78,7 @@ class RecentChains:
         block k's hash is reused only from a chain whose tokens equal these on every position it
         covers, ``[0, (k+1)*bs + lookahead)``."""
         bs, la = self.block_size, self.lookahead
-        arr = np.asarray(tokens, dtype=np.int64)
+        arr = np.array(tokens, dtype=np.int64)        # a copy: it is kept, and the caller's may change
         best: list[bytes] = []
         reuse = 0
         for e_tokens, e_chain in self._entries:

@@ -81,6 +81,7 @@ def test_staged_image_equals_load_prefill(pad_restores, restore, saves, logits):
         st.arena.copy_(torch.from_numpy(image))
         assert torch.equal(st.arena, ref.arena), (t, key)
         view = st.view(h, decode_len=1, num_accepted=i64([]))
+        assert view.input_ids.data_ptr() == st.fb.input_ids.data_ptr()    # what lets the forward skip copies
         assert PrefillKey.of(view, 2048, pad_restores=pad_restores) == key
         assert view.mamba.prefill_qsl_cpu == (0, t) and view.attn.max_query_len == t
         assert view.attn.max_seq_len == start + t

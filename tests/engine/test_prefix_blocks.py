@@ -47,6 +47,22 @@ def test_recent_chains_equal_hashing_from_scratch(bs, lookahead):
     before = rc.reused_blocks
     assert rc.chain(full[:len(full) - 1]) == hash_blocks(full[:len(full) - 1], bs, lookahead)
     assert rc.reused_blocks - before == len(hash_blocks(full[:len(full) - 1], bs, lookahead))   # all reused
+    arr = np.array(full, dtype=np.int64)                    # a caller's array, changed after hashing
+    rc.chain(arr)
+    arr[:] = 1
+    assert rc.chain(arr) == hash_blocks(arr.tolist(), bs, lookahead)
+
+
+def test_take_refuses_an_uncached_block_without_changing_the_pool():
+    p = CachingBlockAllocator(8)
+    a = p.allocate(3)
+    p.register(a[0], b"h0")
+    p.register(a[1], b"h1")
+    p.free(a)                                              # a[0], a[1] cached, unreferenced; a[2] free
+    before = ([p.ref_count(b) for b in range(8)], p.num_free, p.num_unreferenced(a[:2]))
+    with pytest.raises(ValueError, match="not a cached block"):
+        p.take([a[0], a[1], a[2]])
+    assert ([p.ref_count(b) for b in range(8)], p.num_free, p.num_unreferenced(a[:2])) == before
 
 
 def test_refcounts_share_and_return():
