@@ -5,7 +5,7 @@ known on the host. ``load_prefill`` copies a staged batch into a graph's static 
 device ops (~0.3-0.55 ms of host time on the H100 machines' CPUs, before the replay: a cached
 request's TTFT pays all of it). Here the static buffers of a key are views of one int64 arena
 (``PrefillStatic``), so ``MixedPlan`` writes the step's host image of the arena
-(``PrefillStatic.write``, the values ``load_prefill`` would leave) into the pinned staging ring
+(``PrefillStatic.write``, the values ``load_prefill`` would leave, pad tokens zeroed) into the pinned staging ring
 and sends it with one copy; the step's ``ForwardBatch`` is a view of the arena at the real sizes
 (``PrefillStatic.view``), and the forward, seeing its inputs already in place, replays without
 copies. Only prefill-only keys (no decode rows) take this path: a mixed step's decode rows come
@@ -29,8 +29,6 @@ _TENSORS = ((None, "input_ids"), (None, "positions"), ("attn", "query_start_loc"
             ("mamba", "num_accepted"), ("mamba", "prefill_query_start_loc"), ("mamba", "prefill_slots"),
             ("mamba", "has_initial_state"), ("mamba", "restore_slots"), ("mamba", "restore_rows"),
             ("mamba", "ckpt_seq"), ("mamba", "ckpt_token"), ("mamba", "ckpt_rows"), (None, "logits_indices"))
-
-
 _NP_DTYPE = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
 
 
@@ -120,29 +118,22 @@ class PrefillStatic:
 
 def in_arena(key: PrefillKey, fb: ForwardBatch) -> PrefillStatic:
     """``fb`` (a freshly built static batch) moved into one int64 arena: same values, every tensor
-    a view of it (one word-aligned region each)."""
-    parts = [(part, name, t) for part, name in _TENSORS
-             if (t := getattr(fb if part is None else getattr(fb, part), name)) is not None]
-    offsets, words = {}, 0
-    for part, name, t in parts:
-        offsets[name if part is None else f"{part}.{name}"] = words
-        words += (t.numel() * t.element_size() + 7) // 8
+    a view of it (one word-aligned region each); ``host`` and its ``fields`` are the host twin."""
+    layout, words = [], 0                  # (part, name, "part.name", tensor, word offset, words)
+    for part, name in _TENSORS:
+        t = getattr(fb if part is None else getattr(fb, part), name)
+        if t is not None:
+            w = (t.numel() * t.element_size() + 7) // 8
+            layout.append((part, name, name if part is None else f"{part}.{name}", t, words, w))
+            words += w
     arena = torch.zeros(max(words, 1), dtype=torch.int64, device=fb.input_ids.device)
     views: dict[str | None, dict[str, torch.Tensor]] = {None: {}, "attn": {}, "mamba": {}}
-    for part, name, t in parts:
-        off = offsets[name if part is None else f"{part}.{name}"]
-        w = (t.numel() * t.element_size() + 7) // 8
-        v = arena[off:off + w].view(t.dtype)[:t.numel()].view(t.shape)
+    for part, name, _, t, off, w in layout:
+        views[part][name] = v = arena[off:off + w].view(t.dtype)[:t.numel()].view(t.shape)
         v.copy_(t)
-        views[part][name] = v
     moved = replace(fb, attn=replace(fb.attn, **views["attn"]), mamba=replace(fb.mamba, **views["mamba"]),
                     **views[None])
     template = arena.cpu().numpy().copy()
     host = template.copy()
-    host_fields = {}
-    for part, name, t in parts:
-        full = name if part is None else f"{part}.{name}"
-        w = (t.numel() * t.element_size() + 7) // 8
-        host_fields[full] = host[offsets[full]:offsets[full] + w].view(_NP_DTYPE[t.dtype])[:t.numel()]
-    return PrefillStatic(key=key, fb=moved, arena=arena, template=template, host=host, fields=host_fields)
-
+    fields = {full: host[off:off + w].view(_NP_DTYPE[t.dtype])[:t.numel()] for _, _, full, t, off, w in layout}
+    return PrefillStatic(key=key, fb=moved, arena=arena, template=template, host=host, fields=fields)
