@@ -44,7 +44,8 @@ FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
                                (16, 512, 8), (32, 256, 8), (4, 1024, 4), (2, 1024, 4),
                                (4, 2048, 8), (8, 2048, 8), (2, 2048, 4), (2, 512, 4), (4, 256, 4),
-                               (8, 256, 4), (1, 1024, 4))]
+                               (8, 256, 4), (1, 1024, 4), (2, 1024, 8), (4, 512, 8), (4, 1024, 8),
+                               (1, 2048, 4), (2, 2048, 8), (1, 512, 2))]
 # the Nemotron 3 Nano 30B-A3B shapes that go through skinny_linear (its routed and shared experts run
 # the MoE kernels: benchmarks/moe_gemv_sweep.py); hidden 2688 is not a multiple of the K tiles
 NANO_SHAPES = [("mamba in_proj", 10304, 2688, 23), ("mamba out_proj", 2688, 4096, 23),

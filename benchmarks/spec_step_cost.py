@@ -53,7 +53,7 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
 
 
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,
-            forced: float | None = None, random: bool = False, batch: int = 1) -> dict:
+            forced: float | None = None, random: bool = False, batch: int = 1, top: int = 12) -> dict:
     draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
     name, _, rows = method.partition(":")                 # "mtp:N": draft_vocab_size N
     spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=False,
@@ -88,7 +88,7 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     if profile:
         clock.profile = (6, 16)
         clock.run(run)
-        row.update(profiled_steps=clock.profiled_steps, kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps))
+        row.update(profiled_steps=clock.profiled_steps, kernels_us_per_step=top_kernels(clock.prof, clock.profiled_steps, top))
     llm.shutdown()
     return row
 
@@ -107,6 +107,7 @@ def main() -> int:
                     help="a random-weight shape instead of --model (draft model: the small shape)")
     ap.add_argument("--forced", type=float, default=None,
                     help="forced acceptance rate of every draft (benchmark only; drawn inside the fused verify-step plan)")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per method (costliest first)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
@@ -124,7 +125,8 @@ def main() -> int:
         rounds.append({})
         for method in methods:
             r = measure(args.model, method, args.k, args.dtype, prompt, args.tokens, profile=rnd == 0,
-                        forced=args.forced, random=args.shape is not None, batch=args.batch)
+                        forced=args.forced, random=args.shape is not None, batch=args.batch,
+                        top=args.top)
             free()        # the engine's cycles: else the next one sizes its KV cache beside it (8B on an H200: OOM)
             r["round"] = rnd
             rows.append(r)

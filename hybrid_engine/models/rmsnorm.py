@@ -148,6 +148,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_ref(x, weight, eps)
 
 
+def rmsnorm_into(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """``rmsnorm(x)`` written into ``out`` [T, D] (a view with unit inner stride, e.g. one half of a
+    wider buffer that two norms fill side by side instead of a ``torch.cat``): the same values."""
+    if _rows(x) and _rows(out) and out.dtype == x.dtype and kernel_backend("rmsnorm", x.device) == "triton":
+        _launch(x, None, None, weight, out, eps)
+    else:
+        out.copy_(rmsnorm_ref(x, weight, eps))
+    return out
+
+
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rmsnorm(residual + x), residual + x); inputs are left unchanged (module docstring)."""

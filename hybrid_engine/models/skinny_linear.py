@@ -175,13 +175,15 @@ def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warp
 
 
 def skinny_linear_fma(x, weight, bias=None, *, block_n=2, block_k=1024, num_warps=4,
-                      num_stages=2, relu2=False):
+                      num_stages=2, relu2=False, pdl: bool | None = None):
     """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel).
-    ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded."""
+    ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded. ``pdl``:
+    programmatic dependent launch (default: for one row only)."""
     M = x.shape[0]
-    # PDL for one row only, as the FP8 dot kernel (PDL slowed its batch-8 steps); the multi-row
-    # timings of results/2026-11-26-f32-rows-h100.md were taken without it
-    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages, pdl=M <= 1,
+    # PDL by default for one row only, as the FP8 dot kernel (PDL slowed its batch-8 steps); the
+    # float32 rule passes it for every row count (below)
+    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages,
+                   pdl=M <= 1 if pdl is None else pdl,
                    relu2=relu2, M_ROWS=1 if M <= 1 else (2 if M <= 2 else (4 if M <= 4 else 8)),
                    BLOCK_K=block_k)
 
@@ -222,15 +224,22 @@ def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
 # in a one-token step and in a verify step. From the H100 float32 sweep of 2026-11-26 over the
 # bench-large projections (benchmarks/gemv.py --dtype float32 --model bench-large), kept when the rows
 # came to share one walk over K (results/2026-11-26-f32-rows-h100.md): one step's projections
-# 0.241 ms at 1 row (cuBLAS 0.297), 0.352 at 4 (cuBLAS 0.472), 0.675 at 8 (cuBLAS 0.578)
+# 0.241 ms at 1 row (cuBLAS 0.297), 0.352 at 4 (cuBLAS 0.472), 0.675 at 8 (cuBLAS 0.578). 512-wide K
+# tiles for the wide K = 1024 rows were 7% faster at 4 rows in the sweep of 2026-11-28 but made the
+# one-token step 0.7-1.9% slower end to end, so they were not taken
+# (results/2026-11-28-spec-step-glue-h100.md)
 _F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
+# programmatic dependent launch for the multi-row float32 launches too (a verify step's projections):
+# the n-gram / MTP K = 3 steps of the bench-large target 4% shorter (same results file)
+_F32_MULTI_ROW_PDL = True
 
 
 def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       relu2: bool = False):
     """float32 x [M <= 8, K] @ weight[N, K]^T (+ bias): the FMA kernel with one config for all M.
     ``relu2``: the projection of ``activation.relu2(x)``."""
-    return skinny_linear_fma(x, weight, bias, relu2=relu2, **_F32_CONFIG)
+    return skinny_linear_fma(x, weight, bias, relu2=relu2, pdl=_F32_MULTI_ROW_PDL or x.shape[0] <= 1,
+                             **_F32_CONFIG)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

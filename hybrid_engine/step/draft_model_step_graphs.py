@@ -27,9 +27,10 @@ import logging
 import torch
 
 from hybrid_engine.mamba_cache import NULL_SLOT
-from hybrid_engine.spec.drafters.common import single_token_batch
 
+from .argmax_rows import argmax_rows
 from .graphs import CudaGraphExecutor
+from .single_token_steps import SingleTokenSteps, single_token_meta
 from .spec_graphs import SpecStepGraphs, build_step_graphs
 
 logger = logging.getLogger("hybrid_engine")
@@ -46,27 +47,29 @@ class DraftModelStepGraphs(SpecStepGraphs):
                          max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
         # the length bound the draft's single-token step graphs were captured with (graphs.py)
         self.max_seq = max_model_len + 2
+        self.single = SingleTokenSteps(self.max_rows, executor.device)
         self._capture_all()
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
         d = self.drafter
         fb = g.fb
         d.model(fb, d.caches)                                 # follow the target's step (logits unused)
-        rows = torch.arange(bucket, device=num_valid.device)
-        real = rows < self.staged[0]                          # pads: rows >= N (the staged header)
-        valid = (num_valid > 0) & real
-        slots = torch.where(real, fb.mamba.decode_slots[:bucket], NULL_SLOT)           # [B]
-        scratch = torch.where(real, slots + d.max_num_seqs, NULL_SLOT)                # [B]
-        d._fork(slots, scratch, num_valid.clamp(min=1))
-        tok = sampled.gather(1, (num_valid - 1).clamp(min=0)[:, None]).squeeze(1)    # [B] newest sample
-        pos = torch.where(real, next_start, 0)
         block_tables = fb.attn.block_tables[:bucket]
+        # every single-token step's metadata at once: step j at next_start + j (pads, rows >= N
+        # of the staged header, at j: invalid, so their KV goes to the null block)
+        pos, slots, seq_lens, valid, newest = single_token_meta(
+            next_start, num_valid, self.staged[:1], block_tables, steps=self.num_spec,
+            block_size=self.block_size, tokens_per_row=sampled.shape[1], pads_advance=True)
+        real = self.single.rows[:bucket] < self.staged[0]
+        slots_m = torch.where(real, fb.mamba.decode_slots[:bucket], NULL_SLOT)          # [B]
+        scratch = torch.where(real, slots_m + d.max_num_seqs, NULL_SLOT)              # [B]
+        d._fork(slots_m, scratch, num_valid.clamp(min=1))
+        tok = torch.take(sampled, newest)                                           # [B] newest sample
         drafts = []
-        for _ in range(self.num_spec):
-            sfb = single_token_batch(tok, pos, block_tables, self.block_size, scratch, valid, self.max_seq)
+        for j in range(self.num_spec):
+            sfb = self.single.batch(tok, pos[j], seq_lens[j], slots[j], block_tables, scratch, self.max_seq)
             h = d.model(sfb, d.caches)
-            tok = d.model.compute_logits(h[sfb.logits_indices]).argmax(-1)
-            pos = pos + 1
+            tok = argmax_rows(d.model.compute_logits(h[sfb.logits_indices]))
             drafts.append(tok)
         return torch.where(valid[:, None], torch.stack(drafts, 1), -1)                # [B, K]
 

@@ -28,9 +28,9 @@ from dataclasses import replace
 
 import torch
 
-from hybrid_engine.spec.drafters.common import single_token_batch
 
 from .graphs import CudaGraphExecutor
+from .single_token_steps import SingleTokenSteps, single_token_meta
 from .spec_graphs import SpecStepGraphs, build_step_graphs
 
 logger = logging.getLogger("hybrid_engine")
@@ -47,6 +47,7 @@ class MTPStepGraphs(SpecStepGraphs):
                          max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
         # host bound of every row's length in a single-token step (as MTPGraphs)
         self.max_seq = max_model_len + 2 * (1 + num_spec) + 1
+        self.single = SingleTokenSteps(self.max_rows, executor.device)
         self._capture_all()
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
@@ -56,23 +57,20 @@ class MTPStepGraphs(SpecStepGraphs):
         fb = replace(g.fb, attn=replace(g.fb.attn, max_seq_len=self.max_seq))
         tokens_per_row = sampled.shape[1]
         shifted = sampled.reshape(-1).clamp(min=0)                            # [B * tokens_per_row]
-        last_idx = (num_valid - 1).clamp(min=0)
-        rows = torch.arange(bucket, device=last_idx.device)
-        idx = rows * tokens_per_row + last_idx                                # [B] newest sample's token
+        block_tables = fb.attn.block_tables[:bucket]
+        # every single-token step's metadata at once. Step j (drafts 2..K) pairs index
+        # next_start + j: the previous MTP hidden stands in for the target's. Pad rows (>= N, the
+        # staged header) stay at position 0 and write nothing (slot 0 of the null block), as the
+        # MTP graphs' pads: their next_start is a stale buffer value
+        pos, slots, seq_lens, valid, idx = single_token_meta(
+            next_start, num_valid, self.staged[:1], block_tables, steps=self.num_spec - 1,
+            block_size=self.block_size, tokens_per_row=tokens_per_row, pads_advance=False)
         h, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb)
-        mtp_hidden = h[idx]                                                   # [B, D]
+        mtp_hidden = h[idx]                                                   # [B, D] at each newest sample
         tok = d.draft_argmax(normed[idx])                                     # [B] draft 1
         drafts = [tok]
-        # pad rows (>= N, the staged header) write nothing and read at most the null block's
-        # first positions, as the MTP graphs' pads: their next_start is a stale buffer value
-        real = rows < self.staged[0]
-        valid = (num_valid > 0) & real
-        block_tables = fb.attn.block_tables[:bucket]
-        for j in range(1, self.num_spec):
-            # pair index next_start + j - 1: the previous MTP hidden stands in for the target's
-            pos = torch.where(real, next_start + (j - 1), 0)                  # pads at position 0: slot 0
-            sfb = single_token_batch(tok, pos, block_tables, self.block_size, torch.zeros_like(pos), valid,
-                                     self.max_seq)
+        for j in range(self.num_spec - 1):
+            sfb = self.single.batch(tok, pos[j], seq_lens[j], slots[j], block_tables, None, self.max_seq)
             mtp_hidden, normed = d._step(tok, mtp_hidden, sfb)
             tok = d.draft_argmax(normed)
             drafts.append(tok)

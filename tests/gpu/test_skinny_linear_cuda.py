@@ -56,7 +56,8 @@ def test_skinny_linear_relu2_on_load(dtype, M, N, K):
         lc.check_linear_relu2(impl, DEV, dtype, M, N, K, bias=seed % 2 == 0, seed=seed)
 
 
-@pytest.mark.parametrize("M,N,K", [(4, 4096, 4096), (8, 1000, 1024), (3, 18560, 4096)])
+@pytest.mark.parametrize("M,N,K", [(4, 4096, 4096), (8, 1000, 1024), (3, 18560, 4096), (4, 16384, 1024),
+                                   (8, 5152, 600)])
 def test_skinny_linear_f32_rows_are_batch_invariant(M, N, K):
     """float32 decode-sized projections: a row's result is the same bits alone or among M rows."""
     from hybrid_engine.models.skinny_linear import skinny_linear_f32

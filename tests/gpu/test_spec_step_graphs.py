@@ -147,3 +147,27 @@ def test_forced_acceptance_replays_fused_with_the_general_paths_tokens(mtp_targe
     got = drive(llm, prompts)
     assert got == want
     assert sum(spec_step_log) >= 10, sum(spec_step_log)
+
+
+def test_single_token_meta_and_argmax_rows_on_cuda():
+    """The fused proposal's helper kernels natively (tests/spec/single_token_cases.py: against
+    ``single_token_batch`` built step by step and ``torch.argmax``), and the MTP input's two norms
+    written side by side equal their cat, bit for bit."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spec"))
+    from single_token_cases import CASES, run_case
+    for name, case in CASES.items():
+        run_case(case, device="cuda")
+    from hybrid_engine.models.rmsnorm import rmsnorm, rmsnorm_into
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        e = torch.randn(5, 1000, device="cuda", generator=g).to(dtype) * 3
+        h = torch.randn(5, 1000, device="cuda", generator=g).to(dtype)
+        we, wh = torch.rand(1000, device="cuda", generator=g).to(dtype) + 0.5, torch.randn(1000, device="cuda").to(dtype)
+        out = torch.full((5, 2000), float("nan"), device="cuda", dtype=dtype)
+        rmsnorm_into(e, we, 1e-5, out[:, :1000])
+        rmsnorm_into(h, wh, 1e-5, out[:, 1000:])
+        assert torch.equal(out, torch.cat([rmsnorm(e, we, 1e-5), rmsnorm(h, wh, 1e-5)], -1))

@@ -14,6 +14,7 @@ import torch
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hybrid_engine.spec.drafters import draft_model as dm
 from hybrid_engine.step.draft_model_step_graphs import DraftModelStepGraphs
+from hybrid_engine.step.single_token_steps import SingleTokenSteps
 
 
 def _cache_tensors(d):
@@ -28,6 +29,7 @@ def test_fused_proposal_equals_the_general_paths(monkeypatch):
     d = llm.engine.drafter
     fused = object.__new__(DraftModelStepGraphs)         # the proposal alone: no executor, no capture
     fused.drafter, fused.num_spec, fused.block_size = d, 3, llm.engine.cfg.cache.block_size
+    fused.single = SingleTokenSteps(4, "cpu")
     checked, accepted = [], []
     orig = dm.DraftModelDrafter.propose
 
