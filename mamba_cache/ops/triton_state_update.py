@@ -135,10 +135,14 @@ def _ssu_kernel(
                 tl.store(o_row + offs_t[:, None] * sy_t, g, mask=m2g)
 
 
-# (BLOCK_P, num_warps) per (head_dim, d_state); measured on an H100 (benchmarks/kernels.py)
+# (BLOCK_P, num_warps) per (head_dim, d_state); measured on an H100 (benchmarks/kernels.py). At
+# d_state 128, 16 head_dim rows per program (was 32): twice the programs at few rows, the same
+# outputs and checkpoints bit for bit (the d_state reduction's layout is unchanged), and each
+# launch 1-10% shorter at 1 and 8 rows, s = 1 and 4, on the bench-large, Nano and 8B head counts
+# (H100, 2026-11-28, results/2026-11-28-spec-step-glue-h100.md)
 def _config(P: int, N: int, rows_x_heads: int):
     BLOCK_N = max(16, next_pow2(N))
-    BLOCK_P = min(next_pow2(P), max(1, 4096 // BLOCK_N))        # 32 for N=128
+    BLOCK_P = min(next_pow2(P), max(1, (2048 if BLOCK_N == 128 else 4096) // BLOCK_N))
     BLOCK_P = max(BLOCK_P, 1)
     num_warps = 4
     return BLOCK_P, BLOCK_N, num_warps

@@ -25,6 +25,9 @@ def meta_inputs(B, M, steps, *, n_real, block_size, seed, device="cpu"):
     next_start = torch.randint(0, M * block_size + 2, (B,), generator=g)
     num_valid = torch.randint(0, 5, (B,), generator=g)
     num_valid[0] = 1
+    if B > 1:
+        num_valid[1] = 0                            # a real row (when n_real > 1) that kept nothing
+        next_start[-1] = M * block_size - 1         # its later steps pass the table's end (clamp)
     block_tables = torch.randint(1, 1000, (B, M), generator=g, dtype=torch.int64).to(torch.int32)
     block_tables[n_real:] = 0                       # pads: zeroed block tables (prepare_decode)
     num_real = torch.tensor([n_real])
