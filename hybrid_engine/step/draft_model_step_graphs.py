@@ -28,7 +28,6 @@ import torch
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 
-from .argmax_rows import argmax_rows
 from .graphs import CudaGraphExecutor
 from .single_token_steps import SingleTokenSteps, single_token_meta
 from .spec_graphs import SpecStepGraphs, build_step_graphs
@@ -69,7 +68,7 @@ class DraftModelStepGraphs(SpecStepGraphs):
         for j in range(self.num_spec):
             sfb = self.single.batch(tok, pos[j], seq_lens[j], slots[j], block_tables, scratch, self.max_seq)
             h = d.model(sfb, d.caches)
-            tok = argmax_rows(d.model.compute_logits(h[sfb.logits_indices]))
+            tok = d.model.compute_logits(h[sfb.logits_indices]).argmax(-1)
             drafts.append(tok)
         return torch.where(valid[:, None], torch.stack(drafts, 1), -1)                # [B, K]
 

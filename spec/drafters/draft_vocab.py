@@ -50,8 +50,7 @@ class DraftVocabHead:
     def argmax(self, normed: torch.Tensor) -> torch.Tensor:
         """[L] the greedy draft ids: the argmax over the first rows, with no full-width logits (the
         -inf columns never win; ties and NaN rows resolve as on the padded logits)."""
-        from hybrid_engine.step.argmax_rows import argmax_rows
-        return argmax_rows(self.target.compute_logits(normed, self.head))
+        return self.target.compute_logits(normed, self.head).argmax(-1)
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         part = self.target.compute_logits(normed, self.head)                        # [L, rows]

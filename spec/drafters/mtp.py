@@ -15,7 +15,6 @@ import torch
 from hybrid_engine.attention import KVCache
 from hybrid_engine.models.nemotron_h import Caches
 from hybrid_engine.quantization.kv_scales import attach_kv_scales
-from hybrid_engine.step.argmax_rows import argmax_rows
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
@@ -36,7 +35,7 @@ class MTPDrafter(Drafter):
         # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits, and -> [L] greedy draft ids
         head = None if draft_vocab_size is None else DraftVocabHead(target, draft_vocab_size)
         self.draft_logits = target.compute_logits if head is None else head
-        self.draft_argmax = (lambda normed: argmax_rows(target.compute_logits(normed))) if head is None else head.argmax
+        self.draft_argmax = (lambda normed: target.compute_logits(normed).argmax(-1)) if head is None else head.argmax
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
                           cfg.head_dim, kv_dtype, device)
         self.caches = Caches(self.kv, None)

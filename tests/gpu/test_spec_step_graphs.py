@@ -149,10 +149,10 @@ def test_forced_acceptance_replays_fused_with_the_general_paths_tokens(mtp_targe
     assert sum(spec_step_log) >= 10, sum(spec_step_log)
 
 
-def test_single_token_meta_and_argmax_rows_on_cuda():
-    """The fused proposal's helper kernels natively (tests/spec/single_token_cases.py: against
-    ``single_token_batch`` built step by step and ``torch.argmax``), and the MTP input's two norms
-    written side by side equal their cat, bit for bit."""
+def test_single_token_meta_on_cuda():
+    """The fused proposals' metadata kernel natively (tests/spec/single_token_cases.py: against
+    ``single_token_batch`` built step by step), and the MTP input's two norms written side by side
+    equal their cat, bit for bit."""
     import sys
     from pathlib import Path
 

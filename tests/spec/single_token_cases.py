@@ -1,16 +1,12 @@
-"""Cases for the fused proposal's helpers (``step/single_token_steps.py``, ``step/argmax_rows.py``):
-the Triton kernels against independent torch code on random inputs.
-
-- ``single_token_meta``: every single-token step's positions, slot mapping and lengths, each row's
-  validity and newest-sample index, against ``spec.drafters.common.single_token_batch`` built step
-  by step as the fused proposals used to (pads, rows that kept nothing, positions past the block
-  table, both pad rules);
-- ``argmax_rows``: against ``torch.argmax`` (first index of ties within and across 1024-wide
-  blocks, NaN after +inf, rows of -inf, 16-bit logits, odd widths).
+"""Cases for the fused proposals' single-token metadata (``step/single_token_steps.py``): the
+Triton kernel against independent torch code on random inputs. ``single_token_meta``: every
+single-token step's positions, slot mapping and lengths, each row's validity and newest-sample
+index, against ``spec.drafters.common.single_token_batch`` built step by step as the fused
+proposals used to (pads, rows that kept nothing, positions past the block table, both pad rules).
 
 Run as a script (``TRITON_INTERPRET=1``) it prints one ``CASE name OK|FAIL`` line per case;
-tests/spec/test_single_token_steps.py runs it and imports ``check_meta`` / ``check_argmax`` for the
-torch twin and for CUDA (tests/gpu/test_spec_step_graphs.py).
+tests/spec/test_single_token_steps.py runs it and imports ``check_meta`` for the torch twin and
+for CUDA (tests/gpu/test_spec_step_graphs.py).
 """
 from __future__ import annotations
 
@@ -70,64 +66,19 @@ def check_meta(impl, *, B, M, steps, n_real, block_size=16, tokens_per_row=4, pa
     return f"valid {int(want_valid.sum())}/{B}"
 
 
-def argmax_inputs(R, V, *, dtype, seed, special):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(R, V, generator=g) * 4
-    if special:
-        for r in range(R):
-            kind = r % 5
-            if kind == 0 and V > 1:        # a tie within one block: the first index wins
-                i, j = sorted(torch.randperm(min(V, 1024), generator=g)[:2].tolist())
-                x[r, i] = x[r, j] = x[r].max() + 1
-            elif kind == 1 and V > 1024:   # a tie across blocks
-                i = int(torch.randint(0, 1024, (1,), generator=g))
-                j = int(torch.randint(1024, V, (1,), generator=g))
-                x[r, i] = x[r, j] = x[r].max() + 1
-            elif kind == 2:                # +inf, then a NaN later: the NaN's index
-                i = int(torch.randint(0, V, (1,), generator=g))
-                x[r, i] = float("inf")
-                x[r, min(V - 1, i + 1 + int(torch.randint(0, 3000, (1,), generator=g)))] = float("nan")
-            elif kind == 3:                # -inf everywhere: index 0
-                x[r] = float("-inf")
-            else:                          # two NaNs: the first
-                i, j = sorted(torch.randperm(V, generator=g)[:2].tolist()) if V > 1 else (0, 0)
-                x[r, j] = x[r, i] = float("nan")
-    return x.to(dtype)
-
-
-def check_argmax(impl, *, R, V, dtype=torch.float32, special=False, seed=0, device="cpu"):
-    x = argmax_inputs(R, V, dtype=dtype, seed=seed, special=special)
-    got = impl(x.to(device))
-    want = x.float().argmax(-1)
-    assert got.dtype == torch.int64 and got.shape == (R,)
-    assert torch.equal(got.cpu(), want), f"{got.tolist()} != {want.tolist()}"
-    return f"rows {R}"
-
-
 META_CASES = {
     "mtp_b4_s2_pads": dict(B=4, M=3, steps=2, n_real=3, pads_advance=False),
     "draft_b8_s3_pads": dict(B=8, M=5, steps=3, n_real=6, pads_advance=True, block_size=4),
     "mtp_b1_s1": dict(B=1, M=2, steps=1, n_real=1, pads_advance=False),
     "draft_b3_s5_no_pads": dict(B=3, M=2, steps=5, n_real=3, pads_advance=True, tokens_per_row=6),
 }
-ARGMAX_CASES = {
-    "v16384_f32": dict(R=3, V=16384),
-    "v5000_special": dict(R=10, V=5000, special=True),
-    "v300_f16_special": dict(R=5, V=300, dtype=torch.float16, special=True),
-    "v4097_bf16": dict(R=4, V=4097, dtype=torch.bfloat16, special=True),
-    "v1": dict(R=2, V=1),
-}
-CASES = {**{f"meta_{k}": ("meta", v) for k, v in META_CASES.items()},
-         **{f"argmax_{k}": ("argmax", v) for k, v in ARGMAX_CASES.items()}}
+CASES = {f"meta_{k}": ("meta", v) for k, v in META_CASES.items()}
 
 
 def run_case(case, device="cpu", ref=False):
-    kind, kw = case
-    if kind == "meta":
-        from hybrid_engine.step.single_token_steps import single_token_meta_ref, single_token_meta_triton
-        return check_meta(single_token_meta_ref if ref else single_token_meta_triton, device=device, **kw)
-    from hybrid_engine.step.argmax_rows import argmax_rows_triton
-    return check_argmax((lambda x: x.argmax(-1)) if ref else argmax_rows_triton, device=device, **kw)
+    _, kw = case
+    from hybrid_engine.step.single_token_steps import single_token_meta_ref, single_token_meta_triton
+    return check_meta(single_token_meta_ref if ref else single_token_meta_triton, device=device, **kw)
 
 
 if __name__ == "__main__":
