@@ -229,17 +229,15 @@ def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
 # one-token step 0.7-1.9% slower end to end, so they were not taken
 # (results/2026-11-28-spec-step-glue-h100.md)
 _F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
-# programmatic dependent launch for the multi-row float32 launches too (a verify step's projections):
-# the n-gram / MTP K = 3 steps of the bench-large target 4% shorter (same results file)
-_F32_MULTI_ROW_PDL = True
 
 
 def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       relu2: bool = False):
     """float32 x [M <= 8, K] @ weight[N, K]^T (+ bias): the FMA kernel with one config for all M.
     ``relu2``: the projection of ``activation.relu2(x)``."""
-    return skinny_linear_fma(x, weight, bias, relu2=relu2, pdl=_F32_MULTI_ROW_PDL or x.shape[0] <= 1,
-                             **_F32_CONFIG)
+    # programmatic dependent launch for every row count (a verify step's rows too): the n-gram / MTP
+    # K = 3 steps of the bench-large target 3-4% shorter (results/2026-11-28-spec-step-glue-h100.md)
+    return skinny_linear_fma(x, weight, bias, relu2=relu2, pdl=True, **_F32_CONFIG)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

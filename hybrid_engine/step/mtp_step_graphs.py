@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import torch
 
-
 from .graphs import CudaGraphExecutor
 from .single_token_steps import SingleTokenSteps, single_token_meta
 from .spec_graphs import SpecStepGraphs, build_step_graphs

@@ -12,10 +12,10 @@ results/2026-11-28-spec-step-glue-h100.md). Here:
   flat index of its newest sample;
 - the constant tensors are made once, before capture (``SingleTokenSteps``), and sliced per bucket.
 
-Row b of step j (0-based) sits at ``pos0[b] + j`` where ``advance[b]``, else at ``pos0[b]``
-(``pos0 = next_start`` for real rows, 0 for pads); its KV slot is its block's slot where the row is
-valid (a real row that kept a token), else offset ``pos % block_size`` of the null block 0. These
-are ``single_token_batch``'s values exactly (tests/spec/test_single_token_steps.py).
+Real row b (b < N, the staged header) of step j (0-based) sits at ``next_start[b] + j``; a pad row
+at j (``pads_advance``, the draft model) or at 0 (the MTP layers). A row's KV slot is its block's
+slot where the row is valid (a real row that kept a token), else offset ``pos % block_size`` of the
+null block 0. These are ``single_token_batch``'s values exactly (tests/spec/test_single_token_steps.py).
 """
 from __future__ import annotations
 
