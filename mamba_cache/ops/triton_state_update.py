@@ -5,6 +5,8 @@ registers.  It is loaded whole from checkpoint num_accepted-1 of the row's slot 
 and for each of the s tokens: dt = clamp(softplus(dt_raw + dt_bias)), h = exp(dt A) h + dt x B^T,
 store h to checkpoint t, y_t = h C_t + D x_t.  Rows on NULL_SLOT start from a zero state and store
 nothing (their y is unspecified, but finite for finite inputs).  Any input strides.
+LOAD_AHEAD (``_load_ahead``: s > 1): each token's x, dt, B, C load one iteration early, so their
+latency overlaps the previous token's work; same values and sums, bitwise the plain loop's result.
 
 FUSE_NORM (CONTRACT item 6): the gated RMSNorm (item 5) of y runs in the same launch.  Each program
 stores its rounded y, then bumps a per-(row, norm group) counter; the program that arrives last in
@@ -46,7 +48,7 @@ def _ssu_kernel(
     NULL: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, LOAD_AHEAD: tl.constexpr = False,
 ):
     z = pdl_enter(PDL)
     row = tl.program_id(0) + z
@@ -68,24 +70,39 @@ def _ssu_kernel(
 
     tile = offs_p[:, None] * st_p + offs_n[None, :] * st_n            # [BLOCK_P, BLOCK_N]
     base = state_ptr + slot * st_s + head * st_h
-    h = tl.load(base + src * st_k + tile, mask=mst, other=0.0).to(tl.float32)
-    # the whole source tile is in registers before any checkpoint of this tile is overwritten
-    tl.debug_barrier()
-
     A = tl.load(A_ptr + head).to(tl.float32)
     Dh = tl.load(D_ptr + head).to(tl.float32)
     bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-
     x_base = x_ptr + row * sx_r + head * sx_h + offs_p * sx_p
     dt_base = dt_ptr + row * sdt_r + head * sdt_h
     b_base = B_ptr + row * sb_r + grp * sb_g + offs_n * sb_n
     c_base = C_ptr + row * sc_r + grp * sc_g + offs_n * sc_n
     y_base = y_ptr + row * sy_r + head * sy_h + offs_p * sy_p
+    if LOAD_AHEAD:
+        # token 0's inputs in flight together with the state tile
+        x = tl.load(x_base, mask=mp, other=0.0).to(tl.float32)                      # [BLOCK_P]
+        Bv = tl.load(b_base, mask=mn, other=0.0).to(tl.float32)                     # [BLOCK_N]
+        Cv = tl.load(c_base, mask=mn, other=0.0).to(tl.float32)                     # [BLOCK_N]
+        dt_in = tl.load(dt_base).to(tl.float32)
+    h = tl.load(base + src * st_k + tile, mask=mst, other=0.0).to(tl.float32)
+    # the whole source tile is in registers before any checkpoint of this tile is overwritten
+    tl.debug_barrier()
+
     for t in range(0, s):
-        x = tl.load(x_base + t * sx_t, mask=mp, other=0.0).to(tl.float32)          # [BLOCK_P]
-        Bv = tl.load(b_base + t * sb_t, mask=mn, other=0.0).to(tl.float32)         # [BLOCK_N]
-        Cv = tl.load(c_base + t * sc_t, mask=mn, other=0.0).to(tl.float32)         # [BLOCK_N]
-        dt = _softplus(tl.load(dt_base + t * sdt_t).to(tl.float32) + bias)
+        if LOAD_AHEAD:
+            # the next token's inputs load while this token's update, sum and stores run (the
+            # compiler may not hoist a load above the stores: it cannot tell they do not alias)
+            nt = tl.minimum(t + 1, s - 1)
+            x_next = tl.load(x_base + nt * sx_t, mask=mp, other=0.0).to(tl.float32)
+            B_next = tl.load(b_base + nt * sb_t, mask=mn, other=0.0).to(tl.float32)
+            C_next = tl.load(c_base + nt * sc_t, mask=mn, other=0.0).to(tl.float32)
+            dt_next = tl.load(dt_base + nt * sdt_t).to(tl.float32)
+        else:
+            x = tl.load(x_base + t * sx_t, mask=mp, other=0.0).to(tl.float32)
+            Bv = tl.load(b_base + t * sb_t, mask=mn, other=0.0).to(tl.float32)
+            Cv = tl.load(c_base + t * sc_t, mask=mn, other=0.0).to(tl.float32)
+            dt_in = tl.load(dt_base + t * sdt_t).to(tl.float32)
+        dt = _softplus(dt_in + bias)
         if CLAMP:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         dA = tl.exp(dt * A)
@@ -97,6 +114,8 @@ def _ssu_kernel(
             tl.store(base + t * st_k + tile, h, mask=mst)
         y = tl.sum(h * Cv[None, :], axis=1) + Dh * x
         tl.store(y_base + t * sy_t, y.to(y_ptr.dtype.element_ty), mask=mp)
+        if LOAD_AHEAD:
+            x, Bv, Cv, dt_in = x_next, B_next, C_next, dt_next
 
     if FUSE_NORM:
         ng = head // heads_per_ngroup
@@ -146,6 +165,15 @@ def _config(P: int, N: int, rows_x_heads: int):
     BLOCK_P = max(BLOCK_P, 1)
     num_warps = 4
     return BLOCK_P, BLOCK_N, num_warps
+
+
+# Over s > 1 tokens (a verify step) each iteration loads the next token's inputs before its own
+# update and stores: 0.75-0.91x the time of a launch at one row and s = 4 on the bench-large (f32),
+# Nano and 8B head counts, 0.94-0.97x at 8 bf16 rows (bitwise the same outputs and checkpoints);
+# slower for float32 inputs at 8 rows (1.07-1.11x) and neutral at s = 1, which keep the plain loop
+# (H100, 2026-11-28, results/2026-11-28-ssu-load-ahead-h100.md)
+def _load_ahead(s: int, nrows: int, dtype: torch.dtype) -> bool:
+    return s > 1 and (dtype != torch.float32 or nrows <= 4)
 
 
 def triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
@@ -247,5 +275,6 @@ def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accept
             *ssm_state.stride(), *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(),
             *y.stride(), *fused,
             NULL=NULL_SLOT, CLAMP=clamp, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
+            LOAD_AHEAD=_load_ahead(s, nrows, x.dtype),
             **consts, **pdl_kwargs(x.device),
         )

@@ -261,6 +261,38 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
             "state": assert_pool(p_k, p_ref, tol, "ssu state")}
 
 
+def check_ssu_load_ahead_bitwise(device, dtype, N, s, K, gated, H=4, G=2, P=16, Nst=16, seed=0):
+    """The state update with next-token load-ahead (the rule's s > 1 path) against the plain loop,
+    forced both ways on the same inputs: outputs and every checkpoint bit for bit the same."""
+    from hybrid_engine.mamba_cache.ops import triton_state_update as tsu
+    x, dt, B, C, dt_bias, A, D, slots, pool, acc = _ssu_case(_gen(seed), device, dtype, N, s, K, H, G,
+                                                             P, Nst)
+    z = torch.randn(N, s, H * P, generator=_gen(seed + 1)).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(H * P, generator=_gen(seed + 2))).to(dtype).to(device)
+    results = []
+    rule = tsu._load_ahead
+    try:
+        for forced in (False, True):
+            tsu._load_ahead = lambda *_a, _f=forced: _f
+            p_k = pool.clone()
+            poison_allocator(device)
+            if gated:
+                y = tsu.triton_selective_state_update_gated(p_k, x, dt, dt_bias, A, B, C, D, slots, acc,
+                                                            z, w, P * (H // G), 1e-5)
+            else:
+                y = tsu.triton_selective_state_update(p_k, x, dt, dt_bias, A, B, C, D, slots, acc,
+                                                      out_dtype=dtype)
+            results.append((y, p_k))
+    finally:
+        tsu._load_ahead = rule
+    ok = (slots != NULL_SLOT).to(device)
+    (y0, p0), (y1, p1) = results
+    assert torch.equal(y0[ok], y1[ok]), "load-ahead changed y"
+    live = slots[slots != NULL_SLOT].long()
+    assert torch.equal(p0[live], p1[live]), "load-ahead changed the checkpoints"
+    return {"y": 0.0, "state": 0.0}
+
+
 # ----------------------------------------------------------------------------- state update + norm
 
 def ssu_norm_counters_zero():

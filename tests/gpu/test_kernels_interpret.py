@@ -18,7 +18,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 KERNEL_CASES = ["conv_varlen", "conv_varlen_long_rows", "conv_varlen_no_tokens", "conv_varlen_w2", "conv_update", "conv_update_k8",
-                "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0",
+                "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0", "ssu_load_ahead",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
                 "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma",
                 "linear_fma_rows_invariant", "linear_dot",

@@ -124,3 +124,14 @@ def test_ssu_norm_cuda_graph():
                         f"graph replay {rep}")
         kc.assert_pool(st["pool"], p_ref, 1e-4, f"graph replay {rep} state")
         assert kc.ssu_norm_counters_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=DT_IDS + ["f16"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_ssu_load_ahead_is_bitwise_the_loop(dtype, gated):
+    """Next-token load-ahead (taken at s > 1) against the plain loop, both forced, on CUDA: the
+    same y and checkpoints bit for bit at 1, 3 and 8 rows and 2-5 tokens, on a Nemotron-like
+    head shape (head_dim 64, d_state 128) and a small odd one."""
+    for N, s, K, shape in ((1, 4, 3, dict(H=32, G=4, P=64, Nst=128)), (8, 2, 1, dict(H=16, G=2, P=64, Nst=128)),
+                           (3, 5, 8, dict(H=6, G=3, P=24, Nst=24))):
+        kc.check_ssu_load_ahead_bitwise(DEV, dtype, N, s, K, gated, seed=N + s, **shape)
