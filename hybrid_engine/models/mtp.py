@@ -6,8 +6,15 @@ default). The first has ``enorm``, ``hnorm`` and ``eh_proj`` ([D, 2D]):
 (``norm`` + ``mixer``); the last has ``final_layernorm`` before the shared lm_head.
 Pair index i combines the target's hidden h_i with token t_{i+1} and predicts t_{i+2}; its KV is
 stored at position i, so the MTP attention replays the target's own positions and block tables.
+
+``rows``: the drafter needs the outputs of one token per sequence (its newest sample's pair), but
+the KV of every pair. The layers from the last attention layer on (and the final norm) then run on
+those rows only: in the published ``*E`` pattern the MoE layer sees one token per sequence instead
+of 1 + K per decode row, or a whole prompt chunk per prefill row.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -56,15 +63,27 @@ class MTP(nn.Module):
             n_attn += kind == ATTENTION
         self.layers = nn.ModuleList(layers)
         self.num_attention_layers = n_attn
+        # the first layer whose outputs are needed at the kept rows only: after the last attention
+        # layer (whose KV every pair needs), 0 without attention
+        self.rows_from = 1 + max((j for j, kind in enumerate(kinds) if kind == ATTENTION), default=-1)
 
-    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, caches):
-        """embeds, prev_hidden [T, D] -> (hidden before final norm [T, D], normed [T, D])."""
+    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, caches,
+                rows: torch.Tensor | None = None):
+        """embeds, prev_hidden [T, D] -> (hidden before final norm, normed), each [T, D], or
+        [R, D] at ``rows`` [R] (token indices into T; module docstring)."""
+        if rows is not None and self.rows_from == 0:
+            embeds, prev_hidden, fb = embeds[rows], prev_hidden[rows], _at_rows(fb, rows)
+            rows = None
         first = self.layers[0]
         h = first.eh_proj(self._eh_input(first, embeds, prev_hidden))
         residual = None
-        for layer in self.layers:              # residual adds fused into the next norm (as Block)
+        for j, layer in enumerate(self.layers):   # residual adds fused into the next norm (as Block)
+            if rows is not None and j == self.rows_from:
+                h, residual, fb = h[rows], residual[rows], _at_rows(fb, rows)
             x, residual = layer.norm.add_norm(h, residual)
             h = layer.mixer(x, fb, caches) if layer.takes_batch else layer.mixer(x)
+        if rows is not None and self.rows_from == len(self.layers):
+            h, residual = h[rows], residual[rows]
         normed, h = self.layers[-1].final_layernorm.add_norm(h, residual)
         return h, normed
 
@@ -80,3 +99,10 @@ class MTP(nn.Module):
             rmsnorm_into(prev_hidden, first.hnorm.weight, first.hnorm.eps, out[:, D:])
             return out
         return torch.cat([first.enorm(embeds), first.hnorm(prev_hidden)], -1)
+
+
+def _at_rows(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
+    """The batch as the layers after the row cut see it: each kept token's slot mapping (the MoE
+    counts only real tokens, slot != 0, in its expert load). No attention layer reads it."""
+    return replace(fb, attn=replace(fb.attn, slot_mapping=fb.attn.slot_mapping[rows]))
+

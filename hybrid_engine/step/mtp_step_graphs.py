@@ -64,9 +64,9 @@ class MTPStepGraphs(SpecStepGraphs):
         pos, slots, seq_lens, valid, idx = single_token_meta(
             next_start, num_valid, self.staged[:1], block_tables, steps=self.num_spec - 1,
             block_size=self.block_size, tokens_per_row=tokens_per_row, pads_advance=False)
-        h, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb)
-        mtp_hidden = h[idx]                                                   # [B, D] at each newest sample
-        tok = d.draft_argmax(normed[idx])                                     # [B] draft 1
+        # [B, D] at each newest sample (the MTP KV of every token)
+        mtp_hidden, normed = d._step(shifted, hidden[:bucket * tokens_per_row], fb, idx)
+        tok = d.draft_argmax(normed)                                          # [B] draft 1
         drafts = [tok]
         for j in range(self.num_spec - 1):
             sfb = self.single.batch(tok, pos[j], seq_lens[j], slots[j], block_tables, None, self.max_seq)

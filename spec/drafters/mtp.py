@@ -42,8 +42,10 @@ class MTPDrafter(Drafter):
         self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp): verify 1+K, steps
         self.verify_graphs = {}       # verify-pass graphs by tokens per row (1+K and adaptive widths)
 
-    def _step(self, tokens, prev_hidden, fb):
-        h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
+    def _step(self, tokens, prev_hidden, fb, rows=None):
+        """-> (MTP hidden, final-normed hidden), each [T, D], or [R, D] at ``rows`` [R]: the MTP KV
+        of every token either way (``MTP.forward``)."""
+        h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches, rows)
         return h, normed
 
     def propose(self, ctx: DraftContext):
@@ -83,8 +85,8 @@ class MTPDrafter(Drafter):
         g = self.verify_graphs.get(md.decode_len)
         if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
-        h, normed = self._step(tokens, hidden, fb)
-        return h[idx], self.draft_logits(normed[idx])
+        h, normed = self._step(tokens, hidden, fb, idx)
+        return h, self.draft_logits(normed)
 
     def _single(self, tok, hidden, pos, block_tables, valid, block_size: int, max_seq: int):
         """One token per row -> (MTP hidden [B, D], logits [B, V]); a graph replay when one fits."""

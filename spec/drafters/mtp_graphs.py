@@ -74,8 +74,8 @@ class MTPGraphs:
         attn = AttnMetadata(buf.v_qsl, buf.v_seq_lens, buf.v_bt, buf.v_slots, tokens_per_row, self.max_seq)
         placeholder = _no_mamba(buf.rows, tokens_per_row, buf.v_tokens.device)
         fb = ForwardBatch(buf.v_tokens, buf.v_pos, attn, placeholder, buf.v_idx)
-        h, normed = self.drafter._step(buf.v_tokens, buf.v_hidden, fb)
-        return h[buf.v_idx], self.drafter.draft_logits(normed[buf.v_idx])
+        h, normed = self.drafter._step(buf.v_tokens, buf.v_hidden, fb, buf.v_idx)
+        return h, self.drafter.draft_logits(normed)
 
     def _step_body(self, buf: _Bucket):
         fb = single_token_batch(buf.s_tok, buf.s_pos, buf.s_bt, self.block_size, torch.zeros_like(buf.s_pos),

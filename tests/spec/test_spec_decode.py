@@ -86,8 +86,15 @@ def test_mtp_equals_transformers(target, prompts, reference, k):
     assert st["drafts_proposed"] > 0
 
 
-def test_mtp_drafts_match_naive_recompute(target, prompts):
-    """The MTP pass with its KV cache equals a naive full recompute of the MTP layers."""
+@pytest.mark.parametrize("mtp_pattern", ["*E", "E", "E*", "*-E"])
+def test_mtp_drafts_match_naive_recompute(target, model_dirs, prompts, mtp_pattern):
+    """The MTP pass with its KV cache equals a naive full recompute of the MTP layers. The engine
+    runs the layers after the last attention layer at each row's newest token only (none: all of
+    them; attention last: only the final norm); the naive recompute runs every layer on every
+    token."""
+    if mtp_pattern != "*E":
+        target = model_dirs(f"spec_target_mtp_{mtp_pattern.replace('*', 'a').replace('-', 'm')}",
+                            pattern="M-M*-ME*", seed=1, num_nextn_predict_layers=1, mtp_pattern=mtp_pattern)
     from hybrid_engine.spec.drafters import mtp as mtp_mod
     recorded = []
     orig = mtp_mod.MTPDrafter.propose
