@@ -14,7 +14,8 @@ on CUDA the shared expert runs on a side stream beside the router (``moe_ops.bes
 Expert load: each forward adds the number of real tokens (``fb.attn.slot_mapping != 0``: padding
 rows of CUDA-graph buckets write the null KV block) routed to each expert to ``expert_tokens``
 [E] int32 on the device; ``read_expert_load`` reads and clears it (called by stats(), never on the
-step path).
+step path). The MTP block's MoE sees one token per sequence and pass (``models/mtp.py``), so its
+counters count those.
 """
 from __future__ import annotations
 

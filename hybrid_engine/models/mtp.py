@@ -8,9 +8,11 @@ Pair index i combines the target's hidden h_i with token t_{i+1} and predicts t_
 stored at position i, so the MTP attention replays the target's own positions and block tables.
 
 ``rows``: the drafter needs the outputs of one token per sequence (its newest sample's pair), but
-the KV of every pair. The layers from the last attention layer on (and the final norm) then run on
+the KV of every pair. The layers after the last attention layer (and the final norm) then run on
 those rows only: in the published ``*E`` pattern the MoE layer sees one token per sequence instead
-of 1 + K per decode row, or a whole prompt chunk per prefill row.
+of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the full pass up to float rounding (the
+kept rows go through the MoE and linear kernels in smaller batches); the MoE's expert-load
+counters then count one token per sequence and pass.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ registers.  It is loaded whole from checkpoint num_accepted-1 of the row's slot 
 and for each of the s tokens: dt = clamp(softplus(dt_raw + dt_bias)), h = exp(dt A) h + dt x B^T,
 store h to checkpoint t, y_t = h C_t + D x_t.  Rows on NULL_SLOT start from a zero state and store
 nothing (their y is unspecified, but finite for finite inputs).  Any input strides.
-LOAD_AHEAD (``_load_ahead``: s > 1): each token's x, dt, B, C load one iteration early, so their
-latency overlaps the previous token's work; same values and sums, bitwise the plain loop's result.
+LOAD_AHEAD (``_load_ahead``: s > 1, except float32 inputs above 4 rows): each token's x, dt, B, C
+load one iteration early, so their latency overlaps the previous token's work; same values and
+sums, bitwise the plain loop's result.
 
 FUSE_NORM (CONTRACT item 6): the gated RMSNorm (item 5) of y runs in the same launch.  Each program
 stores its rounded y, then bumps a per-(row, norm group) counter; the program that arrives last in
@@ -171,7 +172,8 @@ def _config(P: int, N: int, rows_x_heads: int):
 # update and stores: 0.75-0.91x the time of a launch at one row and s = 4 on the bench-large (f32),
 # Nano and 8B head counts, 0.94-0.97x at 8 bf16 rows (bitwise the same outputs and checkpoints);
 # slower for float32 inputs at 8 rows (1.07-1.11x) and neutral at s = 1, which keep the plain loop
-# (H100, 2026-11-28, results/2026-11-28-ssu-load-ahead-h100.md)
+# (H100, 2026-11-28, results/2026-11-28-ssu-load-ahead-h100.md). Only 1 and 8 rows were measured:
+# the float32 cut at 4 rows is a guess between them.
 def _load_ahead(s: int, nrows: int, dtype: torch.dtype) -> bool:
     return s > 1 and (dtype != torch.float32 or nrows <= 4)
 

@@ -40,7 +40,9 @@ class _Bucket:
         self.v_qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * tokens_per_row  # [B+1] fixed
         self.v_seq_lens = torch.full((B,), tokens_per_row, dtype=torch.int32, device=device)  # [B]
         self.v_bt = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)   # [B, max_blocks]
-        self.v_slots, self.v_idx = e64(T), e64(B)                                  # [T], [B]
+        # [T], [B]: a pad row's index is its own first token (slot 0: the MTP MoE's load counters
+        # skip it), never a real row's
+        self.v_slots, self.v_idx = e64(T), self.v_qsl[:-1].to(torch.int64)
         self.v_pos = e64(T)                    # [T] positions (the rotary hook may read them)
         # step: [B] tokens, [B, D] previous MTP hidden, [B] positions, [B, max_blocks], [B] valid
         self.s_tok, self.s_hidden, self.s_pos = e64(B), torch.zeros(B, D, dtype=dtype, device=device), e64(B)
@@ -130,7 +132,7 @@ class MTPGraphs:
             buf.v_seq_lens[n:].fill_(tokens_per_row)
             buf.v_slots[num_tokens:].zero_()
             buf.v_bt[n:].zero_()
-            buf.v_idx[n:].zero_()
+            buf.v_idx[n:].copy_(buf.v_qsl[n:-1])
         buf.v_rows = n
         buf.v_graph.replay()
         return buf.v_out[0][:n], buf.v_out[1][:n]

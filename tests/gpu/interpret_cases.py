@@ -178,8 +178,11 @@ CASES = {
                                         out_dtype=torch.float16, seed=2),
     "ssu_k0": lambda: kc.check_ssu(triton_selective_state_update, "cpu", F32, 3, 1, 0, seed=1),
     # next-token load-ahead against the plain loop, bit for bit (plain and gated, s = 3 and 4)
+    # (then 2 head_dim blocks per head with the dt clamp)
     "ssu_load_ahead": lambda: [kc.check_ssu_load_ahead_bitwise("cpu", F32, 5, 3, 4, False),
-                             kc.check_ssu_load_ahead_bitwise("cpu", F32, 3, 4, 3, True, seed=1)],
+                             kc.check_ssu_load_ahead_bitwise("cpu", F32, 3, 4, 3, True, seed=1),
+                             kc.check_ssu_load_ahead_bitwise("cpu", F32, 3, 2, 1, True, P=32, block_p=16,
+                                                             dt_limit=(0.01, 0.4), seed=2)],
     # state update + gated norm in one kernel: 2 heads per norm group; then 1 head per group with
     # z as [N, s, I]; then 2 head_dim blocks per head (4 programs per group), 3 norm groups over
     # 2 SSM groups, 2 tokens per norm step (s = 3: a short second step); then a 16-bit model

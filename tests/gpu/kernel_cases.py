@@ -261,7 +261,8 @@ def check_ssu(impl, device, dtype, N, s, K, H=4, G=2, P=16, Nst=16, dt_limit=(0.
             "state": assert_pool(p_k, p_ref, tol, "ssu state")}
 
 
-def check_ssu_load_ahead_bitwise(device, dtype, N, s, K, gated, H=4, G=2, P=16, Nst=16, seed=0):
+def check_ssu_load_ahead_bitwise(device, dtype, N, s, K, gated, H=4, G=2, P=16, Nst=16, seed=0,
+                                 dt_limit=(0.0, math.inf), block_p=None):
     """The state update with next-token load-ahead (the rule's s > 1 path) against the plain loop,
     forced both ways on the same inputs: outputs and every checkpoint bit for bit the same."""
     from hybrid_engine.mamba_cache.ops import triton_state_update as tsu
@@ -273,15 +274,17 @@ def check_ssu_load_ahead_bitwise(device, dtype, N, s, K, gated, H=4, G=2, P=16, 
     rule = tsu._load_ahead
     try:
         for forced in (False, True):
-            tsu._load_ahead = lambda *_a, _f=forced: _f
+            asked = []
+            tsu._load_ahead = lambda *_a, _f=forced: asked.append(_f) or _f
             p_k = pool.clone()
             poison_allocator(device)
             if gated:
                 y = tsu.triton_selective_state_update_gated(p_k, x, dt, dt_bias, A, B, C, D, slots, acc,
-                                                            z, w, P * (H // G), 1e-5)
+                                                            z, w, P * (H // G), 1e-5, dt_limit, block_p=block_p)
             else:
-                y = tsu.triton_selective_state_update(p_k, x, dt, dt_bias, A, B, C, D, slots, acc,
-                                                      out_dtype=dtype)
+                y = tsu.triton_selective_state_update(p_k, x, dt, dt_bias, A, B, C, D, slots, acc, dt_limit,
+                                                      out_dtype=dtype, block_p=block_p)
+            assert asked == [forced], f"the launch did not take the forced rule ({asked})"
             results.append((y, p_k))
     finally:
         tsu._load_ahead = rule

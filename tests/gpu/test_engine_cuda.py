@@ -134,6 +134,27 @@ def test_mtp_graphs_equal_eager(target, prompts, monkeypatch, dtype, temperature
             torch.testing.assert_close(s, torch.ones_like(s), atol=1e-4, rtol=0)
 
 
+def test_mtp_moe_load_counts_no_graph_pad_rows(target, prompts):
+    """The MTP block's MoE counts one token per sequence and pass (``models/mtp.py``): 3 requests
+    in a graph bucket of 4 count what the eager engine counts, through the MTP graphs (the general
+    path) and through the fused MTP step graphs; a pad row kept at a real row's token would add
+    top-k per replay."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    counts, tokens = {}, {}
+    for mode in ("eager", "mtp_graphs", "fused"):
+        llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=mode == "eager",
+                  speculative_config=SpeculativeConfig("mtp", 3, adaptive=False))
+        if mode == "mtp_graphs":
+            llm.engine.runner.drop_fused_plans(proposing_only=True)
+        tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts[1:4], params, use_tqdm=False)]
+        load = llm.stats()["moe_expert_tokens"]
+        counts[mode] = {name: sum(c) for name, c in load.items() if name.startswith("mtp.")}
+        del llm
+    assert counts["eager"] and all(v > 0 for v in counts["eager"].values()), counts
+    assert tokens["mtp_graphs"] == tokens["eager"] == tokens["fused"]
+    assert counts["mtp_graphs"] == counts["eager"] == counts["fused"], counts
+
+
 def test_adaptive_mtp_graphs_equal_eager(target, prompts):
     """Adaptive speculation narrows MTP steps (random weights: to no drafts); the verify-pass
     graphs of every width give the eager engine's greedy tokens."""

@@ -132,3 +132,14 @@ def test_mixer_mixed_step_keeps_the_unfused_path(monkeypatch):
     assert out.shape == (3 * 2 + 3, 32)
     # decode rows: the op-by-op numbers (out_proj over more rows may block the matmul otherwise)
     torch.testing.assert_close(out[:6], exp, rtol=2e-2, atol=2e-2)
+
+
+def test_load_ahead_rule():
+    """The state update loads a token's inputs one iteration ahead over several tokens only, and
+    keeps the plain loop for float32 inputs above 4 rows (slower there on the H100)."""
+    pytest.importorskip("triton")
+    from hybrid_engine.mamba_cache.ops.triton_state_update import _load_ahead
+    assert not _load_ahead(1, 1, torch.bfloat16) and not _load_ahead(1, 1, torch.float32)
+    assert _load_ahead(2, 1, torch.float32) and _load_ahead(4, 4, torch.float32)
+    assert not _load_ahead(4, 5, torch.float32) and not _load_ahead(4, 8, torch.float32)
+    assert _load_ahead(4, 8, torch.bfloat16) and _load_ahead(2, 64, torch.float16)
