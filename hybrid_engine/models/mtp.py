@@ -10,9 +10,9 @@ stored at position i, so the MTP attention replays the target's own positions an
 ``rows``: the drafter needs the outputs of one token per sequence (its newest sample's pair), but
 the KV of every pair. The layers after the last attention layer (and the final norm) then run on
 those rows only: in the published ``*E`` pattern the MoE layer sees one token per sequence instead
-of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the full pass up to float rounding (the
-kept rows go through the MoE and linear kernels in smaller batches); the MoE's expert-load
-counters then count one token per sequence and pass.
+of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the
+full pass up to float rounding (the kept rows go through the MoE and linear kernels in smaller
+batches); the MoE's expert-load counters then count one token per sequence and pass.
 """
 from __future__ import annotations
 
@@ -107,4 +107,3 @@ def _at_rows(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
     """The batch as the layers after the row cut see it: each kept token's slot mapping (the MoE
     counts only real tokens, slot != 0, in its expert load). No attention layer reads it."""
     return replace(fb, attn=replace(fb.attn, slot_mapping=fb.attn.slot_mapping[rows]))
-
