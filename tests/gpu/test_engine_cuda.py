@@ -142,8 +142,9 @@ def test_mtp_moe_load_counts_no_graph_pad_rows(target, prompts):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     counts, tokens = {}, {}
     for mode in ("eager", "mtp_graphs", "fused"):
+        # sync steps: the same steps in every mode, whatever the timing
         llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=mode == "eager",
-                  speculative_config=SpeculativeConfig("mtp", 3, adaptive=False))
+                  speculative_config=SpeculativeConfig("mtp", 3, adaptive=False), async_scheduling=False)
         if mode == "mtp_graphs":
             llm.engine.runner.drop_fused_plans(proposing_only=True)
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts[1:4], params, use_tqdm=False)]
