@@ -106,10 +106,8 @@ def main() -> int:
             if dtype != torch.float32:        # float32 tl.dot (ieee) is slower than cuBLAS: not swept
                 cands += [("dot", c, lambda w, x=x, c=c: skinny_linear_dot(x, w, **c)) for c in DOT_CFGS]
             if M <= 8:
-                cfgs = FMA_CFGS + ([dict(block_n=2, block_k=1024, num_warps=4, n_blocks=nb) for nb in (2, 4)]
-                                   if K <= 1024 and M <= 4 else [])     # x loaded once for 2-4 blocks
                 cands += [("fma", c, lambda w, x=x, c=c: skinny_linear_fma(x, w, **c))
-                          for c in cfgs]
+                          for c in FMA_CFGS]
             for kind, cfg, ms, err in time_candidates(f"{name} M={M}", cands, ws, ref):
                 r = dict(shape=name, N=N, K=K, M=M, per_step=per_step, kind=kind, cfg=cfg, ms=ms,
                          pct=100 * nbytes / (ms * 1e-3) / 1e9 / bw, err=err)

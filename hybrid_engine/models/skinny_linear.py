@@ -74,77 +74,10 @@ def _row_store(acc, b_ptr, y_ptr, m: tl.constexpr, M, sym, offs_n, mn, HAS_BIAS:
 
 
 @triton.jit
-def _x_row(x_ptr, m: tl.constexpr, M, K, sxm, offs_k, mk, RELU2: tl.constexpr, BF16_BITS: tl.constexpr):
-    """Row m of x as float32 [BLOCK_K] (zeros for m >= M: its sums are computed, never stored)."""
-    return proj_input_f32(tl.load(x_ptr + m * sxm + offs_k, mask=mk & (offs_k + m * K < M * K), other=0.0),
-                          RELU2, BF16_BITS)
-
-
-@triton.jit
-def _block_rows(wt, x0, x1, x2, x3, b_ptr, y_ptr, M, sym, offs_n, mn, HAS_BIAS: tl.constexpr,
-                M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One output block's rows: the one-block kernel's accumulator (zeros, += wt * x) and sum."""
-    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    a0 += wt * x0[None, :]
-    _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
-    if M_ROWS > 1:
-        a1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a1 += wt * x1[None, :]
-        _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)
-    if M_ROWS > 2:
-        a2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a2 += wt * x2[None, :]
-        _row_store(a2, b_ptr, y_ptr, 2, M, sym, offs_n, mn, HAS_BIAS)
-        a3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a3 += wt * x3[None, :]
-        _row_store(a3, b_ptr, y_ptr, 3, M, sym, offs_n, mn, HAS_BIAS)
-
-
-@triton.jit
-def _fma_blocks(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, pid, HAS_BIAS: tl.constexpr,
-                M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                RELU2: tl.constexpr, BF16_BITS: tl.constexpr, N_BLOCKS: tl.constexpr):
-    """N_BLOCKS (2 or 4) output blocks of BLOCK_N features over one K tile (K <= BLOCK_K), up to
-    4 x rows: every weight tile is requested before any product (loads in flight together; a
-    load after a store would wait for it, the compiler cannot tell they do not alias), x once."""
-    tl.static_assert(N_BLOCKS == 2 or N_BLOCKS == 4)
-    tl.static_assert(M_ROWS <= 4)
-    offs_k = tl.arange(0, BLOCK_K)
-    mk = offs_k < K
-    n0 = pid * (N_BLOCKS * BLOCK_N) + tl.arange(0, BLOCK_N)
-    n1 = n0 + BLOCK_N
-    w0 = tl.load(w_ptr + n0[:, None].to(tl.int64) * swn + offs_k[None, :],
-                 mask=(n0 < N)[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + n1[:, None].to(tl.int64) * swn + offs_k[None, :],
-                 mask=(n1 < N)[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    if N_BLOCKS == 4:
-        n2 = n1 + BLOCK_N
-        n3 = n2 + BLOCK_N
-        w2 = tl.load(w_ptr + n2[:, None].to(tl.int64) * swn + offs_k[None, :],
-                     mask=(n2 < N)[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        w3 = tl.load(w_ptr + n3[:, None].to(tl.int64) * swn + offs_k[None, :],
-                     mask=(n3 < N)[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    x0 = _x_row(x_ptr, 0, M, K, sxm, offs_k, mk, RELU2, BF16_BITS)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if M_ROWS > 1:
-        x1 = _x_row(x_ptr, 1, M, K, sxm, offs_k, mk, RELU2, BF16_BITS)
-    if M_ROWS > 2:
-        x2 = _x_row(x_ptr, 2, M, K, sxm, offs_k, mk, RELU2, BF16_BITS)
-        x3 = _x_row(x_ptr, 3, M, K, sxm, offs_k, mk, RELU2, BF16_BITS)
-    _block_rows(w0, x0, x1, x2, x3, b_ptr, y_ptr, M, sym, n0, n0 < N, HAS_BIAS, M_ROWS, BLOCK_N, BLOCK_K)
-    _block_rows(w1, x0, x1, x2, x3, b_ptr, y_ptr, M, sym, n1, n1 < N, HAS_BIAS, M_ROWS, BLOCK_N, BLOCK_K)
-    if N_BLOCKS == 4:
-        _block_rows(w2, x0, x1, x2, x3, b_ptr, y_ptr, M, sym, n2, n2 < N, HAS_BIAS, M_ROWS, BLOCK_N, BLOCK_K)
-        _block_rows(w3, x0, x1, x2, x3, b_ptr, y_ptr, M, sym, n3, n3 < N, HAS_BIAS, M_ROWS, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
 def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, RELU2: tl.constexpr = False,
-                       BF16_BITS: tl.constexpr = False, N_BLOCKS: tl.constexpr = 1):
+                       BF16_BITS: tl.constexpr = False):
     # one walk over K for all M_ROWS (1, 2, 4 or 8) rows: each weight tile is loaded once and
     # multiplied into one [BLOCK_N, BLOCK_K] accumulator per row (named, not a [M_ROWS, ...] tile,
     # so each row's accumulator has the one-row kernel's layout). A row's sums are the same
@@ -156,58 +89,52 @@ def _linear_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
-    if N_BLOCKS > 1:
-        # K <= BLOCK_K: N_BLOCKS consecutive output blocks per program, their weight tiles loaded
-        # first and x once; each block's products and sums are the one-block program's
-        _fma_blocks(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, pid, HAS_BIAS, M_ROWS, BLOCK_N,
-                    BLOCK_K, RELU2, BF16_BITS, N_BLOCKS)
-    else:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = offs_n < N
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
-        a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        a7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < K
-            wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            xp = x_ptr + offs_k
-            # row m >= M reads zeros (its sums are computed, never stored): offs_k + m K < M K
-            a0 += wt * proj_input_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
-            if M_ROWS > 1:
-                a1 += wt * proj_input_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-            if M_ROWS > 2:
-                a2 += wt * proj_input_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-                a3 += wt * proj_input_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-            if M_ROWS > 4:
-                a4 += wt * proj_input_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-                a5 += wt * proj_input_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-                a6 += wt * proj_input_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-                a7 += wt * proj_input_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
-                                          RELU2, BF16_BITS)[None, :]
-        _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn
+    a0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < K
+        wt = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        xp = x_ptr + offs_k
+        # row m >= M reads zeros (its sums are computed, never stored): offs_k + m K < M K
+        a0 += wt * proj_input_f32(tl.load(xp, mask=mk, other=0.0), RELU2, BF16_BITS)[None, :]
         if M_ROWS > 1:
-            _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)
+            a1 += wt * proj_input_f32(tl.load(xp + sxm, mask=mk & (offs_k + K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
         if M_ROWS > 2:
-            _row_store(a2, b_ptr, y_ptr, 2, M, sym, offs_n, mn, HAS_BIAS)
-            _row_store(a3, b_ptr, y_ptr, 3, M, sym, offs_n, mn, HAS_BIAS)
+            a2 += wt * proj_input_f32(tl.load(xp + 2 * sxm, mask=mk & (offs_k + 2 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
+            a3 += wt * proj_input_f32(tl.load(xp + 3 * sxm, mask=mk & (offs_k + 3 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
         if M_ROWS > 4:
-            _row_store(a4, b_ptr, y_ptr, 4, M, sym, offs_n, mn, HAS_BIAS)
-            _row_store(a5, b_ptr, y_ptr, 5, M, sym, offs_n, mn, HAS_BIAS)
-            _row_store(a6, b_ptr, y_ptr, 6, M, sym, offs_n, mn, HAS_BIAS)
-            _row_store(a7, b_ptr, y_ptr, 7, M, sym, offs_n, mn, HAS_BIAS)
+            a4 += wt * proj_input_f32(tl.load(xp + 4 * sxm, mask=mk & (offs_k + 4 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
+            a5 += wt * proj_input_f32(tl.load(xp + 5 * sxm, mask=mk & (offs_k + 5 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
+            a6 += wt * proj_input_f32(tl.load(xp + 6 * sxm, mask=mk & (offs_k + 6 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
+            a7 += wt * proj_input_f32(tl.load(xp + 7 * sxm, mask=mk & (offs_k + 7 * K < M * K), other=0.0),
+                                      RELU2, BF16_BITS)[None, :]
+    _row_store(a0, b_ptr, y_ptr, 0, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 1:
+        _row_store(a1, b_ptr, y_ptr, 1, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 2:
+        _row_store(a2, b_ptr, y_ptr, 2, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a3, b_ptr, y_ptr, 3, M, sym, offs_n, mn, HAS_BIAS)
+    if M_ROWS > 4:
+        _row_store(a4, b_ptr, y_ptr, 4, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a5, b_ptr, y_ptr, 5, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a6, b_ptr, y_ptr, 6, M, sym, offs_n, mn, HAS_BIAS)
+        _row_store(a7, b_ptr, y_ptr, 7, M, sym, offs_n, mn, HAS_BIAS)
 
 
 def _check(x, weight):
@@ -219,10 +146,9 @@ def _check(x, weight):
 
 
 def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, pdl=True, relu2=False,
-            kernel_block_n=None, **consts):
+            **consts):
     """Checks, allocates y [M, N] in x.dtype and launches ``kernel`` over N / block_n programs (with
-    programmatic dependent launch where ``pdl`` and the device allow; ``relu2``: of relu2(x));
-    ``kernel_block_n``: the kernel's BLOCK_N when a program covers several blocks (block_n = all)."""
+    programmatic dependent launch where ``pdl`` and the device allow; ``relu2``: of relu2(x))."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
@@ -232,7 +158,7 @@ def _launch(kernel, x, weight, bias, max_rows, block_n, num_warps, num_stages, p
         return y
     kernel[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
-        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=kernel_block_n or block_n,
+        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages, **consts, **relu2_flags(x, relu2),
         **(pdl_kwargs(x.device) if pdl else {}))
     return y
@@ -249,22 +175,17 @@ def skinny_linear_dot(x, weight, bias=None, *, block_n=64, block_k=128, num_warp
 
 
 def skinny_linear_fma(x, weight, bias=None, *, block_n=2, block_k=1024, num_warps=4,
-                      num_stages=2, relu2=False, pdl: bool | None = None, n_blocks: int = 1):
+                      num_stages=2, relu2=False, pdl: bool | None = None):
     """x [M <= 8, K] @ weight[N, K]^T (+ bias) -> [M, N] in x.dtype (register-FMA kernel).
     ``relu2``: the projection of ``activation.relu2(x)``, applied as x is loaded. ``pdl``:
-    programmatic dependent launch (default: for one row only). ``n_blocks`` (1, 2 or 4; more than 1
-    needs K <= block_k and M <= 4): output blocks per program, x loaded once for them; each block's
-    sums are bitwise those of one block per program."""
-    M, K = x.shape
-    if n_blocks not in (1, 2, 4) or (n_blocks > 1 and (K > block_k or M > 4)):
-        raise ValueError(f"skinny_linear_fma: n_blocks must be 1, 2 or 4, and above 1 needs K <= block_k "
-                         f"({K} > {block_k}?) and at most 4 rows ({M}?), got n_blocks={n_blocks}")
+    programmatic dependent launch (default: for one row only)."""
+    M = x.shape[0]
     # PDL by default for one row only, as the FP8 dot kernel (PDL slowed its batch-8 steps); the
     # float32 rule passes it for every row count (below)
-    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n * n_blocks, num_warps, num_stages,
+    return _launch(_linear_fma_kernel, x, weight, bias, 8, block_n, num_warps, num_stages,
                    pdl=M <= 1 if pdl is None else pdl,
                    relu2=relu2, M_ROWS=1 if M <= 1 else (2 if M <= 2 else (4 if M <= 4 else 8)),
-                   BLOCK_K=block_k, N_BLOCKS=n_blocks, kernel_block_n=block_n)
+                   BLOCK_K=block_k)
 
 
 # configs from the H100 sweep (benchmarks/gemv.py, 2026-11-22; results/2026-11-22-gemv-h100.md);
@@ -308,10 +229,8 @@ def _multi_row_route(M: int, N: int, K: int) -> tuple[str, dict]:
 # one-token step 0.7-1.9% slower end to end, so they were not taken
 # (results/2026-11-28-spec-step-glue-h100.md)
 _F32_CONFIG = dict(block_n=2, block_k=1024, num_warps=4)
-# n_blocks (x loaded once for several output blocks) is not taken: 2 blocks made the bench-large
-# 4-row lm_head 34.1 -> 28.1 us and in_proj 12.6 -> 11.7, but the narrow projections slower, and
-# with 2 blocks on every K <= 1024 projection the n-gram K = 3 step was 1.3-1.8% slower end to end
-# (H100, 2026-11-28, results/2026-11-28-fma-blocks-h100.md)
+# Several output blocks per program with x loaded once (tried 2026-11-28, code in commit cbed4dd)
+# made the n-gram K = 3 step 1.3-1.8% slower end to end (results/2026-11-28-fma-blocks-h100.md)
 
 
 def skinny_linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

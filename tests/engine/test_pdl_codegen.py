@@ -24,7 +24,7 @@ BF, F8 = "*bf16", "*fp8e4nv"
 CASES = {
     "linear_fma": (_linear_fma_kernel, dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, M="i32", N="i32", K="i32",
                                             sxm="i32", swn="i32", sym="i32"),
-                   dict(HAS_BIAS=False, M_ROWS=1, BLOCK_N=2, BLOCK_K=1024, N_BLOCKS=1), dict(num_warps=4)),
+                   dict(HAS_BIAS=False, M_ROWS=1, BLOCK_N=2, BLOCK_K=1024), dict(num_warps=4)),
     "linear_dot": (_linear_dot_kernel, dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, M="i32", N="i32", K="i32",
                                             sxm="i32", swn="i32", sym="i32"),
                    dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(num_warps=4, num_stages=4)),

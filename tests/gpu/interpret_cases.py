@@ -318,11 +318,6 @@ CASES = {
     "linear_fma": lambda: [lc.check_linear(lambda x, w, b: skinny_linear_fma(
         x, w, b, block_n=8, block_k=64), "cpu", F32, M, N, K, bias=M != 2, seed=M)
         for M, N, K in ((1, 37, 100), (2, 16, 64), (4, 130, 300), (6, 20, 90))],
-    # 2 and 4 output blocks per program, bitwise one block per program: 1-4 rows, a ragged last
-    # program (N = 21), K < BLOCK_K, with and without bias, relu² on load
-    "linear_fma_blocks": lambda: [lc.check_linear_fma_blocks("cpu", F32, m, 21, 150, 2, 256, bias=m != 2, seed=m)
-                                  for m in (1, 2, 3, 4)] + [
-        lc.check_linear_fma_blocks("cpu", torch.bfloat16, 4, 13, 64, 1, 64, relu2=True, seed=5)],
     "linear_fma_rows_invariant": lambda: lc.check_linear_rows_invariant(
         lambda x, w, b: skinny_linear_fma(x, w, b, block_n=8, block_k=64), "cpu", 8, 21, 150),
     "linear_dot": lambda: [lc.check_linear(lambda x, w, b: skinny_linear_dot(

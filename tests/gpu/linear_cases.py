@@ -31,30 +31,6 @@ def check_linear_rows_invariant(impl, device, M, N, K, seed=0):
     return {"rows": M}
 
 
-def check_linear_fma_blocks(device, dtype, M, N, K, block_n, block_k, bias=True, relu2=False, seed=0):
-    """The FMA kernel with 2 and 4 output blocks per program (x loaded once for them) against one
-    block per program: bit for bit the same y (N not a multiple of the blocks: a partly filled last
-    program), and close to F.linear in float64."""
-    from hybrid_engine.models.skinny_linear import skinny_linear_fma
-    x = relu2_inputs(M, K, dtype, seed) if relu2 else torch.randn(M, K, generator=_gen(seed)).to(dtype)
-    g = _gen(seed + 1)
-    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
-    b = torch.randn(N, generator=g).to(dtype) if bias else None
-    x, w = x.to(device), w.to(device)
-    b = b.to(device) if bias else None
-    kw = dict(block_n=block_n, block_k=block_k, relu2=relu2)
-    poison_allocator(device)
-    one = skinny_linear_fma(x, w, b, **kw)
-    for n_blocks in (2, 4):
-        poison_allocator(device)
-        y = skinny_linear_fma(x, w, b, n_blocks=n_blocks, **kw)
-        assert torch.equal(y, one), f"n_blocks={n_blocks} differs from one block per program (M={M} N={N} K={K})"
-    from hybrid_engine.models.activation import relu2_ref
-    xa = relu2_ref(x.cpu()) if relu2 else x.cpu()
-    ref = torch.nn.functional.linear(xa.double(), w.cpu().double(), b.cpu().double() if bias else None)
-    return {"y": assert_close(one.cpu().double(), ref, {F32: 1e-5, BF16: 1e-2, F16: 2e-3}[dtype], "fma blocks")}
-
-
 def relu2_inputs(M, K, dtype, seed):
     """x [M, K] for the relu² projections: half negative, exact zeros and -0.0, values whose square
     rounds in 16 bits (x * 3), and some large enough that the square's rounding is coarse (their

@@ -21,7 +21,7 @@ KERNEL_CASES = ["conv_varlen", "conv_varlen_long_rows", "conv_varlen_no_tokens",
                 "conv_update_channel_major", "conv_varlen_channel_major", "ssu", "ssu_k0", "ssu_load_ahead",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
                 "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma",
-                "linear_fma_rows_invariant", "linear_fma_blocks", "linear_dot",
+                "linear_fma_rows_invariant", "linear_dot",
                 "attention_decode", "attention_split", "attention_prefill",
                 "attention_prefill_split", "attention_prefill_split_auto_f16",
                 "attention_fp8_decode", "attention_fp8_split_f16", "attention_fp8_prefill"]

@@ -64,17 +64,6 @@ def test_skinny_linear_f32_rows_are_batch_invariant(M, N, K):
     lc.check_linear_rows_invariant(skinny_linear_f32, DEV, M, N, K, seed=M)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-def test_fma_blocks_per_program_are_bitwise_one_block(dtype, M):
-    """2 and 4 output blocks per program (x loaded once for them) give one block per program's
-    bits on the bench-large float32 shapes (K = 1024 = BLOCK_K: in_proj, up_proj, lm_head, qkv,
-    o_proj) and a ragged small one, at 1-4 rows."""
-    for seed, (N, K) in enumerate([(5152, 1024), (4096, 1024), (16384, 1024), (1536, 1024), (1024, 1024),
-                                   (37, 1000)]):
-        lc.check_linear_fma_blocks(DEV, dtype, M, N, K, 2, 1024, bias=seed % 2 == 0, seed=seed)
-
-
 def test_linear_module_dispatch():
     """models.linear.Linear: Triton for decode-sized 16-bit inputs, F.linear otherwise; the
     same numbers either way (within bf16 rounding)."""
