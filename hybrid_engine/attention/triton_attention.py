@@ -7,8 +7,13 @@ the block table (position s -> block_tables[row, s // bs], offset s % bs), only 
 position any query of the tile may see; online softmax in float32 (exp2, scale folded in).
 Small decode/verify batches split the key range over several programs (flash-decoding) and a
 second launch combines the partial (max, sum, weighted-V) triples; so do prefill chunks whose
-query tiles are fewer than the SMs (a short chunk after a long context), each row's keys split by
-its own length (ROW_SPLIT), the combine then running per block of query tokens.
+query tiles are fewer than the SMs (a short chunk after a long context). Ranges are cut from each
+row's own length (ROW_SPLIT: n_splits ranges of cdiv(len, n_splits) keys rounded up to BLOCK_N),
+not from the batch's length bound, so a short row gets short ranges under any bound (cut from a
+bound of 262k keys, each range was 4096 keys long: one program per KV head for a context of a
+few thousand). Only ranges that start inside the row are stored and combined; a decode / verify
+token's combine reads all its ranges in one load instead of one range per loop step. Explicit
+``num_splits`` (sweeps, tests) cuts a decode row's ranges from the bound instead.
 Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
 FP8 caches (KV_FP8): the K / V tiles are converted to q's dtype before each dot (exact: every
 float8_e4m3fn value is a bf16 / fp16 / fp32 value); the per-layer K scale, read from device memory,
@@ -68,6 +73,12 @@ def _paged_attn_kernel(
                 split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
             kv_lo = sp * split_len
             kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+            # rows of this range's partials that the combine reads: with ROW_SPLIT only ranges
+            # that start inside the row (no other is stored); otherwise every range, empty ones too
+            mstore = mrow
+            if ROW_SPLIT:
+                mstore = mrow & (qi * 0 + kv_lo < seq_len)   # a [M] block (the interpreter's & of
+                                                                # a block and a scalar gives ints)
         else:
             kv_lo = 0
             kv_hi = kv_end
@@ -109,49 +120,73 @@ def _paged_attn_kernel(
         if SPLIT:
             # partials [n_splits, T, nH] (m, l: log2 domain) and [n_splits, T, nH, hd] (acc)
             pidx = (sp * T + tok) * nH + head                                       # [M] int64
-            tl.store(pm_ptr + pidx, m_i, mask=mrow)
-            tl.store(pl_ptr + pidx, l_i, mask=mrow)
+            tl.store(pm_ptr + pidx, m_i, mask=mstore)
+            tl.store(pl_ptr + pidx, l_i, mask=mstore)
             tl.store(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :], acc,
-                     mask=mrow[:, None] & md[None, :])
+                     mask=mstore[:, None] & md[None, :])
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :] * so_d,
                      out.to(o_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
 
 
-@triton.jit(do_not_specialize=["n_splits", "T"], do_not_specialize_on_alignment=["qsl_ptr"])
+@triton.jit(do_not_specialize=["n_splits", "T"], do_not_specialize_on_alignment=["qsl_ptr", "sl_ptr"])
 def _combine_splits_kernel(
-    qsl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, n_splits, T, nH, hd, so_t, so_h, so_d,
+    qsl_ptr, sl_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, n_splits, T, nH, hd, so_t, so_h, so_d,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    ROW_SPLIT: tl.constexpr = False, BLOCK_N: tl.constexpr = 64, SPLITS_PAD: tl.constexpr = 0,
 ):
+    # one program per (row, head, block of BLOCK_Q query tokens)
     z = pdl_enter(PDL)
     b = tl.program_id(0) + z
     h = tl.program_id(1) + z
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    offs_i = (tl.program_id(2) + z) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    mi = offs_i < q_len
-    tok = (q_start + offs_i).to(tl.int64)
+    n_used = n_splits
+    if ROW_SPLIT:                  # only the ranges that start inside the row were stored
+        seq_len = tl.load(sl_ptr + b)
+        n_used = tl.minimum(n_splits, tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N))
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < hd
-    m_all = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for sp in range(0, n_splits):
-        m = tl.load(pm_ptr + (sp * T + tok) * nH + h, mask=mi, other=float("-inf"))
-        m_all = tl.maximum(m_all, m)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    for sp in range(0, n_splits):
-        pidx = (sp * T + tok) * nH + h
-        m = tl.load(pm_ptr + pidx, mask=mi, other=float("-inf"))
-        w = tl.exp2(m - m_safe)                                  # 0 for empty splits
-        l_all += w * tl.load(pl_ptr + pidx, mask=mi, other=0.0)
-        o = tl.load(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=mi[:, None] & md[None, :], other=0.0)
-        acc += w[:, None] * o
-    out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
-    tl.store(o_ptr + tok[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
-             out.to(o_ptr.dtype.element_ty), mask=mi[:, None] & md[None, :])
+    if SPLITS_PAD > 0:
+        # one query token (BLOCK_Q = 1) and every range's partial in one load, no loop over ranges
+        tl.static_assert(BLOCK_Q == 1)
+        i = tl.program_id(2) + z
+        if i < q_len:
+            tok = (q_start + i).to(tl.int64)
+            sp = tl.arange(0, SPLITS_PAD)
+            ms = sp < n_used
+            pidx = (sp * T + tok) * nH + h                                             # [S] int64
+            m = tl.load(pm_ptr + pidx, mask=ms, other=float("-inf"))
+            m_all = tl.max(m, axis=0)
+            w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))            # 0 for empty ranges
+            l_all = tl.sum(w * tl.load(pl_ptr + pidx, mask=ms, other=0.0), axis=0)
+            o = tl.load(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None] & md[None, :],
+                        other=0.0)                                                     # [S, D]
+            out = tl.sum(w[:, None] * o, axis=0) / tl.where(l_all == 0.0, 1.0, l_all)
+            tl.store(o_ptr + tok * so_t + h * so_h + offs_d * so_d, out.to(o_ptr.dtype.element_ty), mask=md)
+    else:
+        offs_i = (tl.program_id(2) + z) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        mi = offs_i < q_len
+        tok = (q_start + offs_i).to(tl.int64)
+        m_all = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        for sp in range(0, n_used):
+            m = tl.load(pm_ptr + (sp * T + tok) * nH + h, mask=mi, other=float("-inf"))
+            m_all = tl.maximum(m_all, m)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l_all = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+        for sp in range(0, n_used):
+            pidx = (sp * T + tok) * nH + h
+            m = tl.load(pm_ptr + pidx, mask=mi, other=float("-inf"))
+            w = tl.exp2(m - m_safe)                                  # 0 for empty splits
+            l_all += w * tl.load(pl_ptr + pidx, mask=mi, other=0.0)
+            o = tl.load(po_ptr + pidx[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=mi[:, None] & md[None, :], other=0.0)
+            acc += w[:, None] * o
+        out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
+        tl.store(o_ptr + tok[:, None] * so_t + h * so_h + offs_d[None, :] * so_d,
+                 out.to(o_ptr.dtype.element_ty), mask=mi[:, None] & md[None, :])
 
 
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -161,12 +196,14 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     device tensors for an FP8 cache, read inside the kernel; None for a 16/32-bit cache).
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
-    each row's keys into ranges of >= 128 positions (flash-decoding) and combine the partial
-    softmax results in a second launch. A 16-bit prefill with fewer query tiles than SMs (one
-    request's short chunk after a long context) splits each row's keys the same way, by the row's
-    own length, into at most 8 ranges and at most one per 512 positions of ``max_seq_len``. ``num_splits`` overrides the choice (1 = no split);
-    ``block_q`` (query tokens per tile), ``block_n``, ``num_warps`` and ``num_stages`` override the
-    tile configuration (sweeps).
+    each row's keys into up to 64 equal ranges of its own length (at most one per 128 positions
+    of ``max_seq_len``; flash-decoding) and combine the partial softmax results in a second
+    launch. A 16-bit prefill with fewer query tiles than
+    SMs (one request's short chunk after a long context) splits each row's keys by the row's own
+    length into at most 8 ranges and at most one per 512 positions of ``max_seq_len``.
+    ``num_splits`` overrides the choice (1 = no split; a decode row's ranges are then cut from
+    ``max_seq_len``); ``block_q`` (query tokens per tile), ``block_n``, ``num_warps`` and
+    ``num_stages`` override the tile configuration (sweeps).
     """
     T, nH, hd = q.shape
     NB, bs, nkv, _ = k_cache.shape
@@ -212,14 +249,25 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     if num_splits is not None:
         n_splits = max(1, int(num_splits))
     elif nqb == 1 and programs < sms:
-        n_splits = min(cdiv(2 * sms, programs), cdiv(Sm, 128), 64)
+        # about two programs per SM. float32 tiles take twice the shared memory and fit two to an
+        # SM, so they round down (a few programs more would wait a whole range, the ranges being
+        # equal); 16-bit tiles fit more and round up (H200, 2026-11-28, batch 8, 8000 keys:
+        # bench-large float32 137 us down / 160 up, 8B bf16 105 / 94;
+        # benchmarks/results/2026-11-28-attn-decode-row-split-h200.md)
+        per_sm = 2 * sms
+        n_splits = max(1, min(per_sm // programs if q.dtype == torch.float32 else cdiv(per_sm, programs),
+                              cdiv(Sm, 128), 64))
         if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
             n_splits = min(2 * n_splits, cdiv(Sm, 128), 64)
     elif nqb > 1 and wide and programs < sms:
         # the most splits whose programs still fit two to an SM (same sweep: 3 splits for 80 tiles)
         n_splits = max(1, min(2 * sms // programs, cdiv(Sm, 512), 8))
+    # the rule's ranges are cut from each row's own length (ROW_SPLIT, module docstring); explicit
+    # counts on decode rows cut them from the bound (split_len, passed to the kernel)
+    row_split = nqb > 1 or num_splits is None
     split_len = cdiv(cdiv(Sm, n_splits), BLOCK_N) * BLOCK_N
-    n_splits = cdiv(Sm, split_len)
+    if not row_split:
+        n_splits = cdiv(Sm, split_len)
     split = n_splits > 1
     if split:
         pm = torch.empty((n_splits, T, nH), dtype=torch.float32, device=q.device)
@@ -235,13 +283,20 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *out.stride(),
             PREC=prec, SPLIT=split, BLOCK_Q=BLOCK_Q, G_PAD=G_PAD, BLOCK_N=BLOCK_N,
-            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, ROW_SPLIT=split and nqb > 1, num_warps=nw, **pdl_kwargs(q.device),
+            BLOCK_D=BLOCK_D, KV_FP8=kv_fp8, ROW_SPLIT=split and row_split, num_warps=nw, **pdl_kwargs(q.device),
             **({} if num_stages is None else {"num_stages": num_stages}),
         )
         if split:
-            cq = min(next_pow2(Qm), 32)             # query tokens per combine program
+            # decode / verify rows: one query token per program, all its ranges in one load (up to
+            # 16384 partial values: 128 registers a thread at 4 warps); prefill tiles: up to 32
+            # query tokens per program, one range per loop step
+            pad = next_pow2(n_splits)
+            one = nqb == 1 and pad * BLOCK_D <= 16384
+            cq = 1 if one else min(next_pow2(Qm), 32)
             _combine_splits_kernel[(B, nH, cdiv(Qm, cq))](
-                qsl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),
-                BLOCK_Q=cq, BLOCK_D=BLOCK_D, num_warps=4, **pdl_kwargs(q.device),
+                qsl, sl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),
+                BLOCK_Q=cq, BLOCK_D=BLOCK_D, ROW_SPLIT=row_split, BLOCK_N=BLOCK_N,
+                SPLITS_PAD=pad if one else 0, num_warps=4,
+                **pdl_kwargs(q.device),
             )
     return out

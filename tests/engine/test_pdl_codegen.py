@@ -52,11 +52,11 @@ CASES = {
                                       cnt_ptr="*i32", valid_ptr="*i32", E="i32", s_l="i32", scale="fp32"),
                   dict(TOP_K=6, N_GROUP=1, PER_GROUP=128, TOPK_GROUP=1, RENORM=True, COUNT=True, HAS_VALID=True,
                        BLOCK_E=128, BLOCK_K=8, BLOCK_G=2, SOFTMAX=False), dict(num_warps=1)),
-    "attention_split_combine": (_combine_splits_kernel, dict(qsl_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
+    "attention_split_combine": (_combine_splits_kernel, dict(qsl_ptr="*i32", sl_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
                                                              pm_ptr="*fp32", pl_ptr="*fp32", n_splits="i32",
                                                              T="i32", nH="i32", hd="i32", so_t="i32",
                                                              so_h="i32", so_d="i32"),
-                                dict(BLOCK_Q=4, BLOCK_D=128), dict(num_warps=4)),
+                                dict(BLOCK_Q=1, BLOCK_D=128, ROW_SPLIT=True, BLOCK_N=64, SPLITS_PAD=64), dict(num_warps=4)),
     "paged_attention_decode": (_paged_attn_kernel, dict(
         q_ptr=BF, k_ptr=BF, v_ptr=BF, qsl_ptr="*i32", sl_ptr="*i32", bt_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
         pm_ptr="*fp32", pl_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32",
@@ -64,7 +64,7 @@ CASES = {
                               "sk_b", "sk_o", "sk_h", "sk_d", "sv_b", "sv_o", "sv_h", "sv_d", "sbt_b", "sbt_m",
                               "so_t", "so_h", "so_d")}),
         dict(PREC="tf32", SPLIT=True, BLOCK_Q=1, G_PAD=16, BLOCK_N=64, BLOCK_D=128, KV_FP8=False,
-             ROW_SPLIT=False),
+             ROW_SPLIT=True),
         dict(num_warps=4)),
 }
 ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "D", "sxm", "swn", "sym",

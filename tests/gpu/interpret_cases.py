@@ -337,6 +337,13 @@ CASES = {
     "attention_split": lambda: ac.check_attention(
         lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu", F32,
         [1, 4, 0, 4], [6, 3, 200, 140], nH=8, nkv=2, hd=16, bs=4, seed=2),
+    # decode / verify rows split by the default rule: ranges cut from each row's own length (rows of
+    # 44, 301 and 703 keys), under the batch's own bound and under a bound of 262144 (the ranges
+    # must not grow with it); only the ranges inside a row are stored and combined
+    "attention_decode_row_split": lambda: [ac.check_attention(
+        lambda q, kc, vc, qsl, sl, bt, sc, mq, ms, **k: triton_paged_attention(
+            q, kc, vc, qsl, sl, bt, sc, mq, bound or ms, block_n=16, **k), "cpu", F32,
+        [1, 4, 0, 3], [300, 40, 5, 700], nH=8, nkv=2, hd=16, bs=4, seed=6) for bound in (None, 262144)],
     "attention_prefill": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
                                                     seed=1),

@@ -363,6 +363,18 @@ def test_attention_splits(num_splits, case):
         ac.check_attention(impl, DEV, dtype, seed=num_splits, **ATTN[case])
 
 
+@pytest.mark.parametrize("case", [0, 1, 2, 6])
+def test_attention_decode_splits_under_a_large_bound(case):
+    """Decode / verify rows under a length bound of 262144 (a large ``max_model_len``): the default
+    rule splits each row's keys by its own length, not the bound, and stays exact."""
+    from hybrid_engine.attention.triton_attention import triton_paged_attention
+
+    def impl(q, kc_, vc, qsl, sl, bt, scale, mq, ms, **k):
+        return triton_paged_attention(q, kc_, vc, qsl, sl, bt, scale, mq, 262144, **k)
+    for dtype in (torch.float32, torch.bfloat16):
+        ac.check_attention(impl, DEV, dtype, seed=case, **ATTN[case])
+
+
 # ----------------------------------------------------------------------------- misc
 
 def test_ssd_sequential_variant():

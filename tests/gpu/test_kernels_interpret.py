@@ -22,7 +22,7 @@ KERNEL_CASES = ["conv_varlen", "conv_varlen_long_rows", "conv_varlen_no_tokens",
                 "ssu_out_f16", "ssd", "ssd_odd", "ssd_out_f16", "ssd_fp16_variants", "ssd_pblocks",
                 "ssd_sequential", "norm", "norm_then_gate", "norm_gate_only", "norm_opts", "linear_fma",
                 "linear_fma_rows_invariant", "linear_dot",
-                "attention_decode", "attention_split", "attention_prefill",
+                "attention_decode", "attention_split", "attention_decode_row_split", "attention_prefill",
                 "attention_prefill_split", "attention_prefill_split_auto_f16",
                 "attention_fp8_decode", "attention_fp8_split_f16", "attention_fp8_prefill"]
 KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/
