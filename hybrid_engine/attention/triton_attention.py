@@ -10,10 +10,11 @@ second launch combines the partial (max, sum, weighted-V) triples; so do prefill
 query tiles are fewer than the SMs (a short chunk after a long context). Ranges are cut from each
 row's own length (ROW_SPLIT: n_splits ranges of cdiv(len, n_splits) keys rounded up to BLOCK_N),
 not from the batch's length bound, so a short row gets short ranges under any bound (cut from a
-bound of 262k keys, each range was 4096 keys long: one program per KV head for a context of a
+bound of 262k keys, each range was ~4100 keys long: one program per KV head for a context of a
 few thousand). Only ranges that start inside the row are stored and combined; a decode / verify
-token's combine reads all its ranges in one load instead of one range per loop step. Explicit
-``num_splits`` (sweeps, tests) cuts a decode row's ranges from the bound instead.
+token's combine reads all its ranges in one load (up to 16384 partial values, else one range per
+loop step, as prefill tiles do). Explicit ``num_splits`` (sweeps, tests) cuts a decode row's
+ranges from the bound instead.
 Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
 FP8 caches (KV_FP8): the K / V tiles are converted to q's dtype before each dot (exact: every
 float8_e4m3fn value is a bf16 / fp16 / fp32 value); the per-layer K scale, read from device memory,
@@ -145,7 +146,8 @@ def _combine_splits_kernel(
     n_used = n_splits
     if ROW_SPLIT:                  # only the ranges that start inside the row were stored
         seq_len = tl.load(sl_ptr + b)
-        n_used = tl.minimum(n_splits, tl.cdiv(seq_len, tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N))
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N, 1)   # 0 keys: 1
+        n_used = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < hd
     if SPLITS_PAD > 0:
@@ -196,9 +198,9 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     device tensors for an FP8 cache, read inside the kernel; None for a 16/32-bit cache).
 
     Decode / verify batches too small to fill the GPU (rows x kv heads < number of SMs) split
-    each row's keys into up to 64 equal ranges of its own length (at most one per 128 positions
-    of ``max_seq_len``; flash-decoding) and combine the partial softmax results in a second
-    launch. A 16-bit prefill with fewer query tiles than
+    each row's keys into up to 64 ranges of cdiv(its length, ranges) keys, rounded up to the key
+    tile (at most one range per 128 positions of ``max_seq_len``; flash-decoding), and combine
+    the partial softmax results in a second launch. A 16-bit prefill with fewer query tiles than
     SMs (one request's short chunk after a long context) splits each row's keys by the row's own
     length into at most 8 ranges and at most one per 512 positions of ``max_seq_len``.
     ``num_splits`` overrides the choice (1 = no split; a decode row's ranges are then cut from
@@ -249,9 +251,9 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     if num_splits is not None:
         n_splits = max(1, int(num_splits))
     elif nqb == 1 and programs < sms:
-        # about two programs per SM. float32 tiles take twice the shared memory and fit two to an
-        # SM, so they round down (a few programs more would wait a whole range, the ranges being
-        # equal); 16-bit tiles fit more and round up (H200, 2026-11-28, batch 8, 8000 keys:
+        # about two programs per SM. float32 tiles take twice the shared memory (likely two fit an
+        # SM; occupancy not measured), so they round down (a few programs more would wait a whole
+        # range, the ranges being equal); 16-bit tiles round up (H200, 2026-11-28, batch 8, 8000 keys:
         # bench-large float32 137 us down / 160 up, 8B bf16 105 / 94;
         # benchmarks/results/2026-11-28-attn-decode-row-split-h200.md)
         per_sm = 2 * sms

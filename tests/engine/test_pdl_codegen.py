@@ -21,6 +21,9 @@ from hybrid_engine.quantization.fp8_kernels import _fp8_dot_kernel, _fp8_fma_ker
 
 BF, F8 = "*bf16", "*fp8e4nv"
 # (kernel, signature of its runtime arguments, constexprs, arguments specialised as multiples of 16)
+_COMBINE_SIG = dict(qsl_ptr="*i32", sl_ptr="*i32", o_ptr=BF, po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
+                    n_splits="i32", T="i32", nH="i32", hd="i32", so_t="i32", so_h="i32", so_d="i32")
+
 CASES = {
     "linear_fma": (_linear_fma_kernel, dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, M="i32", N="i32", K="i32",
                                             sxm="i32", swn="i32", sym="i32"),
@@ -52,11 +55,13 @@ CASES = {
                                       cnt_ptr="*i32", valid_ptr="*i32", E="i32", s_l="i32", scale="fp32"),
                   dict(TOP_K=6, N_GROUP=1, PER_GROUP=128, TOPK_GROUP=1, RENORM=True, COUNT=True, HAS_VALID=True,
                        BLOCK_E=128, BLOCK_K=8, BLOCK_G=2, SOFTMAX=False), dict(num_warps=1)),
-    "attention_split_combine": (_combine_splits_kernel, dict(qsl_ptr="*i32", sl_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
-                                                             pm_ptr="*fp32", pl_ptr="*fp32", n_splits="i32",
-                                                             T="i32", nH="i32", hd="i32", so_t="i32",
-                                                             so_h="i32", so_d="i32"),
-                                dict(BLOCK_Q=1, BLOCK_D=128, ROW_SPLIT=True, BLOCK_N=64, SPLITS_PAD=64), dict(num_warps=4)),
+    "attention_split_combine": (_combine_splits_kernel, _COMBINE_SIG,
+                                dict(BLOCK_Q=1, BLOCK_D=128, ROW_SPLIT=True, BLOCK_N=64, SPLITS_PAD=64),
+                                dict(num_warps=4)),
+    # prefill tiles' combine: one range per loop step
+    "attention_split_combine_loop": (_combine_splits_kernel, _COMBINE_SIG,
+                                     dict(BLOCK_Q=4, BLOCK_D=128, ROW_SPLIT=True, BLOCK_N=32, SPLITS_PAD=0),
+                                     dict(num_warps=4)),
     "paged_attention_decode": (_paged_attn_kernel, dict(
         q_ptr=BF, k_ptr=BF, v_ptr=BF, qsl_ptr="*i32", sl_ptr="*i32", bt_ptr="*i32", o_ptr=BF, po_ptr="*fp32",
         pm_ptr="*fp32", pl_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale="fp32",
