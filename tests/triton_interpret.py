@@ -211,14 +211,45 @@ def compile_for_sm90(launches: list[dict]) -> list[str]:
     return failures
 
 
+OLDEST_TRITON = "3.6"        # pyproject.toml: triton>=3.6
+# a folder holding that Triton (pip install --no-deps --target DIR triton==3.6.0; .ci/run makes one)
+OLDEST_TRITON_ENV = "HYBRID_ENGINE_OLDEST_TRITON"
+
+
+def compile_with_oldest_triton(launches: list[dict], folder: str) -> tuple[str, list[str]]:
+    """``compile_for_sm90(launches)`` in a subprocess whose path starts with ``folder`` (another
+    Triton than the installed one) -> (that Triton's version, the failures)."""
+    with tempfile.TemporaryDirectory(prefix="launches_") as tmp:
+        path = os.path.join(tmp, "launches.json")
+        with open(path, "w") as f:
+            json.dump(launches, f)
+        script = ("import json, triton; from triton_interpret import compile_for_sm90; "
+                  "print('TRITON', triton.__version__); "
+                  f"print('FAILURES', json.dumps(compile_for_sm90(json.load(open({path!r})))))")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(ROOT), str(Path(__file__).resolve().parent)]))
+        env.pop("TRITON_INTERPRET", None)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"compiling with the Triton in {folder} failed to run:\n{out.stderr[-3000:]}"
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("TRITON ", "FAILURES ")))
+    return lines["TRITON"], json.loads(lines["FAILURES"])
+
+
 def assert_compiles_for_sm90(results: dict) -> None:
-    """Every kernel launch ``run_cases`` recorded compiles for sm_90 (``compile_for_sm90``)."""
+    """Every kernel launch ``run_cases`` recorded compiles for sm_90 (``compile_for_sm90``), with
+    the installed Triton and, when ``HYBRID_ENGINE_OLDEST_TRITON`` names a folder holding it, with
+    the oldest one we support (Triton 3.6 aborted on a kernel that 3.9 compiles, 2026-11-28)."""
     assert "_launches" in results, "run_cases(log_launches=False): no launches were logged"
     launches = results["_launches"]
     assert launches, "the cases launched no kernel (nothing to compile)"
     failures = compile_for_sm90(launches)
     assert not failures, f"{len(failures)} of {len(launches)} launches do not compile for sm_90:\n" + \
         "\n".join(failures)
+    folder = os.environ.get(OLDEST_TRITON_ENV)
+    if folder:
+        version, failures = compile_with_oldest_triton(launches, folder)
+        assert version.startswith(OLDEST_TRITON), f"{folder} holds triton {version}, not {OLDEST_TRITON}"
+        assert not failures, f"{len(failures)} of {len(launches)} launches do not compile for sm_90 with " \
+            f"triton {version}:\n" + "\n".join(failures)
 
 
 def case_main(cases: dict, names, run: Callable = lambda case: case()) -> int:
