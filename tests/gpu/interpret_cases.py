@@ -371,6 +371,11 @@ CASES = {
     "attention_fp8_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                        [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                        hd=16, bs=4, kv_scales=(0.0123, 0.37)),
+    # an FP8 cache under the default rule's row-cut ranges (a 262144 bound), an 8-token verify row
+    "attention_fp8_decode_row_split": lambda: ac.check_attention(
+        lambda q, kc, vc, qsl, sl, bt, sc, mq, ms, **k: triton_paged_attention(
+            q, kc, vc, qsl, sl, bt, sc, mq, 262144, block_n=16, **k), "cpu", torch.float16,
+        [1, 8, 0, 3], [300, 40, 5, 700], nH=4, nkv=2, hd=16, bs=4, seed=7, kv_scales=(0.004, 2.5)),
     "attention_fp8_split_f16": lambda: ac.check_attention(
         lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu",
         torch.float16, [1, 3, 0], [6, 150, 40], nH=4, nkv=2, hd=16, bs=4, seed=3,
