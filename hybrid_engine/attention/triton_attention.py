@@ -256,8 +256,8 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
         # range, the ranges being equal); 16-bit tiles round up (H200, 2026-11-28, batch 8, 8000 keys:
         # bench-large float32 137 us down / 160 up, 8B bf16 105 / 94;
         # benchmarks/results/2026-11-28-attn-decode-row-split-h200.md)
-        per_sm = 2 * sms
-        n_splits = max(1, min(per_sm // programs if q.dtype == torch.float32 else cdiv(per_sm, programs),
+        two_per_sm = 2 * sms
+        n_splits = max(1, min(two_per_sm // programs if q.dtype == torch.float32 else cdiv(two_per_sm, programs),
                               cdiv(Sm, 128), 64))
         if fp8_tiles and n_splits < 16:  # same sweep: twice the splits at 8 rows (5 -> 10)
             n_splits = min(2 * n_splits, cdiv(Sm, 128), 64)
