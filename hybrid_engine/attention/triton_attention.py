@@ -31,6 +31,14 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_p
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
+@triton.jit
+def _row_split_len(seq_len, n_splits, BLOCK_N: tl.constexpr):
+    """ROW_SPLIT's range length: cdiv(seq_len, n_splits) keys rounded up to BLOCK_N (at least 1,
+    so an empty row's range count, cdiv(0, length), is 0). The attention and combine kernels both
+    take it from here: the combine reads exactly the ranges the attention stored."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N, 1)
+
+
 @triton.jit(do_not_specialize=["split_len", "n_splits", "T", "sbt_b"],
             do_not_specialize_on_alignment=["qsl_ptr", "sl_ptr", "bt_ptr"])
 def _paged_attn_kernel(
@@ -71,7 +79,7 @@ def _paged_attn_kernel(
         kv_end = seq_len - q_len + tl.minimum(i0 + BLOCK_Q, q_len)   # keys 0..kv_end-1 needed
         if SPLIT:
             if ROW_SPLIT:          # ranges of this row's own keys (its seq_len, not the batch bound)
-                split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+                split_len = _row_split_len(seq_len, n_splits, BLOCK_N)
             kv_lo = sp * split_len
             kv_hi = tl.minimum(kv_end, kv_lo + split_len)
             # rows of this range's partials that the combine reads: with ROW_SPLIT only ranges
@@ -146,8 +154,7 @@ def _combine_splits_kernel(
     n_used = n_splits
     if ROW_SPLIT:                  # only the ranges that start inside the row were stored
         seq_len = tl.load(sl_ptr + b)
-        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N, 1)   # 0 keys: 1
-        n_used = tl.minimum(n_splits, tl.cdiv(seq_len, split_len))
+        n_used = tl.minimum(n_splits, tl.cdiv(seq_len, _row_split_len(seq_len, n_splits, BLOCK_N)))
     offs_d = tl.arange(0, BLOCK_D)
     md = offs_d < hd
     if SPLITS_PAD > 0:

@@ -45,8 +45,7 @@ class MTPDrafter(Drafter):
     def _step(self, tokens, prev_hidden, fb, rows=None):
         """-> (MTP hidden, final-normed hidden), each [T, D], or [R, D] at ``rows`` [R]: the MTP KV
         of every token either way (``MTP.forward``)."""
-        h, normed = self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches, rows)
-        return h, normed
+        return self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches, rows)
 
     def propose(self, ctx: DraftContext):
         fb = ctx.forward_batch
