@@ -1,6 +1,7 @@
 """NVFP4 decode projections on the Nemotron-H-8B shapes (CUDA): the dispatch rule
 (``nvfp4_skinny_linear``) and a config sweep of the three kernels (the FMA kernel at one row, the
-rows kernel at 2-8 rows, the dot kernel in both operand orders at more rows) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
+rows kernel at 2-8 rows, the dot kernel in both operand orders at more rows; the persistent
+one-row kernel up to K 8192) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
 the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
 shape and the totals weighted by calls per 8B decode step (lm_head included).
 
@@ -28,6 +29,8 @@ SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24)
           ("mlp down_proj", 4096, 21504, 24), ("attn q/o_proj", 4096, 4096, 8), ("attn k/v_proj", 1024, 4096, 8),
           ("lm_head", 131072, 4096, 1)]
 FMA_CFGS = [(4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 256, 8), (4, 128, 4), (8, 64, 4)]
+# the persistent one-row kernel (K <= 8192): (block_n, programs per SM, warps, pipeline)
+PERSISTENT_CFGS = [(bn, pps, nw, pl) for bn in (2, 4) for pps in (4, 8) for nw in (4, 8) for pl in (False, True)]
 # the rows kernel (2-8 rows): (block_n, block_g, warps)
 ROWS_CFGS = [(4, 256, 4), (8, 128, 4), (8, 64, 4), (16, 64, 4)]
 # (block_n, block_w, swap, num_stages)
@@ -35,10 +38,13 @@ DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16,
             (64, 32, True, 3), (128, 16, True, 3)]
 
 
-def candidates(M):
+def candidates(M, K):
     if M == 1:
         return [(f"fma {c}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
-                for c in FMA_CFGS]
+                for c in FMA_CFGS] + [
+            (f"persist {c}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=None,
+                                               programs_per_sm=c[1], num_warps=c[2], pipeline=c[3]))
+            for c in PERSISTENT_CFGS if K <= 16 * FK.MAX_PERSISTENT_GROUPS]
     rows = [(f"rows {c}", functools.partial(FK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
             for c in ROWS_CFGS] if M <= FK.MAX_FMA_ROWS else []
     # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles
@@ -67,7 +73,7 @@ def main() -> int:
             bf16 = skinny_linear if M <= 8 else F.linear
             row = {"bf16": graph_ms([lambda b=b: bf16(x, b) for b in wb]),
                    "rule": graph_ms([lambda t=t: NK.nvfp4_skinny_linear(x, *t) for t in ws])}
-            for label, f in candidates(M):
+            for label, f in candidates(M, K):
                 err = float((f(x, *ws[0]).float() - ref).abs().max() / ref.abs().max())
                 if err > 1e-2:
                     print(f"  error {name} M={M} {label}: {err:.2e}", flush=True)

@@ -14,6 +14,13 @@ products finite and normal relative to its largest value, whatever the magnitude
 SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before). x comes
 in 16-byte loads, a [groups, 16] tile, paired within each thread.
 
+``_nvfp4_fma_persistent_kernel`` (one row, K <= 8192: the dispatch's choice there): the same
+arithmetic, but each program prepares x once for the whole row and then walks many tiles of whole
+weight rows (a persistent grid of a few programs an SM), optionally with the next tile's words in
+flight. At 4 x 256 tiles the looped kernel spent ~6 SASS instructions a value, over half of them
+preparing x for only 4 rows (a layout change through shared memory, barriers); the persistent loop
+spends ~3.4-3.6, nearly all decode and packed FMAs.
+
 ``_nvfp4_rows_kernel`` (2-8 rows; dispatched for 2 rows, and 3-4 on projections with N <= 8192):
 the one-row kernel's arithmetic with the words decoded into float16 pairs once per tile
 (``ASM_DECODE``) and each row's x pairs meeting them (``ASM_PAIRS_DOT``); the global scale on the
@@ -24,8 +31,10 @@ tensor cores better.
 H100 (2026-11-27, ``benchmarks/results/2026-11-27-nvfp4-half2-h100.md``): one 8B step's projections
 with lm_head, bf16 5.1 ms; NVFP4 at one row 3.93 ms with the float32 FMA kernel, 3.12 ms with the
 packed float16 one, 2.66 ms with x in 16-byte loads and 4-row tiles (the L1 had been the limit:
-2-byte x loads, four times the weight loads' wavefronts). Twin: ``nvfp4_linear_ref``;
-``benchmarks/nvfp4_gemv.py`` times the three kernels.
+2-byte x loads, four times the weight loads' wavefronts). H200 (2026-11-28,
+``benchmarks/results/2026-11-28-nvfp4-persistent-h200.md``): the persistent kernel takes the step's
+projections from ~2.55 to 2.11 ms (bf16 3.70 ms). Twin: ``nvfp4_linear_ref``;
+``benchmarks/nvfp4_gemv.py`` times the kernels.
 """
 from __future__ import annotations
 
@@ -33,12 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx, _use_ptx
 
 MAX_FMA_ROWS = 8        # the rows kernel's limit (one ROWS variant each for 2, 4 and 8)
+# the persistent one-row kernel keeps a thread's x pairs for the whole row in registers:
+# 512 groups (K 8192) at 128 threads is 32 pair registers a thread
+MAX_PERSISTENT_GROUPS = 512
 
 # a group's words ($1, $2) and x pairs ($3 .. $10) -> float32 $0: sum over the 16 nibbles of
 # e2m1 * 2^-14 (float16 bits, subnormals included) times its x', in packed float16 FMAs
@@ -111,6 +123,18 @@ def _x_lohi(xs):
 def _x_pairs(lo, hi):
     """lo, hi [BG, 2, 4] -> 8 int32 [BG]: float16 pairs (lo, hi) of word 0's j = 0..3, then word 1's."""
     return _split8(tl.reshape(_x_pair(lo, hi), [lo.shape[0], 8]))        # pair (i, j) at column 4i + j
+
+
+@triton.jit
+def _pairs_dot(wd, p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N: tl.constexpr):
+    """Words [BN, BG, 2] and a tile's 8 x pairs [BG] (``_x_pairs``) -> [BN, BG] float32 group sums
+    (ASM_GROUP: the CUDA path of ``_group_dot`` with x prepared by the caller)."""
+    w0, w1 = tl.split(wd)
+    return tl.inline_asm_elementwise(
+        ASM_GROUP, "=r,r,r,r,r,r,r,r,r,r,r",
+        [w0, w1, _wide(p0, BLOCK_N), _wide(p1, BLOCK_N), _wide(p2, BLOCK_N), _wide(p3, BLOCK_N),
+         _wide(p4, BLOCK_N), _wide(p5, BLOCK_N), _wide(p6, BLOCK_N), _wide(p7, BLOCK_N)],
+        dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -197,6 +221,64 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
     tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
 
 
+@triton.jit
+def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, n_tiles, swn, sbn,
+                                 NG: tl.constexpr, NG_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
+                                 PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    # one row of x, K = 16 NG inputs whole per tile: each program prepares x once (as the looped
+    # kernel does per tile: group powers of two, float16 pairs; NG_PAD / 128 groups a thread in
+    # registers for all its tiles), then walks the row tiles pid, pid + programs, ... of BLOCK_N
+    # weight rows [BLOCK_N, NG, 2] words. PIPELINE: the next tile's words and block scales are
+    # loaded before this tile's products (two tiles in flight a program)
+    z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
+    pid = tl.program_id(0) + z
+    x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
+    programs = tl.num_programs(0)
+    offs_g = tl.arange(0, NG_PAD)
+    mg = offs_g < NG
+    offs_c = tl.arange(0, 16)
+    xt = tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None], other=0.0).to(tl.float32)
+    xs, undo = _x_scaled(xt)                                                             # [NGP, 16], [NGP]
+    fac = undo * tl.load(gs_ptr)  # on each group's factor, as in the looped kernel: acc holds y itself
+    if PTX:
+        lo, hi = _x_lohi(xs)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(lo, hi)                                # [NGP] each
+    offs_w = (offs_g[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]                # [1, NGP, 2]
+    if PIPELINE:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        wd_next = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * swn + offs_w,
+                          mask=mn[:, None, None] & mg[None, :, None], other=0)
+        bs_next = tl.load(bs_ptr + offs_n[:, None].to(tl.int64) * sbn + offs_g[None, :],
+                          mask=mn[:, None] & mg[None, :], other=0.0)
+    for tile in range(pid, n_tiles, programs):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        if PIPELINE:
+            wd = wd_next
+            bs8 = bs_next
+            offs_nn = offs_n + programs * BLOCK_N                   # past N on the last tile: masked
+            mnn = offs_nn < N
+            wd_next = tl.load(w_ptr + offs_nn[:, None, None].to(tl.int64) * swn + offs_w,
+                              mask=mnn[:, None, None] & mg[None, :, None], other=0)
+            bs_next = tl.load(bs_ptr + offs_nn[:, None].to(tl.int64) * sbn + offs_g[None, :],
+                              mask=mnn[:, None] & mg[None, :], other=0.0)
+        else:
+            wd = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * swn + offs_w,
+                         mask=mn[:, None, None] & mg[None, :, None], other=0)                # [BN, NGP, 2]
+            bs8 = tl.load(bs_ptr + offs_n[:, None].to(tl.int64) * sbn + offs_g[None, :],
+                          mask=mn[:, None] & mg[None, :], other=0.0)                         # [BN, NGP]
+        if PTX:
+            part = _pairs_dot(wd, p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N)                   # [BN, NGP]
+        else:
+            part = _group_dot(wd, xs, BLOCK_N, False)
+        out = tl.sum(part * (bs8.to(tl.float32) * fac[None, :]), axis=1)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+
+
 @triton.jit(do_not_specialize=["M"])   # the step's rows: a value must not compile a variant
 def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm, swn, sbn, sym,
                        HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -248,9 +330,14 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
 
 
 def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=4, block_g=256,
-                            num_warps=4):
+                            num_warps=4, programs_per_sm=4, pipeline=False, programs=None):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
-    (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead)."""
+    (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead).
+
+    ``block_g`` groups of 16 inputs a K step (the looped kernel, x prepared per tile), or None:
+    the persistent kernel, whole rows a tile, x prepared once per program (K <= 16 *
+    MAX_PERSISTENT_GROUPS); ``programs_per_sm`` (or ``programs``) sizes its grid, ``pipeline``
+    keeps the next tile's loads in flight."""
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
@@ -258,8 +345,21 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     _check_x_dtype(x)
     words = packed.view(torch.int32)                        # [N, K / 8], row stride packed.stride(0) / 4
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else weight_scale_2
+    if block_g is None:
+        NG = K // 16
+        if NG > MAX_PERSISTENT_GROUPS:
+            raise ValueError(f"nvfp4_skinny_linear_fma: the persistent kernel (block_g=None) takes K <= "
+                             f"{16 * MAX_PERSISTENT_GROUPS}, got K {K}")
+        n_tiles = cdiv(N, block_n)
+        grid = (max(1, min(n_tiles, programs or programs_per_sm * num_sms(x.device))),)
+        _nvfp4_fma_persistent_kernel[grid](
+            x, words, weight_scale, weight_scale_2, bias_arg, y, N, n_tiles, words.stride(0),
+            weight_scale.stride(0), NG=NG, NG_PAD=next_pow2(NG), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
+        return y
     _nvfp4_fma_kernel[(cdiv(N, block_n),)](
-        x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, N, K // 8,
+        x, words, weight_scale, weight_scale_2, bias_arg, y, N, K // 8,
         words.stride(0), weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_G=block_g, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
     return y
@@ -288,12 +388,19 @@ def nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias=None,
 
 
 def _fma_config(N: int, K: int) -> dict:
-    # H100 sweep of the 8B shapes (benchmarks/results/2026-11-27-nvfp4-half2-h100.md, call 9): 4 rows
-    # x 256 groups (4096 inputs) a tile with 4 warps on every shape (2.663 ms for one step's
-    # projections) but the long rows of down_proj (K 21504: 8 x 128, 30.6 us against 32.4)
-    if K >= 16384:
+    # H200 sweep of the 8B shapes (benchmarks/results/2026-11-28-nvfp4-persistent-h200.md): the
+    # persistent kernel up to K 8192, pipelined on the wide projections (in_proj 25.7 -> 18.4 us,
+    # lm_head 170.1 -> 105.5 us), plain at N 4096; the looped kernel above (down_proj, K 21504: its
+    # x would not fit the registers), at the H100's 8 x 128 tiles
+    if K > 16 * MAX_PERSISTENT_GROUPS:
         return dict(block_n=8, block_g=128, num_warps=4)
-    return dict(block_n=4, block_g=256, num_warps=4)
+    if N >= 65536:
+        return dict(block_n=4, block_g=None, num_warps=8, programs_per_sm=8, pipeline=True)
+    if N >= 16384:
+        return dict(block_n=2, block_g=None, num_warps=4, programs_per_sm=8, pipeline=True)
+    if K >= 8192:
+        return dict(block_n=2, block_g=None, num_warps=4, programs_per_sm=4)
+    return dict(block_n=4, block_g=None, num_warps=4, programs_per_sm=4)
 
 
 def _rows_config(M: int, N: int, K: int) -> dict | None:

@@ -40,6 +40,7 @@ PREFETCHING = {"_fp8_fma_kernel": "w_ptr"}
 # kernels that load an input at addresses no program id enters: that pointer takes z * 16
 POINTER_FROM_WAIT = {"_linear_fma_kernel": "x_ptr", "_linear_dot_kernel": "x_ptr",
                      "_fp8_fma_kernel": "x_ptr", "_fp8_dot_kernel": "x_ptr", "_nvfp4_fma_kernel": "x_ptr",
+                     "_nvfp4_fma_persistent_kernel": "x_ptr",
                      "_nvfp4_rows_kernel": "x_ptr"}
 
 

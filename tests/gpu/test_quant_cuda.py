@@ -105,12 +105,32 @@ def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
 @pytest.mark.parametrize("config", [dict(block_n=4, block_g=256), dict(block_n=8, block_g=128),
                                     dict(block_n=8, block_g=32, num_warps=8)], ids=["4x256", "8x128", "8x32"])
 def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
-    """The one-row FMA kernel (int32 words, nibble pairs decoded into float16 pairs, packed float16
-    products per group) at the dispatch rule's two configs (4 x 256, 8 x 128) and a small tile, against the
-    float32 twin (ragged rows and partial group tiles included)."""
+    """The looped one-row FMA kernel (int32 words, nibble pairs decoded into float16 pairs, packed
+    float16 products per group) at the dispatch rule's config for K > 8192 (8 x 128), its earlier one
+    (4 x 256) and a small tile, against the float32 twin (ragged rows and partial group tiles
+    included)."""
     from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **config), DEV, dtype, m, n, k, seed=n)
+
+
+_PERSIST = dict(plain=dict(block_n=4, block_g=None),
+                pipelined=dict(block_n=2, block_g=None, programs_per_sm=8, pipeline=True),
+                few_programs=dict(block_n=4, block_g=None, num_warps=8, programs=7, pipeline=True))
+
+
+@pytest.mark.parametrize("shape,dtype,config", [
+    ((1, 18560, 4096), BF16, "plain"), ((1, 18560, 4096), BF16, "pipelined"), ((1, 18560, 4096), BF16, "few_programs"),
+    ((1, 4096, 8192), BF16, "plain"), ((1, 4096, 8192), F16, "plain"), ((1, 33, 16), BF16, "pipelined"),
+    ((1, 33, 16), F16, "few_programs"), ((1, 1000, 2688), BF16, "pipelined"), ((1, 1000, 2688), BF16, "few_programs")],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_nvfp4_fma_persistent_kernel(shape, dtype, config):
+    """The persistent one-row kernel (x prepared once per program, whole-row tiles walked by a
+    fixed grid; 7 programs: hundreds of tiles each) at the dispatch rule's configs, against the
+    float32 twin: ragged N, group counts that are not powers of two (17, 168)."""
+    from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma
+    m, n, k = shape
+    qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **_PERSIST[config]), DEV, dtype, m, n, k, seed=n + k)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -323,6 +323,15 @@ def _cases():
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
+        # the persistent kernel: a grid of 3 (2) programs walking 1-17 row tiles each, with and without
+        # the next tile's loads in flight (past N on the last tile)
+        "nvfp4_fma_persistent": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
+            x, p, s, g, b, block_n=8, block_g=None, pipeline=True, programs=3), device=cpu, dtype=f32),
+        "nvfp4_fma_persistent_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
+            x, p, s, g, b, block_n=2, block_g=None, programs=2), device=cpu, dtype=f16, bias=False),
+        "nvfp4_fma_persistent_x_range": lambda: max(check_nvfp4_x_range(
+            lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=4, block_g=None, pipeline=True, programs=5),
+            cpu, f32, 24, 160, lo, hi) for lo, hi in ((-7, -7), (6, 6), (-8, 8), (36, 36))),
         "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_rows_f16": run(check_nvfp4, NVFP4_ROWS_SHAPES[1:3], impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
