@@ -33,7 +33,8 @@ ATTENTION_CASES = {
     # decode / verify rows split by the default rule: ranges cut from each row's own length (rows of
     # 1, 44, 64, 301 and 703 keys and an empty one), under the batch's own bound, 8192 and 262144;
     # only the ranges inside a row are stored and combined. Under 8192 and 262144 the rule takes
-    # the same range count (33), so cut from the rows the outputs are the same bits
+    # the same range count (22), so cut from the rows the outputs are the same bits. The rows of 4
+    # query tokens combine in one load there, and in the loop under the batch's own bound (6 ranges)
     "attention_decode_row_split": lambda: _row_split_bounds(),
     "attention_prefill": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                     [20, 3], [0, 5], nH=4, nkv=4, hd=32, bs=8,
