@@ -11,10 +11,11 @@ query tiles are fewer than the SMs (a short chunk after a long context). Ranges 
 row's own length (ROW_SPLIT: n_splits ranges of cdiv(len, n_splits) keys rounded up to BLOCK_N),
 not from the batch's length bound, so a short row gets short ranges under any bound (cut from a
 bound of 262k keys, each range was ~4100 keys long: one program per KV head for a context of a
-few thousand). Only ranges that start inside the row are stored and combined; a decode / verify
-token's combine reads all its ranges in one load (up to 16384 partial values, else one range per
-loop step, as prefill tiles do). Explicit ``num_splits`` (sweeps, tests) cuts a decode row's
-ranges from the bound instead.
+few thousand). Only ranges that start inside the row are stored and combined; a decode token's
+combine (and a verify token's, with more than 8 ranges) reads all its ranges in one load (up to
+16384 partial values); otherwise one range per loop step, as prefill tiles do
+(``_combine_in_one_load``). Explicit ``num_splits`` (sweeps, tests) cuts a decode row's ranges
+from the bound instead.
 Output dtype = q.dtype; tokens no row owns (past query_start_loc[B]) come back as zeros.
 FP8 caches (KV_FP8): the K / V tiles are converted to q's dtype before each dot (exact: every
 float8_e4m3fn value is a bf16 / fp16 / fp32 value); the per-layer K scale, read from device memory,
@@ -198,6 +199,17 @@ def _combine_splits_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=mi[:, None] & md[None, :])
 
 
+def _combine_in_one_load(nqb: int, n_splits: int, BLOCK_D: int, Qm: int) -> bool:
+    """Whether the split combine reads each query token's ranges in one load (one token a program)
+    rather than one range a loop step (up to 32 tokens a program). One load for decode rows and
+    for verify rows with more than 8 ranges, while the partials fit (16384 values: 128 registers a
+    thread at 4 warps); the loop for prefill tiles (nqb > 1) and verify rows with few ranges (H200,
+    2026-11-28, 8B, 4 query tokens, 8000 keys: batch 8 = 5 ranges 93.2 us looped against 97.2 in
+    one load, batch 4 = 9 ranges 57.9 / 57.4, batch 1 = 33 ranges 30.2 / 21.9; one query token at
+    batch 8: 91.6 / 92.3; benchmarks/results/2026-11-28-attn-decode-row-split-h200.md)."""
+    return nqb == 1 and next_pow2(n_splits) * BLOCK_D <= 16384 and (Qm == 1 or n_splits > 8)
+
+
 def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len: int, max_seq_len: int, *, k_scale=None, v_scale=None,
                            block_n=None, num_warps=None, num_splits=None, num_stages=None, block_q=None):
@@ -296,14 +308,8 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
             **({} if num_stages is None else {"num_stages": num_stages}),
         )
         if split:
-            # decode / verify rows: one query token per program, all its ranges in one load (up to
-            # 16384 partial values: 128 registers a thread at 4 warps); prefill tiles, and verify
-            # rows with at most 8 ranges: up to 32 query tokens per program, one range per loop step
-            # (H200, 2026-11-28, 8B, 4 query tokens, 8000 keys: batch 8 = 5 ranges 93.2 us looped
-            # against 97.2 in one load, batch 4 = 9 ranges 57.9 / 57.4, batch 1 = 33 ranges 30.2 /
-            # 21.9; one query token at batch 8: 91.6 / 92.3)
             pad = next_pow2(n_splits)
-            one = nqb == 1 and pad * BLOCK_D <= 16384 and (Qm == 1 or n_splits > 8)
+            one = _combine_in_one_load(nqb, n_splits, BLOCK_D, Qm)
             cq = 1 if one else min(next_pow2(Qm), 32)
             _combine_splits_kernel[(B, nH, cdiv(Qm, cq))](
                 qsl, sl, out, po, pm, pl, n_splits, T, nH, hd, *out.stride(),

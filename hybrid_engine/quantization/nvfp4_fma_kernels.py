@@ -49,7 +49,7 @@ from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx
 
 MAX_FMA_ROWS = 8        # the rows kernel's limit (one ROWS variant each for 2, 4 and 8)
 # the persistent one-row kernel keeps a thread's x pairs for the whole row in registers:
-# 512 groups (K 8192) at 128 threads is 32 pair registers a thread
+# 512 groups (K 8192) at 4 warps is 32 pair registers a thread
 MAX_PERSISTENT_GROUPS = 512
 
 # a group's words ($1, $2) and x pairs ($3 .. $10) -> float32 $0: sum over the 16 nibbles of
@@ -227,8 +227,8 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, 
                                  BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
                                  PTX: tl.constexpr = False, PDL: tl.constexpr = False):
     # one row of x, K = 16 NG inputs whole per tile: each program prepares x once (as the looped
-    # kernel does per tile: group powers of two, float16 pairs; NG_PAD / 128 groups a thread in
-    # registers for all its tiles), then walks the row tiles pid, pid + programs, ... of BLOCK_N
+    # kernel does per tile: group powers of two, float16 pairs; NG_PAD / (32 num_warps) groups a
+    # thread in registers for all its tiles), then walks the row tiles pid, pid + programs, ... of BLOCK_N
     # weight rows [BLOCK_N, NG, 2] words. PIPELINE: the next tile's words and block scales are
     # loaded before this tile's products (two tiles in flight a program)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps

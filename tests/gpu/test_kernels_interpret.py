@@ -105,3 +105,17 @@ def test_every_case_of_the_script_is_asserted(interpreter_results):
     """A case added to interpret_cases.py but not to KERNEL_CASES would run and never be checked."""
     ran = {k for k in interpreter_results if not k.startswith("_")}
     assert ran == set(KERNEL_CASES), (sorted(ran - set(KERNEL_CASES)), sorted(set(KERNEL_CASES) - ran))
+
+
+def test_split_combine_form_at_its_boundaries():
+    """Which combine the split attention launches (the interpreter case `attention_decode_row_split`
+    runs both, but its outputs do not tell them apart): one load for decode rows and for verify rows
+    with more than 8 ranges, the loop for verify rows with at most 8, for prefill tiles, and when
+    the partials would not fit (more than 16384 values)."""
+    from hybrid_engine.attention.triton_attention import _combine_in_one_load as one_load
+    assert one_load(nqb=1, n_splits=5, BLOCK_D=128, Qm=1)
+    assert not one_load(nqb=1, n_splits=8, BLOCK_D=128, Qm=4)
+    assert one_load(nqb=1, n_splits=9, BLOCK_D=128, Qm=4)
+    assert not one_load(nqb=2, n_splits=22, BLOCK_D=128, Qm=32)
+    assert one_load(nqb=1, n_splits=128, BLOCK_D=128, Qm=1)
+    assert not one_load(nqb=1, n_splits=129, BLOCK_D=128, Qm=1)

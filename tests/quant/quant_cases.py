@@ -283,7 +283,7 @@ def _cases():
     from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
                                                         fp8_skinny_linear_fma, quantize_rows_fp8)
     from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
-    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot
     cpu, f32, f16 = "cpu", torch.float32, torch.float16
 
     def run(fn, shapes, **kw):
@@ -323,8 +323,8 @@ def _cases():
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_fma_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=16, block_g=2), device=cpu, dtype=f16, bias=False),
-        # the persistent kernel: a grid of 3 (2) programs walking 1-17 row tiles each, with and without
-        # the next tile's loads in flight (past N on the last tile)
+        # the persistent kernel: a grid of 3 (2) programs over 1-17 (3-65) row tiles in all, with and
+        # without the next tile's loads in flight (past N on the last tile)
         "nvfp4_fma_persistent": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
             x, p, s, g, b, block_n=8, block_g=None, pipeline=True, programs=3), device=cpu, dtype=f32),
         "nvfp4_fma_persistent_f16": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
@@ -332,6 +332,9 @@ def _cases():
         "nvfp4_fma_persistent_x_range": lambda: max(check_nvfp4_x_range(
             lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=4, block_g=None, pipeline=True, programs=5),
             cpu, f32, 24, 160, lo, hi) for lo, hi in ((-7, -7), (6, 6), (-8, 8), (36, 36))),
+        # the one-row dispatch at each kind of _fma_config: persistent (K 64, 8192) and looped (8208)
+        "nvfp4_dispatch_one_row": run(check_nvfp4, [(1, 40, 64), (1, 9, 8192), (1, 9, 8208)], impl=nvfp4_skinny_linear,
+                                      device=cpu, dtype=f32),
         "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_rows_f16": run(check_nvfp4, NVFP4_ROWS_SHAPES[1:3], impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
