@@ -1,7 +1,7 @@
 """NVFP4 decode projections on the Nemotron-H-8B shapes (CUDA): the dispatch rule
 (``nvfp4_skinny_linear``) and a config sweep of the three kernels (the FMA kernel at one row, the
 rows kernel at 2-8 rows, the dot kernel in both operand orders at more rows; the persistent
-one-row kernel up to K 8192) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
+one-row kernel up to K 8192, and with K in slices above) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
 the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
 shape and the totals weighted by calls per 8B decode step (lm_head included).
 
@@ -31,6 +31,9 @@ SHAPES = [("mamba in_proj", 18560, 4096, 24), ("mamba out_proj", 4096, 8192, 24)
 FMA_CFGS = [(4, 256, 4), (8, 128, 4), (8, 256, 4), (8, 256, 8), (4, 128, 4), (8, 64, 4)]
 # the persistent one-row kernel (K <= 8192): (block_n, programs per SM, warps, pipeline)
 PERSISTENT_CFGS = [(bn, pps, nw, pl) for bn in (2, 4) for pps in (4, 8) for nw in (4, 8) for pl in (False, True)]
+# above K 8192 (down_proj): K in slices, (block_n, programs per SM, warps, pipeline, k_slices)
+SLICED_CFGS = [(bn, pps, nw, pl, ks) for bn in (2, 4) for pps in (4, 8) for nw in (4, 8) for pl in (False, True)
+               for ks in (3, 6, 21)]
 # the rows kernel (2-8 rows): (block_n, block_g, warps)
 ROWS_CFGS = [(4, 256, 4), (8, 128, 4), (8, 64, 4), (16, 64, 4)]
 # (block_n, block_w, swap, num_stages)
@@ -44,7 +47,11 @@ def candidates(M, K):
                 for c in FMA_CFGS] + [
             (f"persist {c}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=None,
                                                programs_per_sm=c[1], num_warps=c[2], pipeline=c[3]))
-            for c in PERSISTENT_CFGS if K <= 16 * FK.MAX_PERSISTENT_GROUPS]
+            for c in PERSISTENT_CFGS if K <= 16 * FK.MAX_PERSISTENT_GROUPS] + [
+            (f"persist-k{c[4]} {c[:4]}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=None,
+                                                           programs_per_sm=c[1], num_warps=c[2], pipeline=c[3],
+                                                           k_slices=c[4]))
+            for c in SLICED_CFGS if K > 16 * FK.MAX_PERSISTENT_GROUPS and -(-K // (16 * c[4])) <= FK.MAX_PERSISTENT_GROUPS]
     rows = [(f"rows {c}", functools.partial(FK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
             for c in ROWS_CFGS] if M <= FK.MAX_FMA_ROWS else []
     # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles

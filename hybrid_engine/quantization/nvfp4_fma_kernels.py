@@ -19,7 +19,9 @@ arithmetic, but each program prepares x once for the whole row and then walks ma
 weight rows (a persistent grid of a few programs an SM), optionally with the next tile's words in
 flight. At 4 x 256 tiles the looped kernel spent ~6 SASS instructions a value, over half of them
 preparing x for only 4 rows (a layout change through shared memory, barriers); the persistent loop
-spends ~3.4-3.6, nearly all decode and packed FMAs.
+spends ~3.3-3.6, nearly all decode and packed FMAs. ``k_slices`` cuts longer rows into slices, a
+program a slice, and ``_sum_slices_kernel`` adds the slices' float32 sums in slice order (for the
+8B down_proj, K 21504; not yet measured, so not in the dispatch rule).
 
 ``_nvfp4_rows_kernel`` (2-8 rows; dispatched for 2 rows, and 3-4 on projections with N <= 8192):
 the one-row kernel's arithmetic with the words decoded into float16 pairs once per tile
@@ -222,21 +224,27 @@ def _nvfp4_fma_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, KW, swn, sb
 
 
 @triton.jit
-def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, n_tiles, swn, sbn,
-                                 NG: tl.constexpr, NG_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, part_ptr, N, n_tiles, swn, sbn,
+                                 NG: tl.constexpr, NG_S: tl.constexpr, NG_PAD: tl.constexpr,
+                                 SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                                  BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
                                  PTX: tl.constexpr = False, PDL: tl.constexpr = False):
-    # one row of x, K = 16 NG inputs whole per tile: each program prepares x once (as the looped
-    # kernel does per tile: group powers of two, float16 pairs; NG_PAD / (32 num_warps) groups a
-    # thread in registers for all its tiles), then walks the row tiles pid, pid + programs, ... of BLOCK_N
-    # weight rows [BLOCK_N, NG, 2] words. PIPELINE: the next tile's words and block scales are
-    # loaded before this tile's products (two tiles in flight a program)
+    # one row of x, K = 16 NG inputs, in SLICES slices of NG_S groups: program p takes slice
+    # p % SLICES whole per tile. Each program prepares its slice of x once (as the looped kernel
+    # does per tile: group powers of two, float16 pairs; NG_PAD / (32 num_warps) groups a thread in
+    # registers for all its tiles), then walks the row tiles p // SLICES, + programs / SLICES, ...
+    # of BLOCK_N weight rows [BLOCK_N, NG_S, 2] words. One slice: the outputs are stored; more: each
+    # slice's float32 sums go to part [SLICES, N] for _sum_slices_kernel. PIPELINE: the next
+    # tile's words and block scales are loaded before this tile's products (two tiles in flight)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
-    programs = tl.num_programs(0)
-    offs_g = tl.arange(0, NG_PAD)
-    mg = offs_g < NG
+    step = tl.num_programs(0) // SLICES
+    sl = pid % SLICES
+    first = pid // SLICES
+    offs_s = tl.arange(0, NG_PAD)
+    offs_g = sl * NG_S + offs_s
+    mg = (offs_s < NG_S) & (offs_g < NG)
     offs_c = tl.arange(0, 16)
     xt = tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None], other=0.0).to(tl.float32)
     xs, undo = _x_scaled(xt)                                                             # [NGP, 16], [NGP]
@@ -246,19 +254,19 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, 
         p0, p1, p2, p3, p4, p5, p6, p7 = _x_pairs(lo, hi)                                # [NGP] each
     offs_w = (offs_g[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]                # [1, NGP, 2]
     if PIPELINE:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = first * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = offs_n < N
         wd_next = tl.load(w_ptr + offs_n[:, None, None].to(tl.int64) * swn + offs_w,
                           mask=mn[:, None, None] & mg[None, :, None], other=0)
         bs_next = tl.load(bs_ptr + offs_n[:, None].to(tl.int64) * sbn + offs_g[None, :],
                           mask=mn[:, None] & mg[None, :], other=0.0)
-    for tile in range(pid, n_tiles, programs):
+    for tile in range(first, n_tiles, step):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = offs_n < N
         if PIPELINE:
             wd = wd_next
             bs8 = bs_next
-            offs_nn = offs_n + programs * BLOCK_N                   # past N on the last tile: masked
+            offs_nn = offs_n + step * BLOCK_N                       # past N on the last tile: masked
             mnn = offs_nn < N
             wd_next = tl.load(w_ptr + offs_nn[:, None, None].to(tl.int64) * swn + offs_w,
                               mask=mnn[:, None, None] & mg[None, :, None], other=0)
@@ -274,9 +282,28 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, N, 
         else:
             part = _group_dot(wd, xs, BLOCK_N, False)
         out = tl.sum(part * (bs8.to(tl.float32) * fac[None, :]), axis=1)
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+        if SLICES == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mn)
+        else:
+            tl.store(part_ptr + sl * N + offs_n, out, mask=mn)
+
+
+@triton.jit
+def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # y = the K slices' float32 sums part [SLICES, N], added in slice order (the same bits on every
+    # run), plus the bias, in y's dtype
+    pid = tl.program_id(0) + pdl_enter(PDL)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        acc += tl.load(part_ptr + s * N + offs, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["M"])   # the step's rows: a value must not compile a variant
@@ -330,14 +357,16 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
 
 
 def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=4, block_g=256,
-                            num_warps=4, programs_per_sm=4, pipeline=False, programs=None):
+                            num_warps=4, programs_per_sm=4, pipeline=False, programs=None, k_slices=1):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
     (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead).
 
     ``block_g`` groups of 16 inputs a K step (the looped kernel, x prepared per tile), or None:
-    the persistent kernel, whole rows a tile, x prepared once per program (K <= 16 *
+    the persistent kernel, whole rows a tile, x prepared once per program (K / k_slices <= 16 *
     MAX_PERSISTENT_GROUPS); ``programs_per_sm`` (or ``programs``) sizes its grid, ``pipeline``
-    keeps the next tile's loads in flight."""
+    keeps the next tile's loads in flight. ``k_slices`` > 1 cuts K into that many slices, each
+    program taking one, and a second launch adds their float32 sums in slice order (for rows too
+    long for one program's registers; not in the dispatch rule: not yet measured)."""
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
@@ -348,15 +377,21 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     bias_arg = bias if bias is not None else weight_scale_2
     if block_g is None:
         NG = K // 16
-        if NG > MAX_PERSISTENT_GROUPS:
-            raise ValueError(f"nvfp4_skinny_linear_fma: the persistent kernel (block_g=None) takes K <= "
-                             f"{16 * MAX_PERSISTENT_GROUPS}, got K {K}")
+        NG_S = cdiv(NG, max(1, k_slices))
+        if k_slices < 1 or NG_S > MAX_PERSISTENT_GROUPS:
+            raise ValueError(f"nvfp4_skinny_linear_fma: the persistent kernel (block_g=None) takes K / k_slices <= "
+                             f"{16 * MAX_PERSISTENT_GROUPS} (k_slices >= 1), got K {K}, k_slices {k_slices}")
         n_tiles = cdiv(N, block_n)
-        grid = (max(1, min(n_tiles, programs or programs_per_sm * num_sms(x.device))),)
-        _nvfp4_fma_persistent_kernel[grid](
-            x, words, weight_scale, weight_scale_2, bias_arg, y, N, n_tiles, words.stride(0),
-            weight_scale.stride(0), NG=NG, NG_PAD=next_pow2(NG), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps, **pdl_kwargs(x.device))
+        per_slice = max(1, min(n_tiles, (programs or programs_per_sm * num_sms(x.device)) // k_slices))
+        part = torch.empty((k_slices, N), dtype=torch.float32, device=x.device) if k_slices > 1 else y
+        _nvfp4_fma_persistent_kernel[(per_slice * k_slices,)](
+            x, words, weight_scale, weight_scale_2, bias_arg, y, part, N, n_tiles, words.stride(0),
+            weight_scale.stride(0), NG=NG, NG_S=NG_S, NG_PAD=next_pow2(NG_S), SLICES=k_slices,
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps,
+            **pdl_kwargs(x.device))
+        if k_slices > 1:
+            _sum_slices_kernel[(cdiv(N, 1024),)](part, bias_arg, y, N, SLICES=k_slices, HAS_BIAS=bias is not None,
+                                                 BLOCK=1024, num_warps=4, **pdl_kwargs(x.device))
         return y
     _nvfp4_fma_kernel[(cdiv(N, block_n),)](
         x, words, weight_scale, weight_scale_2, bias_arg, y, N, K // 8,

@@ -116,18 +116,21 @@ def test_nvfp4_fma_kernel_one_row(shape, dtype, config):
 
 _PERSIST = dict(plain=dict(block_n=4, block_g=None),
                 pipelined=dict(block_n=2, block_g=None, programs_per_sm=8, pipeline=True),
-                few_programs=dict(block_n=4, block_g=None, num_warps=8, programs=7, pipeline=True))
+                few_programs=dict(block_n=4, block_g=None, num_warps=8, programs=7, pipeline=True),
+                slices=dict(block_n=2, block_g=None, k_slices=3, pipeline=True))
 
 
 @pytest.mark.parametrize("shape,dtype,config", [
     ((1, 18560, 4096), BF16, "plain"), ((1, 18560, 4096), BF16, "pipelined"), ((1, 18560, 4096), BF16, "few_programs"),
     ((1, 4096, 8192), BF16, "plain"), ((1, 4096, 8192), F16, "plain"), ((1, 33, 16), BF16, "pipelined"),
-    ((1, 33, 16), F16, "few_programs"), ((1, 1000, 2688), BF16, "pipelined"), ((1, 1000, 2688), BF16, "few_programs")],
+    ((1, 33, 16), F16, "few_programs"), ((1, 1000, 2688), BF16, "pipelined"), ((1, 1000, 2688), BF16, "few_programs"),
+    ((1, 4096, 21504), BF16, "slices"), ((1, 1000, 2688), F16, "slices")],
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_nvfp4_fma_persistent_kernel(shape, dtype, config):
     """The persistent one-row kernel (x prepared once per program, whole-row tiles walked by a
-    fixed grid; 7 programs: hundreds of tiles each) at the dispatch rule's configs, against the
-    float32 twin: ragged N, group counts that are not powers of two (17, 168)."""
+    fixed grid; 7 programs: hundreds of tiles each) at the dispatch rule's configs, and with K in 3
+    slices (8B down_proj: 448 groups a slice), against the float32 twin: ragged N, group counts
+    that are not powers of two (17, 168)."""
     from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma
     m, n, k = shape
     qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_fma(*a, **_PERSIST[config]), DEV, dtype, m, n, k, seed=n + k)

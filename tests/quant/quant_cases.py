@@ -332,6 +332,15 @@ def _cases():
         "nvfp4_fma_persistent_x_range": lambda: max(check_nvfp4_x_range(
             lambda x, p, s, g: nvfp4_skinny_linear_fma(x, p, s, g, block_n=4, block_g=None, pipeline=True, programs=5),
             cpu, f32, 24, 160, lo, hi) for lo, hi in ((-7, -7), (6, 6), (-8, 8), (36, 36))),
+        # K in 2-4 slices, a program a slice, the float32 sums added by a second launch: slices of
+        # 12 / 2 / 5 / 1 groups (the last ones partial; (1, 33, 16)'s second slice holds no group)
+        "nvfp4_fma_persistent_slices": lambda: max(
+            check_nvfp4(impl=lambda x, p, s, g, b, kw=kw: nvfp4_skinny_linear_fma(x, p, s, g, b, block_g=None, **kw),
+                        device=cpu, dtype=f32, M=1, N=n, K=k, seed=i)
+            for i, (n, k, kw) in enumerate([(130, 544, dict(block_n=4, k_slices=3, programs=6, pipeline=True)),
+                                            (70, 48, dict(block_n=8, k_slices=2, programs=4)),
+                                            (5, 272, dict(block_n=2, k_slices=4, programs=9, pipeline=True)),
+                                            (33, 16, dict(block_n=8, k_slices=2, programs=2))])),
         # the one-row dispatch at each kind of _fma_config: persistent (K 64, 8192) and looped (8208)
         "nvfp4_dispatch_one_row": run(check_nvfp4, [(1, 40, 64), (1, 9, 8192), (1, 9, 8208)], impl=nvfp4_skinny_linear,
                                       device=cpu, dtype=f32),

@@ -19,7 +19,7 @@ ALIGNED = ("x_ptr", "w_ptr", "bs_ptr", "y_ptr", "KW", "swn", "sbn", "sxm", "sym"
 def _compile(kernel, dtype, consts, num_warps=4):
     sig = dict(x_ptr=f"*{dtype}", w_ptr="*i32", bs_ptr="*fp8e4nv", gs_ptr="*fp32", b_ptr=f"*{dtype}",
                y_ptr=f"*{dtype}", M="i32", N="i32", KW="i32", sxm="i32", swn="i32", sbn="i32", sym="i32",
-               n_tiles="i32")
+               n_tiles="i32", part_ptr="*fp32")
     sig = {n: sig.get(n, "constexpr") for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -37,12 +37,12 @@ def test_one_row_kernel_compiles_with_ptx(dtype, block_n, block_g):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("block_n,groups,num_warps,pipeline", [(2, 256, 4, True), (4, 256, 8, True), (4, 512, 4, False),
-                                                               (2, 168, 4, False)])
-def test_persistent_kernel_compiles_with_ptx(dtype, block_n, groups, num_warps, pipeline):
+@pytest.mark.parametrize("block_n,groups,num_warps,pipeline,slices", [
+    (2, 256, 4, True, 1), (4, 256, 8, True, 1), (4, 512, 4, False, 1), (2, 168, 4, False, 1), (2, 448, 4, True, 3)])
+def test_persistent_kernel_compiles_with_ptx(dtype, block_n, groups, num_warps, pipeline, slices):
     ptx = _compile(_nvfp4_fma_persistent_kernel, dtype,
-                   dict(NG=groups, NG_PAD=1 << (groups - 1).bit_length(), HAS_BIAS=True, BLOCK_N=block_n,
-                        PIPELINE=pipeline, PTX=True, PDL=True), num_warps=num_warps)
+                   dict(NG=groups * slices, NG_S=groups, NG_PAD=1 << (groups - 1).bit_length(), SLICES=slices,
+                        HAS_BIAS=True, BLOCK_N=block_n, PIPELINE=pipeline, PTX=True, PDL=True), num_warps=num_warps)
     assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
     assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
 

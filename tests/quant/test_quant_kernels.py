@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
-         "nvfp4_fma_persistent_x_range", "nvfp4_dispatch_one_row", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "fp8_experts_decode", "fp8_experts_decode_one",
+         "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "fp8_experts_decode", "fp8_experts_decode_one",
          "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dispatch_relu2"]
 
 
@@ -209,15 +209,17 @@ def test_nvfp4_kernels_refuse_unaligned_packed_rows():
 
 
 def test_nvfp4_persistent_kernel_refuses_long_rows():
-    """The persistent one-row kernel holds a thread's x pairs for the whole row in registers: K
-    above 16 * MAX_PERSISTENT_GROUPS is refused by name before any launch; the dispatch sends such
-    rows to the looped kernel."""
+    """The persistent one-row kernel holds a thread's x pairs for its whole slice of the row in
+    registers: a slice above 16 * MAX_PERSISTENT_GROUPS inputs (or k_slices < 1) is refused by name
+    before any launch; the dispatch sends such rows to the looped kernel."""
     from hybrid_engine.quantization.nvfp4_fma_kernels import (MAX_PERSISTENT_GROUPS, _fma_config,
                                                               nvfp4_skinny_linear_fma)
     K = 16 * MAX_PERSISTENT_GROUPS + 16
     p, bs, gs = quantize_nvfp4(torch.randn(4, K))
-    with pytest.raises(ValueError, match=rf"persistent kernel \(block_g=None\) takes K <= {K - 16}, got K {K}"):
-        nvfp4_skinny_linear_fma(torch.randn(1, K), p, bs, gs, block_g=None)
+    for k_slices in (1, 0):
+        with pytest.raises(ValueError, match=rf"takes K / k_slices <= {K - 16} \(k_slices >= 1\), got K {K}, "
+                                             rf"k_slices {k_slices}"):
+            nvfp4_skinny_linear_fma(torch.randn(1, K), p, bs, gs, block_g=None, k_slices=k_slices)
     assert _fma_config(4096, K)["block_g"] is not None
     assert _fma_config(4096, K - 16)["block_g"] is None
 
