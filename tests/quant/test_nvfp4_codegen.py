@@ -10,8 +10,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybrid_engine.quantization.nvfp4_fma_kernels import (  # noqa: E402
-    _nvfp4_fma_kernel, _nvfp4_fma_persistent_kernel, _nvfp4_rows_kernel)
+from hybrid_engine.quantization.nvfp4_fma_kernels import _nvfp4_fma_kernel, _nvfp4_rows_kernel  # noqa: E402
+from hybrid_engine.quantization.nvfp4_persistent import _nvfp4_fma_persistent_kernel  # noqa: E402
 
 ALIGNED = ("x_ptr", "w_ptr", "bs_ptr", "y_ptr", "KW", "swn", "sbn", "sxm", "sym")
 

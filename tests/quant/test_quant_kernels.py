@@ -212,8 +212,8 @@ def test_nvfp4_persistent_kernel_refuses_long_rows():
     """The persistent one-row kernel holds a thread's x pairs for its whole slice of the row in
     registers: a slice above 16 * MAX_PERSISTENT_GROUPS inputs (or k_slices < 1) is refused by name
     before any launch; the dispatch sends such rows to the looped kernel."""
-    from hybrid_engine.quantization.nvfp4_fma_kernels import (MAX_PERSISTENT_GROUPS, _fma_config,
-                                                              nvfp4_skinny_linear_fma)
+    from hybrid_engine.quantization.nvfp4_fma_kernels import _fma_config, nvfp4_skinny_linear_fma
+    from hybrid_engine.quantization.nvfp4_persistent import MAX_PERSISTENT_GROUPS
     K = 16 * MAX_PERSISTENT_GROUPS + 16
     p, bs, gs = quantize_nvfp4(torch.randn(4, K))
     for k_slices in (1, 0):
