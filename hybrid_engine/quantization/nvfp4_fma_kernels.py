@@ -14,7 +14,9 @@ products finite and normal relative to its largest value, whatever the magnitude
 SASS instructions a value at 8 x 256 tiles (7.6 with the float32 decode and FMA before). x comes
 in 16-byte loads, a [groups, 16] tile, paired within each thread.
 
-Up to K 8192 the dispatch takes the persistent one-row kernel instead (``nvfp4_persistent``).
+The dispatch takes the persistent one-row kernel instead (``nvfp4_persistent``; above K 8192 with K
+in slices): this looped kernel is no longer dispatched. It stays as the baseline of
+``benchmarks/nvfp4_gemv.py`` and as the one-row form of the rows kernel below, tested alike.
 
 ``_nvfp4_rows_kernel`` (2-8 rows; dispatched for 2 rows, and 3-4 on projections with N <= 8192):
 the one-row kernel's arithmetic with the words decoded into float16 pairs once per tile
@@ -139,7 +141,7 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     MAX_PERSISTENT_GROUPS); ``programs_per_sm`` (or ``programs``) sizes its grid, ``pipeline``
     keeps the next tile's loads in flight. ``k_slices`` > 1 cuts K into that many slices, each
     program taking one, and a second launch adds their float32 sums in slice order (for rows too
-    long for one program's registers; not in the dispatch rule: not yet measured)."""
+    long for one program's registers: the dispatch rule's choice above K 8192)."""
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
@@ -182,11 +184,13 @@ def nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias=None,
 
 def _fma_config(N: int, K: int) -> dict:
     # H200 sweep of the 8B shapes (benchmarks/results/2026-11-28-nvfp4-persistent-h200.md): the
-    # persistent kernel up to K 8192, pipelined on the wide projections (in_proj 25.7 -> 18.4 us,
-    # lm_head 170.1 -> 105.5 us), plain at N 4096; the looped kernel above (down_proj, K 21504: its
-    # x would not fit the registers), at the H100's 8 x 128 tiles
+    # persistent kernel, pipelined on the wide projections (in_proj 25.7 -> 18.4 us, lm_head 170.1
+    # -> 105.5 us), plain at N 4096. Above K 8192 its x would not fit the registers: K in the
+    # fewest slices that do (8B down_proj, K 21504: 3 slices of 448 groups, 29.9 us on the looped
+    # kernel -> 21.6 us, 2026-11-28-nvfp4-slices-h200.md; 6 slices at best 23.7, pipelined 24.8)
     if K > 16 * MAX_PERSISTENT_GROUPS:
-        return dict(block_n=8, block_g=128, num_warps=4)
+        return dict(block_n=2, block_g=None, num_warps=4, programs_per_sm=4,
+                    k_slices=cdiv(K // 16, MAX_PERSISTENT_GROUPS))
     if N >= 65536:
         return dict(block_n=4, block_g=None, num_warps=8, programs_per_sm=8, pipeline=True)
     if N >= 16384:

@@ -341,7 +341,8 @@ def _cases():
                                             (70, 48, dict(block_n=8, k_slices=2, programs=4)),
                                             (5, 272, dict(block_n=2, k_slices=4, programs=9, pipeline=True)),
                                             (33, 16, dict(block_n=8, k_slices=2, programs=2))])),
-        # the one-row dispatch at each kind of _fma_config: persistent (K 64, 8192) and looped (8208)
+        # the one-row dispatch at each kind of _fma_config: persistent in one slice (K 64, 8192) and in
+        # slices (8208: 2 slices, the second of one group)
         "nvfp4_dispatch_one_row": run(check_nvfp4, [(1, 40, 64), (1, 9, 8192), (1, 9, 8208)], impl=nvfp4_skinny_linear,
                                       device=cpu, dtype=f32),
         "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(

@@ -211,7 +211,8 @@ def test_nvfp4_kernels_refuse_unaligned_packed_rows():
 def test_nvfp4_persistent_kernel_refuses_long_rows():
     """The persistent one-row kernel holds a thread's x pairs for its whole slice of the row in
     registers: a slice above 16 * MAX_PERSISTENT_GROUPS inputs (or k_slices < 1) is refused by name
-    before any launch; the dispatch sends such rows to the looped kernel."""
+    before any launch; the dispatch cuts such rows into the fewest slices that fit (8B down_proj,
+    K 21504: 3)."""
     from hybrid_engine.quantization.nvfp4_fma_kernels import _fma_config, nvfp4_skinny_linear_fma
     from hybrid_engine.quantization.nvfp4_persistent import MAX_PERSISTENT_GROUPS
     K = 16 * MAX_PERSISTENT_GROUPS + 16
@@ -220,8 +221,9 @@ def test_nvfp4_persistent_kernel_refuses_long_rows():
         with pytest.raises(ValueError, match=rf"takes K / k_slices <= {K - 16} \(k_slices >= 1\), got K {K}, "
                                              rf"k_slices {k_slices}"):
             nvfp4_skinny_linear_fma(torch.randn(1, K), p, bs, gs, block_g=None, k_slices=k_slices)
-    assert _fma_config(4096, K)["block_g"] is not None
-    assert _fma_config(4096, K - 16)["block_g"] is None
+    for k, slices in ((K - 16, 1), (K, 2), (21504, 3), (3 * (K - 16), 3), (3 * (K - 16) + 16, 4)):
+        config = _fma_config(4096, k)
+        assert config["block_g"] is None and config.get("k_slices", 1) == slices, (k, config)
 
 
 def test_nvfp4_dot_kernel_refuses_bfloat16_off_cuda():
