@@ -4,11 +4,16 @@ where it wins, go to ``nvfp4_fma_kernels``; the nibble decode is ``nvfp4_decode`
 
 ``_nvfp4_dot_kernel`` (2..128 rows): a pair is multiplied by its block scale in one packed 16-bit
 FMA (bf16: bits e2m1 * 2^-126 times scale * 2^118; fp16: e2m1 * 2^-14 times scale * 2^7, both
-exact), so the tile [BLOCK_N, 8 * BLOCK_W] holds e2m1 * scale * 2^-SHIFT in x's dtype (joined in
-input order) and goes to one ``tl.dot`` per tile with float32 accumulation; the global scale and
-2^SHIFT multiply each output once. Wide projections (N >= 16384) put the weight on the MMA's M
-side (``SWAP``: acc [BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape; above
-32 rows every projection swaps (the other form does not compile there at 16-wide output tiles).
+exact), so the tile [BLOCK_N, 8 * BLOCK_W] holds e2m1 * scale * 2^-SHIFT in x's dtype and goes to
+one ``tl.dot`` per tile with float32 accumulation; the global scale and 2^SHIFT multiply each output
+once. K is permuted within each word, x alike: the decode's register pairs (nibbles j, j + 4) stay
+packed. In input order the joins cost a byte permute a value, and the scales came a byte load per
+word: 7.0 -> 4.3 SASS instructions a weight in the loop at 64 x 16-word tiles (sm_90 compile). H200
+(2026-11-28, ``benchmarks/results/2026-11-28-nvfp4-dot-perm-h200.md``), 8 rows at the same tiles:
+in_proj 58.1 -> 45.5 us, down_proj 141.6 -> 101.5 (92.8 at the new rule's); 8B decode at batch 8
+876 -> 1201 tok/s. Wide projections (N >= 16384) put the weight on the MMA's M side (``SWAP``: acc
+[BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape; above 32 rows every
+projection swaps (the other form does not compile there at 16-wide output tiles).
 """
 from __future__ import annotations
 
@@ -76,20 +81,28 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
         offs_w = w0 + tl.arange(0, BLOCK_W)
         mw = mn[:, None] & (offs_w < KW)[None, :]
         wd = tl.load(w_rows + offs_w[None, :], mask=mw, other=0)                                # [BN, BW]
-        s = tl.load(s_rows + (offs_w // 2)[None, :], mask=mw, other=0.0).to(tl.float32)         # a word's group
+        # a group's block scale once (two words a group), then beside each of its words
+        offs_g = w0 // 2 + tl.arange(0, BLOCK_W // 2)
+        sg = tl.load(s_rows + offs_g[None, :], mask=mn[:, None] & (offs_g < KW // 2)[None, :],
+                     other=0.0).to(tl.float32)                                                    # [BN, BW / 2]
+        s = tl.reshape(tl.join(sg, sg), [BLOCK_N, BLOCK_W])
         v0, v1, v2, v3, v4, v5, v6, v7 = _scaled8(wd, s, DT, SHIFT, PTX)
-        # back to input order: nibble j of word w is input 8w + j
-        wt = tl.reshape(tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
-                                tl.join(tl.join(v1, v5), tl.join(v3, v7))), [BLOCK_N, BLOCK_W * 8])
+        # K permuted within each word: tile position q of word w holds input 8w + q // 2 + 4 (q % 2),
+        # i.e. the pairs (j, j + 4) the decode packs into one register stay side by side (joined in
+        # input order they cost a byte permute per value); x takes the same order below
+        wt = tl.reshape(tl.join(tl.join(tl.join(v0, v2), tl.join(v1, v3)),
+                                tl.join(tl.join(v4, v6), tl.join(v5, v7))), [BLOCK_N, BLOCK_W * 8])
         offs_k = w0 * 8 + tl.arange(0, BLOCK_W * 8)
         mk = offs_k < KW * 8
         if SWAP:
             xt = tl.load(x_ptr + offs_m[None, :] * sxm + offs_k[:, None], mask=mm[None, :] & mk[:, None],
                          other=0.0)                                                               # [BK, BM]
+            xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_W, 2, 4, BLOCK_M]), (0, 2, 1, 3)), [BLOCK_W * 8, BLOCK_M])
             acc = tl.dot(wt, xt, acc)
         else:
             xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mm[:, None] & mk[None, :],
                          other=0.0)                                                               # [BM, BK]
+            xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_M, BLOCK_W, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_W * 8])
             acc = tl.dot(xt, tl.trans(wt), acc)
     gs = tl.load(gs_ptr) * (1 << SHIFT)
     if SWAP:
@@ -120,6 +133,8 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
     if not ptx and x.dtype == torch.bfloat16:
         raise ValueError("nvfp4_skinny_linear: bfloat16 x needs CUDA (Triton's interpreter has no exact "
                          "bfloat16 tl.dot); use float16 / float32, or nvfp4_linear, which dequantizes on CPU")
+    if block_w < 2 or block_w & (block_w - 1):
+        raise ValueError(f"nvfp4_skinny_linear_dot: block_w must be a power of two >= 2 (whole groups), got {block_w}")
     words = packed.view(torch.int32)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -134,20 +149,26 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
 
 
 def _dot_config(M: int, N: int) -> dict:
-    # same sweeps, 2 / 8 / 32 rows: wide projections (in_proj, up_proj, lm_head) fastest with the
-    # weight on the MMA's M side in 64-row tiles (about half the time of the other form); the long
-    # rows (N 1024-4096: out, down, q/o, k/v) with x on the M side, 16-32 output tiles (more
-    # programs). Above 32 rows (64-row x tiles) the weight goes on the M side everywhere: x on the
-    # M side does not compile there with 16-wide output tiles (Triton 3.6 "PassManager::run failed")
-    if N >= 16384 or M > 32:
-        return dict(block_n=64, block_w=16 if M <= 16 else 32, swap=True, num_stages=4 if M <= 16 else 3)
-    return dict(block_n=16 if (N <= 2048 or M > 16) else 32, block_w=64, swap=False, num_stages=3)
+    # H200 sweep of the permuted-K kernel on the 8B shapes at 2-64 rows (results in
+    # 2026-11-28-nvfp4-dot-perm-h200.md): wide projections (in_proj, up_proj, lm_head) with the
+    # weight on the MMA's M side in 64 x 16-word tiles (in_proj at 8 rows 45.4 us, 32 x 32-word
+    # tiles of x on the M side 72.1); the others (N 1024-8192: out, down, q/o, k/v) with x on the
+    # M side, 32 x 32-word tiles (out_proj 37.1 us, 64 x 16 swapped 40.1), 16 x 64 at N <= 2048
+    # (k/v 18.8 against 20.8). Above 32 rows (64-row x tiles) the weight goes on the M side
+    # everywhere: x on the M side does not compile there with 16-wide output tiles (Triton 3.6
+    # "PassManager::run failed"); 32-word tiles below N 16384 (out_proj at 64 rows 62.1 against 66.0)
+    if N >= 16384:
+        return dict(block_n=64, block_w=16, swap=True, num_stages=4 if M <= 16 else 3)
+    if M > 32:
+        return dict(block_n=64, block_w=32, swap=True, num_stages=3)
+    return dict(block_n=16, block_w=64, swap=False, num_stages=3) if N <= 2048 else \
+        dict(block_n=32, block_w=32, swap=False, num_stages=3)
 
 
 def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
     """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype at the measured configs:
-    the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrower projections), else
-    the dot kernel."""
+    the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrower projections, 3-8
+    on the narrowest, N <= 2048), else the dot kernel."""
     M, K = x.shape
     N = packed.shape[0]
     if M == 1:

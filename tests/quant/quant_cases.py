@@ -345,6 +345,10 @@ def _cases():
         # slices (8208: 2 slices, the second of one group)
         "nvfp4_dispatch_one_row": run(check_nvfp4, [(1, 40, 64), (1, 9, 8192), (1, 9, 8208)], impl=nvfp4_skinny_linear,
                                       device=cpu, dtype=f32),
+        # the multi-row dispatch: the rows kernel (2 rows; 3-8 at N <= 2048), else the dot kernel (x on
+        # the MMA's M side below N 16384 and 33 rows, the weight above 32 rows)
+        "nvfp4_dispatch_rows": run(check_nvfp4, [(2, 40, 64), (6, 40, 64), (5, 2049, 16), (40, 24, 32)],
+                                   impl=nvfp4_skinny_linear, device=cpu, dtype=f32),
         "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),
         "nvfp4_rows_f16": run(check_nvfp4, NVFP4_ROWS_SHAPES[1:3], impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
