@@ -1,8 +1,8 @@
 """NVFP4 decode projections on the Nemotron-H-8B shapes (CUDA): the dispatch rule
 (``nvfp4_skinny_linear``) and a config sweep of the three kernels (the FMA kernel at one row, the
-rows kernel at 2-8 rows, the dot kernel in both operand orders at more rows; the persistent
-one-row kernel up to K 8192, and with K in slices above) beside the bf16 skinny kernel (cuBLAS above 8 rows) on
-the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
+rows kernel at 2-8 rows, the dot kernel in both operand orders and with K in slices at more rows;
+the persistent one-row kernel up to K 8192, and with K in slices above) beside the bf16 skinny
+kernel (cuBLAS above 8 rows) on the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
 shape and the totals weighted by calls per 8B decode step (lm_head included).
 
     python benchmarks/nvfp4_gemv.py [--m 1 2 4 8 32]
@@ -36,12 +36,13 @@ SLICED_CFGS = [(bn, pps, nw, pl, ks) for bn in (2, 4) for pps in (4, 8) for nw i
                for ks in (3, 6, 21)]
 # the rows kernel (2-8 rows): (block_n, block_g, warps)
 ROWS_CFGS = [(4, 256, 4), (8, 128, 4), (8, 64, 4), (16, 64, 4)]
-# (block_n, block_w, swap, num_stages)
-DOT_CFGS = [(32, 32, False, 3), (32, 64, False, 3), (16, 64, False, 3), (64, 16, False, 4), (64, 16, True, 4),
-            (64, 32, True, 3), (128, 16, True, 3)]
+# (block_n, block_w, swap, num_stages, k_slices)
+DOT_CFGS = [(32, 32, False, 3, 1), (32, 64, False, 3, 1), (16, 64, False, 3, 1), (64, 16, True, 4, 1),
+            (64, 32, True, 3, 1), (128, 16, True, 3, 1), (64, 16, True, 4, 3), (64, 16, True, 4, 4),
+            (64, 16, True, 4, 6), (64, 16, True, 4, 8)]
 
 
-def candidates(M, K):
+def candidates(M, N, K):
     if M == 1:
         return [(f"fma {c}", functools.partial(FK.nvfp4_skinny_linear_fma, block_n=c[0], block_g=c[1], num_warps=c[2]))
                 for c in FMA_CFGS] + [
@@ -55,10 +56,10 @@ def candidates(M, K):
     rows = [(f"rows {c}", functools.partial(FK.nvfp4_skinny_linear_rows, block_n=c[0], block_g=c[1], num_warps=c[2]))
             for c in ROWS_CFGS] if M <= FK.MAX_FMA_ROWS else []
     # above 32 rows (64-row x tiles) x on the MMA's M side does not compile at these output tiles
-    return rows + [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]}",
+    return rows + [(f"{'swap' if c[2] else 'dot'} {c[:2]}+{c[3]} k{c[4]}",
                     functools.partial(NK.nvfp4_skinny_linear_dot, block_n=c[0], block_w=c[1], swap=c[2],
-                                      num_stages=c[3]))
-                   for c in DOT_CFGS if c[2] or M <= 32]
+                                      num_stages=c[3], k_slices=c[4]))
+                   for c in DOT_CFGS if (c[2] or M <= 32) and (c[4] == 1 or N < 65536)]
 
 
 def main() -> int:
@@ -80,7 +81,7 @@ def main() -> int:
             bf16 = skinny_linear if M <= 8 else F.linear
             row = {"bf16": graph_ms([lambda b=b: bf16(x, b) for b in wb]),
                    "rule": graph_ms([lambda t=t: NK.nvfp4_skinny_linear(x, *t) for t in ws])}
-            for label, f in candidates(M, K):
+            for label, f in candidates(M, N, K):
                 err = float((f(x, *ws[0]).float() - ref).abs().max() / ref.abs().max())
                 if err > 1e-2:
                     print(f"  error {name} M={M} {label}: {err:.2e}", flush=True)

@@ -204,13 +204,12 @@ def _rows_config(M: int, N: int, K: int) -> dict | None:
     # H100 sweep of the 8B shapes at 2 / 4 / 8 rows (benchmarks/results/2026-11-27-nvfp4-half2-h100.md,
     # call 13): the rows kernel wins at 2 rows everywhere (one step's projections 3.90 ms against
     # the dot kernel's 8.27 and bf16's 5.66), at 3-4 rows on the projections with N <= 8192 (out,
-    # down, q/o, k/v), and nowhere at 8 rows (11.75 ms against 8.24): None -> the dot kernel. Later
-    # (H200, 2026-11-28-nvfp4-dot-perm-h200.md): at 5-8 rows too on the narrow k/v_proj (N 1024:
-    # 8.7 us at 8 rows against the permuted-K dot kernel's 18.8)
+    # down, q/o, k/v), and nowhere at 8 rows (11.75 ms against 8.24): None -> the dot kernel. Since
+    # the dot kernel permutes K and cuts it in slices (H200, 2026-11-28-nvfp4-dot-perm-h200.md) it
+    # wins at 3 rows on out, down and q/o_proj too (down_proj 70.9 us -> 41.6); the rows kernel
+    # keeps k/v_proj there (4.9 us against 7.0)
     if M == 2:
         return dict(block_n=8, block_g=64) if K >= 8192 else dict(block_n=4, block_g=256)
-    if 3 <= M <= 8 and N <= 2048:
+    if 3 <= M <= 4 and N <= 2048:
         return dict(block_n=4, block_g=256)
-    if 3 <= M <= 4 and N <= 8192:
-        return dict(block_n=8, block_g=64)
     return None

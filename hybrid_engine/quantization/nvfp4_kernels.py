@@ -10,10 +10,13 @@ once. K is permuted within each word, x alike: the decode's register pairs (nibb
 packed. In input order the joins cost a byte permute a value, and the scales came a byte load per
 word: 7.0 -> 4.3 SASS instructions a weight in the loop at 64 x 16-word tiles (sm_90 compile). H200
 (2026-11-28, ``benchmarks/results/2026-11-28-nvfp4-dot-perm-h200.md``), 8 rows at the same tiles:
-in_proj 58.1 -> 45.5 us, down_proj 141.6 -> 101.5 (92.8 at the new rule's); 8B decode at batch 8
-876 -> 1201 tok/s. Wide projections (N >= 16384) put the weight on the MMA's M side (``SWAP``: acc
-[BLOCK_N, rows]), the others x (acc [rows, BLOCK_N]): measured per shape; above 32 rows every
-projection swaps (the other form does not compile there at 16-wide output tiles).
+in_proj 58.1 -> 45.5 us, down_proj 141.6 -> 101.5; 8B decode at batch 8 876 -> 1201 tok/s.
+
+``k_slices`` cuts K into slices, a program each (grid axis 2), their float32 sums added in slice
+order by ``_sum_slices_kernel``: the narrow long-row projections had too few programs (down_proj at
+8 rows 93.2 -> 41.0 us in 6 slices; batch 8 1211 -> 1719 tok/s, bf16 1604). ``SWAP`` puts the
+weight on the MMA's M side (acc [BLOCK_N, rows]; the rule's form everywhere), else x (acc [rows,
+BLOCK_N]; above 32 rows it does not compile at 16-wide output tiles, and 2-word tiles miscompile).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 
 from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx, _use_ptx
 from .nvfp4_fma_kernels import _fma_config, _rows_config, nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
+from .nvfp4_persistent import _sum_slices_kernel
 
 MAX_ROWS = 128
 
@@ -62,12 +66,17 @@ def _scaled8(wd, s, DT: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])   # the step's rows (2-128): a value must not compile a variant
-def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm, swn, sbn, sym,
+def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, part_ptr, M, N, KW, KW_S, sxm, swn, sbn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_W: tl.constexpr, SWAP: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
+                      BLOCK_W: tl.constexpr, SWAP: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr,
+                      SPLIT: tl.constexpr = False):
     # words [N, KW] walked in [BLOCK_N, BLOCK_W] tiles = [BLOCK_N, 8 * BLOCK_W] inputs; rows of x in
-    # tiles of BLOCK_M (grid axis 1)
+    # tiles of BLOCK_M (grid axis 1); K in slices of KW_S words (a multiple of BLOCK_W), one a
+    # program (grid axis 2). SPLIT: the slice's float32 sum (global scale applied, no bias) goes to
+    # part [slices, M, N] for _sum_slices_kernel
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    w_lo = tl.program_id(2) * KW_S
+    w_hi = tl.minimum(w_lo + KW_S, KW)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, mn = offs_m < M, offs_n < N
@@ -77,7 +86,7 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for w0 in range(0, KW, BLOCK_W):
+    for w0 in range(w_lo, w_hi, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         mw = mn[:, None] & (offs_w < KW)[None, :]
         wd = tl.load(w_rows + offs_w[None, :], mask=mw, other=0)                                # [BN, BW]
@@ -105,7 +114,14 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
             xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_M, BLOCK_W, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_W * 8])
             acc = tl.dot(xt, tl.trans(wt), acc)
     gs = tl.load(gs_ptr) * (1 << SHIFT)
-    if SWAP:
+    if SPLIT:
+        out = acc * gs
+        part = part_ptr + tl.program_id(2).to(tl.int64) * M * N
+        if SWAP:
+            tl.store(part + offs_m[None, :] * N + offs_n[:, None], out, mask=mm[None, :] & mn[:, None])
+        else:
+            tl.store(part + offs_m[:, None] * N + offs_n[None, :], out, mask=mm[:, None] & mn[None, :])
+    elif SWAP:
         out = acc * gs
         if HAS_BIAS:
             out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
@@ -120,10 +136,12 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm,
 
 
 def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=32, block_w=64,
-                            swap=False, num_warps=4, num_stages=3):
+                            swap=False, num_warps=4, num_stages=3, k_slices=1):
     """x [M <= 128, K] @ dequant(packed)^T -> [M, N] in x.dtype (float32 only under the interpreter):
     ``tl.dot`` on decoded tiles of [block_n, 8 * block_w]; rows in tiles of 16 / 32 / 64 (grid axis
-    1, each row tile decodes the weight again, from L2)."""
+    1, each row tile decodes the weight again, from L2). ``k_slices`` > 1 cuts K into up to that
+    many slices of whole tiles, a program each, and ``_sum_slices_kernel`` adds their float32 sums
+    in slice order (the same bits every run): more programs for the narrow long-row projections."""
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
@@ -135,40 +153,56 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
                          "bfloat16 tl.dot); use float16 / float32, or nvfp4_linear, which dequantizes on CPU")
     if block_w < 2 or block_w & (block_w - 1):
         raise ValueError(f"nvfp4_skinny_linear_dot: block_w must be a power of two >= 2 (whole groups), got {block_w}")
+    if not swap and block_w < 4:
+        # H200, Triton 3.6 (2026-11-28): with x on the MMA's M side, 2-word (16-input) tiles gave
+        # wrong sums (relative error ~1) at every shape tried, 4-16 words and the swapped form exact
+        raise ValueError(f"nvfp4_skinny_linear_dot: block_w must be >= 4 with swap=False, got {block_w}")
     words = packed.view(torch.int32)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
+    if k_slices < 1:
+        raise ValueError(f"nvfp4_skinny_linear_dot: k_slices must be >= 1, got {k_slices}")
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    _nvfp4_dot_kernel[(cdiv(N, block_n), cdiv(M, block_m))](
-        x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, M, N, K // 8,
+    KW = K // 8
+    kw_s = cdiv(cdiv(KW, k_slices), block_w) * block_w              # words a slice, whole tiles
+    slices = cdiv(KW, kw_s)
+    bias_arg = bias if bias is not None else weight_scale_2
+    part = torch.empty((slices, M, N), dtype=torch.float32, device=x.device) if slices > 1 else y
+    _nvfp4_dot_kernel[(cdiv(N, block_n), cdiv(M, block_m), slices)](
+        x, words, weight_scale, weight_scale_2, bias_arg, y, part, M, N, KW, kw_s,
         x.stride(0), words.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SWAP=swap, SHIFT=_SHIFT[x.dtype], PTX=ptx,
-        num_warps=num_warps, num_stages=num_stages)
+        SPLIT=slices > 1, num_warps=num_warps, num_stages=num_stages)
+    if slices > 1:
+        _sum_slices_kernel[(cdiv(M * N, 1024),)](part, bias_arg, y, M * N, N, SLICES=slices,
+                                                 HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
 
 
-def _dot_config(M: int, N: int) -> dict:
-    # H200 sweep of the permuted-K kernel on the 8B shapes at 2-64 rows (results in
-    # 2026-11-28-nvfp4-dot-perm-h200.md): wide projections (in_proj, up_proj, lm_head) with the
-    # weight on the MMA's M side in 64 x 16-word tiles (in_proj at 8 rows 45.4 us, 32 x 32-word
-    # tiles of x on the M side 72.1); the others (N 1024-8192: out, down, q/o, k/v) with x on the
-    # M side, 32 x 32-word tiles (out_proj 37.1 us, 64 x 16 swapped 40.1), 16 x 64 at N <= 2048
-    # (k/v 18.8 against 20.8). Above 32 rows (64-row x tiles) the weight goes on the M side
-    # everywhere: x on the M side does not compile there with 16-wide output tiles (Triton 3.6
-    # "PassManager::run failed"); 32-word tiles below N 16384 (out_proj at 64 rows 62.1 against 66.0)
+def _dot_config(M: int, N: int, K: int) -> dict:
+    # H200 sweeps of the permuted-K kernel on the 8B shapes at 3-64 rows (results in
+    # 2026-11-28-nvfp4-dot-perm-h200.md): the weight on the MMA's M side in 64 x 16-word tiles
+    # everywhere, and K in slices wherever that gives the SMs a few waves of programs. The narrow
+    # projections (N <= 8192: 64 tiles of 64 rows, each a long K loop) gain most: at 8 rows
+    # down_proj 93.2 us (x on the M side, one slice) -> 41.0 in 6 slices, out_proj 37.4 -> 19.6,
+    # q/o_proj 20.6 -> 12.6 in 4, k/v_proj 18.9 -> 7.1 in 8; at 64 rows 4 slices beat 6 (down_proj
+    # 61.0 against 77.2). The wide ones a little, up to 32 rows (in_proj 45.0 -> 37.9 in 3 slices);
+    # not lm_head (not swept in slices)
     if N >= 16384:
-        return dict(block_n=64, block_w=16, swap=True, num_stages=4 if M <= 16 else 3)
-    if M > 32:
-        return dict(block_n=64, block_w=32, swap=True, num_stages=3)
-    return dict(block_n=16, block_w=64, swap=False, num_stages=3) if N <= 2048 else \
-        dict(block_n=32, block_w=32, swap=False, num_stages=3)
+        slices = 3 if N < 65536 and M <= 32 else 1
+        return dict(block_n=64, block_w=16, swap=True, num_stages=4 if M <= 16 else 3, k_slices=slices)
+    if N <= 2048:
+        slices = 8
+    else:
+        slices = 6 if K >= 8192 and M <= 32 else 4
+    return dict(block_n=64, block_w=16, swap=True, num_stages=4, k_slices=slices)
 
 
 def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
     """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype at the measured configs:
-    the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrower projections, 3-8
-    on the narrowest, N <= 2048), else the dot kernel."""
+    the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrowest projections,
+    N <= 2048), else the dot kernel."""
     M, K = x.shape
     N = packed.shape[0]
     if M == 1:
@@ -176,4 +210,4 @@ def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
     rows = _rows_config(M, N, K)
     if rows is not None:
         return nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias, **rows)
-    return nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias, **_dot_config(M, N))
+    return nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias, **_dot_config(M, N, K))

@@ -98,10 +98,10 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
 
 
 @triton.jit
-def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, NB, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # y = the K slices' float32 sums part [SLICES, N], added in slice order (the same bits on every
-    # run), plus the bias, in y's dtype
+    # run), plus the bias (period NB: N = rows * NB outputs), in y's dtype
     pid = tl.program_id(0) + pdl_enter(PDL)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -109,7 +109,7 @@ def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, SLICES: tl.constexpr, HAS_BIAS
     for s in tl.static_range(SLICES):
         acc += tl.load(part_ptr + s * N + offs, mask=m, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(b_ptr + offs % NB, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -133,6 +133,6 @@ def nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, *, blo
         HAS_BIAS=bias is not None, BLOCK_N=block_n, PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps,
         **pdl_kwargs(x.device))
     if k_slices > 1:
-        _sum_slices_kernel[(cdiv(N, 1024),)](part, bias_arg, y, N, SLICES=k_slices, HAS_BIAS=bias is not None,
+        _sum_slices_kernel[(cdiv(N, 1024),)](part, bias_arg, y, N, N, SLICES=k_slices, HAS_BIAS=bias is not None,
                                              BLOCK=1024, num_warps=4, **pdl_kwargs(x.device))
     return y

@@ -16,7 +16,7 @@ from hybrid_engine.quantization.fp8 import (fp8_linear, fp8_scaled_mm, fp8_scale
                                             quantize_fp8)
 from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear  # noqa: E402
 from hybrid_engine.quantization.nvfp4 import nvfp4_linear  # noqa: E402
-from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear  # noqa: E402
+from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -97,6 +97,20 @@ def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
     against the float32 twin."""
     m, n, k = shape
     qc.check_nvfp4(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=n + m)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,config", [((8, 4096, 21504), dict(block_n=32, block_w=32, k_slices=4)),
+                                          ((32, 4096, 8192), dict(block_n=32, block_w=32, k_slices=3)),
+                                          ((64, 1000, 2688), dict(block_n=64, block_w=32, swap=True, k_slices=2)),
+                                          ((5, 33, 272), dict(block_n=16, block_w=4, k_slices=3)),
+                                          ((20, 17, 272), dict(block_n=64, block_w=2, swap=True, k_slices=4))],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v.get("k_slices")))
+def test_nvfp4_dot_kernel_k_slices(shape, config, dtype):
+    """The dot kernel with K in slices (float32 partial sums added in slice order with the bias),
+    both operand orders, a last slice shorter than the others, against the float32 twin."""
+    m, n, k = shape
+    qc.check_nvfp4(lambda *a: nvfp4_skinny_linear_dot(*a, **config), DEV, dtype, m, n, k, seed=n + m)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -315,8 +315,17 @@ def _cases():
             x, p, s, g, b, block_n=16, block_w=4), device=cpu, dtype=f32),
         "nvfp4_dot_swap": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
             x, p, s, g, b, block_n=16, block_w=2, swap=True), device=cpu, dtype=f32),
+        # K in slices of whole tiles, the last one partial (68 words: 24 + 24 + 20; 34: 10 x 3 + 4;
+        # 8 words in tiles of 4 asked for 5 slices: 2), added by the slice sum with the bias
+        "nvfp4_dot_slices": lambda: max(
+            check_nvfp4(impl=lambda x, p, s, g, b, kw=kw: nvfp4_skinny_linear_dot(x, p, s, g, b, **kw),
+                        device=cpu, dtype=dt, M=m, N=n, K=k, seed=i)
+            for i, (m, n, k, dt, kw) in enumerate([
+                (3, 40, 544, f32, dict(block_n=16, block_w=4, k_slices=3)),
+                (20, 17, 272, f16, dict(block_n=16, block_w=2, swap=True, k_slices=4)),
+                (2, 9, 64, f32, dict(block_n=16, block_w=4, k_slices=5))])),
         "nvfp4_dot_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
-            x, p, s, g, b, block_n=32, block_w=2), device=cpu, dtype=f16, bias=False),
+            x, p, s, g, b, block_n=32, block_w=4), device=cpu, dtype=f16, bias=False),
         "nvfp4_dot_swap_f16": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
             x, p, s, g, b, block_n=16, block_w=4, swap=True), device=cpu, dtype=f16),
         "nvfp4_fma": run(check_nvfp4, NVFP4_FMA_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_fma(
@@ -345,9 +354,10 @@ def _cases():
         # slices (8208: 2 slices, the second of one group)
         "nvfp4_dispatch_one_row": run(check_nvfp4, [(1, 40, 64), (1, 9, 8192), (1, 9, 8208)], impl=nvfp4_skinny_linear,
                                       device=cpu, dtype=f32),
-        # the multi-row dispatch: the rows kernel (2 rows; 3-8 at N <= 2048), else the dot kernel (x on
-        # the MMA's M side below N 16384 and 33 rows, the weight above 32 rows)
-        "nvfp4_dispatch_rows": run(check_nvfp4, [(2, 40, 64), (6, 40, 64), (5, 2049, 16), (40, 24, 32)],
+        # the multi-row dispatch: the rows kernel (2 rows; 3-4 at N <= 2048), else the dot kernel
+        # with the weight on the MMA's M side and K in slices (N 40 at 6 rows: 8 asked, 4 whole
+        # tiles; N 2100: 4 asked, 2 tiles; above 32 rows)
+        "nvfp4_dispatch_rows": run(check_nvfp4, [(2, 40, 64), (4, 40, 64), (6, 40, 512), (3, 2100, 256), (40, 24, 32)],
                                    impl=nvfp4_skinny_linear, device=cpu, dtype=f32),
         "nvfp4_rows": run(check_nvfp4, NVFP4_ROWS_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_rows(
             x, p, s, g, b, block_n=8, block_g=4), device=cpu, dtype=f32),

@@ -19,7 +19,7 @@ ALIGNED = ("x_ptr", "w_ptr", "bs_ptr", "y_ptr", "KW", "swn", "sbn", "sxm", "sym"
 def _compile(kernel, dtype, consts, num_warps=4, num_stages=3):
     sig = dict(x_ptr=f"*{dtype}", w_ptr="*i32", bs_ptr="*fp8e4nv", gs_ptr="*fp32", b_ptr=f"*{dtype}",
                y_ptr=f"*{dtype}", M="i32", N="i32", KW="i32", sxm="i32", swn="i32", sbn="i32", sym="i32",
-               n_tiles="i32", part_ptr="*fp32")
+               n_tiles="i32", part_ptr="*fp32", KW_S="i32")
     sig = {n: sig.get(n, "constexpr") for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -58,15 +58,17 @@ def test_rows_kernel_compiles_with_ptx(dtype, rows, block_n, block_g):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("block_m,block_n,block_w,swap,stages", [(16, 64, 16, True, 4), (32, 64, 16, True, 3),
-                                                                  (16, 32, 32, False, 3), (32, 16, 64, False, 3),
-                                                                  (64, 64, 32, True, 3)])
-def test_dot_kernel_compiles_with_ptx(dtype, block_m, block_n, block_w, swap, stages):
+@pytest.mark.parametrize("block_m,block_n,block_w,swap,stages,split", [
+    (16, 64, 16, True, 4, False), (32, 64, 16, True, 3, False), (16, 32, 32, False, 3, True),
+    (32, 16, 64, False, 3, False), (64, 64, 32, True, 3, True)])
+def test_dot_kernel_compiles_with_ptx(dtype, block_m, block_n, block_w, swap, stages, split):
     """The dot kernel at the dispatch rule's configs (``_dot_config``): the PTX decode (one packed
-    scale FMA per pair), the permuted-K joins and x's permute, and the tensor-core MMA."""
+    scale FMA per pair), the permuted-K joins and x's permute, the tensor-core MMA, and K in slices
+    (float32 partial sums stored)."""
     from hybrid_engine.quantization.nvfp4_kernels import _nvfp4_dot_kernel
     ptx = _compile(_nvfp4_dot_kernel, dtype, dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
-                                                  SWAP=swap, SHIFT=8 if dtype == "bf16" else 7, PTX=True),
+                                                  SWAP=swap, SHIFT=8 if dtype == "bf16" else 7, PTX=True,
+                                                  SPLIT=split),
                    num_stages=stages)
     assert len(re.findall(r"fma\.rn\.f16x2" if dtype == "fp16" else r"fma\.rn\.bf16x2", ptx)) >= 4
     assert re.search(r"wgmma|mma\.sync", ptx)

@@ -20,7 +20,7 @@ from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases
 HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
-         "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
+         "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
          "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "fp8_experts_decode", "fp8_experts_decode_one",
          "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dispatch_relu2"]
 
@@ -236,3 +236,17 @@ def test_nvfp4_dot_kernel_refuses_bfloat16_off_cuda():
     with pytest.raises(ValueError, match="bfloat16 x needs CUDA"):
         nvfp4_skinny_linear_dot(x, p, bs, gs)
     assert torch.equal(nvfp4_linear(x, p, bs, gs), nvfp4_linear_ref(x, p, bs, gs))
+
+
+def test_nvfp4_dot_kernel_refuses_the_tiles_it_cannot_run():
+    """Tiles that are not whole groups, 2-word tiles with x on the MMA's M side (wrong sums on sm_90,
+    Triton 3.6) and k_slices < 1 are refused by name before any launch (the swapped form's 2-word
+    tiles run: interpreter case nvfp4_dot_swap)."""
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear_dot
+    p, bs, gs = quantize_nvfp4(torch.randn(8, 64))
+    x = torch.randn(3, 64)
+    for kw, msg in ((dict(block_w=3), "block_w must be a power of two >= 2"), (dict(block_w=1), "power of two >= 2"),
+                    (dict(block_w=2), "block_w must be >= 4 with swap=False, got 2"),
+                    (dict(block_w=4, k_slices=0), "k_slices must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=msg):
+            nvfp4_skinny_linear_dot(x, p, bs, gs, **kw)
