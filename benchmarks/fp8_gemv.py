@@ -1,7 +1,7 @@
 """FP8 weights on the Nemotron-H-8B projection shapes (CUDA), two parts:
 
 - decode (``--m``, 1..8 token rows): the Triton FP8 kernels of ``quantization/fp8_kernels`` over a
-  config sweep (the one-row FMA kernel, the dot kernel), the "rule" row (what ``fp8_skinny_linear`` dispatches today) and the bf16 rule
+  config sweep (the one-row FMA kernel, the dot kernel, with K in slices too), the "rule" row (what ``fp8_skinny_linear`` dispatches today) and the bf16 rule
   (``skinny_linear`` on bf16 weights) as the baseline; % of the measured copy bandwidth counts the
   weight + x + y bytes once. Timing: ``graph_ms`` over weight copies beyond L2.
 - prefill (``--prefill``, token counts): bf16 ``F.linear`` against the W8A8 path
@@ -46,7 +46,9 @@ FP8_NANO_SHAPES = ([s for s in NANO_SHAPES if s[0] != "lm_head"]
                    + [("shared up", 3712, 2688, 23), ("shared down", 2688, 3712, 23)])
 DOT_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st)
             for bn, bk, nw, st in ((16, 512, 4, 3), (16, 1024, 4, 3), (32, 512, 4, 3), (32, 256, 4, 4),
-                                   (64, 256, 4, 4), (16, 256, 4, 4), (32, 1024, 4, 2), (64, 512, 4, 3))]
+                                   (64, 256, 4, 4), (16, 256, 4, 4), (32, 1024, 4, 2), (64, 512, 4, 3))] + [
+    # K in slices (more programs for the narrow long-row projections, as the NVFP4 dot kernel's)
+    dict(block_n=bn, block_k=512, num_warps=4, num_stages=3, k_slices=ks) for bn in (32, 64) for ks in (2, 3, 4, 6, 8)]
 
 
 def _copies(nbytes: int) -> int:

@@ -24,6 +24,8 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, triton_
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
 from hybrid_engine.models.activation import proj_input_f32, relu2 as relu2_act, relu2_flags, relu2_rounded
 
+from .slice_sum import sum_slices
+
 
 @triton.jit
 def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
@@ -66,9 +68,13 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
 
 
 @triton.jit
-def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
+def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, sxm, swn, sym,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    # K in slices of K_S inputs (a multiple of BLOCK_K), one a program (grid axis 1). SPLIT: the
+    # slice's float32 sum (weight scale applied, no bias) goes to part [slices, M, N] for
+    # slice_sum.sum_slices
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -77,7 +83,8 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * swn
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.program_id(1) * K_S
+    for k0 in range(k_lo, tl.minimum(k_lo + K_S, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :],
@@ -89,10 +96,14 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
         acc *= tl.load(s_ptr + offs_n, mask=mn, other=0.0)[None, :]
     else:
         acc *= tl.load(s_ptr)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mm[:, None] & mn[None, :])
+    if SPLIT:
+        part = part_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=mm[:, None] & mn[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])
 
 
 def _check(x, w_q, weight_scale):
@@ -129,11 +140,13 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
 
 
 def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_k=512, num_warps=4,
-                          num_stages=3):
+                          num_stages=3, k_slices=1):
     """x [M <= 16, K] -> [M, N] in x.dtype. No relu² on load here: squaring each [16, BLOCK_K] x
     tile between its load and the dot made the 8B FP8 decode step at batch 8 5.20 -> 6.61 ms (H100,
     ``benchmarks/results/2026-11-27-relu2-rows-h100.md``), so ``fp8_skinny_linear`` runs the relu²
-    kernel first for 2+ rows."""
+    kernel first for 2+ rows. ``k_slices`` > 1 cuts K into up to that many slices of whole tiles, a
+    program each, their float32 sums added in slice order by ``slice_sum.sum_slices`` (as the
+    NVFP4 dot kernel's; ``fp8_skinny_linear`` takes it for the narrow long-row projections)."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
     N = w_q.shape[0]
@@ -144,11 +157,18 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
     # launched without programmatic dependent launch (its PDL flag stays False): with it, 8B FP8
     # decode at batch 8 ran at 1418 tok/s against 1554 without (H100,
     # benchmarks/results/2026-11-26-pdl-h100.md)
-    _fp8_dot_kernel[(cdiv(N, block_n),)](
-        x, w_q, weight_scale, bias if bias is not None else weight_scale, y, M, N, K, x.stride(0),
+    if k_slices < 1:
+        raise ValueError(f"fp8_skinny_linear_dot: k_slices must be >= 1, got {k_slices}")
+    k_s = cdiv(cdiv(K, k_slices), block_k) * block_k                    # inputs a slice, whole tiles
+    slices = cdiv(K, k_s)
+    part = torch.empty((slices, M, N), dtype=torch.float32, device=x.device) if slices > 1 else y
+    _fp8_dot_kernel[(cdiv(N, block_n), slices)](
+        x, w_q, weight_scale, bias if bias is not None else weight_scale, y, part, M, N, K, k_s, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=slices > 1,
         num_warps=num_warps, num_stages=num_stages)
+    if slices > 1:
+        sum_slices(part, bias, y)
     return y
 
 
@@ -186,9 +206,18 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
                                      num_warps=warps, relu2=relu2)
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
-    # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us)
+    # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us). K in slices
+    # for the narrow long rows (N <= 8192, K >= 4096: 128 programs or fewer otherwise), H200 sweep at
+    # 8 rows (benchmarks/results/2026-11-28-fp8-dot-slices-h200.md): down_proj 52.8 -> 37.8 us in 3
+    # slices, out_proj 22.7 -> 17.5, q/o_proj 13.2 -> 11.6, k/v_proj 11.6 -> 6.4 in 4; one step's
+    # projections 4.00 -> ~3.45 ms (bf16 4.27). The wide ones gain nothing (in_proj 34.5 -> 35.1 in 2)
     return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,
-                                 block_k=512, num_stages=3)
+                                 block_k=512, num_stages=3, k_slices=_dot_slices(N, K))
+
+
+def _dot_slices(N: int, K: int) -> int:
+    """K slices of the 2-8-row dot kernel (``fp8_skinny_linear``'s rule, above)."""
+    return (4 if N <= 2048 else 3) if N <= 8192 and K >= 4096 else 1
 
 
 @triton.jit

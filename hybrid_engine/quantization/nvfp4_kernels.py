@@ -13,7 +13,7 @@ word: 7.0 -> 4.3 SASS instructions a weight in the loop at 64 x 16-word tiles (s
 in_proj 58.1 -> 45.5 us, down_proj 141.6 -> 101.5; 8B decode at batch 8 876 -> 1201 tok/s.
 
 ``k_slices`` cuts K into slices, a program each (grid axis 2), their float32 sums added in slice
-order by ``_sum_slices_kernel``: the narrow long-row projections had too few programs (down_proj at
+order by ``slice_sum.sum_slices``: the narrow long-row projections had too few programs (down_proj at
 8 rows 93.2 -> 41.0 us in 6 slices; batch 8 1211 -> 1719 tok/s, bf16 1604). ``SWAP`` puts the
 weight on the MMA's M side (acc [BLOCK_N, rows]; the rule's form everywhere), else x (acc [rows,
 BLOCK_N]; above 32 rows it does not compile at 16-wide output tiles, and 2-word tiles miscompile).
@@ -28,7 +28,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 
 from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx, _use_ptx
 from .nvfp4_fma_kernels import _fma_config, _rows_config, nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
-from .nvfp4_persistent import _sum_slices_kernel
+from .slice_sum import sum_slices
 
 MAX_ROWS = 128
 
@@ -73,7 +73,7 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, part_ptr, M, N
     # words [N, KW] walked in [BLOCK_N, BLOCK_W] tiles = [BLOCK_N, 8 * BLOCK_W] inputs; rows of x in
     # tiles of BLOCK_M (grid axis 1); K in slices of KW_S words (a multiple of BLOCK_W), one a
     # program (grid axis 2). SPLIT: the slice's float32 sum (global scale applied, no bias) goes to
-    # part [slices, M, N] for _sum_slices_kernel
+    # part [slices, M, N] for slice_sum.sum_slices
     DT: tl.constexpr = x_ptr.dtype.element_ty
     w_lo = tl.program_id(2) * KW_S
     w_hi = tl.minimum(w_lo + KW_S, KW)
@@ -140,7 +140,7 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
     """x [M <= 128, K] @ dequant(packed)^T -> [M, N] in x.dtype (float32 only under the interpreter):
     ``tl.dot`` on decoded tiles of [block_n, 8 * block_w]; rows in tiles of 16 / 32 / 64 (grid axis
     1, each row tile decodes the weight again, from L2). ``k_slices`` > 1 cuts K into up to that
-    many slices of whole tiles, a program each, and ``_sum_slices_kernel`` adds their float32 sums
+    many slices of whole tiles, a program each, and ``slice_sum.sum_slices`` adds their float32 sums
     in slice order (the same bits every run): more programs for the narrow long-row projections."""
     M, K = x.shape
     N = packed.shape[0]
@@ -175,8 +175,7 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SWAP=swap, SHIFT=_SHIFT[x.dtype], PTX=ptx,
         SPLIT=slices > 1, num_warps=num_warps, num_stages=num_stages)
     if slices > 1:
-        _sum_slices_kernel[(cdiv(M * N, 1024),)](part, bias_arg, y, M * N, N, SLICES=slices,
-                                                 HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+        sum_slices(part, bias, y)
     return y
 
 

@@ -7,7 +7,7 @@ next tile's words and block scales in flight.
 At 4 x 256 tiles the looped kernel spent ~6 SASS instructions a value, over half of them preparing
 x for only 4 rows (a layout change through shared memory, barriers). The persistent loop spends
 ~3.3-3.6, nearly all decode and packed FMAs. ``k_slices`` cuts longer rows into slices, a program a
-slice, and ``_sum_slices_kernel`` adds the slices' float32 sums in slice order (for the 8B
+slice, and ``slice_sum.sum_slices`` adds the slices' float32 sums in slice order (for the 8B
 down_proj, K 21504: 29.9 us on the looped kernel -> 21.6 us in 3 slices, H200).
 
 H200 (2026-11-28, ``benchmarks/results/2026-11-28-nvfp4-persistent-h200.md``): the 8B step's
@@ -23,6 +23,7 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .nvfp4_decode import _use_ptx
+from .slice_sum import sum_slices
 from .nvfp4_group_dot import _group_dot, _pairs_dot, _x_lohi, _x_pairs, _x_scaled
 
 # the persistent one-row kernel keeps a thread's x pairs for its whole slice of the row in registers:
@@ -41,7 +42,7 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
     # does per tile: group powers of two, float16 pairs; NG_PAD / (32 num_warps) groups a thread in
     # registers for all its tiles), then walks the row tiles p // SLICES, + programs / SLICES, ...
     # of BLOCK_N weight rows [BLOCK_N, NG_S, 2] words. One slice: the outputs are stored; more: each
-    # slice's float32 sums go to part [SLICES, N] for _sum_slices_kernel. PIPELINE: the next
+    # slice's float32 sums go to part [SLICES, N] for slice_sum. PIPELINE: the next
     # tile's words and block scales are loaded before this tile's products (two tiles in flight)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
@@ -97,22 +98,6 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
             tl.store(part_ptr + sl * N + offs_n, out, mask=mn)
 
 
-@triton.jit
-def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, NB, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    # y = the K slices' float32 sums part [SLICES, N], added in slice order (the same bits on every
-    # run), plus the bias (period NB: N = rows * NB outputs), in y's dtype
-    pid = tl.program_id(0) + pdl_enter(PDL)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SLICES):
-        acc += tl.load(part_ptr + s * N + offs, mask=m, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % NB, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
-
-
 def nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, *, block_n, num_warps, programs_per_sm,
                          pipeline, programs, k_slices):
     """The persistent kernel's launch for ``nvfp4_fma_kernels.nvfp4_skinny_linear_fma(block_g=None)``
@@ -133,6 +118,5 @@ def nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, *, blo
         HAS_BIAS=bias is not None, BLOCK_N=block_n, PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps,
         **pdl_kwargs(x.device))
     if k_slices > 1:
-        _sum_slices_kernel[(cdiv(N, 1024),)](part, bias_arg, y, N, N, SLICES=k_slices, HAS_BIAS=bias is not None,
-                                             BLOCK=1024, num_warps=4, **pdl_kwargs(x.device))
+        sum_slices(part, bias, y, pdl=True)
     return y

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
 import quant_cases as qc  # noqa: E402
 from hybrid_engine.quantization.fp8 import (fp8_linear, fp8_scaled_mm, fp8_scaled_mm_ref,  # noqa: E402
                                             quantize_fp8)
-from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear  # noqa: E402
+from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear, fp8_skinny_linear_dot  # noqa: E402
 from hybrid_engine.quantization.nvfp4 import nvfp4_linear  # noqa: E402
 from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot  # noqa: E402
 
@@ -38,6 +38,18 @@ def _fp8_gpu(monkeypatch):
 def test_fp8_skinny_kernel(shape, per_channel, dtype):
     m, n, k = shape
     qc.check_fp8(fp8_skinny_linear, DEV, dtype, m, n, k, per_channel, seed=m + n)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,k_slices,per_channel", [((8, 4096, 21504), 6, True), ((8, 4096, 8192), 4, False),
+                                                        ((3, 1000, 2688), 3, True), ((5, 33, 272), 2, False)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_fp8_dot_kernel_k_slices(shape, k_slices, per_channel, dtype):
+    """The FP8 dot kernel with K in slices (float32 partial sums added in slice order with the
+    bias; a last slice shorter than the others) against the float32 twin."""
+    m, n, k = shape
+    qc.check_fp8(lambda *a: fp8_skinny_linear_dot(*a, block_n=32, block_k=512, k_slices=k_slices), DEV, dtype,
+                 m, n, k, per_channel, seed=m + n)
 
 
 # one row: the long-row (8, 2048, 8), the plain (2, 2048, 4) and the narrow-K (4, 1024, 4) configs

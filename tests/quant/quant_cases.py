@@ -304,6 +304,17 @@ def _cases():
         "fp8_dot_channel_f16": run(check_fp8, FP8_DOT_SHAPES, impl=small(fp8_skinny_linear_dot, block_n=16,
                                                                           block_k=64),
                                    device=cpu, dtype=f16, per_channel=True),
+        # K in slices of whole 32-wide tiles (1100: 35 tiles asked for 4 slices -> 9 + 9 + 9 + 8;
+        # 130: 5 tiles asked for 8 -> 5; 17: one tile, no split), per-tensor and per-channel scales
+        "fp8_dot_slices": lambda: max(
+            check_fp8(impl=lambda x, w, s, b, ks=ks: fp8_skinny_linear_dot(x, w, s, b, block_n=16, block_k=32,
+                                                                         k_slices=ks),
+                      device=cpu, dtype=f32, M=m, N=n, K=k, per_channel=pc, seed=i)
+            for i, (m, n, k, ks, pc) in enumerate([(8, 100, 1100, 4, True), (2, 37, 130, 8, False),
+                                                   (5, 1, 17, 3, True)])),
+        # the 2-8-row dispatch with K in slices: 4 at N <= 2048, 3 at N <= 8192 (K >= 4096)
+        "fp8_dispatch_slices": run(check_fp8, [(2, 40, 4096), (5, 2100, 4096)], impl=fp8_skinny_linear,
+                                   device=cpu, dtype=f16, per_channel=True),
         "fp8_dispatch": run(check_fp8, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
                             device=cpu, dtype=f16, per_channel=True),
         "fp8_fma_relu2": run(check_fp8_relu2, FP8_FMA_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_fma(

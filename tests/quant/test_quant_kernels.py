@@ -18,7 +18,7 @@ from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4, quantize_nvfp4, u
 from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases
 
 HERE = Path(__file__).resolve().parent
-CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16",
+CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16", "fp8_dot_slices", "fp8_dispatch_slices",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
          "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "fp8_experts_decode", "fp8_experts_decode_one",
@@ -250,3 +250,15 @@ def test_nvfp4_dot_kernel_refuses_the_tiles_it_cannot_run():
                     (dict(block_w=4, k_slices=0), "k_slices must be >= 1, got 0")):
         with pytest.raises(ValueError, match=msg):
             nvfp4_skinny_linear_dot(x, p, bs, gs, **kw)
+
+
+def test_fp8_dot_slices_rule_on_the_8b_shapes():
+    """The 2-8-row FP8 dispatch cuts K in slices for the narrow long-row projections only (the H200
+    sweep of 2026-11-28): out, down, q/o in 3, k/v in 4; in_proj, up_proj, lm_head and short rows
+    (K < 4096, the Nano widths) whole."""
+    from hybrid_engine.quantization.fp8_kernels import _dot_slices
+    got = {name: _dot_slices(N, K) for name, N, K in [
+        ("in_proj", 18560, 4096), ("out_proj", 4096, 8192), ("up_proj", 21504, 4096), ("down_proj", 4096, 21504),
+        ("q/o_proj", 4096, 4096), ("k/v_proj", 1024, 4096), ("lm_head", 131072, 4096), ("nano q_proj", 4096, 2688)]}
+    assert got == {"in_proj": 1, "out_proj": 3, "up_proj": 1, "down_proj": 3, "q/o_proj": 3, "k/v_proj": 4,
+                   "lm_head": 1, "nano q_proj": 1}
