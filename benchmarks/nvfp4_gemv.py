@@ -2,8 +2,9 @@
 (``nvfp4_skinny_linear``) and a config sweep of the three kernels (the FMA kernel at one row, the
 rows kernel at 2-8 rows, the dot kernel in both operand orders and with K in slices at more rows;
 the persistent one-row kernel up to K 8192, and with K in slices above) beside the bf16 skinny
-kernel (cuBLAS above 8 rows) on the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight copies beyond L2. Prints per
-shape and the totals weighted by calls per 8B decode step (lm_head included).
+kernel (cuBLAS above 8 rows) on the same shapes. Timing: ``benchmarks.common.graph_ms`` over weight
+copies beyond L2. Prints per shape and the totals weighted by calls per 8B decode step (lm_head
+included).
 
     python benchmarks/nvfp4_gemv.py [--m 1 2 4 8 32]
 """

@@ -83,7 +83,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, s
     mm, mn = offs_m < M, offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * swn
-    k_lo = tl.program_id(1) * K_S
+    k_lo = (tl.program_id(1) + z) * K_S
     for k0 in range(k_lo, tl.minimum(k_lo + K_S, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < K
@@ -97,7 +97,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, s
     else:
         acc *= tl.load(s_ptr)
     if SPLIT:
-        part = part_ptr + tl.program_id(1).to(tl.int64) * M * N
+        part = part_ptr + (tl.program_id(1) + z).to(tl.int64) * M * N
         tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=mm[:, None] & mn[None, :])
     else:
         if HAS_BIAS:
@@ -159,8 +159,8 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
     # benchmarks/results/2026-11-26-pdl-h100.md)
     if k_slices < 1:
         raise ValueError(f"fp8_skinny_linear_dot: k_slices must be >= 1, got {k_slices}")
-    k_s = cdiv(cdiv(K, k_slices), block_k) * block_k                    # inputs a slice, whole tiles
-    slices = cdiv(K, k_s)
+    k_s = max(block_k, cdiv(cdiv(K, k_slices), block_k) * block_k)      # inputs a slice, whole tiles
+    slices = max(1, cdiv(K, k_s))                                       # K = 0: one program, y = bias
     part = torch.empty((slices, M, N), dtype=torch.float32, device=x.device) if slices > 1 else y
     _fp8_dot_kernel[(cdiv(N, block_n), slices)](
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, part, M, N, K, k_s, x.stride(0),

@@ -165,8 +165,8 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
         raise ValueError(f"nvfp4_skinny_linear_dot: k_slices must be >= 1, got {k_slices}")
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     KW = K // 8
-    kw_s = cdiv(cdiv(KW, k_slices), block_w) * block_w              # words a slice, whole tiles
-    slices = cdiv(KW, kw_s)
+    kw_s = max(block_w, cdiv(cdiv(KW, k_slices), block_w) * block_w)    # words a slice, whole tiles
+    slices = max(1, cdiv(KW, kw_s))                                 # K = 0: one program, y = bias
     bias_arg = bias if bias is not None else weight_scale_2
     part = torch.empty((slices, M, N), dtype=torch.float32, device=x.device) if slices > 1 else y
     _nvfp4_dot_kernel[(cdiv(N, block_n), cdiv(M, block_m), slices)](

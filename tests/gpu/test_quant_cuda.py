@@ -81,8 +81,10 @@ def test_nvfp4_kernel(shape, dtype):
 def test_nvfp4_decode_is_exact_for_every_code_and_scale(M, N, dtype):
     """One-hot x rows: each output is one dequantized weight (a single nonzero product), so the
     kernels' PTX decode must give it exactly: every byte value in both nibbles, block scales over
-    the whole e4m3 range from 0 through the subnormals to 448, the FMA kernel (one row) and the dot
-    kernel in both operand orders (N >= 16384 puts the weight on the MMA's M side) and row tiles."""
+    the whole e4m3 range from 0 through the subnormals to 448, the FMA kernels (one row, rows) and
+    the dot kernel as the dispatch runs them (the weight on the MMA's M side, K permuted within each
+    word, in slices; row tiles), and the dot kernel with x on the M side (no dispatch rule takes it)
+    at 8 and 20 rows."""
     from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4
     K = 256
     g = torch.Generator().manual_seed(N + M)
@@ -94,19 +96,24 @@ def test_nvfp4_decode_is_exact_for_every_code_and_scale(M, N, dtype):
     want = dequantize_nvfp4(packed, bs, gs).t().to(dtype).to(DEV)              # [K, N], exact in dtype
     p, s, g1 = packed.to(DEV), bs.to(DEV), gs.to(DEV)
     eye = torch.eye(K, dtype=dtype, device=DEV)
-    for k0 in range(0, K, M):
-        rows = eye[k0:k0 + M]
-        y = nvfp4_skinny_linear(rows, p, s, g1)
-        assert torch.equal(y, want[k0:k0 + rows.shape[0]]), f"inputs {k0}..{k0 + rows.shape[0] - 1}"
+    impls = [nvfp4_skinny_linear]
+    if M in (8, 20):
+        impls.append(lambda *a: nvfp4_skinny_linear_dot(*a, block_n=32, block_w=32, swap=False))
+    for impl in impls:
+        for k0 in range(0, K, M):
+            rows = eye[k0:k0 + M]
+            y = impl(rows, p, s, g1)
+            assert torch.equal(y, want[k0:k0 + rows.shape[0]]), f"inputs {k0}..{k0 + rows.shape[0] - 1}"
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(2, 4096, 8192), (8, 1024, 4096), (8, 18560, 4096), (32, 4096, 4096),
-                                   (32, 21504, 4096), (128, 4096, 1024), (5, 33, 272)],
+                                   (32, 21504, 4096), (128, 4096, 1024), (5, 33, 272), (8, 4096, 21504),
+                                   (8, 4096, 8192)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
 def test_nvfp4_dot_kernel_at_the_rule(shape, dtype):
-    """The dot kernel at the dispatch rule's configs (both operand orders, 16/32/64-row tiles)
-    against the float32 twin."""
+    """The multi-row dispatch at its configs (the rows kernel; the dot kernel with the weight on the
+    MMA's M side, K in slices, 16/32/64-row tiles) against the float32 twin."""
     m, n, k = shape
     qc.check_nvfp4(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=n + m)
 

@@ -143,6 +143,26 @@ def check_nvfp4_zero_rows(device):
     return 0.0
 
 
+def check_zero_k(device):
+    """K = 0 (an empty reduction) through the dot kernels with K in slices: one program, y = the
+    bias (zeros without), no division by an empty slice."""
+    from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear_dot
+    from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot
+    packed, bs, gs = (t.to(device) for t in quantize_nvfp4(torch.randn(40, 32)))
+    bias = torch.randn(40, device=device)
+    x = torch.zeros(5, 0, device=device)
+    p0, bs0 = packed[:, :0], bs[:, :0]
+    w_q, s = quantize_fp8(torch.randn(40, 32), True)
+    with poisoned_empty():
+        got = ((nvfp4_skinny_linear(x, p0, bs0, gs, bias), bias.expand(5, 40)),
+               (nvfp4_skinny_linear_dot(x, p0, bs0, gs, None, block_n=64, block_w=16, swap=True, k_slices=4),
+                torch.zeros(5, 40)),
+               (fp8_skinny_linear_dot(x, w_q[:, :0].to(device), s.to(device), bias, k_slices=3), bias.expand(5, 40)))
+    for y, want in got:
+        assert torch.equal(y, want.to(y)), (y, want)
+    return 0.0
+
+
 def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     """routed_experts_triton with FP8 merged experts (per-expert scales) vs the reference with the
     weights dequantized exactly (float32 h: the same arithmetic up to summation order)."""
@@ -383,6 +403,7 @@ def _cases():
             M=3)
             for lo, hi in ((-8, 8), (20, 20))),
         "nvfp4_zero_rows": lambda: check_nvfp4_zero_rows(cpu),
+        "dot_zero_k": lambda: check_zero_k(cpu),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),
         "fp8_rmsnorm_no_residual": lambda: check_add_rmsnorm_fp8(cpu, f32, 3, 40, seed=1, residual=False),

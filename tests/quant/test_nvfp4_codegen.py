@@ -57,14 +57,29 @@ def test_rows_kernel_compiles_with_ptx(dtype, rows, block_n, block_g):
     assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 7 * rows
 
 
+def _dot_rule_configs():
+    """Every distinct dot-kernel launch the dispatch rule makes on the 8B shapes at 3-128 rows (row
+    tile, tile, operand order, stages, sliced or not), and the x-on-the-M-side form the sweeps use."""
+    from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+    from hybrid_engine.quantization.nvfp4_kernels import _dot_config
+    out = {(16, 32, 32, False, 3, True)}
+    for N, K in [(18560, 4096), (4096, 8192), (21504, 4096), (4096, 21504), (4096, 4096), (1024, 4096),
+                 (131072, 4096)]:
+        for M in (3, 8, 20, 32, 64, 128):
+            c = _dot_config(M, N, K)
+            bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+            kw = K // 8
+            kw_s = cdiv(cdiv(kw, c["k_slices"]), c["block_w"]) * c["block_w"]
+            out.add((bm, c["block_n"], c["block_w"], c["swap"], c["num_stages"], cdiv(kw, kw_s) > 1))
+    return sorted(out)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("block_m,block_n,block_w,swap,stages,split", [
-    (16, 64, 16, True, 4, False), (32, 64, 16, True, 3, False), (16, 32, 32, False, 3, True),
-    (32, 16, 64, False, 3, False), (64, 64, 32, True, 3, True)])
+@pytest.mark.parametrize("block_m,block_n,block_w,swap,stages,split", _dot_rule_configs())
 def test_dot_kernel_compiles_with_ptx(dtype, block_m, block_n, block_w, swap, stages, split):
-    """The dot kernel at the dispatch rule's configs (``_dot_config``): the PTX decode (one packed
-    scale FMA per pair), the permuted-K joins and x's permute, the tensor-core MMA, and K in slices
-    (float32 partial sums stored)."""
+    """The dot kernel at every config the dispatch rule (``_dot_config``) launches on the 8B shapes:
+    the PTX decode (one packed scale FMA per pair), the permuted-K joins and x's permute, the
+    tensor-core MMA, and K in slices (float32 partial sums stored)."""
     from hybrid_engine.quantization.nvfp4_kernels import _nvfp4_dot_kernel
     ptx = _compile(_nvfp4_dot_kernel, dtype, dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
                                                   SWAP=swap, SHIFT=8 if dtype == "bf16" else 7, PTX=True,
