@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 
 def project_relu2(proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``proj(relu2(h))``; a projection with a ``forward_relu2`` method applies the activation
-    itself (``Fp8Linear``, ``Linear``: as their FMA kernels load x, or the relu² kernel first). A module with forward hooks
+    itself (``Fp8Linear``, ``Nvfp4Linear``, ``Linear``: as their FMA kernels load x, or the relu² kernel first). A module with forward hooks
     registered, its own or global ones (calibration, debugging), is called as a module so they
     still see its input."""
     fused = getattr(proj, "forward_relu2", None)

@@ -142,6 +142,11 @@ class Nvfp4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
 
+    def forward_relu2(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(relu2(x))`` (``layers.project_relu2``): the one-row decode kernel applies relu² as
+        it loads x, so a batch-1 decode step has no relu² launch."""
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias, relu2=True)
+
 
 # ------------------------------------------------------------------------------------ the factory
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
+from hybrid_engine.models.activation import relu2 as relu2_act
 
 from .fp8 import FP8, FP8_MAX
 
@@ -86,19 +87,27 @@ def nvfp4_linear_ref(x, packed, weight_scale, weight_scale_2, bias=None):
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
-                 weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x.dtype (paths: module docstring)."""
+                 weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 relu2: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype (paths: module docstring). ``relu2``: the projection of
+    ``activation.relu2(x)``; the one-row decode kernel applies it as it loads x, the other paths
+    call ``relu2`` first."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     N = packed.shape[0]
     if x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16):
         if x2.shape[0] <= MAX_SKINNY_ROWS and kernel_backend("nvfp4_skinny_linear", x2.device) == "triton":
             from .nvfp4_kernels import nvfp4_skinny_linear
-            return nvfp4_skinny_linear(x2.contiguous(), packed, weight_scale, weight_scale_2, bias).view(*lead, N)
+            return nvfp4_skinny_linear(x2.contiguous(), packed, weight_scale, weight_scale_2, bias,
+                                       relu2=relu2).view(*lead, N)
+        if relu2:
+            x2 = relu2_act(x2)
         # prefill: e2m1 * block scale is exact in 16 bits; the global scale goes on the output
         w16 = (unpack_e2m1(packed) * weight_scale.float().repeat_interleave(GROUP, dim=1)).to(x2.dtype)
         y = (F.linear(x2, w16).float() * weight_scale_2.float())
         if bias is not None:
             y = y + bias.float()
         return y.to(x2.dtype).view(*lead, N)
+    if relu2:
+        x2 = relu2_act(x2)
     return nvfp4_linear_ref(x2, packed, weight_scale, weight_scale_2, bias).view(*lead, N)

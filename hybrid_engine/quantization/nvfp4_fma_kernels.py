@@ -132,7 +132,8 @@ def _nvfp4_rows_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, M, N, KW, sxm
 
 
 def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, *, block_n=4, block_g=256,
-                            num_warps=4, programs_per_sm=4, pipeline=False, programs=None, k_slices=1):
+                            num_warps=4, programs_per_sm=4, pipeline=False, programs=None, k_slices=1,
+                            relu2=False):
     """x [1, K] (bf16/fp16) @ dequant(packed)^T -> [1, N] in x.dtype: register FMAs, no tensor cores
     (one row: the dot kernel's 16-row MMA tiles and their operand shuffles are overhead).
 
@@ -141,18 +142,21 @@ def nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias=None, 
     MAX_PERSISTENT_GROUPS); ``programs_per_sm`` (or ``programs``) sizes its grid, ``pipeline``
     keeps the next tile's loads in flight. ``k_slices`` > 1 cuts K into that many slices, each
     program taking one, and a second launch adds their float32 sums in slice order (for rows too
-    long for one program's registers: the dispatch rule's choice above K 8192)."""
+    long for one program's registers: the dispatch rule's choice above K 8192). ``relu2``: the
+    projection of ``activation.relu2(x)``, applied as the persistent kernel loads x (its only form)."""
     M, K = x.shape
     N = packed.shape[0]
     _check_layout(x, packed, weight_scale, weight_scale_2)
     assert M == 1, "the FMA kernel takes one row"
     _check_x_dtype(x)
+    if relu2 and block_g is not None:
+        raise ValueError("nvfp4_skinny_linear_fma: relu2 needs the persistent kernel (block_g=None)")
     words = packed.view(torch.int32)                        # [N, K / 8], row stride packed.stride(0) / 4
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if block_g is None:
         return nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, block_n=block_n,
                                     num_warps=num_warps, programs_per_sm=programs_per_sm, pipeline=pipeline,
-                                    programs=programs, k_slices=k_slices)
+                                    programs=programs, k_slices=k_slices, relu2=relu2)
     _nvfp4_fma_kernel[(cdiv(N, block_n),)](
         x, words, weight_scale, weight_scale_2, bias if bias is not None else weight_scale_2, y, N, K // 8,
         words.stride(0), weight_scale.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,

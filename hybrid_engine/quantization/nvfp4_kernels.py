@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+from hybrid_engine.models.activation import relu2 as relu2_act
 
 from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx, _use_ptx
 from .nvfp4_fma_kernels import _fma_config, _rows_config, nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
@@ -198,14 +199,18 @@ def _dot_config(M: int, N: int, K: int) -> dict:
     return dict(block_n=64, block_w=16, swap=True, num_stages=4, k_slices=slices)
 
 
-def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None):
+def nvfp4_skinny_linear(x, packed, weight_scale, weight_scale_2, bias=None, relu2: bool = False):
     """x [M <= 128, K] (bf16/fp16) @ dequant(packed)^T -> [M, N] in x.dtype at the measured configs:
     the FMA kernel for one row, the rows kernel for 2 rows (3-4 on the narrowest projections,
-    N <= 2048), else the dot kernel."""
+    N <= 2048), else the dot kernel. ``relu2``: the projection of ``activation.relu2(x)``, applied
+    as the one-row kernel loads x (no relu² launch), by the relu² kernel first for more rows."""
     M, K = x.shape
     N = packed.shape[0]
     if M == 1:
-        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, **_fma_config(N, K))
+        return nvfp4_skinny_linear_fma(x, packed, weight_scale, weight_scale_2, bias, relu2=relu2,
+                                       **_fma_config(N, K))
+    if relu2:
+        x = relu2_act(x)
     rows = _rows_config(M, N, K)
     if rows is not None:
         return nvfp4_skinny_linear_rows(x, packed, weight_scale, weight_scale_2, bias, **rows)

@@ -23,6 +23,8 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 from .nvfp4_decode import _use_ptx
+from hybrid_engine.models.activation import proj_input_f32, relu2_flags
+
 from .slice_sum import sum_slices
 from .nvfp4_group_dot import _group_dot, _pairs_dot, _x_lohi, _x_pairs, _x_scaled
 
@@ -36,14 +38,17 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
                                  NG: tl.constexpr, NG_S: tl.constexpr, NG_PAD: tl.constexpr,
                                  SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                                  BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr = False,
-                                 PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+                                 PTX: tl.constexpr = False, RELU2: tl.constexpr = False,
+                                 BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False):
     # one row of x, K = 16 NG inputs, in SLICES slices of NG_S groups: program p takes slice
     # p % SLICES whole per tile. Each program prepares its slice of x once (as the looped kernel
     # does per tile: group powers of two, float16 pairs; NG_PAD / (32 num_warps) groups a thread in
     # registers for all its tiles), then walks the row tiles p // SLICES, + programs / SLICES, ...
     # of BLOCK_N weight rows [BLOCK_N, NG_S, 2] words. One slice: the outputs are stored; more: each
     # slice's float32 sums go to part [SLICES, N] for slice_sum. PIPELINE: the next
-    # tile's words and block scales are loaded before this tile's products (two tiles in flight)
+    # tile's words and block scales are loaded before this tile's products (two tiles in flight).
+    # RELU2: x is relu(x)² rounded to x's dtype as it loads (the relu² MLP's down_proj), so the
+    # output is the projection of relu2(x) bit for bit without the relu² kernel's launch
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
@@ -54,7 +59,8 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
     offs_g = sl * NG_S + offs_s
     mg = (offs_s < NG_S) & (offs_g < NG)
     offs_c = tl.arange(0, 16)
-    xt = tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None], other=0.0).to(tl.float32)
+    xt = proj_input_f32(tl.load(x_ptr + offs_g[:, None] * 16 + offs_c[None, :], mask=mg[:, None], other=0.0),
+                        RELU2, BF16_BITS)
     xs, undo = _x_scaled(xt)                                                             # [NGP, 16], [NGP]
     fac = undo * tl.load(gs_ptr)  # on each group's factor, as in the looped kernel: acc holds y itself
     if PTX:
@@ -99,7 +105,7 @@ def _nvfp4_fma_persistent_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, par
 
 
 def nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, *, block_n, num_warps, programs_per_sm,
-                         pipeline, programs, k_slices):
+                         pipeline, programs, k_slices, relu2=False):
     """The persistent kernel's launch for ``nvfp4_fma_kernels.nvfp4_skinny_linear_fma(block_g=None)``
     (checked arguments, words = the packed weight as int32, y [1, N] to write)."""
     K, N = x.shape[1], words.shape[0]
@@ -116,7 +122,7 @@ def nvfp4_persistent_fma(x, words, weight_scale, weight_scale_2, bias, y, *, blo
         x, words, weight_scale, weight_scale_2, bias_arg, y, part, N, n_tiles, words.stride(0),
         weight_scale.stride(0), NG=NG, NG_S=NG_S, NG_PAD=next_pow2(NG_S), SLICES=k_slices,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, PIPELINE=pipeline, PTX=_use_ptx(x), num_warps=num_warps,
-        **pdl_kwargs(x.device))
+        **relu2_flags(x, relu2), **pdl_kwargs(x.device))
     if k_slices > 1:
         sum_slices(part, bias, y, pdl=True)
     return y

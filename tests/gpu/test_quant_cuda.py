@@ -41,6 +41,17 @@ def test_fp8_skinny_kernel(shape, per_channel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(1, 4096, 21504), (1, 1000, 2688), (2, 4096, 21504), (8, 4096, 21504)],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_nvfp4_relu2_on_load(shape, dtype):
+    """The NVFP4 dispatch with relu2: at one row the persistent kernel applies relu² as it loads x
+    (3 slices at K 21504), more rows run the relu² kernel first; bit for bit the projection of
+    relu2_ref(x)."""
+    m, n, k = shape
+    qc.check_nvfp4_relu2(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=m + n)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape,k_slices,per_channel", [((8, 4096, 21504), 6, True), ((8, 4096, 8192), 4, False),
                                                         ((3, 1000, 2688), 3, True), ((5, 33, 272), 2, False)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))

@@ -110,6 +110,34 @@ def check_nvfp4(impl, device, dtype, M, N, K, bias=True, seed=0, tol=None):
     return err
 
 
+def check_nvfp4_relu2(impl, device, dtype, M, N, K, bias=True, seed=0):
+    """impl(x, packed, bs, gs, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied
+    as x is loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32
+    twin."""
+    from hybrid_engine.models.activation import relu2_ref
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 3)
+    x[:, ::5] = 0.0
+    x[:, 2::11] *= 4 if dtype == torch.float16 else 40     # squares below float16's 65504
+    x = x.to(dtype)
+    act = relu2_ref(x)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
+    x, act = x.to(device), act.to(device)
+    b = b.to(device) if bias else None
+    with poisoned_empty():
+        fused = impl(x, packed, bs, gs, b, relu2=True)
+        plain = impl(act, packed, bs, gs, b)
+    assert torch.equal(fused, plain), f"nvfp4 relu2 M={M} N={N} K={K}: fused differs from the relu2 tensor"
+    assert not torch.equal(fused, impl(x, packed, bs, gs, b)), "relu2 was not applied"
+    ref = nvfp4_linear_ref(act.float(), packed.cpu(), bs.cpu(), gs.cpu(), None if b is None else b.float().cpu())
+    err = _rel(fused.float().cpu(), ref)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert err <= tol, f"nvfp4 relu2 M={M} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
 def check_nvfp4_x_range(impl, device, dtype, N, K, lo, hi, seed=0, tol=None, M=1):
     """M rows of x whose 16-input groups each have their own magnitude 10^u, u uniform in [lo, hi]
     (lo == hi: every group alike): the one-row kernel scales each group by a power of two before its
@@ -403,6 +431,15 @@ def _cases():
             M=3)
             for lo, hi in ((-8, 8), (20, 20))),
         "nvfp4_zero_rows": lambda: check_nvfp4_zero_rows(cpu),
+        # relu² as the persistent one-row kernel loads x (one slice, and K in 3 slices), and the
+        # dispatch: the one-row kernel, the relu² kernel first for more rows
+        "nvfp4_persistent_relu2": lambda: max(
+            check_nvfp4_relu2(lambda x, p, s, g, b, kw=kw, **k: nvfp4_skinny_linear_fma(
+                x, p, s, g, b, block_g=None, programs=3, **kw, **k), cpu, dt, 1, n, kk, seed=i)
+            for i, (dt, n, kk, kw) in enumerate([(f32, 33, 272, dict(block_n=4)), (f16, 20, 160, dict(block_n=2)),
+                                                 (f32, 9, 96, dict(block_n=4, k_slices=3, pipeline=True))])),
+        "nvfp4_dispatch_relu2": run(check_nvfp4_relu2, [(1, 40, 64), (3, 40, 64)], impl=nvfp4_skinny_linear,
+                                    device=cpu, dtype=f16),
         "dot_zero_k": lambda: check_zero_k(cpu),
         "fp8_quantize_rows": lambda: check_quantize_rows(quantize_rows_fp8, cpu, block_k=256),
         "fp8_add_rmsnorm": lambda: check_add_rmsnorm_fp8(cpu, torch.bfloat16, 5, 96),

@@ -40,11 +40,13 @@ def test_one_row_kernel_compiles_with_ptx(dtype, block_n, block_g):
 @pytest.mark.parametrize("block_n,groups,num_warps,pipeline,slices", [
     (2, 256, 4, True, 1), (4, 256, 8, True, 1), (4, 512, 4, False, 1), (2, 168, 4, False, 1), (2, 448, 4, True, 3)])
 def test_persistent_kernel_compiles_with_ptx(dtype, block_n, groups, num_warps, pipeline, slices):
-    ptx = _compile(_nvfp4_fma_persistent_kernel, dtype,
-                   dict(NG=groups * slices, NG_S=groups, NG_PAD=1 << (groups - 1).bit_length(), SLICES=slices,
-                        HAS_BIAS=True, BLOCK_N=block_n, PIPELINE=pipeline, PTX=True, PDL=True), num_warps=num_warps)
-    assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
-    assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
+    for relu2 in (False, True):        # relu² as x loads: the relu² MLP's down_proj (8B: 3 slices)
+        ptx = _compile(_nvfp4_fma_persistent_kernel, dtype,
+                       dict(NG=groups * slices, NG_S=groups, NG_PAD=1 << (groups - 1).bit_length(), SLICES=slices,
+                            HAS_BIAS=True, BLOCK_N=block_n, PIPELINE=pipeline, PTX=True, RELU2=relu2,
+                            BF16_BITS=False, PDL=True), num_warps=num_warps)
+        assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
+        assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

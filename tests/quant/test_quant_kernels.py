@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_dot_tensor", "fp8_dot_channel_f16", "fp8_dot_slices", "fp8_dispatch_slices",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
-         "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "dot_zero_k", "fp8_experts_decode", "fp8_experts_decode_one",
+         "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "dot_zero_k", "nvfp4_persistent_relu2", "nvfp4_dispatch_relu2", "fp8_experts_decode", "fp8_experts_decode_one",
          "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dispatch_relu2"]
 
 
@@ -119,6 +119,31 @@ def test_fp8_cpu_dispatch_is_the_exact_reference():
     want = (x.float().reshape(-1, 32) @ (w_q.float() * s[:, None]).T).to(torch.bfloat16).view(3, 5, 24)
     assert torch.equal(y, want)
     assert torch.equal(fp8_linear_ref(x.reshape(-1, 32), w_q, s), want.view(-1, 24))
+
+
+@torch.no_grad()
+def test_relu2_mlp_hands_the_activation_to_an_nvfp4_down_proj():
+    """The relu² MLP gives its up projection's output to an ``Nvfp4Linear`` down_proj's
+    ``forward_relu2`` (the one-row CUDA kernel applies relu² as it loads x); on CPU that equals
+    down_proj(relu2(h)) exactly, at one row and at several."""
+    from hybrid_engine.models.activation import relu2_ref
+    from hybrid_engine.models.layers import MLP
+    from hybrid_engine.quantization.linear import Nvfp4Linear
+    g = torch.Generator().manual_seed(6)
+    mlp = MLP(32, 48)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    mlp.down_proj = Nvfp4Linear.quantized_from(mlp.down_proj)
+    calls = []
+    hook = mlp.down_proj.forward_relu2
+    mlp.down_proj.forward_relu2 = lambda h: calls.append(h.shape) or hook(h)
+    for rows in (1, 7):
+        x = torch.randn(rows, 32, generator=g)
+        y = mlp(x)
+        h = mlp.up_proj(x)
+        assert torch.equal(y, mlp.down_proj(relu2_ref(h)))
+        assert not torch.equal(y, mlp.down_proj(h))              # the activation really was applied
+    assert calls == [(1, 48), (7, 48)]
 
 
 @torch.no_grad()
