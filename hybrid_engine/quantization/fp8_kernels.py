@@ -207,8 +207,8 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
     # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us). K in slices
-    # for the narrow long rows (N <= 8192, K >= 4096: 128 programs or fewer otherwise), H200 sweep at
-    # 8 rows (benchmarks/results/2026-11-28-fp8-dot-slices-h200.md): down_proj 52.8 -> 37.8 us in 3
+    # for the narrow long rows (N <= 8192, K >= 4096: 32-256 programs otherwise; N 4096 and 1024
+    # swept, 4096 < N <= 8192 not), H200 sweep at 8 rows (benchmarks/results/2026-11-28-fp8-dot-slices-h200.md): down_proj 52.8 -> 37.8 us in 3
     # slices, out_proj 22.7 -> 17.5, q/o_proj 13.2 -> 11.6, k/v_proj 11.6 -> 6.4 in 4; one step's
     # projections 4.00 -> ~3.45 ms (bf16 4.27). The wide ones gain nothing (in_proj 34.5 -> 35.1 in 2)
     return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,

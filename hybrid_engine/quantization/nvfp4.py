@@ -14,7 +14,9 @@ global scale once per output.
 ``nvfp4_linear``: CUDA with 16-bit x and at most 128 rows -> ``nvfp4_kernels.nvfp4_skinny_linear`` (decode
 in registers: the packed weight's bytes, a quarter of bf16's); more rows on CUDA -> the weight dequantized to
 x.dtype (exact up to the global scale, applied to the output) and cuBLAS; CPU / float32 ->
-``nvfp4_linear_ref`` (exact float32 dequantization and matmul).
+``nvfp4_linear_ref`` (exact float32 dequantization and matmul). ``relu2=True`` (the relu² MLP's
+down_proj, ``Nvfp4Linear.forward_relu2``): the one-row kernel applies relu² as it loads x; every
+other path runs ``activation.relu2`` first.
 """
 from __future__ import annotations
 

@@ -21,10 +21,9 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-
-from .nvfp4_decode import _use_ptx
 from hybrid_engine.models.activation import proj_input_f32, relu2_flags
 
+from .nvfp4_decode import _use_ptx
 from .slice_sum import sum_slices
 from .nvfp4_group_dot import _group_dot, _pairs_dot, _x_lohi, _x_pairs, _x_scaled
 

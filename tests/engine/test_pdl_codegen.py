@@ -38,6 +38,12 @@ CASES = {
                                       M="i32", N="i32", K="i32", K_S="i32", sxm="i32", swn="i32", sym="i32"),
                 dict(PER_CHANNEL=True, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, SPLIT=False),
                 dict(num_warps=4, num_stages=3)),
+    # K in slices (the rule's form on the narrow long rows): float32 partials stored
+    "fp8_dot_split": (_fp8_dot_kernel, dict(x_ptr=BF, w_ptr=F8, s_ptr="*fp32", b_ptr="*fp32", y_ptr=BF,
+                                            part_ptr="*fp32", M="i32", N="i32", K="i32", K_S="i32", sxm="i32",
+                                            swn="i32", sym="i32"),
+                      dict(PER_CHANNEL=True, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, SPLIT=True),
+                      dict(num_warps=4, num_stages=3)),
     "rmsnorm": (_rmsnorm_kernel, dict(x_ptr=BF, r_ptr=BF, r_out_ptr=BF, w_ptr=BF, out_ptr=BF, s_ptr=BF,
                                       D="i32", eps="fp32", sx="i32", sr="i32", sro="i32", so="i32"),
                 dict(ADD_RESIDUAL=True, BLOCK_D=4096, FP8_OUT=False, HW_ROUND=True), dict(num_warps=16)),
@@ -72,7 +78,7 @@ CASES = {
              ROW_SPLIT=True),
         dict(num_warps=4)),
 }
-ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "D", "sxm", "swn", "sym",
+ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", "K", "K_S", "D", "sxm", "swn", "sym",
            "sx", "sr", "sro", "so", "s_am", "s_we", "s_wn", "s_om", "q_ptr", "k_ptr", "v_ptr", "o_ptr", "sq_t",
            "sk_b", "sk_o", "sv_b", "sv_o", "so_t", "hd"}
 

@@ -49,6 +49,8 @@ def test_nvfp4_relu2_on_load(shape, dtype):
     relu2_ref(x)."""
     m, n, k = shape
     qc.check_nvfp4_relu2(nvfp4_skinny_linear, DEV, dtype, m, n, k, seed=m + n)
+    if m == 8:                          # above 128 rows: the prefill path (the relu² kernel first)
+        qc.check_nvfp4_relu2(nvfp4_linear, DEV, dtype, 200, 1000, 2688, seed=1)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -368,8 +368,8 @@ def _cases():
         "fp8_fma_relu2": run(check_fp8_relu2, FP8_FMA_SHAPES, impl=lambda x, w, s, b, **k: fp8_skinny_linear_fma(
             x, w, s, b, block_n=8, block_k=64, **k), device=cpu, dtype=torch.bfloat16, per_channel=True),
         # the dispatcher: relu² on load for one row, the relu² kernel then the dot kernel for more
-        "fp8_dispatch_relu2": run(check_fp8_relu2, [(m, 40, 96) for m in range(1, 9)], impl=fp8_skinny_linear,
-                                  device=cpu, dtype=f16, per_channel=True),
+        "fp8_dispatch_relu2": run(check_fp8_relu2, [(m, 40, 96) for m in range(1, 9)] + [(5, 2100, 4096), (8, 40, 4100)],
+                                  impl=fp8_skinny_linear, device=cpu, dtype=f16, per_channel=True),
         "nvfp4_dot": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
             x, p, s, g, b, block_n=16, block_w=4), device=cpu, dtype=f32),
         "nvfp4_dot_swap": run(check_nvfp4, NVFP4_SHAPES, impl=lambda x, p, s, g, b: nvfp4_skinny_linear_dot(
@@ -437,7 +437,9 @@ def _cases():
             check_nvfp4_relu2(lambda x, p, s, g, b, kw=kw, **k: nvfp4_skinny_linear_fma(
                 x, p, s, g, b, block_g=None, programs=3, **kw, **k), cpu, dt, 1, n, kk, seed=i)
             for i, (dt, n, kk, kw) in enumerate([(f32, 33, 272, dict(block_n=4)), (f16, 20, 160, dict(block_n=2)),
-                                                 (f32, 9, 96, dict(block_n=4, k_slices=3, pipeline=True))])),
+                                                 (f32, 9, 96, dict(block_n=4, k_slices=3, pipeline=True)),
+                                                 (torch.bfloat16, 33, 272, dict(block_n=4)),
+                                                 (torch.bfloat16, 9, 96, dict(block_n=4, k_slices=3, pipeline=True))])),
         "nvfp4_dispatch_relu2": run(check_nvfp4_relu2, [(1, 40, 64), (3, 40, 64)], impl=nvfp4_skinny_linear,
                                     device=cpu, dtype=f16),
         "dot_zero_k": lambda: check_zero_k(cpu),
