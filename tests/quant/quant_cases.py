@@ -69,18 +69,24 @@ def check_fp8(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0, tol=
     return err
 
 
-def check_fp8_relu2(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0):
-    """impl(x, w_q, s, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied as x is
-    loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32 twin."""
+def _relu2_inputs(M, N, K, dtype, bias, seed):
+    """x [M, K] in dtype with zeros and large values (squares below float16's 65504), relu2_ref(x),
+    a float32 weight [N, K] and an optional bias, for the relu²-on-load checks."""
     from hybrid_engine.models.activation import relu2_ref
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=g) * 3)
     x[:, ::5] = 0.0
-    x[:, 2::11] *= 4 if dtype == torch.float16 else 40     # squares below float16's 65504
+    x[:, 2::11] *= 4 if dtype == torch.float16 else 40
     x = x.to(dtype)
-    act = relu2_ref(x)
     w = torch.randn(N, K, generator=g) / K ** 0.5
     b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, relu2_ref(x), w, b
+
+
+def check_fp8_relu2(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0):
+    """impl(x, w_q, s, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied as x is
+    loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32 twin."""
+    x, act, w, b = _relu2_inputs(M, N, K, dtype, bias, seed)
     w_q, s = quantize_fp8(w, per_channel)
     x, act, w_q, s = x.to(device), act.to(device), w_q.to(device), s.to(device)
     b = b.to(device) if bias else None
@@ -114,15 +120,7 @@ def check_nvfp4_relu2(impl, device, dtype, M, N, K, bias=True, seed=0):
     """impl(x, packed, bs, gs, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied
     as x is loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32
     twin."""
-    from hybrid_engine.models.activation import relu2_ref
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(M, K, generator=g) * 3)
-    x[:, ::5] = 0.0
-    x[:, 2::11] *= 4 if dtype == torch.float16 else 40     # squares below float16's 65504
-    x = x.to(dtype)
-    act = relu2_ref(x)
-    w = torch.randn(N, K, generator=g) / K ** 0.5
-    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    x, act, w, b = _relu2_inputs(M, N, K, dtype, bias, seed)
     packed, bs, gs = (t.to(device) for t in quantize_nvfp4(w))
     x, act = x.to(device), act.to(device)
     b = b.to(device) if bias else None

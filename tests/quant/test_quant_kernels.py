@@ -121,22 +121,29 @@ def test_fp8_cpu_dispatch_is_the_exact_reference():
     assert torch.equal(fp8_linear_ref(x.reshape(-1, 32), w_q, s), want.view(-1, 24))
 
 
+def _relu2_mlp(quantized_linear, seed):
+    """A relu² MLP (32 -> 48 -> 32, O(1) weights) whose down_proj is ``quantized_linear`` made from
+    its 16-bit one, with the down_proj's ``forward_relu2`` recording each input shape in ``calls``."""
+    from hybrid_engine.models.layers import MLP
+    g = torch.Generator().manual_seed(seed)
+    mlp = MLP(32, 48)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=g))
+    mlp.down_proj = quantized_linear.quantized_from(mlp.down_proj)
+    calls = []
+    hook = mlp.down_proj.forward_relu2
+    mlp.down_proj.forward_relu2 = lambda h: calls.append(h.shape) or hook(h)
+    return mlp, calls, g
+
+
 @torch.no_grad()
 def test_relu2_mlp_hands_the_activation_to_an_nvfp4_down_proj():
     """The relu² MLP gives its up projection's output to an ``Nvfp4Linear`` down_proj's
     ``forward_relu2`` (the one-row CUDA kernel applies relu² as it loads x); on CPU that equals
     down_proj(relu2(h)) exactly, at one row and at several."""
     from hybrid_engine.models.activation import relu2_ref
-    from hybrid_engine.models.layers import MLP
     from hybrid_engine.quantization.linear import Nvfp4Linear
-    g = torch.Generator().manual_seed(6)
-    mlp = MLP(32, 48)
-    for p in mlp.parameters():
-        p.copy_(torch.randn(p.shape, generator=g))
-    mlp.down_proj = Nvfp4Linear.quantized_from(mlp.down_proj)
-    calls = []
-    hook = mlp.down_proj.forward_relu2
-    mlp.down_proj.forward_relu2 = lambda h: calls.append(h.shape) or hook(h)
+    mlp, calls, g = _relu2_mlp(Nvfp4Linear, seed=6)
     for rows in (1, 7):
         x = torch.randn(rows, 32, generator=g)
         y = mlp(x)
@@ -152,17 +159,9 @@ def test_relu2_mlp_hands_the_activation_to_an_fp8_down_proj():
     ``forward_relu2`` (which applies relu² inside the W8A8 quantizer on CUDA); on CPU that equals
     down_proj(relu2(h)) exactly, and the CPU twin of the W8A8 path quantizes relu2(h)."""
     from hybrid_engine.models.activation import relu2_ref
-    from hybrid_engine.models.layers import MLP
     from hybrid_engine.quantization.fp8 import fp8_scaled_mm
     from hybrid_engine.quantization.linear import Fp8Linear
-    g = torch.Generator().manual_seed(5)
-    mlp = MLP(32, 48)
-    for p in mlp.parameters():
-        p.copy_(torch.randn(p.shape, generator=g))
-    mlp.down_proj = Fp8Linear.quantized_from(mlp.down_proj)
-    calls = []
-    hook = mlp.down_proj.forward_relu2
-    mlp.down_proj.forward_relu2 = lambda h: calls.append(h.shape) or hook(h)
+    mlp, calls, g = _relu2_mlp(Fp8Linear, seed=5)
     x = torch.randn(7, 32, generator=g)
     y = mlp(x)
     assert calls == [(7, 48)]
