@@ -31,7 +31,8 @@ from benchmarks.gemv import NANO_SHAPES, SHAPES  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear  # noqa: E402
 from hybrid_engine.quantization.fp8 import quantize_activations, quantize_fp8  # noqa: E402
 from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,  # noqa: E402
-                                                    fp8_skinny_linear_fma, quantize_rows_fp8)
+                                                    fp8_skinny_linear_fma)
+from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8  # noqa: E402
 
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (1, 2048, 4), (2, 2048, 4),

@@ -42,7 +42,7 @@ if triton_available():
     import triton.language as tl
 
     from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-    from hybrid_engine.quantization.fp8_kernels import _row_scale, _store_codes
+    from hybrid_engine.quantization.fp8_quantizer import _row_scale, _store_codes
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, r_out_ptr, w_ptr, out_ptr, s_ptr, D, eps, sx, sr, sro, so,

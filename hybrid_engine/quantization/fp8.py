@@ -10,7 +10,7 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   the activations stay 16-bit, so decode is at least as exact as W8A8);
 - CUDA, bfloat16 x, more rows (prefill) and K, N multiples of 16: ``torch._scaled_mm`` W8A8 on the
   FP8 tensor cores: activations quantized per tensor with the checkpoint's static ``input_scale``,
-  or per token (dynamic) when there is none, by one Triton pass (``fp8_kernels.quantize_rows_fp8``,
+  or per token (dynamic) when there is none, by one Triton pass (``fp8_quantizer.quantize_rows_fp8``,
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
 - otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
@@ -112,7 +112,7 @@ def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None, *, relu2: b
     ([M, 1] x [1, N]) otherwise. x [M, K] bfloat16, K and N multiples of 16. ``relu2``: the
     projection of relu(x)², the activation applied by the quantizer as it reads x."""
     if x.is_cuda:
-        from .fp8_kernels import quantize_rows_fp8
+        from .fp8_quantizer import quantize_rows_fp8
         x_q, xs = quantize_rows_fp8(x if x.stride(1) == 1 else x.contiguous(), input_scale, relu2=relu2)
     else:
         x_q, xs = quantize_activations(relu2_ref(x) if relu2 else x, input_scale)

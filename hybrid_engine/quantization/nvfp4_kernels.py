@@ -29,7 +29,7 @@ from hybrid_engine.models.activation import relu2 as relu2_act
 
 from .nvfp4_decode import _check_layout, _check_x_dtype, _nibble_f32, _pairs_ptx, _use_ptx
 from .nvfp4_fma_kernels import _fma_config, _rows_config, nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
-from .slice_sum import sum_slices
+from .slice_sum import slice_tiles, sum_slices
 
 MAX_ROWS = 128
 
@@ -114,22 +114,19 @@ def _nvfp4_dot_kernel(x_ptr, w_ptr, bs_ptr, gs_ptr, b_ptr, y_ptr, part_ptr, M, N
                          other=0.0)                                                               # [BM, BK]
             xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_M, BLOCK_W, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_W * 8])
             acc = tl.dot(xt, tl.trans(wt), acc)
-    gs = tl.load(gs_ptr) * (1 << SHIFT)
+    out = acc * (tl.load(gs_ptr) * (1 << SHIFT))
     if SPLIT:
-        out = acc * gs
         part = part_ptr + tl.program_id(2).to(tl.int64) * M * N
         if SWAP:
             tl.store(part + offs_m[None, :] * N + offs_n[:, None], out, mask=mm[None, :] & mn[:, None])
         else:
             tl.store(part + offs_m[:, None] * N + offs_n[None, :], out, mask=mm[:, None] & mn[None, :])
     elif SWAP:
-        out = acc * gs
         if HAS_BIAS:
             out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + offs_m[None, :] * sym + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
                  mask=mm[None, :] & mn[:, None])
     else:
-        out = acc * gs
         if HAS_BIAS:
             out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
@@ -158,16 +155,13 @@ def nvfp4_skinny_linear_dot(x, packed, weight_scale, weight_scale_2, bias=None, 
         # H200, Triton 3.6 (2026-11-28): with x on the MMA's M side, 2-word (16-input) tiles gave
         # wrong sums (relative error ~1) at every shape tried, 4-16 words and the swapped form exact
         raise ValueError(f"nvfp4_skinny_linear_dot: block_w must be >= 4 with swap=False, got {block_w}")
+    KW = K // 8
+    kw_s, slices = slice_tiles(KW, k_slices, block_w)               # words a slice, whole tiles
     words = packed.view(torch.int32)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    if k_slices < 1:
-        raise ValueError(f"nvfp4_skinny_linear_dot: k_slices must be >= 1, got {k_slices}")
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    KW = K // 8
-    kw_s = max(block_w, cdiv(cdiv(KW, k_slices), block_w) * block_w)    # words a slice, whole tiles
-    slices = max(1, cdiv(KW, kw_s))                                 # K = 0: one program, y = bias
     bias_arg = bias if bias is not None else weight_scale_2
     part = torch.empty((slices, M, N), dtype=torch.float32, device=x.device) if slices > 1 else y
     _nvfp4_dot_kernel[(cdiv(N, block_n), cdiv(M, block_m), slices)](

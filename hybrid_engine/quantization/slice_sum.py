@@ -27,6 +27,15 @@ def _sum_slices_kernel(part_ptr, b_ptr, y_ptr, N, NB, SLICES: tl.constexpr, HAS_
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
+def slice_tiles(total: int, k_slices: int, tile: int) -> tuple[int, int]:
+    """(slice length, slices): ``total`` (K in the kernel's units) cut into at most ``k_slices``
+    slices of whole ``tile``s; at least one slice of at least one tile (total 0: one empty slice)."""
+    if k_slices < 1:
+        raise ValueError(f"k_slices must be >= 1, got {k_slices}")
+    length = max(tile, cdiv(cdiv(total, k_slices), tile) * tile)
+    return length, max(1, cdiv(total, length))
+
+
 def sum_slices(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """part [slices, rows, N] float32 (contiguous) -> y [rows, N] (contiguous) = the slices' sum +
     bias [N]. ``pdl``: launched with programmatic dependent launch (``triton_pdl``)."""

@@ -223,7 +223,7 @@ def test_fp8_experts(T, grouped, dtype):
 def test_quantize_rows_kernel():
     """The prefill activation quantizer on CUDA: code for code equal to the torch twin (poisoned
     outputs, every e4m3 value and midpoint, odd widths, 1e-3..1e3 rows, a zero row)."""
-    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
     shapes = ((1, 5), (3, 130), (7, 1100), (300, 4096), (5, 21504))
     for block_k in (8192, 1024):                     # one pass (K <= block_k) and two
         for relu2 in (False, True):                  # relu² applied as the row is read (the MLP's down_proj)

@@ -289,7 +289,7 @@ def check_add_rmsnorm_fp8(device, dtype, T, D, seed=0, residual=True):
     (the norm's float32 sum may round differently from torch's). Returns the codes compared."""
     from hybrid_engine.models.rmsnorm import (add_rmsnorm_fp8, fused_add_rmsnorm_ref, fused_add_rmsnorm_triton,
                                               rmsnorm_ref, rmsnorm_triton)
-    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, D, generator=g) * torch.logspace(-3, 3, T)[:, None]).to(dtype)
     r = torch.randn(T, D, generator=g).to(dtype) if residual else None
@@ -326,8 +326,8 @@ NVFP4_ROWS_SHAPES = [(2, 33, 16), (3, 20, 48), (5, 19, 80), (8, 9, 272)]   # ROW
 
 
 def _cases():
-    from hybrid_engine.quantization.fp8_kernels import (fp8_skinny_linear, fp8_skinny_linear_dot,
-                                                        fp8_skinny_linear_fma, quantize_rows_fp8)
+    from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear, fp8_skinny_linear_dot, fp8_skinny_linear_fma
+    from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
     from hybrid_engine.quantization.nvfp4_fma_kernels import nvfp4_skinny_linear_fma, nvfp4_skinny_linear_rows
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot
     cpu, f32, f16 = "cpu", torch.float32, torch.float16

@@ -203,7 +203,7 @@ def test_fp8_stored_scale_shapes(shape):
 def test_quantize_rows_refuses_bad_inputs():
     """The prefill quantizer names what is wrong before any launch: a per-channel input_scale, or x
     that is not [M, K] with a unit inner stride."""
-    from hybrid_engine.quantization.fp8_kernels import quantize_rows_fp8
+    from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
     x = torch.randn(3, 32)
     with pytest.raises(ValueError, match="input_scale must have one element"):
         quantize_rows_fp8(x, torch.ones(32))
