@@ -1,6 +1,6 @@
 """Quantized-weight kernels and engine paths on CUDA (FP8-capable GPU: Ada / Hopper).
 
-Kernels vs their exact float32 twins (tests/quant/quant_cases.py: poisoned outputs, ragged rows,
+Kernels vs their exact float32 twins (tests/quant/quant_checks.py: poisoned outputs, ragged rows,
 odd widths) in bf16 and fp16; the W8A8 prefill path (``torch._scaled_mm``) vs ``fp8_scaled_mm_ref``;
 the public dispatch picks the kernels; and the engine: an FP8 / NVFP4 model generates the same
 greedy tokens with CUDA graphs and async scheduling as eagerly."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-import quant_cases as qc  # noqa: E402
+import quant_checks as qc  # noqa: E402
 from hybrid_engine.quantization.fp8 import (fp8_linear, fp8_scaled_mm, fp8_scaled_mm_ref,  # noqa: E402
                                             quantize_fp8)
 from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear, fp8_skinny_linear_dot  # noqa: E402
