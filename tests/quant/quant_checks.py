@@ -127,7 +127,7 @@ def check_nvfp4_relu2(impl, device, dtype, M, N, K, bias=True, seed=0):
         plain = impl(act, packed, bs, gs, b)
     assert torch.equal(fused, plain), f"nvfp4 relu2 M={M} N={N} K={K}: fused differs from the relu2 tensor"
     assert not torch.equal(fused, impl(x, packed, bs, gs, b)), "relu2 was not applied"
-    ref = nvfp4_linear_ref(act.float(), packed.cpu(), bs.cpu(), gs.cpu(), None if b is None else b.float().cpu())
+    ref = nvfp4_linear_ref(act.float().cpu(), packed.cpu(), bs.cpu(), gs.cpu(), None if b is None else b.float().cpu())
     err = _rel(fused.float().cpu(), ref)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert err <= tol, f"nvfp4 relu2 M={M} N={N} K={K}: rel err {err:.2e} > {tol:.0e}"
