@@ -40,8 +40,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     codes; None (16/32-bit caches): the values cast to the cache dtype.
 
     Padded tokens map into the null block 0 (duplicates there: last writer unspecified).
+    CUDA: one Triton launch (``triton_kv_write``); elsewhere two ``index_copy_``.
     """
     _check_scales(k_cache, k_scale, v_scale)
+    if _backend_for(k_cache.device) == "triton":
+        from .triton_kv_write import write_kv_supported, write_kv_triton
+        fast = write_kv_supported(k, v, k_cache, v_cache)
+        key = ("write_kv", str(fast))
+        if key not in _logged_backends:
+            _logged_backends.add(key)
+            (logger.info if fast else logger.warning)(
+                "write_kv on %s: %s", k_cache.device.type,
+                "triton" if fast else "torch index_copy_ (k / v rows not unit-stride or caches not contiguous)")
+        if fast:
+            write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return
     nkv, hd = k_cache.shape[-2:]
     kc = k_cache.view(-1, nkv, hd)                    # [N*bs, nkv, hd], shares storage
     vc = v_cache.view(-1, nkv, hd)

@@ -32,8 +32,9 @@ import torch
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
-from .step_io import NONFINITE, StepRows
+from .step_io import StepRows
 from .transfer import H2D, CurrentStream
+from .triton_greedy_verify import chunk_buffers, greedy_verify
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -52,8 +53,12 @@ class GreedyStepGraphs:
         self.tokens = [e64(bmax, 1), e64(bmax, 1)]     # [Bmax, 1] tokens of a parity's steps
         self.next_start = [e64(bmax), e64(bmax)]       # [Bmax] next start positions
         self.payload = [e64(bmax, 1), e64(bmax, 1)]    # [Bmax, 1] D2H payload: tokens, NONFINITE rows marked
-        self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (unread)
+        self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (greedy_verify's start)
         self._unused = e64(bmax)                       # num_valid / drafts inputs (read only for K > 0)
+        self._no_drafts = e64(bmax, 0)                 # [Bmax, 0] greedy_verify's drafts: none
+        self._pick_scratch = (e64(bmax), e64(bmax))    # greedy_verify's num_valid / next start (unread)
+        vocab_size = next(iter(self.fwd.values())).logits.shape[-1]
+        self._argmax_chunks = chunk_buffers(bmax, vocab_size, dev)   # greedy_verify's scratch
         # [N, W, prev (N), slot (N), block-table rows (N x W)]: the graphs hold its address
         self.staged = e64(2 + bmax * (2 + max_blocks))
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -76,12 +81,15 @@ class GreedyStepGraphs:
                               start_out=self._start, drafts_out=None, next_start_out=self.next_start[parity],
                               header=True)
         _, logits = EagerExecutor.forward(self.ex, g.fb)
-        tok = logits.argmax(-1, keepdim=True)
-        self.tokens[parity][:bucket].copy_(tok)
-        # argmax propagates NaN, so the logit at the argmax is finite iff the row's max is: the
-        # non-finite check of sampler.nonfinite_rows at the cost of a [B] gather (step_io.NONFINITE)
-        finite = torch.isfinite(logits.gather(-1, tok))
-        self.payload[parity][:bucket].copy_(torch.where(finite, tok, torch.full_like(tok, NONFINITE)))
+        # the argmax into tokens[q] and the payload (NONFINITE rows: sampler.nonfinite_rows' check)
+        # in two Triton launches: greedy_verify with no drafts. The torch form (argmax, a gather,
+        # isfinite, where, two copies) was seven launches, the argmax alone 8.9 us at 131072 ids
+        # (H100, results/2026-11-26-spec-step-cost-draft-vocab-8b-h100.json). Its num_valid and
+        # next start (start + 1, as prepare_decode's) go to scratch.
+        greedy_verify(logits, self._no_drafts[:bucket], self._start[:bucket],
+                      tokens_out=self.tokens[parity][:bucket], num_valid_out=self._pick_scratch[0][:bucket],
+                      next_start_out=self._pick_scratch[1][:bucket], payload_out=self.payload[parity][:bucket],
+                      chunks=self._argmax_chunks)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -41,7 +41,7 @@ PREFETCHING = {"_fp8_fma_kernel": "w_ptr"}
 POINTER_FROM_WAIT = {"_linear_fma_kernel": "x_ptr", "_linear_dot_kernel": "x_ptr",
                      "_fp8_fma_kernel": "x_ptr", "_fp8_dot_kernel": "x_ptr", "_nvfp4_fma_kernel": "x_ptr",
                      "_nvfp4_fma_persistent_kernel": "x_ptr",
-                     "_nvfp4_rows_kernel": "x_ptr"}
+                     "_nvfp4_rows_kernel": "x_ptr", "_write_kv_kernel": "ks_ptr"}
 
 
 def _pdl_kernels(module_name: str):

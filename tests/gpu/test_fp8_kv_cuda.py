@@ -7,6 +7,8 @@ eager (plain, MTP and draft-model speculation), and no host sync on the async st
 The same engine tests run on CPU in tests/engine/test_fp8_kv_cache.py and tests/quant/test_kv_scales.py
 (``HYBRID_ENGINE_TEST_DEVICE=cuda`` runs those on the GPU too)."""
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ from engine_steps import launch_steps_without_sync
 from hf_reference import fp8_kv_hooks, hf_greedy
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hybrid_engine.attention import ops as attn_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from kv_write_cases import CASES as KV_WRITE_CASES  # noqa: E402
+from kv_write_cases import check as kv_write_check  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +55,19 @@ def test_attention_fp8_kv_splits(num_splits, case):
     impl = functools.partial(triton_paged_attention, num_splits=num_splits)
     for dtype in (torch.float32, torch.bfloat16):
         ac.check_attention(impl, DEV, dtype, seed=num_splits, kv_scales=SCALES[0], **ac.ATTN_CASES[case])
+
+
+@pytest.mark.parametrize("name", sorted(KV_WRITE_CASES) + ["f32_into_bf16", "bf16_into_fp8_many_tokens"])
+def test_write_kv_triton_equals_the_torch_form(name):
+    """``write_kv`` on CUDA (one Triton launch) into poisoned caches against its torch form on the
+    CPU (tests/engine/kv_write_cases.py): casts, FP8 codes with saturating / tiny / NaN values,
+    strided head rows, padding tokens; here also the float32 -> bfloat16 cast (the hardware rounds
+    to nearest even; the interpreter does not) and a prefill-sized write."""
+    case = KV_WRITE_CASES.get(name) or dict(
+        f32_into_bf16=dict(T=7, nkv=3, hd=24, dtype=torch.float32, cache_dtype=torch.bfloat16, strided=True),
+        bf16_into_fp8_many_tokens=dict(T=600, nkv=8, hd=128, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                                       pad=5))[name]
+    kv_write_check(attn_ops.write_kv, device=DEV, **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
