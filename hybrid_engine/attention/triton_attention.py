@@ -138,6 +138,27 @@ def _paged_attn_kernel(
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :] * so_d,
                      out.to(o_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
+    tail_owner = (b == tl.num_programs(0) - 1) & (qb == 0)
+    if SPLIT:
+        tail_owner = tail_owner & (sp == 0)
+    if tail_owner:
+        # the graph padding's tokens (query_start_loc[B] <= t < T) get zeros, this program's heads
+        # of them: the output is not zero-filled by a separate launch first
+        _zero_tail(o_ptr, tl.load(qsl_ptr + b + 1), T, kvh, G, hd, so_t, so_h, so_d, BLOCK_M, G_PAD, BLOCK_D)
+
+
+@triton.jit
+def _zero_tail(o_ptr, t_lo, T, kvh, G, hd, so_t, so_h, so_d, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Zeros into out[t_lo:T, kvh * G:(kvh + 1) * G, :hd], BLOCK_M / G_PAD tokens at a time."""
+    offs_m = tl.arange(0, BLOCK_M)
+    gh = offs_m % G_PAD
+    offs_d = tl.arange(0, BLOCK_D)
+    zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=o_ptr.dtype.element_ty)
+    for t0 in range(t_lo, T, BLOCK_M // G_PAD):
+        tok = (t0 + offs_m // G_PAD).to(tl.int64)
+        m = ((tok < T) & (gh < G))[:, None] & (offs_d < hd)[None, :]
+        tl.store(o_ptr + tok[:, None] * so_t + (kvh * G + gh)[:, None] * so_h + offs_d[None, :] * so_d, zero, mask=m)
 
 
 @triton.jit(do_not_specialize=["n_splits", "T"], do_not_specialize_on_alignment=["qsl_ptr", "sl_ptr"])
@@ -229,11 +250,13 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     T, nH, hd = q.shape
     NB, bs, nkv, _ = k_cache.shape
     B = block_tables.shape[0]
-    out = torch.zeros_like(q)
     Qm = max(int(max_query_len), 0)
     Sm = int(max_seq_len)
     if T == 0 or B == 0 or Qm == 0 or Sm <= 0:
-        return out
+        return torch.zeros_like(q)
+    # every token is written by the kernels, padding tokens zeros (``_zero_tail``): no fill launch,
+    # a torch kernel that broke the PDL chain before each layer's attention
+    out = torch.empty_like(q)
     G = nH // nkv
     G_PAD = next_pow2(G)
     kv_fp8 = k_scale is not None
