@@ -45,13 +45,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _check_scales(k_cache, k_scale, v_scale)
     if _backend_for(k_cache.device) == "triton":
         from .triton_kv_write import write_kv_supported, write_kv_triton
-        fast = write_kv_supported(k, v, k_cache, v_cache)
+        fast = write_kv_supported(k, v, k_cache, v_cache, slot_mapping)
         key = ("write_kv", str(fast))
         if key not in _logged_backends:
             _logged_backends.add(key)
             (logger.info if fast else logger.warning)(
                 "write_kv on %s: %s", k_cache.device.type,
-                "triton" if fast else "torch index_copy_ (k / v rows not unit-stride or caches not contiguous)")
+                "triton" if fast else "torch index_copy_ (shapes, strides or caches outside the kernel's: "
+                "triton_kv_write.write_kv_supported)")
         if fast:
             write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             return

@@ -138,26 +138,30 @@ def _paged_attn_kernel(
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_ptr + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :] * so_d,
                      out.to(o_ptr.dtype.element_ty), mask=mrow[:, None] & md[None, :])
-    tail_owner = (b == tl.num_programs(0) - 1) & (qb == 0)
+    # tokens outside every row get zeros, this program's heads of them (the output is not
+    # zero-filled by a separate launch first): the graph padding (query_start_loc[B] <= t < T) from
+    # the last row's first program, tokens before query_start_loc[0] (none in the engine) from the
+    # first row's
+    owner = qb == 0
     if SPLIT:
-        tail_owner = tail_owner & (sp == 0)
-    if tail_owner:
-        # the graph padding's tokens (query_start_loc[B] <= t < T) get zeros, this program's heads
-        # of them: the output is not zero-filled by a separate launch first
-        _zero_tail(o_ptr, tl.load(qsl_ptr + b + 1), T, kvh, G, hd, so_t, so_h, so_d, BLOCK_M, G_PAD, BLOCK_D)
+        owner = owner & (sp == 0)
+    if owner & (b == tl.num_programs(0) - 1):
+        _zero_tokens(o_ptr, tl.load(qsl_ptr + b + 1), T, kvh, G, hd, so_t, so_h, so_d, BLOCK_M, G_PAD, BLOCK_D)
+    if owner & (b == 0):
+        _zero_tokens(o_ptr, 0, tl.load(qsl_ptr), kvh, G, hd, so_t, so_h, so_d, BLOCK_M, G_PAD, BLOCK_D)
 
 
 @triton.jit
-def _zero_tail(o_ptr, t_lo, T, kvh, G, hd, so_t, so_h, so_d, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """Zeros into out[t_lo:T, kvh * G:(kvh + 1) * G, :hd], BLOCK_M / G_PAD tokens at a time."""
+def _zero_tokens(o_ptr, t_lo, t_hi, kvh, G, hd, so_t, so_h, so_d, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Zeros into out[t_lo:t_hi, kvh * G:(kvh + 1) * G, :hd], BLOCK_M / G_PAD tokens at a time."""
     offs_m = tl.arange(0, BLOCK_M)
     gh = offs_m % G_PAD
     offs_d = tl.arange(0, BLOCK_D)
     zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=o_ptr.dtype.element_ty)
-    for t0 in range(t_lo, T, BLOCK_M // G_PAD):
+    for t0 in range(t_lo, t_hi, BLOCK_M // G_PAD):
         tok = (t0 + offs_m // G_PAD).to(tl.int64)
-        m = ((tok < T) & (gh < G))[:, None] & (offs_d < hd)[None, :]
+        m = ((tok < t_hi) & (gh < G))[:, None] & (offs_d < hd)[None, :]
         tl.store(o_ptr + tok[:, None] * so_t + (kvh * G + gh)[:, None] * so_h + offs_d[None, :] * so_d, zero, mask=m)
 
 
@@ -254,8 +258,9 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     Sm = int(max_seq_len)
     if T == 0 or B == 0 or Qm == 0 or Sm <= 0:
         return torch.zeros_like(q)
-    # every token is written by the kernels, padding tokens zeros (``_zero_tail``): no fill launch,
-    # a torch kernel that broke the PDL chain before each layer's attention
+    # every token is written by the kernels, tokens outside the rows zeros (``_zero_tokens``): no
+    # fill launch, a torch kernel that broke the PDL chain before each layer's attention. (A row
+    # longer than max_query_len, which the contract rules out, would leave tokens unwritten)
     out = torch.empty_like(q)
     G = nH // nkv
     G_PAD = next_pow2(G)

@@ -43,10 +43,16 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, NKV
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
-def write_kv_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``write_kv_triton`` takes these tensors: unit-stride head rows, contiguous caches of
-    one dtype."""
-    return (k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+def write_kv_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> bool:
+    """Whether ``write_kv_triton`` takes these tensors: k and v [T, nkv, hd] with the caches' nkv and
+    hd and unit-stride head rows, one [T] slot vector with a unit stride, contiguous caches of one
+    dtype. (Anything else goes to the torch form, which raises on mismatched shapes.)"""
+    T = k.shape[0]
+    return (k.dim() == 3 and k.shape == v.shape and tuple(k.shape[1:]) == tuple(k_cache.shape[-2:])
+            and k_cache.shape == v_cache.shape and tuple(slot_mapping.shape) == (T,)
+            and (T < 2 or slot_mapping.stride(0) == 1)
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.dtype == v_cache.dtype)
 
 

@@ -16,15 +16,18 @@ POISON_BYTE = 0x5A
 
 
 def make_inputs(T, nkv, hd, dtype, *, strided=False, fp8=False, seed=0):
+    """k, v [T, nkv, hd]; ``strided``: views of wider [T, nkv + 3, 2 hd] tensors (token and head
+    strides both differ from the packed ones), v starting one head and 5 columns in."""
     g = torch.Generator().manual_seed(seed)
-    width = nkv + 3 if strided else nkv            # strided: k / v are [T, nkv, hd] views of wider rows
-    k = torch.randn(T, width, hd, generator=g) * 3
-    v = torch.randn(T, width, hd, generator=g) * 3
-    if fp8:            # saturating, tiny (below e4m3's subnormals after the scale) and NaN values
-        k[0, 0, :4] = torch.tensor([1e4, -1e4, 3e-9, float("nan")])
-        v[-1, nkv - 1 + int(strided), -3:] = torch.tensor([-5e3, 7e-9, 0.0])
-    o = int(strided)
-    return k.to(dtype)[:, :nkv], v.to(dtype)[:, o:o + nkv]       # views of the wider rows when strided
+    width, cols = (nkv + 3, 2 * hd) if strided else (nkv, hd)
+    k = torch.randn(T, width, cols, generator=g) * 3
+    v = torch.randn(T, width, cols, generator=g) * 3
+    h0, c0 = (1, 5) if strided else (0, 0)
+    if fp8:            # saturating (also past float32: inf), tiny (below e4m3's subnormals after the
+        # scale, -0 for a negative one) and NaN values
+        k[0, 0, :7] = torch.tensor([1e4, -1e4, 3e-9, float("nan"), float("inf"), -float("inf"), -3e-9])
+        v[-1, h0 + nkv - 1, c0 + hd - 3:c0 + hd] = torch.tensor([-5e3, 7e-9, 0.0])
+    return k.to(dtype)[:, :nkv, :hd], v.to(dtype)[:, h0:h0 + nkv, c0:c0 + hd]
 
 
 def check(impl, *, T, nkv, hd, dtype, cache_dtype, strided=False, pad=0, seed=0, device="cpu"):
@@ -33,7 +36,7 @@ def check(impl, *, T, nkv, hd, dtype, cache_dtype, strided=False, pad=0, seed=0,
     from hybrid_engine.attention.ops import write_kv
     fp8 = cache_dtype == torch.float8_e4m3fn
     k, v = make_inputs(T, nkv, hd, dtype, strided=strided, fp8=fp8, seed=seed)
-    assert not strided or k.stride(0) != nkv * hd
+    assert not strided or (k.stride(0) != nkv * hd and k.stride(1) != hd and v.stride(1) != hd)
     bs, N = 4, T // 2 + 4
     g = torch.Generator().manual_seed(seed + 1)
     slots = torch.randperm((N - 1) * bs, generator=g)[:T] + bs                 # outside the null block

@@ -21,15 +21,23 @@ def test_triton_kernel_in_interpreter():
     assert_compiles_for_sm90(res)       # as launched, the kernel also compiles for the GPU
 
 
-@pytest.mark.parametrize("what", ["k_rows", "cache"])
+@pytest.mark.parametrize("what", ["k_rows", "cache", "head_dim", "slots", "slot_stride"])
 def test_unsupported_layouts_are_refused(what):
-    """Head rows without a unit stride, or a non-contiguous cache, are not the kernel's: the dispatch
-    then keeps index_copy_ (and says so once)."""
+    """Head rows without a unit stride, a non-contiguous cache, k / v whose heads do not match the
+    cache's, or a slot vector of another length or stride are not the kernel's: the dispatch then
+    keeps the torch form (which raises on the mismatched shapes) and says so once."""
     from hybrid_engine.attention.triton_kv_write import write_kv_supported
     k = torch.zeros(3, 2, 8)
     kc = torch.zeros(4, 4, 2, 8)
-    assert write_kv_supported(k, k, kc, kc)
+    slots = torch.arange(3)
+    assert write_kv_supported(k, k, kc, kc, slots)
     if what == "k_rows":
-        assert not write_kv_supported(torch.zeros(3, 8, 2).transpose(1, 2), k, kc, kc)
+        assert not write_kv_supported(torch.zeros(3, 8, 2).transpose(1, 2), k, kc, kc, slots)
+    elif what == "cache":
+        assert not write_kv_supported(k, k, torch.zeros(4, 4, 8, 2).transpose(2, 3), kc, slots)
+    elif what == "head_dim":
+        assert not write_kv_supported(torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), kc, kc, slots)
+    elif what == "slots":
+        assert not write_kv_supported(k, k, kc, kc, torch.arange(4))
     else:
-        assert not write_kv_supported(k, k, torch.zeros(4, 4, 8, 2).transpose(2, 3), kc)
+        assert not write_kv_supported(k, k, kc, kc, torch.arange(6)[::2])

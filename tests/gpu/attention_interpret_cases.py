@@ -23,7 +23,30 @@ def _row_split_bounds():
     return res
 
 
+def _leading_tokens():
+    """Tokens before query_start_loc[0] (no engine caller has them) come out zero like the graph
+    padding after the last row: the rows' tokens shifted by 9 (G = 3 heads a KV head)."""
+    lead = 9
+
+    def shifted(q, kc, vc, qsl, sl, bt, sc, mq, ms, **k):
+        q2 = torch.cat([torch.randn(lead, *q.shape[1:], dtype=q.dtype), q])
+        out = triton_paged_attention(q2, kc, vc, qsl + lead, sl, bt, sc, mq, ms, block_n=16, **k)
+        assert torch.equal(out[:lead], torch.zeros_like(out[:lead])), "tokens before query_start_loc[0]"
+        return out[lead:]
+    return ac.check_attention(shifted, "cpu", F32, [1, 4, 0, 2], [6, 3, 2, 17], nH=6, nkv=2, hd=16, bs=4,
+                              seed=8)
+
+
 ATTENTION_CASES = {
+    # graph padding longer than a query tile (40 tokens: several passes of the zeroing loop), three
+    # query heads a KV head (not a power of two: masked head rows), split and not
+    "attention_long_padding_g3": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
+                                                            [1, 4, 0, 2], [6, 3, 2, 17], nH=6, nkv=2,
+                                                            hd=16, bs=4, pad=40, seed=9),
+    "attention_long_padding_g3_split": lambda: ac.check_attention(
+        lambda *a, **k: triton_paged_attention(*a, num_splits=3, block_n=16, **k), "cpu", F32,
+        [1, 4, 0, 2], [6, 3, 200, 140], nH=6, nkv=2, hd=16, bs=4, pad=40, seed=10),
+    "attention_leading_tokens": _leading_tokens,
     "attention_decode": lambda: ac.check_attention(triton_paged_attention, "cpu", F32,
                                                    [1, 4, 0, 4], [6, 3, 2, 17], nH=8, nkv=2,
                                                    hd=16, bs=4),

@@ -25,7 +25,8 @@ KERNEL_CASES = ["conv_varlen", "conv_varlen_long_rows", "conv_varlen_no_tokens",
                 "attention_decode", "attention_split", "attention_decode_row_split", "attention_prefill",
                 "attention_prefill_split", "attention_prefill_split_auto_f16",
                 "attention_fp8_decode", "attention_fp8_decode_row_split", "attention_fp8_split_f16",
-                "attention_fp8_prefill"]
+                "attention_fp8_prefill", "attention_long_padding_g3", "attention_long_padding_g3_split",
+                "attention_leading_tokens"]
 KERNEL_CASES += ["rmsnorm", "add_rmsnorm", "add_rmsnorm_f16", "relu2", "relu2_f16"]   # models/
 KERNEL_CASES += ["conv_update_window", "conv_update_cols", "conv_update_cols_rows", "conv_update_cols_taps_w3",  # conv
                  "conv_update_cols_flat_w2_f16", "conv_update_cols_order_hints",       # variants
