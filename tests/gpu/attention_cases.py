@@ -3,34 +3,15 @@ in the style of kernel_cases.py (whose helpers they use): imported by test_kerne
 test_fp8_kv_cuda.py and the interpreter cases (interpret_cases.py)."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
 from hybrid_engine.attention.ops import paged_attention_ref
 from kernel_cases import TOL, _gen, _qsl, assert_close, poison_allocator
+from poisoned import nan_filled
 
 FP8 = torch.float8_e4m3fn
-
-
-@contextlib.contextmanager
-def _nan_empty_like():
-    """``torch.empty_like`` gives NaN-filled float tensors inside the block, on CPU too (where
-    ``poison_allocator`` cannot reach): an output element the kernels leave unwritten (e.g. a graph
-    padding token, which must come out zero) then fails the comparison."""
-    real = torch.empty_like
-
-    def empty_like(*a, **k):
-        t = real(*a, **k)
-        if t.is_floating_point() and t.dtype.itemsize > 1:
-            t.fill_(math.nan)
-        return t
-    torch.empty_like = empty_like
-    try:
-        yield
-    finally:
-        torch.empty_like = real
 
 
 # the GPU attention cases (test_kernels.py; FP8 caches: test_fp8_kv_cuda.py)
@@ -84,7 +65,7 @@ def check_attention(impl, device, dtype, q_lens, ctx_lens, nH=8, nkv=2, hd=64, b
     mq, ms = max(q_lens + [0]), max(seq + [0])
     ref = paged_attention_ref(q, kc, vc, qsl, sl, bt, scale, mq, ms, **extra)
     poison_allocator(device)
-    with _nan_empty_like():
+    with nan_filled("empty_like"):   # an unwritten output element (e.g. padding) stays NaN and fails
         out = impl(q, kc, vc, qsl, sl, bt, scale, mq, ms, **extra)
     assert out.dtype == dtype and out.shape == q.shape
     tol = tol or TOL["attn" if kv_scales is None else "attn_fp8"][dtype]

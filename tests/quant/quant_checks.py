@@ -9,33 +9,19 @@ interpreter cases) and on CUDA by tests/gpu/test_quant_cuda.py.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
+from poisoned import nan_filled
 from hybrid_engine.quantization.fp8 import fp8_linear_ref, quantize_fp8
 from hybrid_engine.quantization.nvfp4 import nvfp4_linear_ref, quantize_nvfp4
 
 
-@contextlib.contextmanager
 def poisoned_empty():
     """``torch.empty`` returns NaN-filled float tensors inside the block (float8_e4m3fn: its NaN
     byte 0x7F)."""
-    real = torch.empty
-
-    def empty(*a, **k):
-        t = real(*a, **k)
-        if t.dtype == torch.float8_e4m3fn:
-            t.view(torch.uint8).fill_(0x7F)
-        elif t.is_floating_point() and t.dtype.itemsize > 1:
-            t.fill_(math.nan)
-        return t
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real
+    return nan_filled("empty")
 
 
 def _inputs(M, N, K, dtype, bias, seed, device):
