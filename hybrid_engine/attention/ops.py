@@ -12,7 +12,14 @@ import torch
 from .kv_cache import FP8_KV_DTYPES, FP8_KV_MAX
 
 logger = logging.getLogger("hybrid_engine")
-_logged_backends: set[tuple[str, str]] = set()
+_logged_backends: set[tuple[str, str, str]] = set()
+
+
+def _log_once(op: str, device_type: str, choice: str, warn: bool = False) -> None:
+    """Logs which path ``op`` takes on a device type, once per (op, device type, path)."""
+    if (op, device_type, choice) not in _logged_backends:
+        _logged_backends.add((op, device_type, choice))
+        (logger.warning if warn else logger.info)("%s on %s: %s", op, device_type, choice)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,13 +53,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if _backend_for(k_cache.device) == "triton":
         from .triton_kv_write import write_kv_supported, write_kv_triton
         fast = write_kv_supported(k, v, k_cache, v_cache, slot_mapping)
-        key = ("write_kv", str(fast))
-        if key not in _logged_backends:
-            _logged_backends.add(key)
-            (logger.info if fast else logger.warning)(
-                "write_kv on %s: %s", k_cache.device.type,
-                "triton" if fast else "torch index_copy_ (shapes, strides or caches outside the kernel's: "
-                "triton_kv_write.write_kv_supported)")
+        _log_once("write_kv", k_cache.device.type, "triton" if fast else
+                  "torch index_copy_ (shapes, strides or caches outside the kernel's: write_kv_supported)",
+                  warn=not fast)
         if fast:
             write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
             return
@@ -162,10 +165,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Dispatch to the best backend for q.device (same signature as paged_attention_ref)."""
     _check_scales(k_cache, k_scale, v_scale)
     backend = _backend_for(q.device)
-    key = (q.device.type, backend)
-    if key not in _logged_backends:
-        _logged_backends.add(key)
-        logger.info("paged_attention backend on %s: %s", q.device.type, backend)
+    _log_once("paged_attention backend", q.device.type, backend)
     if backend == "triton":
         from .triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens,

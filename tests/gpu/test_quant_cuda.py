@@ -57,7 +57,7 @@ def test_nvfp4_relu2_on_load(shape, dtype):
 def test_nvfp4_prefill_rows(dtype):
     """Above 128 rows (prefill) the weight is dequantized without its global scale, so the cuBLAS
     sums are ~1 / weight_scale_2 times the real outputs: with float16 x they once overflowed to inf
-    at real outputs of a few units (here ~50, O(1) weights); float16 now takes them in float32."""
+    at real outputs of a few units (here ~50, O(1) weights); cuBLAS now writes them in float32."""
     qc.check_nvfp4(nvfp4_linear, DEV, dtype, 300, 1000, 2688, seed=3)
 
 
