@@ -115,6 +115,7 @@ def spec_config(method: str, k: int, args, draft_dir: str | None, forced: float 
               forced_acceptance_rate=forced)
     if method == "ngram":
         return SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=4, **kw)
+    kw["quantization"] = args.draft_quantization
     if method == "draft_model":
         return SpeculativeConfig("draft_model", k, model=draft_dir, **kw)
     return SpeculativeConfig("mtp", k, draft_vocab_size=args.draft_vocab_size, **kw)
@@ -325,6 +326,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="MTP drafts over the first N vocabulary ids (SpeculativeConfig.draft_vocab_size)")
+    ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
+                    help="MTP / draft-model weights in FP8 (SpeculativeConfig.quantization; 16-bit dtypes on CUDA)")
     ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano,bench-large (empty: skip)")
     ap.add_argument("--forced-methods", type=words, default=["ngram", "mtp"])
     ap.add_argument("--forced-k", type=int, default=3)
@@ -374,7 +377,8 @@ def main(argv=None) -> int:
                 target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
                 max_tokens=args.max_tokens, repeats=args.repeats, b1_prompts=args.b1_prompts, forced_rates=rates,
                 forced=dict(k=args.forced_k, prompt_tokens=args.forced_prompt_tokens, max_tokens=args.forced_max_tokens,
-                            dtype=args.forced_dtype, draft_vocab_size=args.draft_vocab_size),
+                            dtype=args.forced_dtype, draft_vocab_size=args.draft_vocab_size,
+                            draft_quantization=args.draft_quantization),
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 seconds=time.perf_counter() - t0)
     (out / "spec_real.json").write_text(json.dumps(dict(meta=meta, real=real, forced=forced), indent=2))

@@ -12,6 +12,7 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
         # the trained spec benchmark's target and draft shapes (benchmarks/train preset bench-large)
         # with random weights: its step costs without training first
     --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
+    --methods none,mtp:fp8,draft_model:fp8,mtp:32768:fp8   # ":fp8": the drafter's weights in FP8
     --batch 8                        # B requests at once (the prompt rotated per row)
 
 Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
@@ -54,11 +55,14 @@ def top_kernels(prof, steps: int, n: int = 12) -> list[tuple[str, float, float]]
 
 def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], tokens: int, profile: bool = True,
             forced: float | None = None, random: bool = False, batch: int = 1, top: int = 12) -> dict:
-    draft = str(DRAFT_DIR[0]) if method == "draft_model" else None
-    name, _, rows = method.partition(":")                 # "mtp:N": draft_vocab_size N
+    draft = str(DRAFT_DIR[0]) if method.startswith("draft_model") else None
+    # "mtp:N": draft_vocab_size N; ":fp8" (mtp / draft_model): the drafter's weights in FP8
+    name, *opts = method.split(":")
+    rows = next((int(o) for o in opts if o.isdigit()), None)
+    quant = "fp8" if "fp8" in opts else None
     spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=False,
                                                            forced_acceptance_rate=forced,
-                                                           draft_vocab_size=int(rows) if rows else None)
+                                                           draft_vocab_size=rows, quantization=quant)
     with random_weights() if random else contextlib.nullcontext():
         llm = LLM(model, dtype=dtype, device="cuda", max_num_seqs=max(8, batch), speculative_config=spec,
                   max_model_len=len(prompt) + tokens + 64, enable_prefix_caching=False)

@@ -201,6 +201,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
+DRAFT_QUANTIZATIONS = ("fp8",)          # SpeculativeConfig.quantization
 MAX_SPEC_TOKENS = 8
 
 
@@ -232,6 +233,14 @@ class SpeculativeConfig:
     # sampled request may still draw other tokens, as with any change of drafter). None: the whole
     # vocabulary.
     draft_vocab_size: int | None = None
+    # The drafter's weights in FP8 (spec/drafters/draft_quant.py): "fp8" gives each linear layer
+    # the drafter reads an FP8 copy (per-channel scales) that its calls of at most 8 rows read:
+    # method="mtp" the MTP block and the lm_head rows its drafts score (the target's own lm_head
+    # stays as it is for verification), method="draft_model" the draft model. Drafts only need to
+    # be likely, not exact, so such a draft token reads about half the bytes; verification is
+    # unchanged (greedy outputs identical, sampled ones keep their distribution). None: the
+    # drafter runs in the engine's dtype (or as its checkpoint stores it).
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -266,6 +275,13 @@ class SpeculativeConfig:
             _check_int("draft_vocab_size", self.draft_vocab_size, 1)
             if self.method != "mtp":
                 raise ValueError(f"draft_vocab_size is used by method='mtp' only, got method={self.method!r}")
+        if self.quantization is not None:
+            if self.quantization not in DRAFT_QUANTIZATIONS:
+                raise ValueError(f"quantization must be None or one of {', '.join(map(repr, DRAFT_QUANTIZATIONS))}, "
+                                 f"got {self.quantization!r}")
+            if self.method == "ngram":
+                raise ValueError("quantization applies to the drafter's weights (method 'mtp' or 'draft_model'); "
+                                 "method='ngram' has none")
 
 
 @dataclass(frozen=True)
@@ -301,6 +317,8 @@ class EngineConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.speculative is not None and self.speculative.draft_vocab_size is not None:
             self._check_draft_vocab(self.speculative.draft_vocab_size)
+        if self.speculative is not None and self.speculative.quantization is not None:
+            self._check_draft_quantization(self.speculative.quantization)
         if self.speculative is not None and self.speculative.adaptive_step_cost and self.tensor_parallel_size > 1:
             raise ValueError("adaptive_step_cost needs tensor_parallel_size 1 (every rank must choose the same "
                              "widths, and timings differ between ranks), "
@@ -324,6 +342,26 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError("draft_vocab_size needs tensor_parallel_size 1 (the lm_head is split by vocabulary "
                              f"rows over the ranks), got tensor_parallel_size={self.tensor_parallel_size}")
+
+    def _check_draft_quantization(self, name: str) -> None:
+        """FP8 drafter weights pay off only through the 16-bit FP8 kernels: on CUDA they need a GPU
+        with float8 conversions and a bfloat16 / float16 engine (float32 would take the dequantizing
+        reference, slower than the unquantized drafter). CPU runs that reference (tests)."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.quantization={name!r} needs tensor_parallel_size 1, "
+                             f"got tensor_parallel_size={self.tensor_parallel_size}")
+        if self.device.type != "cuda":
+            return
+        from .quantization.config import MIN_CUDA_CAPABILITY
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap < MIN_CUDA_CAPABILITY:
+            raise ValueError(f"speculative_config.quantization={name!r} needs a GPU with float8 support (compute "
+                             f"capability >= {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}); "
+                             f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}")
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"speculative_config.quantization={name!r} on CUDA needs dtype bfloat16 or float16 "
+                             f"(the FP8 kernels compute in 16 bits), got {self.dtype}; float32 would dequantize "
+                             "every draft weight, slower than unquantized drafts")
 
     def _check_fp8_kv_cache(self) -> None:
         """An FP8 KV cache needs float8 conversions on the device (the attention kernel reads the

@@ -25,6 +25,7 @@ from hybrid_engine.mamba_cache.pool import MambaPool
 from ..adaptive import draft_counts
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
+from .draft_quant import add_fp8_copies, linear_copy_bytes
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -107,7 +108,8 @@ class DraftModelDrafter(Drafter):
 def cache_footprint(cfg) -> CacheFootprint:
     """The draft model's weights and Mamba pool (fixed) and its KV per target block id, read from
     its config.json and safetensors headers before anything is loaded: the engine subtracts them from
-    the KV budget, so target + draft fit in ``kv_cache_memory_fraction`` together."""
+    the KV budget, so target + draft fit in ``kv_cache_memory_fraction`` together. With
+    ``SpeculativeConfig.quantization``, plus a byte a weight for the FP8 copies (an upper bound)."""
     from safetensors import safe_open
 
     draft_dir = Path(cfg.speculative.model).expanduser()
@@ -128,7 +130,8 @@ def cache_footprint(cfg) -> CacheFootprint:
     pool = len(mc.mamba_layer_ids) * (conv + ssm)
     kv = KVCache.bytes_per_block(len(mc.attention_layer_ids), cfg.cache.block_size, mc.num_key_value_heads,
                                  mc.head_dim, cfg.cache.kv_dtype(cfg.dtype))
-    return CacheFootprint(fixed_bytes=numel * itemsize + pool, kv_bytes_per_block=kv)
+    copies = 0 if cfg.speculative.quantization is None else linear_copy_bytes(numel)
+    return CacheFootprint(fixed_bytes=numel * itemsize + copies + pool, kv_bytes_per_block=kv)
 
 
 def make_draft_model(build) -> DraftModelDrafter:
@@ -139,7 +142,13 @@ def make_draft_model(build) -> DraftModelDrafter:
     if draft_cfg.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"speculative_config.model has vocab_size={draft_cfg.vocab_size}, but the target has "
                          f"{cfg.model.vocab_size}: a draft model must share the target's vocabulary")
+    if spec.quantization is not None and draft_cfg.quantization is not None:
+        raise ValueError(f"speculative_config.quantization={spec.quantization!r} quantizes a 16/32-bit draft "
+                         f"model at load, but {draft_dir} is stored in {draft_cfg.quantization.method!r}; "
+                         "leave quantization None to run it as stored")
     model = build_model(draft_cfg, draft_dir, cfg.dtype, cfg.device)
+    if spec.quantization is not None:
+        add_fp8_copies(model, spec.quantization, "draft model")
     logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
     drafter = DraftModelDrafter(model, draft_cfg, num_spec=build.num_spec, max_num_seqs=build.max_num_seqs,
                                 num_blocks=build.num_kv_blocks, block_size=build.block_size,

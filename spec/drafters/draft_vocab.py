@@ -8,6 +8,9 @@ unchanged: draft tokens are ids below ``rows`` and their probabilities are zero 
 verification reads the full head, so the outputs are those of the full vocabulary (greedy: the
 same tokens; sampled: the same distribution, rejection sampling being exact for any draft
 distribution). The price is acceptance on tokens beyond ``rows``.
+
+With ``SpeculativeConfig.quantization`` the head scores those rows with an FP8 copy of them on
+few-row steps (``draft_quant.draft_head``), for the same reason: fewer bytes a draft token.
 """
 from __future__ import annotations
 
@@ -41,11 +44,14 @@ def head_rows(head: nn.Module, rows: int) -> nn.Module:
 
 class DraftVocabHead:
     """``compute_logits`` of ``target`` over its first ``rows`` vocabulary rows -> [L, V] float32,
-    -inf beyond ``rows``."""
+    -inf beyond ``rows``; ``quantization`` ("fp8"): through a quantized copy of those rows."""
 
-    def __init__(self, target, rows: int):
+    def __init__(self, target, rows: int, quantization: str | None = None):
         self.target, self.rows, self.vocab = target, rows, target.cfg.vocab_size
         self.head = head_rows(target.lm_head, rows)
+        if quantization is not None:
+            from .draft_quant import draft_head
+            self.head = draft_head(self.head, quantization)
 
     def argmax(self, normed: torch.Tensor) -> torch.Tensor:
         """[L] the greedy draft ids: the argmax over the first rows, with no full-width logits (the

@@ -18,6 +18,7 @@ from hybrid_engine.quantization.kv_scales import attach_kv_scales
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
+from .draft_quant import add_fp8_copies, head_bytes
 from .draft_vocab import DraftVocabHead
 
 logger = logging.getLogger("hybrid_engine")
@@ -27,13 +28,19 @@ class MTPDrafter(Drafter):
     has_probs = True             # random rows get draft probabilities (q differs from p)
 
     def __init__(self, target, *, num_spec: int, num_blocks: int, block_size: int, kv_dtype, device,
-                 draft_vocab_size: int | None = None):
+                 draft_vocab_size: int | None = None, quantization: str | None = None):
         """``kv_dtype``: the KV cache's storage dtype (the engine's kv_cache_dtype: the model dtype or FP8).
-        ``draft_vocab_size``: drafts scored over the first that many vocabulary rows (draft_vocab.py)."""
+        ``draft_vocab_size``: drafts scored over the first that many vocabulary rows (draft_vocab.py).
+        ``quantization`` ("fp8"): FP8 copies of the MTP block's linear layers and of the lm_head
+        rows the drafts score, read by few-row calls (draft_quant.py)."""
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
+        if quantization is not None:
+            add_fp8_copies(self.mtp, quantization, "MTP drafter")
         # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits, and -> [L] greedy draft ids
-        head = None if draft_vocab_size is None else DraftVocabHead(target, draft_vocab_size)
+        head = None
+        if draft_vocab_size is not None or quantization is not None:
+            head = DraftVocabHead(target, draft_vocab_size or cfg.vocab_size, quantization=quantization)
         self.draft_logits = target.compute_logits if head is None else head
         self.draft_argmax = (lambda normed: target.compute_logits(normed).argmax(-1)) if head is None else head.argmax
         self.kv = KVCache(self.mtp.num_attention_layers, num_blocks, block_size, cfg.num_key_value_heads,
@@ -103,10 +110,24 @@ def cache_footprint(cfg) -> CacheFootprint:
     ``kv_cache_memory_fraction`` by the ratio of MTP to target attention layers."""
     from hybrid_engine.config import ATTENTION
 
-    mc = cfg.model
+    mc, spec = cfg.model, cfg.speculative
     n_attn = sum(kind == ATTENTION for kind in mc.mtp_layer_types)
-    return CacheFootprint(kv_bytes_per_block=KVCache.bytes_per_block(
+    # FP8 drafting: the copies of the lm_head rows the drafts score and of the MTP block's linear
+    # layers (upper bounds: none is made of a layer that is quantized already)
+    copies = 0 if spec.quantization is None else (
+        head_bytes(spec.draft_vocab_size or mc.vocab_size, mc.hidden_size) + _mtp_linear_numel(mc))
+    return CacheFootprint(fixed_bytes=copies, kv_bytes_per_block=KVCache.bytes_per_block(
         n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.cache.kv_dtype(cfg.dtype)))
+
+
+def _mtp_linear_numel(model_cfg) -> int:
+    """Weights of the MTP block's linear layers (what the FP8 copies hold, a byte each), counted on
+    a block built on the meta device: no memory, and no weight files needed."""
+    from torch import nn
+    from hybrid_engine.models.mtp import MTP
+    with torch.device("meta"):
+        block = MTP(model_cfg)
+    return sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
 
 
 def make_mtp(build) -> MTPDrafter:
@@ -117,7 +138,7 @@ def make_mtp(build) -> MTPDrafter:
     rows = cfg.speculative.draft_vocab_size
     drafter = MTPDrafter(build.model, num_spec=build.num_spec, num_blocks=build.num_kv_blocks,
                          block_size=build.block_size, kv_dtype=cfg.cache.kv_dtype(cfg.dtype), device=cfg.device,
-                         draft_vocab_size=rows)
+                         draft_vocab_size=rows, quantization=cfg.speculative.quantization)
     if rows is not None:
         logger.info("MTP drafter: drafts over the first %d of %d vocabulary rows", rows, cfg.model.vocab_size)
     attach_kv_scales(drafter.kv, cfg.model_dir, build.model, mtp=True, what="MTP")

@@ -8,6 +8,7 @@ import pytest
 
 from engine_steps import launch_steps_without_sync
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hybrid_engine.default_model import default_model_dir
 from test_greedy_graphs import drive
 
 pytestmark = pytest.mark.gpu
@@ -61,17 +62,17 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
         assert 0 in widths and any(w > 0 for w in widths), widths
 
 
-def _fused_and_general_runs(spec, plan_name: str):
+def _fused_and_general_runs(spec, plan_name: str, dtype: str = "float32", general: bool = True):
     """(tokens, drafts proposed, drafts accepted) of the trained default target on code prompts,
-    with the fused verify-step plan ``plan_name`` and with it dropped (the general path)."""
+    with the fused verify-step plan ``plan_name`` and (``general``) with it dropped (the general path)."""
     import inspect
     import json
     from hybrid_engine.default_model import default_model_dir
     text = inspect.getsource(json.JSONEncoder)      # code the model completes well
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     runs = []
-    for fused in (True, False):
-        llm = LLM(default_model_dir(), dtype="float32", device="cuda", max_num_seqs=4, speculative_config=spec)
+    for fused in (True, False)[:2 if general else 1]:
+        llm = LLM(default_model_dir(), dtype=dtype, device="cuda", max_num_seqs=4, speculative_config=spec)
         tok = llm.tokenizer
         prompts = [tok.encode(text[i:i + 600]) for i in (0, 700, 1400)]
         if not fused:
@@ -171,3 +172,25 @@ def test_single_token_meta_on_cuda():
         rmsnorm_into(e, we, 1e-5, out[:, :1000])
         rmsnorm_into(h, wh, 1e-5, out[:, 1000:])
         assert torch.equal(out, torch.cat([rmsnorm(e, we, 1e-5), rmsnorm(h, wh, 1e-5)], -1))
+
+
+@pytest.mark.parametrize("method, plan_name", [("mtp", "MTPStepGraphs"), ("draft_model", "DraftModelStepGraphs")])
+def test_fp8_drafters_propose_the_general_paths_drafts(method, plan_name):
+    """FP8 drafter copies (``SpeculativeConfig.quantization``) on CUDA, bfloat16: the FP8 decode
+    kernels inside the captured proposal give the general path's drafts (same tokens, same
+    counts), and they are accepted about as often as the 16-bit drafter's (a wrong scale or a
+    wrong head shows as far fewer)."""
+    from dataclasses import replace
+    from hybrid_engine.default_model import default_draft_model_dir
+    from hybrid_engine.quantization.linear import Fp8Linear
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    draft = str(default_draft_model_dir()) if method == "draft_model" else None
+    spec = SpeculativeConfig(method, 3, model=draft, adaptive=False, quantization="fp8")
+    runs = _fused_and_general_runs(spec, plan_name, dtype="bfloat16")
+    assert runs[0] == runs[1]
+    (_, proposed, accepted), = _fused_and_general_runs(replace(spec, quantization=None), plan_name,
+                                                       dtype="bfloat16", general=False)
+    assert runs[0][2] > 0.85 * accepted and accepted > 0.3 * proposed, (runs[0][1:], proposed, accepted)
+    llm = LLM(default_model_dir(), dtype="bfloat16", device="cuda", max_num_seqs=4, speculative_config=spec)
+    head = llm.engine.drafter.draft_logits.head if method == "mtp" else llm.engine.drafter.model.lm_head
+    assert isinstance(head, FewRowsFp8) and isinstance(head.narrow, Fp8Linear)

@@ -161,9 +161,9 @@ def test_cli_flag(capsys, monkeypatch):
     built = []
 
     class Recording(mtp_mod.DraftVocabHead):
-        def __init__(self, target, rows):
+        def __init__(self, target, rows, **kw):
             built.append(rows)
-            super().__init__(target, rows)
+            super().__init__(target, rows, **kw)
     monkeypatch.setattr(mtp_mod, "DraftVocabHead", Recording)
     assert main(["generate", "--spec", "mtp", "--draft-vocab-size", "1024", "--max-tokens", "6",
                  "--prompt", "def main():", "--no-progress", "--device", "cpu"]) == 0

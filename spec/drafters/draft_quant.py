@@ -1,0 +1,132 @@
+"""FP8 drafter weights (``SpeculativeConfig.quantization="fp8"``).
+
+A draft token only has to be likely: verification reads the target's own weights, so greedy
+outputs are identical whatever the drafter computes, and sampled outputs keep their distribution
+(rejection sampling is exact for any draft distribution). On a bandwidth-bound step the drafter's
+cost is the bytes it reads, and FP8 weights are half of bfloat16's. An 8B-shape MTP proposal reads
+the target's 131072-row lm_head once per draft token (1 GB in bfloat16, ~70% of an MTP pass).
+
+FP8 pays where the FP8 decode kernels run: up to ``fp8.MAX_SKINNY_ROWS`` rows a projection. Wider
+steps take the W8A8 path, which read no faster on the 8B MTP block at batch 32 (H200, 2026-11-28:
+the MTP speed-up fell from 1.22x to 1.12x with every drafter layer in FP8). So each drafter linear
+layer keeps its 16-bit weights and gains an FP8 copy (``FewRowsFp8``): a call with at most that many
+rows reads the copy, a wider one the 16-bit weights. The row count is the input's shape, known on
+the host, so the choice costs no sync and a CUDA graph captures one side.
+
+- method "mtp": the MTP block's linear layers, and the lm_head rows the drafts score (an FP8 copy
+  beside the target's lm_head, which verification keeps reading);
+- method "draft_model": every linear layer of the draft model, its lm_head included.
+
+Routed experts stay 16-bit (the fused MoE reads their tensors directly), and so does a shared
+expert on its fused CUDA path (it reads ``weight``, which is the 16-bit one). Per-output-channel
+scales, the quantizer of ``LLM(quantization="fp8")``. Device memory: the copies, about half the
+drafter's 16-bit linear weights (``head_bytes`` for the MTP head copy, budgeted before the KV cache
+is sized).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS, quantize_fp8
+from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
+
+logger = logging.getLogger("hybrid_engine")
+
+HEAD_CHUNK_ROWS = 8192
+# drafter calls of at most this many rows read the FP8 copy (the FP8 decode kernels' range)
+FP8_MAX_ROWS = MAX_SKINNY_ROWS
+
+
+def fp8_copy(lin: nn.Linear) -> Fp8Linear:
+    """An FP8 copy of ``lin`` with per-output-channel scales, quantized in chunks of rows (rows are
+    independent), so the float32 temporaries stay small: the whole 8B lm_head in float32 would be
+    2 GB beside an already sized KV cache."""
+    w = lin.weight                                               # [N, K]
+    out = Fp8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, scale_shape=(w.shape[0],),
+                    dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        for lo in range(0, w.shape[0], HEAD_CHUNK_ROWS):
+            codes, scale = quantize_fp8(w[lo:lo + HEAD_CHUNK_ROWS], per_channel=True)
+            out.weight[lo:lo + HEAD_CHUNK_ROWS] = codes
+            out.weight_scale[lo:lo + HEAD_CHUNK_ROWS] = scale
+        if lin.bias is not None:
+            out.bias.copy_(lin.bias)
+    return out
+
+
+class FewRowsFp8(nn.Module):
+    """A 16-bit linear layer (``wide``) and its FP8 copy (``narrow``): x [..., K] with at most
+    ``max_rows`` rows goes through the copy, wider x through ``wide``. ``weight`` / ``bias`` are the
+    16-bit ones, for readers of the values (a fused shared-expert path, dtype checks)."""
+
+    def __init__(self, wide: nn.Linear, max_rows: int = FP8_MAX_ROWS):
+        super().__init__()
+        self.wide, self.narrow, self.max_rows = wide, fp8_copy(wide), max_rows
+        self.in_features, self.out_features = wide.in_features, wide.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.wide.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.wide.bias
+
+    def _pick(self, x: torch.Tensor) -> nn.Module:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.narrow if rows <= self.max_rows else self.wide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pick(x)(x)
+
+    def forward_relu2(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(relu2(x))`` (``layers.project_relu2``) through the side ``forward`` would take."""
+        return self._pick(x).forward_relu2(x)
+
+    def extra_repr(self) -> str:
+        return f"max_rows={self.max_rows}"
+
+
+def add_fp8_copies(block: nn.Module, name: str, what: str) -> int:
+    """Give every 16-bit linear layer of ``block`` an FP8 copy (``FewRowsFp8``, swapped in place)
+    -> how many. Layers that are already quantized stay as they are."""
+    if name != "fp8":
+        raise ValueError(f"speculative_config.quantization must be 'fp8', got {name!r}")
+    done = {n for n, m in block.named_modules() if isinstance(m, FewRowsFp8)}
+    names = [n for n, m in block.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)
+             and n.rpartition(".")[0] not in done]
+    for n in names:
+        parent, _, attr = n.rpartition(".")
+        owner = block.get_submodule(parent) if parent else block
+        setattr(owner, attr, FewRowsFp8(getattr(owner, attr)))
+    logger.info("%s: FP8 copies of %d linear layers, read by calls of at most %d rows", what, len(names),
+                FP8_MAX_ROWS)
+    return len(names)
+
+
+def draft_head(head: nn.Module, name: str) -> nn.Module:
+    """``head`` (the lm_head, or the view of its first rows a reduced draft vocabulary scores) with
+    an FP8 copy for few rows; a head that is already quantized is returned as it is."""
+    if name != "fp8":
+        raise ValueError(f"speculative_config.quantization must be 'fp8', got {name!r}")
+    if isinstance(head, QuantLinear):
+        logger.info("MTP drafter: the lm_head is already %s; drafts use it as it is", type(head).__name__)
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"speculative_config.quantization={name!r}: the lm_head ({type(head).__name__}) is not a "
+                        "linear layer that can be quantized")
+    return FewRowsFp8(head)
+
+
+def head_bytes(rows: int, hidden: int) -> int:
+    """Device bytes of the MTP head's FP8 copy: the codes and one float32 scale per row."""
+    return rows * hidden + rows * 4
+
+
+def linear_copy_bytes(numel: int) -> int:
+    """An upper bound on the FP8 copies of a drafter holding ``numel`` weights in all (a byte each;
+    norms, embeddings and experts get none)."""
+    return numel

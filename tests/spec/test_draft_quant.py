@@ -1,0 +1,255 @@
+"""FP8 drafter weights (``SpeculativeConfig.quantization="fp8"``): the linear layers of the MTP
+block and the lm_head rows it scores, or of the whole draft model, gain FP8 copies that few-row
+calls read; the target's weights (its lm_head included) are untouched, so greedy outputs stay
+transformers'; the drafts are those of the FP8 copies (a naive recompute with an independently
+quantized head); bad settings are refused up front."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
+from hf_reference import hf_greedy
+
+DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(hybrid_dir):
+    return hybrid_dir
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(13)
+    return [rng.integers(3, 256, n).tolist() for n in (1, 6, 21, 37)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    return hf_greedy(target, prompts, max_new_tokens=GREEDY.max_tokens)
+
+
+def _llm(target, spec, **kw):
+    args = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+                num_kv_blocks=64, async_scheduling=False)
+    args.update(kw)
+    return LLM(target, speculative_config=spec, **args)
+
+
+def _generate(llm, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    st = llm.stats()
+    assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
+    return [o.outputs[0].token_ids for o in outs], st
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_fp8_drafters_keep_transformers_greedy(target, prompts, reference, method):
+    from hybrid_engine.models.moe import Experts
+    from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    draft = str(target) if method == "draft_model" else None        # the target as its own draft
+    llm = _llm(target, SpeculativeConfig(method, 3, model=draft, quantization="fp8"),
+               async_scheduling=method == "mtp")
+    model, drafter = llm.engine.model, llm.engine.drafter
+    drafting = model.mtp if method == "mtp" else drafter.model
+    copies = {n: m for n, m in drafting.named_modules() if isinstance(m, FewRowsFp8)}
+    calls = {"narrow": 0, "wide": 0}
+    for m in copies.values():
+        for side in ("narrow", "wide"):
+            getattr(m, side).register_forward_hook(lambda *a, side=side: calls.__setitem__(side, calls[side] + 1))
+    toks, st = _generate(llm, prompts)
+    assert toks == reference
+    assert st["drafts_proposed"] > 0
+    if method == "draft_model":       # the target drafting for itself in FP8: mostly, not surely, accepted
+        assert st["drafts_accepted"] > 0.5 * st["drafts_proposed"], st
+    # batches of up to 4 requests: the drafter's single-token steps read the FP8 copies, its wider
+    # calls (a prompt chunk, the MTP pass over 4 rows of 1 + K tokens) the 16-bit weights
+    assert calls["narrow"] > 0 and calls["wide"] > 0, calls
+    # the target is untouched: no quantized module outside the drafter, its lm_head included
+    outside = [n for n, m in model.named_modules() if isinstance(m, (QuantLinear, FewRowsFp8))
+               and not n.startswith("mtp.")]
+    assert outside == [] and type(model.lm_head) is not FewRowsFp8
+    bare = [n for n, m in drafting.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)
+            and n.rpartition(".")[0] not in copies]
+    assert bare == [] and len(copies) > 3, "every linear layer of the drafter has an FP8 copy"
+    assert all(isinstance(m.narrow, Fp8Linear) and m.narrow.weight_scale.shape == (m.out_features,)
+               for m in copies.values())
+    assert any(type(m) is Experts for m in drafting.modules())            # routed experts stay 16-bit
+    head = drafter.draft_logits.head if method == "mtp" else drafter.model.lm_head
+    assert isinstance(head, FewRowsFp8) and head.narrow.out_features == model.cfg.vocab_size
+
+
+def test_fp8_mtp_drafts_match_naive_recompute(target, prompts):
+    """With every call on the FP8 side, the draft distributions of a sampled request after the
+    prefill equal a naive recompute through the MTP block and an FP8 head quantized here,
+    independently of the drafter's chunked copy; the unquantized head gives measurably other ones."""
+    from test_spec_decode import _full_hidden, _naive_mtp
+    from hybrid_engine.quantization.linear import Fp8Linear
+    from hybrid_engine.spec.drafters import mtp as mtp_mod
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    llm = _llm(target, SpeculativeConfig("mtp", 2, quantization="fp8"), max_num_seqs=1, max_num_batched_tokens=256)
+    model = llm.engine.model
+    for m in list(model.mtp.modules()) + [llm.engine.drafter.draft_logits.head]:
+        if isinstance(m, FewRowsFp8):
+            m.max_rows = 10**9
+    recorded = []
+    orig = mtp_mod.MTPDrafter.propose
+
+    def record(self, ctx):
+        drafts, probs = orig(self, ctx)
+        recorded.append((drafts.cpu(), probs.cpu(), ctx.num_valid.cpu()))
+        return drafts, probs
+    mtp_mod.MTPDrafter.propose = record
+    try:
+        prompt = prompts[3]
+        out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=1.0, seed=3, ignore_eos=True),
+                           use_tqdm=False)
+    finally:
+        mtp_mod.MTPDrafter.propose = orig
+    drafts, probs, valid = recorded[0]
+    assert valid[0] == 1
+    fp8_head = Fp8Linear.quantized_from(model.lm_head, per_channel=True)
+    seq, p = prompt + out[0].outputs[0].token_ids, len(prompt)
+
+    def q(h, head):
+        return torch.softmax(model.compute_logits(model.mtp.layers[-1].final_layernorm(h[-1:]), head), -1)[0].cpu()
+    with torch.inference_mode():
+        hidden = _full_hidden(llm, seq[:p])
+        dev = hidden.device
+        emb = model.backbone.embeddings(torch.tensor(seq[1:p + 1], device=dev))
+        h = _naive_mtp(model.mtp, emb, hidden)
+        emb2 = torch.cat([emb, model.backbone.embeddings(drafts[0, :1].to(dev))])   # draft 1 as drawn
+        h2 = _naive_mtp(model.mtp, emb2, torch.cat([hidden, h[-1:]]))
+        want = [q(h, fp8_head), q(h2, fp8_head)]
+        unquantized = q(h, None)
+    for j in range(2):
+        torch.testing.assert_close(probs[0, j], want[j], rtol=1e-4, atol=1e-6)
+    assert (probs[0, 0] - unquantized).abs().max() > 1e-3, "the FP8 head changes the draft distribution"
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias):
+    """Chunks of rows give the codes and scales of quantizing the whole layer at once."""
+    from hybrid_engine.quantization.linear import Fp8Linear
+    from hybrid_engine.spec.drafters import draft_quant
+    monkeypatch.setattr(draft_quant, "HEAD_CHUNK_ROWS", 7)
+    lin = _random_linear(48, 50, bias, seed=1)
+    with torch.no_grad():
+        lin.weight[9] = 0.0                                  # an all-zero row: scale 1
+    got, ref = draft_quant.fp8_copy(lin), Fp8Linear.quantized_from(lin, per_channel=True)
+    assert isinstance(got, Fp8Linear) and got.weight_scale.shape == (50,)
+    assert torch.equal(got.weight.view(torch.uint8), ref.weight.view(torch.uint8))
+    assert torch.equal(got.weight_scale, ref.weight_scale) and got.weight_scale[9] == 1.0
+    if bias:
+        assert torch.equal(got.bias, ref.bias)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(got(x), ref(x), rtol=0, atol=0)
+    # a head that is quantized already is used as it is; a module that is not a linear layer is refused
+    assert draft_quant.draft_head(ref, "fp8") is ref
+    with pytest.raises(TypeError, match="lm_head"):
+        draft_quant.draft_head(nn.Embedding(4, 4), "fp8")
+
+
+def _random_linear(k, n, bias, seed):
+    from hybrid_engine.models.linear import Linear
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (8, 32), (9, 32), (2, 4, 32), (3, 3, 32), (0, 32)])
+def test_few_rows_take_the_fp8_copy(shape):
+    """At most max_rows rows (all leading dims together) go through the FP8 copy, more through the
+    16-bit layer, for forward and forward_relu2 alike; weight and bias are the 16-bit ones."""
+    from hybrid_engine.models.activation import relu2
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    lin = _random_linear(32, 24, True, seed=3)
+    m = FewRowsFp8(lin, max_rows=8)
+    assert m.weight is lin.weight and m.bias is lin.bias and m.max_rows == 8
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    rows = x.numel() // 32
+    side = m.narrow if rows <= 8 else lin
+    other = lin if side is m.narrow else m.narrow
+    with torch.no_grad():
+        assert torch.equal(m(x), side(x)) and torch.equal(m.forward_relu2(x), side(relu2(x)))
+        if rows:
+            assert not torch.equal(m(x), other(x)), "the two sides differ: the test can tell them apart"
+
+
+def test_fp8_head_over_a_reduced_draft_vocabulary(target, prompts, reference):
+    """With draft_vocab_size the FP8 copy holds only those rows; outputs stay transformers'."""
+    from hybrid_engine.quantization.linear import Fp8Linear
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    llm = _llm(target, SpeculativeConfig("mtp", 3, draft_vocab_size=64, quantization="fp8"))
+    toks, st = _generate(llm, prompts)
+    assert toks == reference and st["drafts_proposed"] > 0
+    head = llm.engine.drafter.draft_logits.head
+    assert isinstance(head, FewRowsFp8) and isinstance(head.narrow, Fp8Linear) and head.narrow.weight.shape[0] == 64
+
+
+def test_footprints_count_the_fp8_copies(target):
+    """The KV budget leaves room for the copies: the MTP head rows plus the MTP block's linear
+    weights (the checkpoint's 2-D mtp.* tensors less the routed experts'); a draft model's weights
+    once more at a byte each."""
+    from safetensors.torch import load_file
+    from hybrid_engine.config import EngineConfig
+    from hybrid_engine.spec.drafters import drafter_footprint
+
+    def fixed(method, **kw):
+        spec = SpeculativeConfig(method, 2, model=str(target) if method == "draft_model" else None, **kw)
+        return drafter_footprint(EngineConfig.resolve(target, device="cpu", speculative_config=spec)).fixed_bytes
+    cfg = EngineConfig.resolve(target, device="cpu").model
+    tensors = {k: v for f in target.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    mtp_matrices = sum(v.numel() for k, v in tensors.items()
+                       if k.startswith("mtp.") and v.dim() == 2 and ".experts." not in k and not k.endswith("gate.weight"))
+    assert mtp_matrices > 0
+    assert fixed("mtp") == 0
+    assert fixed("mtp", quantization="fp8") == cfg.vocab_size * (cfg.hidden_size + 4) + mtp_matrices
+    assert fixed("mtp", quantization="fp8", draft_vocab_size=40) == 40 * (cfg.hidden_size + 4) + mtp_matrices
+    assert fixed("draft_model", quantization="fp8") - fixed("draft_model") == sum(v.numel() for v in tensors.values())
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(method="ngram", num_speculative_tokens=2, quantization="fp8"), "ngram"),
+    (dict(method="mtp", num_speculative_tokens=2, quantization="int8"), "quantization must be None or one of 'fp8'"),
+    (dict(method="mtp", num_speculative_tokens=2, quantization="FP8"), "quantization must be"),
+    (dict(method="mtp", num_speculative_tokens=2, quantization=8), "quantization must be"),
+])
+def test_bad_quantization(kw, words):
+    with pytest.raises(ValueError, match=words):
+        SpeculativeConfig(**kw)
+
+
+def test_quantization_checked_against_the_engine(target, tmp_path):
+    with pytest.raises(ValueError, match="quantization='fp8' needs tensor_parallel_size 1"):
+        LLM(target, device=DEV, tensor_parallel_size=2, speculative_config=SpeculativeConfig("mtp", 2, quantization="fp8"))
+    from hybrid_engine.quantize import quantize_folder
+    stored = tmp_path / "fp8_draft"
+    quantize_folder(target, stored, "fp8", calibrate_prompts=0)
+    with pytest.raises(ValueError, match="is stored in 'fp8'; leave quantization None"):
+        _llm(target, SpeculativeConfig("draft_model", 2, model=str(stored), quantization="fp8"))
+    # the engine stays usable after the refusals
+    toks, _ = _generate(_llm(target, SpeculativeConfig("mtp", 2, quantization="fp8")), [[5, 6, 7]],
+                        SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(toks[0]) == 3
+
+
+def test_cli_flag(capsys):
+    from hybrid_engine.cli import main
+    assert main(["generate", "--spec", "mtp", "--draft-quantization", "fp8", "--max-tokens", "6",
+                 "--prompt", "def main():", "--no-progress", "--device", "cpu"]) == 0
+    assert "mean acceptance length" in capsys.readouterr().out
+    rc = main(["generate", "--spec", "ngram", "--draft-quantization", "fp8", "--max-tokens", "2", "--prompt", "x",
+               "--device", "cpu"])
+    assert rc != 0 and "method='ngram' has none" in capsys.readouterr().err
+    rc = main(["generate", "--draft-quantization", "fp8", "--max-tokens", "2", "--prompt", "x", "--device", "cpu"])
+    assert rc != 0 and "--draft-quantization is used by --spec mtp or draft_model only" in capsys.readouterr().err
