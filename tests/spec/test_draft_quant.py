@@ -17,27 +17,27 @@ DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target(hybrid_dir):
-    return hybrid_dir
+# prompt ids of 1 to 37 tokens (one longer than a 24-token chunk)
+_RNG = np.random.default_rng(13)
+PROMPTS = [_RNG.integers(3, 256, n).tolist() for n in (1, 6, 21, 37)]
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(13)
-    return [rng.integers(3, 256, n).tolist() for n in (1, 6, 21, 37)]
+    return PROMPTS
 
 
 @pytest.fixture(scope="module")
-def reference(target, prompts):
-    return hf_greedy(target, prompts, max_new_tokens=GREEDY.max_tokens)
+def reference(hybrid_dir):
+    """transformers' greedy tokens for PROMPTS."""
+    return hf_greedy(hybrid_dir, PROMPTS, max_new_tokens=GREEDY.max_tokens)
 
 
-def _llm(target, spec, **kw):
+def _llm(model_dir, spec, **kw):
     args = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                 num_kv_blocks=64, async_scheduling=False)
     args.update(kw)
-    return LLM(target, speculative_config=spec, **args)
+    return LLM(model_dir, speculative_config=spec, **args)
 
 
 def _generate(llm, prompts, params=GREEDY):
@@ -48,12 +48,12 @@ def _generate(llm, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
-def test_fp8_drafters_keep_transformers_greedy(target, prompts, reference, method):
+def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, method):
     from hybrid_engine.models.moe import Experts
     from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
     from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
-    draft = str(target) if method == "draft_model" else None        # the target as its own draft
-    llm = _llm(target, SpeculativeConfig(method, 3, model=draft, quantization="fp8"),
+    draft = str(hybrid_dir) if method == "draft_model" else None        # the target as its own draft
+    llm = _llm(hybrid_dir, SpeculativeConfig(method, 3, model=draft, quantization="fp8"),
                async_scheduling=method == "mtp")
     model, drafter = llm.engine.model, llm.engine.drafter
     drafting = model.mtp if method == "mtp" else drafter.model
@@ -84,7 +84,7 @@ def test_fp8_drafters_keep_transformers_greedy(target, prompts, reference, metho
     assert isinstance(head, FewRowsFp8) and head.narrow.out_features == model.cfg.vocab_size
 
 
-def test_fp8_mtp_drafts_match_naive_recompute(target, prompts):
+def test_fp8_mtp_drafts_match_naive_recompute(hybrid_dir, prompts):
     """With every call on the FP8 side, the draft distributions of a sampled request after the
     prefill equal a naive recompute through the MTP block and an FP8 head quantized here,
     independently of the drafter's chunked copy; the unquantized head gives measurably other ones."""
@@ -92,7 +92,7 @@ def test_fp8_mtp_drafts_match_naive_recompute(target, prompts):
     from hybrid_engine.quantization.linear import Fp8Linear
     from hybrid_engine.spec.drafters import mtp as mtp_mod
     from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
-    llm = _llm(target, SpeculativeConfig("mtp", 2, quantization="fp8"), max_num_seqs=1, max_num_batched_tokens=256)
+    llm = _llm(hybrid_dir, SpeculativeConfig("mtp", 2, quantization="fp8"), max_num_seqs=1, max_num_batched_tokens=256)
     model = llm.engine.model
     for m in list(model.mtp.modules()) + [llm.engine.drafter.draft_logits.head]:
         if isinstance(m, FewRowsFp8):
@@ -185,18 +185,18 @@ def test_few_rows_take_the_fp8_copy(shape):
             assert not torch.equal(m(x), other(x)), "the two sides differ: the test can tell them apart"
 
 
-def test_fp8_head_over_a_reduced_draft_vocabulary(target, prompts, reference):
+def test_fp8_head_over_a_reduced_draft_vocabulary(hybrid_dir, prompts, reference):
     """With draft_vocab_size the FP8 copy holds only those rows; outputs stay transformers'."""
     from hybrid_engine.quantization.linear import Fp8Linear
     from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
-    llm = _llm(target, SpeculativeConfig("mtp", 3, draft_vocab_size=64, quantization="fp8"))
+    llm = _llm(hybrid_dir, SpeculativeConfig("mtp", 3, draft_vocab_size=64, quantization="fp8"))
     toks, st = _generate(llm, prompts)
     assert toks == reference and st["drafts_proposed"] > 0
     head = llm.engine.drafter.draft_logits.head
     assert isinstance(head, FewRowsFp8) and isinstance(head.narrow, Fp8Linear) and head.narrow.weight.shape[0] == 64
 
 
-def test_footprints_count_the_fp8_copies(target):
+def test_footprints_count_the_fp8_copies(hybrid_dir):
     """The KV budget leaves room for the copies: the MTP head rows plus the MTP block's linear
     weights (the checkpoint's 2-D mtp.* tensors less the routed experts'); a draft model's weights
     once more at a byte each."""
@@ -205,10 +205,10 @@ def test_footprints_count_the_fp8_copies(target):
     from hybrid_engine.spec.drafters import drafter_footprint
 
     def fixed(method, **kw):
-        spec = SpeculativeConfig(method, 2, model=str(target) if method == "draft_model" else None, **kw)
-        return drafter_footprint(EngineConfig.resolve(target, device="cpu", speculative_config=spec)).fixed_bytes
-    cfg = EngineConfig.resolve(target, device="cpu").model
-    tensors = {k: v for f in target.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        spec = SpeculativeConfig(method, 2, model=str(hybrid_dir) if method == "draft_model" else None, **kw)
+        return drafter_footprint(EngineConfig.resolve(hybrid_dir, device="cpu", speculative_config=spec)).fixed_bytes
+    cfg = EngineConfig.resolve(hybrid_dir, device="cpu").model
+    tensors = {k: v for f in hybrid_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     mtp_matrices = sum(v.numel() for k, v in tensors.items()
                        if k.startswith("mtp.") and v.dim() == 2 and ".experts." not in k and not k.endswith("gate.weight"))
     assert mtp_matrices > 0
@@ -229,16 +229,16 @@ def test_bad_quantization(kw, words):
         SpeculativeConfig(**kw)
 
 
-def test_quantization_checked_against_the_engine(target, tmp_path):
+def test_quantization_checked_against_the_engine(hybrid_dir, tmp_path):
     with pytest.raises(ValueError, match="quantization='fp8' needs tensor_parallel_size 1"):
-        LLM(target, device=DEV, tensor_parallel_size=2, speculative_config=SpeculativeConfig("mtp", 2, quantization="fp8"))
+        LLM(hybrid_dir, device=DEV, tensor_parallel_size=2, speculative_config=SpeculativeConfig("mtp", 2, quantization="fp8"))
     from hybrid_engine.quantize import quantize_folder
     stored = tmp_path / "fp8_draft"
-    quantize_folder(target, stored, "fp8", calibrate_prompts=0)
+    quantize_folder(hybrid_dir, stored, "fp8", calibrate_prompts=0)
     with pytest.raises(ValueError, match="is stored in 'fp8'; leave quantization None"):
-        _llm(target, SpeculativeConfig("draft_model", 2, model=str(stored), quantization="fp8"))
+        _llm(hybrid_dir, SpeculativeConfig("draft_model", 2, model=str(stored), quantization="fp8"))
     # the engine stays usable after the refusals
-    toks, _ = _generate(_llm(target, SpeculativeConfig("mtp", 2, quantization="fp8")), [[5, 6, 7]],
+    toks, _ = _generate(_llm(hybrid_dir, SpeculativeConfig("mtp", 2, quantization="fp8")), [[5, 6, 7]],
                         SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(toks[0]) == 3
 
