@@ -61,6 +61,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="draft tokens per step with --spec (default %(default)s)")
     s.add_argument("--draft-model", default=None,
                    help="draft model folder (--spec draft_model; default with the embedded model: its embedded draft)")
+    s.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="--spec mtp: draft over the first N vocabulary ids only (default: the whole vocabulary)")
+    s.add_argument("--draft-quantization", default=None, choices=["fp8"],
+                   help="--spec mtp / draft_model: FP8 copies of the drafter's layers for few-row calls "
+                        "(default: the drafter as stored)")
     s.add_argument("--sync", action="store_true", help="disable async scheduling")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     s.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
@@ -105,7 +110,10 @@ def build_llm(args):
         if args.spec == "draft_model" and draft is None and args.model is None:
             from hybrid_engine.default_model import default_draft_model_dir
             draft = str(default_draft_model_dir())     # the embedded default's own trained draft
-        spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens, model=draft)
+        spec = SpeculativeConfig(method=args.spec, num_speculative_tokens=args.num_spec_tokens, model=draft,
+                                 draft_vocab_size=args.draft_vocab_size, quantization=args.draft_quantization)
+    elif args.draft_vocab_size is not None or args.draft_quantization is not None:
+        raise ValueError("--draft-vocab-size and --draft-quantization need --spec")
     return AsyncLLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

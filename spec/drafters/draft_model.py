@@ -25,7 +25,7 @@ from hybrid_engine.mamba_cache.pool import MambaPool
 from ..adaptive import draft_counts
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
-from .draft_quant import add_fp8_copies, linear_copy_bytes
+from .draft_quant import add_fp8_copies, copies_bytes
 
 logger = logging.getLogger("hybrid_engine")
 
@@ -109,7 +109,8 @@ def cache_footprint(cfg) -> CacheFootprint:
     """The draft model's weights and Mamba pool (fixed) and its KV per target block id, read from
     its config.json and safetensors headers before anything is loaded: the engine subtracts them from
     the KV budget, so target + draft fit in ``kv_cache_memory_fraction`` together. With
-    ``SpeculativeConfig.quantization``, plus a byte a weight for the FP8 copies (an upper bound)."""
+    ``SpeculativeConfig.quantization``, plus the FP8 copies (counted on the model built on the
+    meta device)."""
     from safetensors import safe_open
 
     draft_dir = Path(cfg.speculative.model).expanduser()
@@ -130,8 +131,15 @@ def cache_footprint(cfg) -> CacheFootprint:
     pool = len(mc.mamba_layer_ids) * (conv + ssm)
     kv = KVCache.bytes_per_block(len(mc.attention_layer_ids), cfg.cache.block_size, mc.num_key_value_heads,
                                  mc.head_dim, cfg.cache.kv_dtype(cfg.dtype))
-    copies = 0 if cfg.speculative.quantization is None else linear_copy_bytes(numel)
+    copies = 0 if cfg.speculative.quantization is None else _copies_bytes(mc, cfg.dtype)
     return CacheFootprint(fixed_bytes=numel * itemsize + copies + pool, kv_bytes_per_block=kv)
+
+
+def _copies_bytes(model_cfg, dtype) -> int:
+    from hybrid_engine.models.families import FAMILIES
+    with torch.device("meta"):
+        model = FAMILIES[model_cfg.model_type].model_class()(model_cfg, with_mtp=False)
+    return copies_bytes(model, dtype)
 
 
 def make_draft_model(build) -> DraftModelDrafter:

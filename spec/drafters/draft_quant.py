@@ -17,11 +17,11 @@ the host, so the choice costs no sync and a CUDA graph captures one side.
   beside the target's lm_head, which verification keeps reading);
 - method "draft_model": every linear layer of the draft model, its lm_head included.
 
-Routed experts stay 16-bit (the fused MoE reads their tensors directly), and so does a shared
-expert on its fused CUDA path (it reads ``weight``, which is the 16-bit one). Per-output-channel
-scales, the quantizer of ``LLM(quantization="fp8")``. Device memory: the copies, about half the
-drafter's 16-bit linear weights (``head_bytes`` for the MTP head copy, budgeted before the KV cache
-is sized).
+Routed experts stay 16-bit (the fused MoE reads their tensors directly), and so do shared experts:
+their fused CUDA path reads the projections' 16-bit ``weight`` at decode sizes, so a copy would
+never be read there. Per-output-channel scales, the quantizer of ``LLM(quantization="fp8")``.
+Device memory: the copies (``copies_bytes``: codes, a float32 scale a row and the bias), about half
+the copied 16-bit weights, budgeted before the KV cache is sized.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS, quantize_fp8
+from hybrid_engine.models.layers import project_relu2
 from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
 
 logger = logging.getLogger("hybrid_engine")
@@ -83,21 +84,37 @@ class FewRowsFp8(nn.Module):
         return self._pick(x)(x)
 
     def forward_relu2(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(relu2(x))`` (``layers.project_relu2``) through the side ``forward`` would take."""
-        return self._pick(x).forward_relu2(x)
+        """``self(relu2(x))`` (``layers.project_relu2``) through the side ``forward`` would take
+        (``project_relu2`` again, so forward hooks on that side still see its input)."""
+        return project_relu2(self._pick(x), x)
 
     def extra_repr(self) -> str:
         return f"max_rows={self.max_rows}"
 
 
+def copied_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linear layers of ``block`` that get an FP8 copy: 16-bit ones (not quantized already, not
+    copied already), outside shared experts (module docstring)."""
+    done = {n for n, m in block.named_modules() if isinstance(m, FewRowsFp8)}
+    return [(n, m) for n, m in block.named_modules()
+            if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear) and n.rpartition(".")[0] not in done
+            and "shared_experts" not in n.split(".")]
+
+
+def copies_bytes(block: nn.Module, dtype: torch.dtype) -> int:
+    """Device bytes of the copies ``add_fp8_copies`` makes for ``block`` (it may live on the meta
+    device): codes, a float32 scale a row, and the bias in ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(m.weight.numel() + 4 * m.out_features + (0 if m.bias is None else m.bias.numel() * itemsize)
+               for _, m in copied_linears(block))
+
+
 def add_fp8_copies(block: nn.Module, name: str, what: str) -> int:
-    """Give every 16-bit linear layer of ``block`` an FP8 copy (``FewRowsFp8``, swapped in place)
-    -> how many. Layers that are already quantized stay as they are."""
+    """Give ``block``'s ``copied_linears`` an FP8 copy each (``FewRowsFp8``, swapped in place)
+    -> how many."""
     if name != "fp8":
         raise ValueError(f"speculative_config.quantization must be 'fp8', got {name!r}")
-    done = {n for n, m in block.named_modules() if isinstance(m, FewRowsFp8)}
-    names = [n for n, m in block.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)
-             and n.rpartition(".")[0] not in done]
+    names = [n for n, _ in copied_linears(block)]
     for n in names:
         parent, _, attr = n.rpartition(".")
         owner = block.get_submodule(parent) if parent else block
@@ -122,11 +139,6 @@ def draft_head(head: nn.Module, name: str) -> nn.Module:
 
 
 def head_bytes(rows: int, hidden: int) -> int:
-    """Device bytes of the MTP head's FP8 copy: the codes and one float32 scale per row."""
+    """Device bytes of the MTP head's FP8 copy: the codes and one float32 scale per row (the
+    lm_head has no bias)."""
     return rows * hidden + rows * 4
-
-
-def linear_copy_bytes(numel: int) -> int:
-    """An upper bound on the FP8 copies of a drafter holding ``numel`` weights in all (a byte each;
-    norms, embeddings and experts get none)."""
-    return numel

@@ -18,7 +18,7 @@ from hybrid_engine.quantization.kv_scales import attach_kv_scales
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
-from .draft_quant import add_fp8_copies, head_bytes
+from .draft_quant import add_fp8_copies, copies_bytes, head_bytes
 from .draft_vocab import DraftVocabHead
 
 logger = logging.getLogger("hybrid_engine")
@@ -113,21 +113,20 @@ def cache_footprint(cfg) -> CacheFootprint:
     mc, spec = cfg.model, cfg.speculative
     n_attn = sum(kind == ATTENTION for kind in mc.mtp_layer_types)
     # FP8 drafting: the copies of the lm_head rows the drafts score and of the MTP block's linear
-    # layers (upper bounds: none is made of a layer that is quantized already)
+    # layers (none is made of a layer that is quantized already: then an over-count)
     copies = 0 if spec.quantization is None else (
-        head_bytes(spec.draft_vocab_size or mc.vocab_size, mc.hidden_size) + _mtp_linear_numel(mc))
+        head_bytes(spec.draft_vocab_size or mc.vocab_size, mc.hidden_size) + _mtp_copies_bytes(mc, cfg.dtype))
     return CacheFootprint(fixed_bytes=copies, kv_bytes_per_block=KVCache.bytes_per_block(
         n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.cache.kv_dtype(cfg.dtype)))
 
 
-def _mtp_linear_numel(model_cfg) -> int:
-    """Weights of the MTP block's linear layers (what the FP8 copies hold, a byte each), counted on
-    a block built on the meta device: no memory, and no weight files needed."""
-    from torch import nn
+def _mtp_copies_bytes(model_cfg, dtype) -> int:
+    """Bytes of the MTP block's FP8 copies, counted on the block built on the meta device (no
+    memory, no weight files needed)."""
     from hybrid_engine.models.mtp import MTP
     with torch.device("meta"):
         block = MTP(model_cfg)
-    return sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    return copies_bytes(block, dtype)
 
 
 def make_mtp(build) -> MTPDrafter:

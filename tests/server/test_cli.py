@@ -40,6 +40,25 @@ def test_serve_arguments(monkeypatch):
     assert seen["enable_prefix_caching"] is False
 
 
+def test_serve_draft_options(monkeypatch):
+    """``--draft-vocab-size`` and ``--draft-quantization`` reach the SpeculativeConfig; without
+    ``--spec`` they are refused."""
+    import argparse
+    import hybrid_engine
+    import hybrid_engine.server.cli as scli
+    seen, got = {}, {}
+    monkeypatch.setattr(scli, "run_serve", lambda args: seen.update(vars(args)) or 0)
+    monkeypatch.setattr(hybrid_engine, "AsyncLLM", lambda model, **kw: got.update(kw, model=model))
+    assert main(["serve", "some/dir", "--spec", "mtp", "--draft-vocab-size", "64", "--draft-quantization", "fp8"]) == 0
+    scli.build_llm(argparse.Namespace(**seen))
+    spec = got["speculative_config"]
+    assert (spec.method, spec.draft_vocab_size, spec.quantization) == ("mtp", 64, "fp8")
+    seen.clear()
+    assert main(["serve", "some/dir", "--draft-quantization", "fp8"]) == 0
+    with pytest.raises(ValueError, match="--draft-vocab-size and --draft-quantization need --spec"):
+        scli.build_llm(argparse.Namespace(**seen))
+
+
 def test_warm_up_runs_on_cuda_unless_turned_off(monkeypatch):
     """``serve`` warms up on CUDA by default (``--no-warmup`` skips it) and never on the CPU."""
     import argparse

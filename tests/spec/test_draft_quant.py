@@ -50,6 +50,7 @@ def _generate(llm, prompts, params=GREEDY):
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, method):
     from hybrid_engine.models.moe import Experts
+    from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS
     from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
     from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
     draft = str(hybrid_dir) if method == "draft_model" else None        # the target as its own draft
@@ -76,12 +77,16 @@ def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, m
     assert outside == [] and type(model.lm_head) is not FewRowsFp8
     bare = [n for n, m in drafting.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)
             and n.rpartition(".")[0] not in copies]
-    assert bare == [] and len(copies) > 3, "every linear layer of the drafter has an FP8 copy"
+    # every linear layer of the drafter has an FP8 copy, but the shared experts' (their fused CUDA
+    # path reads the 16-bit weights)
+    assert bare and all("shared_experts" in n for n in bare) and len(copies) > 3, bare
     assert all(isinstance(m.narrow, Fp8Linear) and m.narrow.weight_scale.shape == (m.out_features,)
-               for m in copies.values())
+               and m.max_rows == MAX_SKINNY_ROWS == 8 for m in copies.values())
     assert any(type(m) is Experts for m in drafting.modules())            # routed experts stay 16-bit
     head = drafter.draft_logits.head if method == "mtp" else drafter.model.lm_head
     assert isinstance(head, FewRowsFp8) and head.narrow.out_features == model.cfg.vocab_size
+    if method == "mtp":               # the greedy drafts (the fused graphs' path) go through it too
+        assert drafter.draft_argmax == drafter.draft_logits.argmax
 
 
 def test_fp8_mtp_drafts_match_naive_recompute(hybrid_dir, prompts):
@@ -132,13 +137,15 @@ def test_fp8_mtp_drafts_match_naive_recompute(hybrid_dir, prompts):
     assert (probs[0, 0] - unquantized).abs().max() > 1e-3, "the FP8 head changes the draft distribution"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias):
-    """Chunks of rows give the codes and scales of quantizing the whole layer at once."""
-    from hybrid_engine.quantization.linear import Fp8Linear
+def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias, dtype):
+    """Chunks of rows give the codes and scales of quantizing the whole layer at once; the bias
+    keeps the layer's dtype."""
+    from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
     from hybrid_engine.spec.drafters import draft_quant
     monkeypatch.setattr(draft_quant, "HEAD_CHUNK_ROWS", 7)
-    lin = _random_linear(48, 50, bias, seed=1)
+    lin = _random_linear(48, 50, bias, seed=1).to(dtype)
     with torch.no_grad():
         lin.weight[9] = 0.0                                  # an all-zero row: scale 1
     got, ref = draft_quant.fp8_copy(lin), Fp8Linear.quantized_from(lin, per_channel=True)
@@ -146,11 +153,13 @@ def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias):
     assert torch.equal(got.weight.view(torch.uint8), ref.weight.view(torch.uint8))
     assert torch.equal(got.weight_scale, ref.weight_scale) and got.weight_scale[9] == 1.0
     if bias:
-        assert torch.equal(got.bias, ref.bias)
-    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2))
+        assert got.bias.dtype == dtype and torch.equal(got.bias, lin.bias)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
     torch.testing.assert_close(got(x), ref(x), rtol=0, atol=0)
-    # a head that is quantized already is used as it is; a module that is not a linear layer is refused
-    assert draft_quant.draft_head(ref, "fp8") is ref
+    # a head that is quantized already (FP8 or NVFP4) is used as it is; a module that is not a
+    # linear layer is refused
+    nvfp4 = Nvfp4Linear.quantized_from(_random_linear(48, 50, bias, seed=5))
+    assert draft_quant.draft_head(ref, "fp8") is ref and draft_quant.draft_head(nvfp4, "fp8") is nvfp4
     with pytest.raises(TypeError, match="lm_head"):
         draft_quant.draft_head(nn.Embedding(4, 4), "fp8")
 
@@ -179,10 +188,15 @@ def test_few_rows_take_the_fp8_copy(shape):
     rows = x.numel() // 32
     side = m.narrow if rows <= 8 else lin
     other = lin if side is m.narrow else m.narrow
+    seen = []
+    side.register_forward_hook(lambda *a: seen.append(1))
     with torch.no_grad():
         assert torch.equal(m(x), side(x)) and torch.equal(m.forward_relu2(x), side(relu2(x)))
         if rows:
             assert not torch.equal(m(x), other(x)), "the two sides differ: the test can tell them apart"
+    # the chosen side is called as a module (forward hooks, e.g. calibration, see its input), also
+    # through project_relu2
+    assert len(seen) == 4 + (1 if rows else 0), seen
 
 
 def test_fp8_head_over_a_reduced_draft_vocabulary(hybrid_dir, prompts, reference):
@@ -196,26 +210,32 @@ def test_fp8_head_over_a_reduced_draft_vocabulary(hybrid_dir, prompts, reference
     assert isinstance(head, FewRowsFp8) and isinstance(head.narrow, Fp8Linear) and head.narrow.weight.shape[0] == 64
 
 
-def test_footprints_count_the_fp8_copies(hybrid_dir):
-    """The KV budget leaves room for the copies: the MTP head rows plus the MTP block's linear
-    weights (the checkpoint's 2-D mtp.* tensors less the routed experts'); a draft model's weights
-    once more at a byte each."""
-    from safetensors.torch import load_file
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_footprints_are_the_copies_bytes(hybrid_dir, model_dirs, tied):
+    """The KV budget leaves room for exactly the copies the drafters build: the MTP block's and
+    head's, and a draft model's (with biases; a checkpoint with tied embeddings too)."""
     from hybrid_engine.config import EngineConfig
     from hybrid_engine.spec.drafters import drafter_footprint
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    draft = model_dirs(f"fp8_draft_{tied}", pattern="M*-E", seed=4, tie_word_embeddings=tied,
+                       attention_bias=True, mlp_bias=True)
 
     def fixed(method, **kw):
-        spec = SpeculativeConfig(method, 2, model=str(hybrid_dir) if method == "draft_model" else None, **kw)
+        spec = SpeculativeConfig(method, 2, model=str(draft) if method == "draft_model" else None, **kw)
         return drafter_footprint(EngineConfig.resolve(hybrid_dir, device="cpu", speculative_config=spec)).fixed_bytes
-    cfg = EngineConfig.resolve(hybrid_dir, device="cpu").model
-    tensors = {k: v for f in hybrid_dir.glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    mtp_matrices = sum(v.numel() for k, v in tensors.items()
-                       if k.startswith("mtp.") and v.dim() == 2 and ".experts." not in k and not k.endswith("gate.weight"))
-    assert mtp_matrices > 0
+
+    def built(module):
+        return sum(sum(t.numel() * t.element_size() for t in m.narrow.parameters())
+                   for m in module.modules() if isinstance(m, FewRowsFp8))
     assert fixed("mtp") == 0
-    assert fixed("mtp", quantization="fp8") == cfg.vocab_size * (cfg.hidden_size + 4) + mtp_matrices
-    assert fixed("mtp", quantization="fp8", draft_vocab_size=40) == 40 * (cfg.hidden_size + 4) + mtp_matrices
-    assert fixed("draft_model", quantization="fp8") - fixed("draft_model") == sum(v.numel() for v in tensors.values())
+    for rows in (None, 40):
+        llm = _llm(hybrid_dir, SpeculativeConfig("mtp", 2, draft_vocab_size=rows, quantization="fp8"))
+        d = llm.engine.drafter
+        assert d.draft_logits.head.narrow.out_features == (rows or llm.engine.cfg.model.vocab_size)
+        assert fixed("mtp", quantization="fp8", draft_vocab_size=rows) == built(d.mtp) + built(d.draft_logits.head) > 0
+    llm = _llm(hybrid_dir, SpeculativeConfig("draft_model", 2, model=str(draft), quantization="fp8"))
+    model = llm.engine.drafter.model
+    assert fixed("draft_model", quantization="fp8") - fixed("draft_model") == built(model) > 0
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -241,6 +261,22 @@ def test_quantization_checked_against_the_engine(hybrid_dir, tmp_path):
     toks, _ = _generate(_llm(hybrid_dir, SpeculativeConfig("mtp", 2, quantization="fp8")), [[5, 6, 7]],
                         SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(toks[0]) == 3
+
+
+def test_cuda_needs_float8_and_a_16_bit_dtype(hybrid_dir, monkeypatch):
+    from hybrid_engine.config import EngineConfig, ModelConfig
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "A100")
+
+    def cfg(cap, dtype):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
+        return EngineConfig(model_dir=hybrid_dir, model=ModelConfig.from_json(hybrid_dir), dtype=dtype,
+                            device=torch.device("cuda", 0),
+                            speculative=SpeculativeConfig("mtp", 2, quantization="fp8"))
+    with pytest.raises(ValueError, match=r"quantization='fp8' needs a GPU with float8 support .* A100 has 8.0"):
+        cfg((8, 0), torch.bfloat16)
+    with pytest.raises(ValueError, match="on CUDA needs dtype bfloat16 or float16 .* got torch.float32"):
+        cfg((9, 0), torch.float32)
+    assert cfg((9, 0), torch.bfloat16).speculative.quantization == "fp8"
 
 
 def test_cli_flag(capsys):
