@@ -39,9 +39,21 @@ MAX_SKINNY_ROWS = 8
 _SCALED_MM_DTYPES = (torch.bfloat16,)
 
 
+# per-channel quantization takes this many rows at a time (rows are independent): the float32
+# temporaries of a whole 131072 x 4096 lm_head would be 2 GB on the device
+QUANT_CHUNK_ROWS = 8192
+
+
 def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (any float dtype) -> (w_q [N, K] float8_e4m3fn, scale float32 [] or [N]) with
     scale = amax / 448 (1 for an all-zero tensor/row) and w_q = round(w / scale)."""
+    if per_channel and w.shape[0] > QUANT_CHUNK_ROWS:
+        w_q = torch.empty(w.shape, dtype=FP8, device=w.device)
+        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for lo in range(0, w.shape[0], QUANT_CHUNK_ROWS):
+            w_q[lo:lo + QUANT_CHUNK_ROWS], scale[lo:lo + QUANT_CHUNK_ROWS] = quantize_fp8(
+                w[lo:lo + QUANT_CHUNK_ROWS], per_channel=True)
+        return w_q, scale
     wf = w.detach().float()
     amax = wf.abs().amax(dim=1) if per_channel else wf.abs().amax()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))

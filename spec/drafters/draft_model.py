@@ -156,7 +156,7 @@ def make_draft_model(build) -> DraftModelDrafter:
                          "leave quantization None to run it as stored")
     model = build_model(draft_cfg, draft_dir, cfg.dtype, cfg.device)
     if spec.quantization is not None:
-        add_fp8_copies(model, spec.quantization, "draft model")
+        add_fp8_copies(model, "draft model")
     logger.info("draft model %s: %d layers (%s)", draft_dir, draft_cfg.num_layers, "".join(draft_cfg.layer_types))
     drafter = DraftModelDrafter(model, draft_cfg, num_spec=build.num_spec, max_num_seqs=build.max_num_seqs,
                                 num_blocks=build.num_kv_blocks, block_size=build.block_size,

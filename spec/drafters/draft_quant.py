@@ -20,7 +20,7 @@ the host, so the choice costs no sync and a CUDA graph captures one side.
 Routed experts stay 16-bit (the fused MoE reads their tensors directly), and so do shared experts:
 their fused CUDA path reads the projections' 16-bit ``weight`` at decode sizes, so a copy would
 never be read there. Per-output-channel scales, the quantizer of ``LLM(quantization="fp8")``.
-Device memory: the copies (``copies_bytes``: codes, a float32 scale a row and the bias), about half
+Device memory: the copies (``copy_bytes``: codes, a float32 scale a row and the bias), about half
 the copied 16-bit weights, budgeted before the KV cache is sized.
 """
 from __future__ import annotations
@@ -30,32 +30,14 @@ import logging
 import torch
 from torch import nn
 
-from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS, quantize_fp8
+from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS
 from hybrid_engine.models.layers import project_relu2
 from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
 
 logger = logging.getLogger("hybrid_engine")
 
-HEAD_CHUNK_ROWS = 8192
 # drafter calls of at most this many rows read the FP8 copy (the FP8 decode kernels' range)
 FP8_MAX_ROWS = MAX_SKINNY_ROWS
-
-
-def fp8_copy(lin: nn.Linear) -> Fp8Linear:
-    """An FP8 copy of ``lin`` with per-output-channel scales, quantized in chunks of rows (rows are
-    independent), so the float32 temporaries stay small: the whole 8B lm_head in float32 would be
-    2 GB beside an already sized KV cache."""
-    w = lin.weight                                               # [N, K]
-    out = Fp8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, scale_shape=(w.shape[0],),
-                    dtype=w.dtype, device=w.device)
-    with torch.no_grad():
-        for lo in range(0, w.shape[0], HEAD_CHUNK_ROWS):
-            codes, scale = quantize_fp8(w[lo:lo + HEAD_CHUNK_ROWS], per_channel=True)
-            out.weight[lo:lo + HEAD_CHUNK_ROWS] = codes
-            out.weight_scale[lo:lo + HEAD_CHUNK_ROWS] = scale
-        if lin.bias is not None:
-            out.bias.copy_(lin.bias)
-    return out
 
 
 class FewRowsFp8(nn.Module):
@@ -65,7 +47,10 @@ class FewRowsFp8(nn.Module):
 
     def __init__(self, wide: nn.Linear, max_rows: int = FP8_MAX_ROWS):
         super().__init__()
-        self.wide, self.narrow, self.max_rows = wide, fp8_copy(wide), max_rows
+        # per-channel quantization goes in chunks of rows (fp8.quantize_fp8): no 2 GB of float32
+        # temporaries for an 8B lm_head beside an already sized KV cache
+        self.wide, self.narrow = wide, Fp8Linear.quantized_from(wide, per_channel=True)
+        self.max_rows = max_rows
         self.in_features, self.out_features = wide.in_features, wide.out_features
 
     @property
@@ -101,19 +86,22 @@ def copied_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
             and "shared_experts" not in n.split(".")]
 
 
+def copy_bytes(out_features: int, in_features: int, bias_bytes: int = 0) -> int:
+    """Device bytes of one FP8 copy: the codes, a float32 scale a row, and the bias."""
+    return out_features * in_features + 4 * out_features + bias_bytes
+
+
 def copies_bytes(block: nn.Module, dtype: torch.dtype) -> int:
     """Device bytes of the copies ``add_fp8_copies`` makes for ``block`` (it may live on the meta
-    device): codes, a float32 scale a row, and the bias in ``dtype``."""
+    device); biases in ``dtype``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(m.weight.numel() + 4 * m.out_features + (0 if m.bias is None else m.bias.numel() * itemsize)
+    return sum(copy_bytes(m.out_features, m.in_features, 0 if m.bias is None else m.bias.numel() * itemsize)
                for _, m in copied_linears(block))
 
 
-def add_fp8_copies(block: nn.Module, name: str, what: str) -> int:
+def add_fp8_copies(block: nn.Module, what: str) -> int:
     """Give ``block``'s ``copied_linears`` an FP8 copy each (``FewRowsFp8``, swapped in place)
     -> how many."""
-    if name != "fp8":
-        raise ValueError(f"speculative_config.quantization must be 'fp8', got {name!r}")
     names = [n for n, _ in copied_linears(block)]
     for n in names:
         parent, _, attr = n.rpartition(".")
@@ -124,21 +112,15 @@ def add_fp8_copies(block: nn.Module, name: str, what: str) -> int:
     return len(names)
 
 
-def draft_head(head: nn.Module, name: str) -> nn.Module:
+def draft_head(head: nn.Module) -> nn.Module:
     """``head`` (the lm_head, or the view of its first rows a reduced draft vocabulary scores) with
     an FP8 copy for few rows; a head that is already quantized is returned as it is."""
-    if name != "fp8":
-        raise ValueError(f"speculative_config.quantization must be 'fp8', got {name!r}")
     if isinstance(head, QuantLinear):
         logger.info("MTP drafter: the lm_head is already %s; drafts use it as it is", type(head).__name__)
         return head
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"speculative_config.quantization={name!r}: the lm_head ({type(head).__name__}) is not a "
-                        "linear layer that can be quantized")
+        raise TypeError(f"speculative_config.quantization: the lm_head ({type(head).__name__}) is not a linear "
+                        "layer that can be quantized")
     return FewRowsFp8(head)
 
 
-def head_bytes(rows: int, hidden: int) -> int:
-    """Device bytes of the MTP head's FP8 copy: the codes and one float32 scale per row (the
-    lm_head has no bias)."""
-    return rows * hidden + rows * 4

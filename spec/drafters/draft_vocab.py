@@ -51,7 +51,7 @@ class DraftVocabHead:
         self.head = head_rows(target.lm_head, rows)
         if quantization is not None:
             from .draft_quant import draft_head
-            self.head = draft_head(self.head, quantization)
+            self.head = draft_head(self.head)
 
     def argmax(self, normed: torch.Tensor) -> torch.Tensor:
         """[L] the greedy draft ids: the argmax over the first rows, with no full-width logits (the

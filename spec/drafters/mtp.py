@@ -18,7 +18,7 @@ from hybrid_engine.quantization.kv_scales import attach_kv_scales
 
 from .base import CacheFootprint, DraftContext, Drafter
 from .common import draw, single_token_batch
-from .draft_quant import add_fp8_copies, copies_bytes, head_bytes
+from .draft_quant import add_fp8_copies, copies_bytes, copy_bytes
 from .draft_vocab import DraftVocabHead
 
 logger = logging.getLogger("hybrid_engine")
@@ -36,7 +36,7 @@ class MTPDrafter(Drafter):
         cfg = target.cfg
         self.target, self.mtp, self.num_spec = target, target.mtp, num_spec
         if quantization is not None:
-            add_fp8_copies(self.mtp, quantization, "MTP drafter")
+            add_fp8_copies(self.mtp, "MTP drafter")
         # [L, D] final-normed MTP hidden -> [L, V] float32 draft logits, and -> [L] greedy draft ids
         head = None
         if draft_vocab_size is not None or quantization is not None:
@@ -115,7 +115,7 @@ def cache_footprint(cfg) -> CacheFootprint:
     # FP8 drafting: the copies of the lm_head rows the drafts score and of the MTP block's linear
     # layers (none is made of a layer that is quantized already: then an over-count)
     copies = 0 if spec.quantization is None else (
-        head_bytes(spec.draft_vocab_size or mc.vocab_size, mc.hidden_size) + _mtp_copies_bytes(mc, cfg.dtype))
+        copy_bytes(spec.draft_vocab_size or mc.vocab_size, mc.hidden_size) + _mtp_copies_bytes(mc, cfg.dtype))
     return CacheFootprint(fixed_bytes=copies, kv_bytes_per_block=KVCache.bytes_per_block(
         n_attn, cfg.cache.block_size, mc.num_key_value_heads, mc.head_dim, cfg.cache.kv_dtype(cfg.dtype)))
 

@@ -140,15 +140,17 @@ def test_fp8_mtp_drafts_match_naive_recompute(hybrid_dir, prompts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias, dtype):
-    """Chunks of rows give the codes and scales of quantizing the whole layer at once; the bias
-    keeps the layer's dtype."""
+    """The drafter's copy (per-channel quantization in chunks of rows, ``fp8.quantize_fp8``) has
+    the codes and scales of quantizing the whole layer at once; the bias keeps the layer's dtype."""
+    from hybrid_engine.quantization import fp8
     from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
     from hybrid_engine.spec.drafters import draft_quant
-    monkeypatch.setattr(draft_quant, "HEAD_CHUNK_ROWS", 7)
     lin = _random_linear(48, 50, bias, seed=1).to(dtype)
     with torch.no_grad():
         lin.weight[9] = 0.0                                  # an all-zero row: scale 1
-    got, ref = draft_quant.fp8_copy(lin), Fp8Linear.quantized_from(lin, per_channel=True)
+    ref = Fp8Linear.quantized_from(lin, per_channel=True)   # 50 rows: one chunk
+    monkeypatch.setattr(fp8, "QUANT_CHUNK_ROWS", 7)
+    got = draft_quant.FewRowsFp8(lin).narrow
     assert isinstance(got, Fp8Linear) and got.weight_scale.shape == (50,)
     assert torch.equal(got.weight.view(torch.uint8), ref.weight.view(torch.uint8))
     assert torch.equal(got.weight_scale, ref.weight_scale) and got.weight_scale[9] == 1.0
@@ -159,9 +161,9 @@ def test_fp8_copy_in_chunks_equals_the_whole(monkeypatch, bias, dtype):
     # a head that is quantized already (FP8 or NVFP4) is used as it is; a module that is not a
     # linear layer is refused
     nvfp4 = Nvfp4Linear.quantized_from(_random_linear(48, 50, bias, seed=5))
-    assert draft_quant.draft_head(ref, "fp8") is ref and draft_quant.draft_head(nvfp4, "fp8") is nvfp4
+    assert draft_quant.draft_head(ref) is ref and draft_quant.draft_head(nvfp4) is nvfp4
     with pytest.raises(TypeError, match="lm_head"):
-        draft_quant.draft_head(nn.Embedding(4, 4), "fp8")
+        draft_quant.draft_head(nn.Embedding(4, 4))
 
 
 def _random_linear(k, n, bias, seed):
