@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import MLP
 from .linear import Linear
-from .moe_ops import RouteSpec, beside, route, routed_experts, router_logits, shared_expert
+from .moe_ops import ExpertWeights, RouteSpec, beside, route, routed_experts, router_logits, shared_expert
 
 ROUTER_FP32_WEIGHTS = ("gate.weight",)     # loader keep_in_fp32 suffixes owned by this module
 
@@ -56,10 +56,11 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, width, inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, width))
 
-    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per-expert weight scales (up, down) of quantized experts
-        (``quantization.experts.Fp8Experts``); None: the weights are the values."""
-        return None, None
+    def weights_for(self, rows: int) -> ExpertWeights:
+        """The tensors a forward of ``rows`` token rows reads. Quantized experts
+        (``quantization.experts.Fp8Experts``) give their scales too; a drafter's experts with an
+        FP8 copy (``spec/drafters/draft_quant.FewRowsFp8Experts``) pick a side by ``rows``."""
+        return ExpertWeights(up=self.up_proj, down=self.down_proj)
 
 
 class MoE(nn.Module):
@@ -94,10 +95,10 @@ class MoE(nn.Module):
         # the shared expert [T, D] on a side stream while the router picks ids, w [T, k] (CUDA)
         shared, (ids, w) = beside(lambda: shared_expert(x, self.shared_experts),
                                   lambda: self.gate(x, self.expert_tokens, valid), x.device)
-        up_s, down_s = self.experts.scales()
+        ew = self.experts.weights_for(x.shape[0])
         if self.fc1_latent_proj is None:
-            return routed_experts(x, self.experts.up_proj, self.experts.down_proj, ids, w, add=shared,
-                                  up_scale=up_s, down_scale=down_s)
-        routed = routed_experts(self.fc1_latent_proj(x), self.experts.up_proj, self.experts.down_proj, ids, w,
-                                up_scale=up_s, down_scale=down_s)
+            return routed_experts(x, ew.up, ew.down, ids, w, add=shared, up_scale=ew.up_scale,
+                                  down_scale=ew.down_scale)
+        routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, up_scale=ew.up_scale,
+                                down_scale=ew.down_scale)
         return self.fc2_latent_proj(routed) + shared

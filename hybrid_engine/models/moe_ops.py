@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -178,9 +179,12 @@ def _per_stream_pools() -> bool:
 def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
     """The shared relu² MLP (``layers.MLP``); on CUDA decode batches without biases two kernels
     (up with relu² in its epilogue, down) instead of three. Those kernels read the weights as
-    values: quantized projections (FP8 / NVFP4 weights with scales) go through their own modules."""
+    values: quantized projections (FP8 / NVFP4 weights with scales) and a drafter's layers with an
+    FP8 copy (``spec/drafters/draft_quant.FewRowsFp8``, which picks a side by rows) go through
+    their own modules: only plain ``nn.Linear`` projections take the fused path."""
     up, down = mlp.up_proj.weight, mlp.down_proj.weight
-    if (up.dtype == down.dtype == x.dtype and mlp.up_proj.bias is None and mlp.down_proj.bias is None
+    if (isinstance(mlp.up_proj, torch.nn.Linear) and isinstance(mlp.down_proj, torch.nn.Linear)
+            and up.dtype == down.dtype == x.dtype and mlp.up_proj.bias is None and mlp.down_proj.bias is None
             and _rowwise_ok(x, up, down)):
         from .triton_moe import rowwise_linear_triton
         return rowwise_linear_triton(rowwise_linear_triton(x, up, relu2=True), down)
@@ -188,6 +192,14 @@ def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- experts
+
+class ExpertWeights(NamedTuple):
+    """What the fused MoE reads: merged weights, and per-expert float32 scales [E] when they are FP8."""
+    up: torch.Tensor                   # [E, F, D_in]
+    down: torch.Tensor                 # [E, D_in, F]
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.moe_ops import ExpertWeights
 from .fp8 import FP8, quantize_fp8
 from .linear import QuantLinear, _empty
 
@@ -28,8 +29,10 @@ class Fp8Experts(QuantLinear):
         self.up_proj_weight_scale = _empty((num_experts,), torch.float32, device)
         self.down_proj_weight_scale = _empty((num_experts,), torch.float32, device)
 
-    def scales(self):
-        return self.up_proj_weight_scale, self.down_proj_weight_scale
+    def weights_for(self, rows: int):
+        """``models.moe_ops.ExpertWeights`` with the FP8 tensors and their [E] scales (any ``rows``)."""
+        return ExpertWeights(up=self.up_proj, down=self.down_proj, up_scale=self.up_proj_weight_scale,
+                             down_scale=self.down_proj_weight_scale)
 
     @classmethod
     def like(cls, experts: nn.Module) -> "Fp8Experts":

@@ -17,10 +17,14 @@ the host, so the choice costs no sync and a CUDA graph captures one side.
   beside the target's lm_head, which verification keeps reading);
 - method "draft_model": every linear layer of the draft model, its lm_head included.
 
-Routed experts stay 16-bit (the fused MoE reads their tensors directly), and so do shared experts:
-their fused CUDA path reads the projections' 16-bit ``weight`` at decode sizes, so a copy would
-never be read there. Per-output-channel scales, the quantizer of ``LLM(quantization="fp8")``.
-Device memory: the copies (``copy_bytes``: codes, a float32 scale a row and the bias), about half
+Routed experts get an FP8 copy too (``FewRowsFp8Experts``: the fused MoE's FP8 layout, one scale
+an expert and projection), picked by the same row rule through ``Experts.weights_for``; a shared
+expert's layers get ``FewRowsFp8`` copies like any other (few-row calls then leave the fused
+16-bit shared-expert path for the copies' FP8 kernels). On the 8B shape's MTP block (``*E``: 8
+experts of 7688, top-2, a shared expert of 7688) the experts hold ~64% of the bytes a pass reads
+once its other layers are FP8 (counted from the shapes). Linear layers get per-output-channel
+scales, the quantizer of ``LLM(quantization="fp8")``.
+Device memory: the copies (``copy_bytes``, ``experts_copy_bytes``: codes, scales, biases), about half
 the copied 16-bit weights, budgeted before the KV cache is sized.
 """
 from __future__ import annotations
@@ -32,12 +36,17 @@ from torch import nn
 
 from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS
 from hybrid_engine.models.layers import project_relu2
+from hybrid_engine.models.moe import Experts
+from hybrid_engine.quantization.experts import Fp8Experts
 from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
 
 logger = logging.getLogger("hybrid_engine")
 
 # drafter calls of at most this many rows read the FP8 copy (the FP8 decode kernels' range)
 FP8_MAX_ROWS = MAX_SKINNY_ROWS
+# the routed experts' rule: token rows up to this read the FP8 experts (the fused MoE's decode
+# kernels and its grouped GEMM both take FP8 weights)
+EXPERTS_FP8_MAX_ROWS = FP8_MAX_ROWS
 
 
 class FewRowsFp8(nn.Module):
@@ -77,13 +86,36 @@ class FewRowsFp8(nn.Module):
         return f"max_rows={self.max_rows}"
 
 
+class FewRowsFp8Experts(nn.Module):
+    """Routed experts (``models.moe.Experts``, ``wide``) and their FP8 copy (``Fp8Experts``,
+    ``narrow``: a float32 scale an expert and projection, as the fused MoE reads FP8 experts): a
+    forward of at most ``max_rows`` token rows reads the copy (``weights_for``)."""
+
+    def __init__(self, wide: Experts, max_rows: int | None = None):
+        super().__init__()
+        self.wide, self.narrow = wide, Fp8Experts.quantized_from(wide)      # one expert at a time
+        self.max_rows = EXPERTS_FP8_MAX_ROWS if max_rows is None else max_rows
+
+    def weights_for(self, rows: int):
+        return (self.narrow if rows <= self.max_rows else self.wide).weights_for(rows)
+
+    def extra_repr(self) -> str:
+        return f"max_rows={self.max_rows}"
+
+
 def copied_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The linear layers of ``block`` that get an FP8 copy: 16-bit ones (not quantized already, not
-    copied already), outside shared experts (module docstring)."""
+    copied already)."""
     done = {n for n, m in block.named_modules() if isinstance(m, FewRowsFp8)}
     return [(n, m) for n, m in block.named_modules()
-            if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear) and n.rpartition(".")[0] not in done
-            and "shared_experts" not in n.split(".")]
+            if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear) and n.rpartition(".")[0] not in done]
+
+
+def copied_experts(block: nn.Module) -> list[tuple[str, Experts]]:
+    """The 16-bit routed experts of ``block`` (``type`` exactly ``Experts``: not FP8 already), not
+    copied already."""
+    done = {n for n, m in block.named_modules() if isinstance(m, FewRowsFp8Experts)}
+    return [(n, m) for n, m in block.named_modules() if type(m) is Experts and n.rpartition(".")[0] not in done]
 
 
 def copy_bytes(out_features: int, in_features: int, bias_bytes: int = 0) -> int:
@@ -91,25 +123,38 @@ def copy_bytes(out_features: int, in_features: int, bias_bytes: int = 0) -> int:
     return out_features * in_features + 4 * out_features + bias_bytes
 
 
+def experts_copy_bytes(experts: Experts) -> int:
+    """Device bytes of ``FewRowsFp8Experts``' copy: the codes of both projections, two float32
+    scales an expert."""
+    return experts.up_proj.numel() + experts.down_proj.numel() + 2 * 4 * experts.up_proj.shape[0]
+
+
 def copies_bytes(block: nn.Module, dtype: torch.dtype) -> int:
     """Device bytes of the copies ``add_fp8_copies`` makes for ``block`` (it may live on the meta
     device); biases in ``dtype``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(copy_bytes(m.out_features, m.in_features, 0 if m.bias is None else m.bias.numel() * itemsize)
-               for _, m in copied_linears(block))
+    return (sum(copy_bytes(m.out_features, m.in_features, 0 if m.bias is None else m.bias.numel() * itemsize)
+                for _, m in copied_linears(block))
+            + sum(experts_copy_bytes(m) for _, m in copied_experts(block)))
+
+
+def _swap(block: nn.Module, name: str, make) -> None:
+    parent, _, attr = name.rpartition(".")
+    owner = block.get_submodule(parent) if parent else block
+    setattr(owner, attr, make(getattr(owner, attr)))
 
 
 def add_fp8_copies(block: nn.Module, what: str) -> int:
-    """Give ``block``'s ``copied_linears`` an FP8 copy each (``FewRowsFp8``, swapped in place)
-    -> how many."""
-    names = [n for n, _ in copied_linears(block)]
-    for n in names:
-        parent, _, attr = n.rpartition(".")
-        owner = block.get_submodule(parent) if parent else block
-        setattr(owner, attr, FewRowsFp8(getattr(owner, attr)))
-    logger.info("%s: FP8 copies of %d linear layers, read by calls of at most %d rows", what, len(names),
-                FP8_MAX_ROWS)
-    return len(names)
+    """Give ``block``'s ``copied_linears`` (``FewRowsFp8``) and ``copied_experts``
+    (``FewRowsFp8Experts``) an FP8 copy each, swapped in place -> how many."""
+    linears, experts = [n for n, _ in copied_linears(block)], [n for n, _ in copied_experts(block)]
+    for n in linears:
+        _swap(block, n, FewRowsFp8)
+    for n in experts:
+        _swap(block, n, FewRowsFp8Experts)
+    logger.info("%s: FP8 copies of %d linear layers and %d routed-expert sets, read by calls of at most %d rows",
+                what, len(linears), len(experts), FP8_MAX_ROWS)
+    return len(linears) + len(experts)
 
 
 def draft_head(head: nn.Module) -> nn.Module:

@@ -14,6 +14,10 @@ from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hf_reference import hf_greedy
 
 DEV = os.environ.get("HYBRID_ENGINE_TEST_DEVICE", "cpu")
+# the engine tests compare float32 engines with transformers, and CUDA refuses FP8 drafting in
+# float32 (test_cuda_needs_float8_and_a_16_bit_dtype): they run on the CPU in every tier; the CUDA
+# engines are tests/gpu/test_spec_step_graphs.py::test_fp8_drafters_propose_the_general_paths_drafts
+ENGINE_DEV = "cpu"
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
@@ -34,7 +38,7 @@ def reference(hybrid_dir):
 
 
 def _llm(model_dir, spec, **kw):
-    args = dict(dtype="float32", device=DEV, max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+    args = dict(dtype="float32", device=ENGINE_DEV, max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                 num_kv_blocks=64, async_scheduling=False)
     args.update(kw)
     return LLM(model_dir, speculative_config=spec, **args)
@@ -52,7 +56,7 @@ def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, m
     from hybrid_engine.models.moe import Experts
     from hybrid_engine.quantization.fp8 import MAX_SKINNY_ROWS
     from hybrid_engine.quantization.linear import Fp8Linear, QuantLinear
-    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8, FewRowsFp8Experts
     draft = str(hybrid_dir) if method == "draft_model" else None        # the target as its own draft
     llm = _llm(hybrid_dir, SpeculativeConfig(method, 3, model=draft, quantization="fp8"),
                async_scheduling=method == "mtp")
@@ -63,6 +67,14 @@ def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, m
     for m in copies.values():
         for side in ("narrow", "wide"):
             getattr(m, side).register_forward_hook(lambda *a, side=side: calls.__setitem__(side, calls[side] + 1))
+    expert_sides = {"narrow": 0, "wide": 0}
+    for m in drafting.modules():
+        if isinstance(m, FewRowsFp8Experts):
+            for side in ("narrow", "wide"):
+                part = getattr(m, side)
+                part.weights_for = (lambda rows, part=part, side=side:
+                                    expert_sides.__setitem__(side, expert_sides[side] + 1)
+                                    or type(part).weights_for(part, rows))
     toks, st = _generate(llm, prompts)
     assert toks == reference
     assert st["drafts_proposed"] > 0
@@ -77,12 +89,18 @@ def test_fp8_drafters_keep_transformers_greedy(hybrid_dir, prompts, reference, m
     assert outside == [] and type(model.lm_head) is not FewRowsFp8
     bare = [n for n, m in drafting.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, QuantLinear)
             and n.rpartition(".")[0] not in copies]
-    # every linear layer of the drafter has an FP8 copy, but the shared experts' (their fused CUDA
-    # path reads the 16-bit weights)
-    assert bare and all("shared_experts" in n for n in bare) and len(copies) > 3, bare
+    # every linear layer of the drafter has an FP8 copy, the shared experts' too
+    assert bare == [] and len(copies) > 3 and any("shared_experts" in n for n in copies), bare
     assert all(isinstance(m.narrow, Fp8Linear) and m.narrow.weight_scale.shape == (m.out_features,)
                and m.max_rows == MAX_SKINNY_ROWS == 8 for m in copies.values())
-    assert any(type(m) is Experts for m in drafting.modules())            # routed experts stay 16-bit
+    # and every routed-expert set an FP8 copy with a scale an expert, read by the same row rule
+    experts = [m for m in drafting.modules() if isinstance(m, FewRowsFp8Experts)]
+    assert experts and all(n.endswith(".wide") for n, m in drafting.named_modules() if type(m) is Experts)
+    assert all(m.narrow.up_proj.dtype == torch.float8_e4m3fn and m.narrow.up_proj_weight_scale.shape
+               == (m.wide.up_proj.shape[0],) and m.max_rows == 8 for m in experts)
+    # the MTP block's MoE sees one row per sequence (models/mtp.py's row cut): never more than 4
+    # here, so only the draft model's prompt chunks read the 16-bit experts
+    assert expert_sides["narrow"] > 0 and (expert_sides["wide"] > 0) == (method == "draft_model"), expert_sides
     head = drafter.draft_logits.head if method == "mtp" else drafter.model.lm_head
     assert isinstance(head, FewRowsFp8) and head.narrow.out_features == model.cfg.vocab_size
     if method == "mtp":               # the greedy drafts (the fused graphs' path) go through it too
@@ -96,11 +114,11 @@ def test_fp8_mtp_drafts_match_naive_recompute(hybrid_dir, prompts):
     from test_spec_decode import _full_hidden, _naive_mtp
     from hybrid_engine.quantization.linear import Fp8Linear
     from hybrid_engine.spec.drafters import mtp as mtp_mod
-    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8, FewRowsFp8Experts
     llm = _llm(hybrid_dir, SpeculativeConfig("mtp", 2, quantization="fp8"), max_num_seqs=1, max_num_batched_tokens=256)
     model = llm.engine.model
     for m in list(model.mtp.modules()) + [llm.engine.drafter.draft_logits.head]:
-        if isinstance(m, FewRowsFp8):
+        if isinstance(m, (FewRowsFp8, FewRowsFp8Experts)):
             m.max_rows = 10**9
     recorded = []
     orig = mtp_mod.MTPDrafter.propose
@@ -201,6 +219,46 @@ def test_few_rows_take_the_fp8_copy(shape):
     assert len(seen) == 4 + (1 if rows else 0), seen
 
 
+@pytest.mark.parametrize("latent", [False, True], ids=["plain", "latent"])
+def test_few_rows_moe_reads_the_fp8_experts(latent):
+    """A MoE layer with FP8 copies (add_fp8_copies): at most 8 token rows it equals the layer with
+    its routed experts quantized per expert (Fp8Experts) and its shared expert (and latent
+    projections) per channel (Fp8Linear); at 9 rows it equals the 16-bit layer, bit for bit (CUDA:
+    the fused decode kernels, bfloat16)."""
+    import copy
+    from hybrid_engine.config import MOE, ModelConfig
+    from hybrid_engine.models.moe import MoE
+    from hybrid_engine.models.synthetic import sens_init_
+    from hybrid_engine.quantization.experts import Fp8Experts
+    from hybrid_engine.quantization.linear import Fp8Linear
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8Experts, add_fp8_copies
+    cfg = ModelConfig(layer_types=(MOE,), vocab_size=16, hidden_size=48, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=24, intermediate_size=64, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=40, moe_shared_expert_intermediate_size=56,
+                      routed_scaling_factor=2.5, moe_latent_size=32 if latent else None)
+    wide = MoE(cfg)
+    sens_init_(wide, seed=7)                               # O(1)-scale weights
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16          # CUDA: FP8 kernels take 16-bit x
+    wide = wide.to(DEV, dtype)
+    wide.gate.weight.data = wide.gate.weight.data.float()              # the router runs in float32
+    wide.reset_runtime_state()
+    moe, narrow = copy.deepcopy(wide), copy.deepcopy(wide)
+    assert add_fp8_copies(moe, "test") == 3 + (2 if latent else 0)    # 2 shared, the experts, latent (router: float32)
+    assert isinstance(moe.experts, FewRowsFp8Experts) and moe.experts.max_rows == 8
+    narrow.experts = Fp8Experts.quantized_from(wide.experts)
+    for owner, name in ([(narrow.shared_experts, "up_proj"), (narrow.shared_experts, "down_proj")]
+                        + ([(narrow, "fc1_latent_proj"), (narrow, "fc2_latent_proj")] if latent else [])):
+        setattr(owner, name, Fp8Linear.quantized_from(getattr(owner, name), per_channel=True))
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for rows in (1, 8, 9):
+            x = torch.randn(rows, 48, generator=g).to(DEV, dtype)
+            got, want = moe(x), (narrow if rows <= 8 else wide)(x)
+            assert torch.equal(got, want), rows
+            if rows <= 8:
+                assert not torch.allclose(got, wide(x)), "FP8 changes the output: the test tells the sides apart"
+
+
 def test_fp8_head_over_a_reduced_draft_vocabulary(hybrid_dir, prompts, reference):
     """With draft_vocab_size the FP8 copy holds only those rows; outputs stay transformers'."""
     from hybrid_engine.quantization.linear import Fp8Linear
@@ -218,7 +276,7 @@ def test_footprints_are_the_copies_bytes(hybrid_dir, model_dirs, tied):
     head's, and a draft model's (with biases; a checkpoint with tied embeddings too)."""
     from hybrid_engine.config import EngineConfig
     from hybrid_engine.spec.drafters import drafter_footprint
-    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
+    from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8, FewRowsFp8Experts
     draft = model_dirs(f"fp8_draft_{tied}", pattern="M*-E", seed=4, tie_word_embeddings=tied,
                        attention_bias=True, mlp_bias=True)
 
@@ -226,9 +284,9 @@ def test_footprints_are_the_copies_bytes(hybrid_dir, model_dirs, tied):
         spec = SpeculativeConfig(method, 2, model=str(draft) if method == "draft_model" else None, **kw)
         return drafter_footprint(EngineConfig.resolve(hybrid_dir, device="cpu", speculative_config=spec)).fixed_bytes
 
-    def built(module):
-        return sum(sum(t.numel() * t.element_size() for t in m.narrow.parameters())
-                   for m in module.modules() if isinstance(m, FewRowsFp8))
+    def built(module):        # the copies' tensors, routed experts included (pattern "M*-E", "*E")
+        copies = [m for m in module.modules() if isinstance(m, (FewRowsFp8, FewRowsFp8Experts))]
+        return sum(t.numel() * t.element_size() for m in copies for t in m.narrow.parameters())
     assert fixed("mtp") == 0
     for rows in (None, 40):
         llm = _llm(hybrid_dir, SpeculativeConfig("mtp", 2, draft_vocab_size=rows, quantization="fp8"))
