@@ -42,7 +42,8 @@ class SpeculativeConfig:
     # vocabulary.
     draft_vocab_size: int | None = None
     # The drafter's weights in FP8 (spec/drafters/draft_quant.py): "fp8" gives each linear layer
-    # the drafter reads an FP8 copy (per-channel scales) that its calls of at most 8 rows read:
+    # (per-channel scales) and each routed-expert set (a scale an expert) the drafter reads an FP8
+    # copy that its calls of at most 8 rows read:
     # method="mtp" the MTP block and the lm_head rows its drafts score (the target's own lm_head
     # stays as it is for verification), method="draft_model" the draft model. Drafts only need to
     # be likely, not exact, so such a draft token reads about half the bytes; verification is
