@@ -84,7 +84,8 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
                  local.device)
     attach_kv_scales(kv, cfg.model_dir, model)          # FP8: the checkpoint's per-layer scales, else 1.0
     note_unused_kv_scales(cfg)
-    pool = MambaPool(*_pool_args(local, k), local.dtype, local.device)
+    # a spec engine defers its verify's state update (one state a slot, not 1+K: CONTRACT item 4b)
+    pool = MambaPool(*_pool_args(local, k), local.dtype, local.device, deferred=k > 0)
     caches = Caches(kv, pool)
     if sc.max_num_batched_tokens < 1 + k:
         raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
@@ -142,7 +143,7 @@ def _check_mamba_pool_fits(cfg: EngineConfig, n_attn: int, num_blocks: int, k: i
     free += torch.cuda.memory_reserved(cfg.device) - torch.cuda.memory_allocated(cfg.device)
     kv_bytes = num_blocks * KVCache.bytes_per_block(max(n_attn, 1), cc.block_size, mc.num_key_value_heads,
                                                     mc.head_dim, cc.kv_dtype(cfg.dtype))
-    pool_bytes = MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype)
+    pool_bytes = MambaPool.bytes_for(*_pool_args(cfg, k), cfg.dtype, deferred=k > 0)
     check_pool_fits(pool_bytes, free - kv_bytes, max_num_seqs=cfg.scheduler.max_num_seqs, num_spec=k)
     if cc.enable_prefix_caching:         # the checkpoint pool is allocated after both
         ckpt = checkpoint_budget(cfg, kv_bytes)

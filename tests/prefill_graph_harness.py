@@ -29,7 +29,8 @@ def _snapshot(caches):
     ck = caches.checkpoints
     return {"conv": caches.mamba.conv_all.clone(), "ssm": caches.mamba.ssm_all.clone(),
             "k": [t.clone() for t in caches.kv.k], "v": [t.clone() for t in caches.kv.v],
-            "ck_conv": ck.conv_all.clone(), "ck_ssm": ck.ssm_all.clone()}
+            "ck_conv": ck.conv_all.clone(), "ck_ssm": ck.ssm_all.clone(),
+            **{f"pending{i}": t.clone() for i, t in enumerate(caches.mamba.pending_all)}}
 
 
 def _changed_outside(before, caches, save_rows):
@@ -39,9 +40,11 @@ def _changed_outside(before, caches, save_rows):
     keep_slots = [s for s in range(caches.mamba.conv_all.shape[1]) if s != NULL_SLOT]
     keep_rows = [r for r in range(ck.conv_all.shape[1]) if r not in set(save_rows)]
     bad = []
+    pending = [(f"pending{i}", t, 1, keep_slots) for i, t in enumerate(caches.mamba.pending_all)]
     for name, now, slots_dim, keep in (("conv", caches.mamba.conv_all, 1, keep_slots),
                                        ("ssm", caches.mamba.ssm_all, 1, keep_slots),
-                                       ("ck_conv", ck.conv_all, 1, keep_rows), ("ck_ssm", ck.ssm_all, 1, keep_rows)):
+                                       ("ck_conv", ck.conv_all, 1, keep_rows), ("ck_ssm", ck.ssm_all, 1, keep_rows),
+                                       *pending):
         idx = torch.tensor(keep, dtype=torch.long, device=now.device)
         if not torch.equal(before[name].index_select(slots_dim, idx), now.index_select(slots_dim, idx)):
             bad.append(name)

@@ -95,7 +95,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         conv_state = caches.mamba.conv_state[self.ordinal]   # [S, C, W-1+K]
-        ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32
+        ssm_state = caches.mamba.ssm_state[self.ordinal]     # [S, 1+K, H, P, N] f32 ([S, 1, ...] deferred)
+        pending = caches.mamba.pending[self.ordinal]         # PendingInputs of a deferred pool, else None
         md = fb.mamba
         z, xbc, dt = self._project(x).split([self.I, self.conv_dim, self.H], dim=-1)
         weight = self.conv1d.weight.squeeze(1)               # [C, W]
@@ -113,9 +114,9 @@ class Mamba2Mixer(nn.Module):
             if not md.num_prefill_rows and self.gate_mode == "gate_then_norm" and self.norm.local:
                 # decode-only step: the gated norm runs inside the SSU kernel
                 y = mops.selective_state_update_gated(*ssu_args, z[:nd], self.norm.weight, self.I // self.G,
-                                                      self.eps, dt_limit=self.dt_limit)    # [n, s, I]
+                                                      self.eps, dt_limit=self.dt_limit, pending=pending)  # [n, s, I]
                 return self.out_proj(y.view(nd, self.I))
-            y = mops.selective_state_update(*ssu_args, dt_limit=self.dt_limit, out_dtype=x.dtype)
+            y = mops.selective_state_update(*ssu_args, dt_limit=self.dt_limit, out_dtype=x.dtype, pending=pending)
             ys.append(y.reshape(nd, self.I))
         if md.num_prefill_rows:
             ckpts = caches.checkpoints

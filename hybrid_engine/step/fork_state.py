@@ -3,7 +3,7 @@ leader's after the leader's first P-1 prompt tokens. Called while the batch is u
 the step's forward, so on the device stream the copy follows the leader's earlier chunks and
 precedes the leader's last prompt token (which this same step runs). Device-to-device copies
 only, launched with host ints (no index tensor to upload, no sync): every Mamba layer's slot
-(conv window and SSM checkpoints) and, per attention layer, the KV of each of the leader's
+(conv window, SSM state, pending inputs) and, per attention layer, the KV of each of the leader's
 blocks covering those tokens into the sibling's own blocks (copied, not shared: blocks carry
 no reference count)."""
 from __future__ import annotations
@@ -16,9 +16,8 @@ from ..scheduling.scheduler_output import ForkSource
 
 @torch.inference_mode()
 def fork_state(caches: Caches, fork: ForkSource, dst_slot: int) -> None:
-    pool, kv = caches.mamba, caches.kv
-    pool.conv_all[:, dst_slot].copy_(pool.conv_all[:, fork.src_slot])      # every Mamba layer at once
-    pool.ssm_all[:, dst_slot].copy_(pool.ssm_all[:, fork.src_slot])
+    kv = caches.kv
+    caches.mamba.copy_slot(dst_slot, fork.src_slot)                         # every Mamba layer at once
     pairs = list(zip(fork.src_blocks, fork.dst_blocks))
     for k, v in zip(kv.k, kv.v):
         for src, dst in pairs:

@@ -1,12 +1,20 @@
 """Multi-token selective state update for decode / speculative verify (CONTRACT item 4), and the
 same followed by the grouped gated RMSNorm of its output (item 6, fused into one kernel on CUDA).
 
-Pool tensor ``ssm_state [S, 1+K, H, P, N]`` float32, modified in place: checkpoint t holds the state
-after query token t of the last verify step; the next step resumes from checkpoint num_accepted-1.
+Checkpointed pool (``pending=None``): ``ssm_state [S, 1+K, H, P, N]`` float32, modified in place;
+checkpoint t holds the state after query token t of the last verify step, and the next step
+resumes from checkpoint num_accepted-1.
+
+Deferred pool (``pending``: a ``PendingInputs``, CONTRACT item 4b): ``ssm_state [S, 1, H, P, N]``
+holds the state after token 0 of the last verify (always accepted), and ``pending`` the inputs of
+its other tokens. The next step first replays the num_accepted-1 pending tokens, so a verify
+writes one state instead of 1+K (at the 8B shape, batch 32, K=3: the state stores were ~13 GB a
+step, 2.6x the greedy step's).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +23,46 @@ from hybrid_engine.mamba_cache.ops.gated_norm import gated_rmsnorm_ref
 from hybrid_engine.mamba_cache.ops.ssd import expand_groups, process_dt
 
 
+def ssu_block_p(P: int, N: int) -> int:
+    """head_dim rows per program of the state-update kernel (the Triton kernel's tile). It fixes
+    how many copies of dt and B a deferred pool keeps per head (``pending_blocks``), so it
+    depends on the shape alone. At d_state 128, 16 rows (was 32): twice the programs at few rows,
+    the same outputs and checkpoints bit for bit, and each launch 1-10% shorter at 1 and 8 rows,
+    s = 1 and 4, on the bench-large, Nano and 8B head counts (H100, 2026-11-28,
+    results/2026-11-28-spec-step-glue-h100.md)."""
+    block_n = max(16, 1 << (N - 1).bit_length())
+    block_p = min(1 << (P - 1).bit_length(), max(1, (2048 if block_n == 128 else 4096) // block_n))
+    return max(block_p, 1)
+
+
+def pending_blocks(P: int, N: int) -> int:
+    """Copies of a pending token's dt and B per head: one per program (head_dim block), so a
+    program only ever reads and overwrites its own (no program reads what another overwrites)."""
+    return -(-P // ssu_block_p(P, N))
+
+
+@dataclass(frozen=True)
+class PendingInputs:
+    """One Mamba layer's deferred verify inputs, per pool slot: those of tokens 1..K of the last
+    verify step (token 0's state is in ``ssm_state[slot, 0]``), in the model dtype, so a replay
+    computes exactly what the verify did. Owned by ``MambaPool``; written and read by the state
+    update alone. nb = ``pending_blocks(P, N)``."""
+    x: torch.Tensor      # [S, K, H, P]
+    dt: torch.Tensor     # [S, K, H, nb] dt before softplus, the same value in each of the nb copies
+    B: torch.Tensor      # [S, K, H, nb, N] each head's group's B, the same in each of the nb copies
+
+
+def _advance(h, x, dt, B, A):
+    """One token of the recurrence, h = exp(dt A) h + dt x B^T: h [R, H, P, N], x [R, H, P],
+    dt [R, H] (processed), B [R, H, N] float32. The verify's tokens and the replay both go here,
+    so a replayed state is the checkpointed one bit for bit."""
+    dA = torch.exp(dt * A.float())                                        # [R, H]
+    dBx = (dt[:, :, None] * x)[..., None] * B[:, :, None, :]              # [R, H, P, N]
+    return dA[:, :, None, None] * h + dBx
+
+
 def selective_state_update_ref(
-    ssm_state: torch.Tensor,            # [S, 1+K, H, P, N] float32 pool, modified in place
+    ssm_state: torch.Tensor,            # [S, 1+K, H, P, N] float32 pool (deferred: [S, 1, ...]), in place
     x: torch.Tensor,                    # [N, s, H, P]  (s = 1 + drafts <= 1+K)
     dt_raw: torch.Tensor,               # [N, s, H] before softplus
     dt_bias: torch.Tensor,              # [H]
@@ -28,56 +74,117 @@ def selective_state_update_ref(
     num_accepted: torch.Tensor,         # [N] accepted count of the previous step, >= 1
     dt_limit=(0.0, math.inf),
     out_dtype: torch.dtype = torch.float32,
+    pending: PendingInputs | None = None,
 ) -> torch.Tensor:                      # y [N, s, H, P] out_dtype
-    """h = ssm_state[slot, num_accepted-1] (loaded whole first); for t in 0..s-1:
+    """Checkpointed: h = ssm_state[slot, num_accepted-1] (loaded whole first); for t in 0..s-1:
     h = exp(dt_t A) h + dt_t x_t B_t^T ; ssm_state[slot, t] = h ; y_t = h C_t + D x_t.
+    Deferred (``pending``): h = ssm_state[slot, 0] advanced by pending tokens 0..num_accepted-2;
+    the same loop, storing h to ssm_state[slot, 0] after token 0 and the inputs of tokens
+    1..s-1 to pending[slot, 0..s-2].
 
     Loops over the s tokens (host int), vectorised over rows and heads; no host sync.
     """
     nrows, s, H, P = x.shape
-    assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
     slots = state_indices.long()                                          # [N]
-    src = (num_accepted.long() - 1).clamp(0, ssm_state.shape[1] - 1)      # [N]
-    h = ssm_state[slots, src]                                             # [N, H, P, N] (a copy)
-    old = ssm_state[slots, :s]                                            # [N, s, H, P, N] (copy)
     keep = (slots == NULL_SLOT)[:, None, None, None]
+    if pending is None:
+        assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
+        src = (num_accepted.long() - 1).clamp(0, ssm_state.shape[1] - 1)  # [N]
+        h = ssm_state[slots, src]                                         # [N, H, P, N] (a copy)
+        old = ssm_state[slots, :s]                                        # [N, s, H, P, N] (copy)
+    else:
+        check_pending(ssm_state, pending, x, dt_raw, B)
+        h = _replay(ssm_state, pending, slots, num_accepted, s, dt_bias, A, dt_limit)
+        old = ssm_state[slots, :1]                                        # [N, 1, H, P, N] (copy)
 
-    dt = process_dt(dt_raw, dt_bias, dt_limit)                            # [N, s, H]
-    dA = torch.exp(dt * A.float())                                        # [N, s, H]
     Bh = expand_groups(B.float(), H)                                      # [N, s, H, N]
     Ch = expand_groups(C.float(), H)                                      # [N, s, H, N]
     xf = x.float()                                                        # [N, s, H, P]
     ys = []
     for t in range(s):
-        dBx = (dt[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]   # [N, H, P, N]
-        h = dA[:, t, :, None, None] * h + dBx
-        ssm_state[slots, t] = torch.where(keep, old[:, t], h)
+        # dt a token at a time, as the replay does: CPU vector math can round an element by
+        # where it falls in the tensor, and a replayed state must equal the checkpointed one
+        dt = process_dt(dt_raw[:, t], dt_bias, dt_limit)                  # [N, H]
+        h = _advance(h, xf[:, t], dt, Bh[:, t], A)
+        if pending is None or t == 0:
+            ssm_state[slots, t] = torch.where(keep, old[:, t], h)
         ys.append(torch.einsum("rhpn,rhn->rhp", h, Ch[:, t]) + D.float()[:, None] * xf[:, t])
+    if pending is not None:
+        _store_pending(pending, slots, x, dt_raw, B)
     return torch.stack(ys, dim=1).to(out_dtype)                           # [N, s, H, P]
 
 
+def check_pending(ssm_state, pending: PendingInputs, x, dt_raw, B) -> None:
+    """Clear errors before a deferred update touches the pool (shared by both paths)."""
+    nrows, s, H, P = x.shape
+    K = pending.x.shape[1]
+    if ssm_state.shape[1] != 1:
+        raise ValueError(f"a deferred pool keeps one state per slot; ssm_state has {ssm_state.shape[1]}")
+    if not 1 <= s <= 1 + K:
+        raise ValueError(f"{s} tokens per row; a deferred pool of K={K} takes 1..{1 + K}")
+    nb = pending_blocks(P, B.shape[-1])
+    if pending.x.shape[2:] != (H, P) or pending.dt.shape[2:] != (H, nb) or pending.B.shape[2:] != (H, nb, B.shape[-1]):
+        raise ValueError(f"pending inputs {tuple(pending.x.shape)}, {tuple(pending.dt.shape)}, "
+                         f"{tuple(pending.B.shape)} do not fit H={H}, P={P}, N={B.shape[-1]} (nb={nb})")
+    for name, new in (("x", x), ("dt_raw", dt_raw), ("B", B)):
+        if new.dtype != pending.x.dtype:
+            raise TypeError(f"{name} is {new.dtype} but the deferred pool stores {pending.x.dtype}: "
+                            f"a replay would not reproduce the verify")
+
+
+def _replay(ssm_state, pending: PendingInputs, slots, num_accepted, s, dt_bias, A, dt_limit):
+    """The deferred pool's state after the previous verify's accepted tokens: ssm_state[slot, 0]
+    advanced by pending tokens 0..num_accepted-2 (none for NULL_SLOT rows). -> h [N, H, P, N]."""
+    K = pending.x.shape[1]
+    h = ssm_state[slots, 0]                                               # [N, H, P, N] (a copy)
+    n_replay = (num_accepted.long() - 1).clamp(0, K)                      # [N]
+    n_replay = torch.where(slots == NULL_SLOT, 0, n_replay)
+    for j in range(K):                  # capacity, a host int: rows past their count keep h
+        dt = process_dt(pending.dt[slots, j, :, 0], dt_bias, dt_limit)     # [N, H]
+        nxt = _advance(h, pending.x[slots, j].float(), dt, pending.B[slots, j, :, 0].float(), A)
+        h = torch.where((j < n_replay)[:, None, None, None], nxt, h)
+    return h
+
+
+def _store_pending(pending: PendingInputs, slots, x, dt_raw, B) -> None:
+    """pending[slot, t-1] = the inputs of token t, for t in 1..s-1 (NULL_SLOT rows keep theirs)."""
+    s, H, nb = x.shape[1], x.shape[2], pending.dt.shape[-1]
+    if s == 1:
+        return
+    keep = slots == NULL_SLOT                                             # [N]
+    Bh = expand_groups(B[:, 1:], H)                                       # [N, s-1, H, N]
+    for dst, new in ((pending.x, x[:, 1:]),
+                     (pending.dt, dt_raw[:, 1:, :, None].expand(-1, -1, -1, nb)),
+                     (pending.B, Bh[:, :, :, None].expand(-1, -1, -1, nb, -1))):
+        old = dst[slots, :s - 1]                                          # [N, s-1, ...] (a copy)
+        mask = keep.view(-1, *([1] * (new.dim() - 1)))
+        dst[slots, :s - 1] = torch.where(mask, old, new)
+
+
 def selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted,
-                           dt_limit=(0.0, math.inf), out_dtype=torch.float32):
-    """Public entry point (CONTRACT item 4): Triton kernel on CUDA, torch reference elsewhere."""
+                           dt_limit=(0.0, math.inf), out_dtype=torch.float32, pending=None):
+    """Public entry point (CONTRACT item 4; 4b with ``pending``): Triton kernel on CUDA, torch
+    reference elsewhere."""
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("selective_state_update", x.device) == "triton":
         from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update
         return triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                              state_indices, num_accepted, dt_limit,
-                                             out_dtype=out_dtype)
+                                             out_dtype=out_dtype, pending=pending)
     return selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
-                                      num_accepted, dt_limit, out_dtype)
+                                      num_accepted, dt_limit, out_dtype, pending)
 
 
 def selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                      num_accepted, z, norm_weight, group_size, eps,
-                                     dt_limit=(0.0, math.inf)):
+                                     dt_limit=(0.0, math.inf), pending=None):
     """CONTRACT item 6: gated_rmsnorm_ref(y, z) of y = selective_state_update_ref(..., out_dtype=
     x.dtype), i.e. the unfused path's composition.  -> out [N, s, H*P] in x.dtype."""
     nrows, s, H, P = x.shape
     _check_gated(x, z, norm_weight, group_size)
     y = selective_state_update_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
-                                   num_accepted, dt_limit, out_dtype=x.dtype)   # [N, s, H, P]
+                                   num_accepted, dt_limit, out_dtype=x.dtype,
+                                   pending=pending)                     # [N, s, H, P]
     out = gated_rmsnorm_ref(y.reshape(nrows * s, H * P), z.reshape(nrows * s, H * P), norm_weight,
                             group_size, eps)
     return out.view(nrows, s, H * P)
@@ -85,7 +192,7 @@ def selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D, 
 
 def selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                  num_accepted, z, norm_weight, group_size, eps,
-                                 dt_limit=(0.0, math.inf)):
+                                 dt_limit=(0.0, math.inf), pending=None):
     """Public entry point (CONTRACT item 6): the state update and the gated norm of its output in
     one Triton kernel on CUDA (two kernels if a norm group is not whole heads), the reference
     composition elsewhere.  z: [N*s, I] or [N, s, I], any strides; -> out [N, s, I] in x.dtype."""
@@ -93,22 +200,26 @@ def selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, stat
     if kernel_backend("selective_state_update_gated", x.device) != "triton":
         return selective_state_update_gated_ref(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                                 state_indices, num_accepted, z, norm_weight,
-                                                group_size, eps, dt_limit)
+                                                group_size, eps, dt_limit, pending)
     nrows, s, H, P = x.shape
     _check_gated(x, z, norm_weight, group_size)
-    if group_size % P:
+    # two kernels where a norm group is not whole heads, and for a deferred verify: the fused
+    # norm's last-program tail, hidden under a checkpointed verify's 1+K state stores, is exposed
+    # once a verify writes one state (8B shape, 32 rows, s = 4: fused 192 us, the two kernels
+    # ~116; H200, 2026-11-28, session 46)
+    if group_size % P or (pending is not None and s > 1):
         from hybrid_engine.mamba_cache.ops.triton_norm import triton_gated_rmsnorm
         from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update
         y = triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                           state_indices, num_accepted, dt_limit,
-                                          out_dtype=x.dtype)
+                                          out_dtype=x.dtype, pending=pending)
         out = triton_gated_rmsnorm(y.view(nrows * s, H * P), z.reshape(nrows * s, H * P),
                                    norm_weight, group_size, eps)
         return out.view(nrows, s, H * P)
     from hybrid_engine.mamba_cache.ops.triton_state_update import triton_selective_state_update_gated
     return triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D,
                                                state_indices, num_accepted, z, norm_weight,
-                                               group_size, eps, dt_limit)
+                                               group_size, eps, dt_limit, pending=pending)
 
 
 def _check_gated(x, z, norm_weight, group_size) -> None:

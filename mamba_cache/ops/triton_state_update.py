@@ -9,6 +9,14 @@ LOAD_AHEAD (``_load_ahead``: s > 1, except float32 inputs above 4 rows): each to
 load one iteration early, so their latency overlaps the previous token's work; same values and
 sums, bitwise the plain loop's result.
 
+DEFERRED (CONTRACT item 4b, a spec engine's pool): the slot holds one state, the one after token 0
+of the last verify, and ``PendingInputs`` hold that verify's other tokens' x, dt_raw and B.  The
+program first replays the row's num_accepted-1 pending tokens (``_advance``, the loop's own
+update, so the state is the checkpointed one bit for bit), then runs its s tokens, storing the
+state after token 0 and the inputs of tokens 1..s-1.  A program reads and writes only its own
+pending entries (dt and B have a copy per head_dim block), so programs never race; the barrier
+after the replay orders its loads before the same program's stores.
+
 FUSE_NORM (CONTRACT item 6): the gated RMSNorm (item 5) of y runs in the same launch.  Each program
 stores its rounded y, then bumps a per-(row, norm group) counter; the program that arrives last in
 its group (old value == programs per group - 1) resets the counter and normalises the whole group
@@ -28,10 +36,22 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
+from hybrid_engine.mamba_cache.ops.state_update import check_pending, ssu_block_p
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, tl_helpers
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 _softplus, _silu = tl_helpers()
+
+
+@triton.jit
+def _advance(h, x, dt_in, Bv, A, bias, dt_min, dt_max, CLAMP: tl.constexpr):
+    """One token: dt = clamp(softplus(dt_raw + dt_bias)), h = exp(dt A) h + dt x B^T.  The token
+    loop and the deferred replay both call it, so they compile the same arithmetic."""
+    dt = _softplus(dt_in + bias)
+    if CLAMP:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dA = tl.exp(dt * A)
+    return h * dA + (x * dt)[:, None] * Bv[None, :]
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr", "acc_ptr"])
@@ -46,10 +66,15 @@ def _ssu_kernel(
     sy_r, sy_t, sy_h, sy_p,
     # FUSE_NORM only (None otherwise): z [N, s, I] strides, weight [I], counters [>= N * NG] int32
     z_ptr, w_ptr, cnt_ptr, sz_r, sz_t, sz_c, heads_per_ngroup, NG, gs, eps, progs_per_ngroup,
+    # DEFERRED only (None otherwise): pending x [S, K, H, P], dt [S, K, H, nb], B [S, K, H, nb, N]
+    px_ptr, pdt_ptr, pb_ptr, K_pend,
+    spx_s, spx_k, spx_h, spx_p,
+    spdt_s, spdt_k, spdt_h, spdt_b,
+    spb_s, spb_k, spb_h, spb_b, spb_n,
     NULL: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
-    PDL: tl.constexpr = False, LOAD_AHEAD: tl.constexpr = False,
+    PDL: tl.constexpr = False, LOAD_AHEAD: tl.constexpr = False, DEFERRED: tl.constexpr = False,
 ):
     z = pdl_enter(PDL)
     row = tl.program_id(0) + z
@@ -66,8 +91,8 @@ def _ssu_kernel(
     slot = tl.load(slot_ptr + row).to(tl.int64)
     # full-shape mask (a scalar & block mask trips the interpreter)
     mst = m2 & ((tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.int64) + slot) != NULL)
-    src = tl.load(acc_ptr + row).to(tl.int64) - 1
-    src = tl.minimum(tl.maximum(src, 0), max_ckpt)
+    acc = tl.load(acc_ptr + row).to(tl.int64)
+    src = tl.minimum(tl.maximum(acc - 1, 0), max_ckpt)      # deferred: max_ckpt 0
 
     tile = offs_p[:, None] * st_p + offs_n[None, :] * st_n            # [BLOCK_P, BLOCK_N]
     base = state_ptr + slot * st_s + head * st_h
@@ -86,7 +111,21 @@ def _ssu_kernel(
         Cv = tl.load(c_base, mask=mn, other=0.0).to(tl.float32)                     # [BLOCK_N]
         dt_in = tl.load(dt_base).to(tl.float32)
     h = tl.load(base + src * st_k + tile, mask=mst, other=0.0).to(tl.float32)
-    # the whole source tile is in registers before any checkpoint of this tile is overwritten
+    if DEFERRED:
+        live_p = mp & ((tl.zeros([BLOCK_P], dtype=tl.int64) + slot) != NULL)
+        live_n = mn & ((tl.zeros([BLOCK_N], dtype=tl.int64) + slot) != NULL)
+        px_base = px_ptr + slot * spx_s + head * spx_h + offs_p * spx_p
+        pdt_base = pdt_ptr + slot * spdt_s + head * spdt_h + pb * spdt_b
+        pb_base = pb_ptr + slot * spb_s + head * spb_h + pb * spb_b + offs_n * spb_n
+        n_replay = tl.minimum(tl.maximum(acc - 1, 0), K_pend)
+        n_replay = tl.where(slot == NULL, 0, n_replay)
+        for j in range(0, n_replay):
+            xr = tl.load(px_base + j * spx_k, mask=mp, other=0.0).to(tl.float32)
+            dr = tl.load(pdt_base + j * spdt_k).to(tl.float32)
+            br = tl.load(pb_base + j * spb_k, mask=mn, other=0.0).to(tl.float32)
+            h = _advance(h, xr, dr, br, A, bias, dt_min, dt_max, CLAMP)
+    # the whole source tile (and, deferred, every pending input) is in registers before any
+    # checkpoint (pending entry) of this program is overwritten
     tl.debug_barrier()
 
     for t in range(0, s):
@@ -103,12 +142,20 @@ def _ssu_kernel(
             Bv = tl.load(b_base + t * sb_t, mask=mn, other=0.0).to(tl.float32)
             Cv = tl.load(c_base + t * sc_t, mask=mn, other=0.0).to(tl.float32)
             dt_in = tl.load(dt_base + t * sdt_t).to(tl.float32)
-        dt = _softplus(dt_in + bias)
-        if CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        dA = tl.exp(dt * A)
-        h = h * dA + (x * dt)[:, None] * Bv[None, :]
-        if FUSE_NORM:
+        h = _advance(h, x, dt_in, Bv, A, bias, dt_min, dt_max, CLAMP)
+        if DEFERRED:
+            if t == 0:
+                if FUSE_NORM:
+                    if s > 1:                    # at s = 1: after the signal, below
+                        tl.store(base + tile, h, mask=mst)
+                else:
+                    tl.store(base + tile, h, mask=mst)
+            else:                                # the inputs a later replay needs
+                tl.store(px_base + (t - 1) * spx_k, x.to(px_ptr.dtype.element_ty), mask=live_p)
+                tl.store(pdt_base + (t - 1) * spdt_k, dt_in.to(pdt_ptr.dtype.element_ty),
+                         mask=slot != NULL)
+                tl.store(pb_base + (t - 1) * spb_k, Bv.to(pb_ptr.dtype.element_ty), mask=live_n)
+        elif FUSE_NORM:
             if t < s - 1:                        # the last checkpoint: after the signal, below
                 tl.store(base + t * st_k + tile, h, mask=mst)
         else:
@@ -127,7 +174,11 @@ def _ssu_kernel(
         old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         # the release waits for every earlier store of the thread to complete; the last state
         # checkpoint (the bulk of them at s = 1) is stored after it, so it waits for y alone
-        tl.store(base + (s - 1) * st_k + tile, h, mask=mst)
+        if DEFERRED:
+            if s == 1:
+                tl.store(base + tile, h, mask=mst)
+        else:
+            tl.store(base + (s - 1) * st_k + tile, h, mask=mst)
         if old == progs_per_ngroup - 1:          # uniform: the scalar result is CTA-broadcast
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
             tl.debug_barrier()                   # the acquire (one thread) before every load
@@ -155,17 +206,18 @@ def _ssu_kernel(
                 tl.store(o_row + offs_t[:, None] * sy_t, g, mask=m2g)
 
 
-# (BLOCK_P, num_warps) per (head_dim, d_state); measured on an H100 (benchmarks/kernels.py). At
-# d_state 128, 16 head_dim rows per program (was 32): twice the programs at few rows, the same
-# outputs and checkpoints bit for bit (the d_state reduction's layout is unchanged), and each
-# launch 1-10% shorter at 1 and 8 rows, s = 1 and 4, on the bench-large, Nano and 8B head counts
-# (H100, 2026-11-28, results/2026-11-28-spec-step-glue-h100.md)
-def _config(P: int, N: int, rows_x_heads: int):
-    BLOCK_N = max(16, next_pow2(N))
-    BLOCK_P = min(next_pow2(P), max(1, (2048 if BLOCK_N == 128 else 4096) // BLOCK_N))
-    BLOCK_P = max(BLOCK_P, 1)
-    num_warps = 4
-    return BLOCK_P, BLOCK_N, num_warps
+# (BLOCK_P, BLOCK_N, num_warps) per (head_dim, d_state); BLOCK_P is ssu_block_p (its measurement
+# is there: a deferred pool's layout depends on it).
+# A deferred verify (s > 1, unfused: the public op takes two kernels there) writes one state, so it
+# is no longer bound by its stores but by each token's latency; 2 warps a program (more programs resident) beat 4 on the 8B shape at 32 rows,
+# s = 4, random accepted counts: 113 us against 131 (H200, 2026-11-28, session 46). The y and
+# states are bit for bit the 4-warp ones (the d_state reduction stays within a warp;
+# test_deferred_state_update_is_bitwise_the_checkpointed compares across the two).
+DEFERRED_VERIFY_WARPS = 2
+
+
+def _config(P: int, N: int, rows_x_heads: int, deferred_verify: bool = False):
+    return ssu_block_p(P, N), max(16, next_pow2(N)), DEFERRED_VERIFY_WARPS if deferred_verify else 4
 
 
 # Over s > 1 tokens (a verify step) each iteration loads the next token's inputs before its own
@@ -180,19 +232,20 @@ def _load_ahead(s: int, nrows: int, dtype: torch.dtype) -> bool:
 
 def triton_selective_state_update(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                   num_accepted, dt_limit=(0.0, math.inf), *,
-                                  out_dtype=torch.float32, block_p=None, num_warps=None):
+                                  out_dtype=torch.float32, block_p=None, num_warps=None,
+                                  pending=None):
     """Same arguments and result as ``selective_state_update_ref`` (y [N, s, H, P] out_dtype)."""
     nrows, s, H, P = x.shape
     y = torch.empty((nrows, s, H, P), dtype=out_dtype, device=x.device)
     _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit, y,
-            [None] * 11, dict(FUSE_NORM=False), block_p, num_warps)
+            [None] * 11, dict(FUSE_NORM=False), block_p, num_warps, pending)
     return y
 
 
 def triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices,
                                         num_accepted, z, norm_weight, group_size, eps,
                                         dt_limit=(0.0, math.inf), *, block_p=None,
-                                        num_warps=None, block_s=None):
+                                        num_warps=None, block_s=None, pending=None):
     """Same arguments and result as ``selective_state_update_gated_ref`` (out [N, s, H*P] in
     x.dtype); the norm groups must be whole heads (group_size % P == 0).  block_s: tokens per
     step of the norm (default: up to 4096 elements per step, as the standalone kernel)."""
@@ -213,7 +266,7 @@ def triton_selective_state_update_gated(ssm_state, x, dt_raw, dt_bias, A, B, C, 
     BLOCK_S = block_s or min(next_pow2(s), max(1, 4096 // BLOCK_G))
     _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit,
             out.view(nrows, s, H, P), fused, dict(FUSE_NORM=True, BLOCK_G=BLOCK_G, BLOCK_S=BLOCK_S),
-            BLOCK_P, num_warps)
+            BLOCK_P, num_warps, pending)
     return out
 
 
@@ -253,15 +306,24 @@ def _capturing(device) -> bool:
 
 
 def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accepted, dt_limit, y,
-            fused, consts, block_p, num_warps):
+            fused, consts, block_p, num_warps, pending):
     nrows, s, H, P = x.shape
     G, Nst = B.shape[-2:]
     assert ssm_state.dtype == torch.float32
-    assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
     assert ssm_state.shape[2:] == (H, P, Nst)
+    BLOCK_P, BLOCK_N, nw = _config(P, Nst, nrows * H,
+                                   deferred_verify=pending is not None and s > 1 and not consts["FUSE_NORM"])
+    if pending is None:
+        assert 1 <= s <= ssm_state.shape[1], "need 1 <= s <= 1+K"
+        deferred = [None] * 4 + [0] * 13
+    else:
+        check_pending(ssm_state, pending, x, dt_raw, B)
+        if block_p not in (None, BLOCK_P):
+            raise ValueError(f"a deferred pool's dt and B copies are laid out for block_p={BLOCK_P}")
+        deferred = [pending.x, pending.dt, pending.B, pending.x.shape[1], *pending.x.stride(),
+                    *pending.dt.stride(), *pending.B.stride()]
     if nrows == 0:
         return
-    BLOCK_P, BLOCK_N, nw = _config(P, Nst, nrows * H)
     if block_p is not None:
         BLOCK_P = block_p
     if num_warps is not None:
@@ -275,8 +337,8 @@ def _launch(ssm_state, x, dt_raw, dt_bias, A, B, C, D, state_indices, num_accept
             s, H, P, Nst, H // G, ssm_state.shape[1] - 1, lo if clamp else 0.0,
             hi if (clamp and hi < math.inf) else 3.0e38,
             *ssm_state.stride(), *x.stride(), *dt_raw.stride(), *B.stride(), *C.stride(),
-            *y.stride(), *fused,
+            *y.stride(), *fused, *deferred,
             NULL=NULL_SLOT, CLAMP=clamp, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=nw,
-            LOAD_AHEAD=_load_ahead(s, nrows, x.dtype),
+            LOAD_AHEAD=_load_ahead(s, nrows, x.dtype), DEFERRED=pending is not None,
             **consts, **pdl_kwargs(x.device),
         )

@@ -79,7 +79,8 @@ def test_a_mixed_replay_returns_the_eager_forwards_hidden_states_and_logits(hybr
         ck = caches.checkpoints
         for dst, src in ((caches.mamba.conv_all, snap["conv"]), (caches.mamba.ssm_all, snap["ssm"]),
                          (ck.conv_all, snap["ck_conv"]), (ck.ssm_all, snap["ck_ssm"]),
-                         *zip(caches.kv.k, snap["k"]), *zip(caches.kv.v, snap["v"])):
+                         *zip(caches.kv.k, snap["k"]), *zip(caches.kv.v, snap["v"]),
+                         *((t, snap[f"pending{i}"]) for i, t in enumerate(caches.mamba.pending_all))):
             dst.copy_(src)
 
     def compare(fb):
@@ -96,7 +97,7 @@ def test_a_mixed_replay_returns_the_eager_forwards_hidden_states_and_logits(hybr
         torch.testing.assert_close(got[1], want_l, rtol=1e-5, atol=1e-5)
         now = _snapshot(caches)
         live = [x for x in range(now["conv"].shape[1]) if x != NULL_SLOT]     # NULL_SLOT: scratch
-        for name in ("conv", "ssm"):
+        for name in ("conv", "ssm", *(f"pending{i}" for i in range(len(caches.mamba.pending_all)))):
             torch.testing.assert_close(now[name][:, live], after[name][:, live], rtol=1e-5, atol=1e-5)
         for name in ("ck_conv", "ck_ssm"):
             torch.testing.assert_close(now[name], after[name], rtol=1e-5, atol=1e-5)

@@ -43,6 +43,7 @@ KERNEL_CASES += ["ssd_emit", "ssd_emit_lowp_f16",                  # prefix-cach
                  "restore_rows", "restore_rows_padding", "restore_rows_f16",
                  "emit_kernel", "emit_kernel_long_chunks", "emit_kernel_one_seq", "emit_kernel_rows", "conv_windows_rows",
                  "conv_windows", "conv_windows_w2_channel_major"]
+KERNEL_CASES += ["ssu_deferred"]                                   # SSU, deferred (item 4b)
 KERNEL_CASES += ["ssu_norm", "ssu_norm_k0", "ssu_norm_pblocks", "ssu_norm_f16",  # SSU + norm
                  "ssu_norm_dispatch"]
 KERNEL_CASES += ["linear_fma_relu2", "linear_dispatch_relu2"]      # the relu² MLP's down_proj

@@ -1,7 +1,8 @@
 """The state update fused with the gated norm (CONTRACT item 6) on CUDA: the public op vs its torch
 twin (kernel_cases.check_ssu_norm: two launches in a row, counters back at zero, null rows finite)
 over dtypes, token counts, spec depths, Nemotron-like groups and launch options; then a CUDA graph
-of the op replayed twice on new inputs."""
+of the op replayed twice on new inputs; the load-ahead loop and the deferred update (item 4b)
+against the plain checkpointed kernel, bit for bit."""
 import functools
 import logging
 
@@ -11,7 +12,7 @@ import torch
 import kernel_cases as kc
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops import (selective_state_update_gated, selective_state_update_gated_ref,
-                             triton_common)
+                             triton_common, triton_state_update)
 
 pytestmark = pytest.mark.gpu
 
@@ -135,3 +136,35 @@ def test_ssu_load_ahead_is_bitwise_the_loop(dtype, gated):
     for N, s, K, shape in ((1, 4, 3, dict(H=32, G=4, P=64, Nst=128)), (8, 2, 1, dict(H=16, G=2, P=64, Nst=128)),
                            (3, 5, 8, dict(H=6, G=3, P=24, Nst=24))):
         kc.check_ssu_load_ahead_bitwise(DEV, dtype, N, s, K, gated, seed=N + s, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=DT_IDS + ["f16"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_deferred_state_update_is_bitwise_the_checkpointed(dtype, gated):
+    """CONTRACT item 4b on CUDA: the kernel on a deferred pool (one state a slot, replaying the
+    accepted pending tokens) against the kernel on a checkpointed pool, over random verify steps
+    and accepted counts: y and the state bit for bit (the replay and the token loop share
+    ``_advance``), dead slots and unwritten pending inputs untouched. Nemotron-like heads (head_dim
+    64, d_state 128: 4 head_dim blocks, so 4 copies of dt and B) at 1 and 8 rows, and a small odd
+    shape with the dt clamp; the load-ahead loop (16-bit, s > 1) and the plain one both occur."""
+    op = (triton_state_update.triton_selective_state_update_gated if gated
+          else triton_state_update.triton_selective_state_update)
+    for N, K, shape, lim in ((1, 3, dict(H=32, G=4, P=64, Nst=128), (0.0, float("inf"))),
+                             (8, 4, dict(H=16, G=2, P=64, Nst=128), (0.0, float("inf"))),
+                             (5, 2, dict(H=6, G=3, P=24, Nst=24), (0.01, 0.4))):
+        kc.check_ssu_deferred(op, DEV, dtype, N, K, steps=6, gated=gated, dt_limit=lim, seed=N + K, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_deferred_public_gated_op_takes_two_kernels_for_a_verify(dtype, monkeypatch):
+    """The public gated op on a deferred pool: a verify (s > 1) runs the unfused state update (2
+    warps a program) and the standalone norm; states bit for bit the checkpointed fused kernel's,
+    outputs within the norm's tolerance of it."""
+    from hybrid_engine.mamba_cache.ops import triton_norm
+    launched = []
+    real = triton_norm.triton_gated_rmsnorm
+    monkeypatch.setattr(triton_norm, "triton_gated_rmsnorm", lambda *a, **k: launched.append(1) or real(*a, **k))
+    tol = kc.TOL["norm"][dtype] + kc._ULP.get(dtype, 0.0)
+    kc.check_ssu_deferred(selective_state_update_gated, DEV, dtype, 8, 3, steps=6, gated=True, seed=11,
+                          out_tol=tol, H=16, G=2, P=64, Nst=128)
+    assert launched, "a deferred verify did not take the two-kernel path"
