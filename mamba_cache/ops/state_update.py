@@ -52,11 +52,20 @@ class PendingInputs:
     B: torch.Tensor      # [S, K, H, nb, N] each head's group's B, the same in each of the nb copies
 
 
-def _advance(h, x, dt, B, A):
-    """One token of the recurrence, h = exp(dt A) h + dt x B^T: h [R, H, P, N], x [R, H, P],
-    dt [R, H] (processed), B [R, H, N] float32. The verify's tokens and the replay both go here,
-    so a replayed state is the checkpointed one bit for bit."""
-    dA = torch.exp(dt * A.float())                                        # [R, H]
+def _coeffs_by_slot(dt_raw_by_slot, dt_bias, A, dt_limit):
+    """dt = clamp(softplus(dt_raw + dt_bias)) and dA = exp(dt A), both [S, H] float32, computed over
+    the pool's slot space: CPU vector math can round an element differently by where it falls in
+    the tensor (vector body or scalar tail), so each (slot, head) keeps one position whichever
+    rows a step has, and a replay in a later step (other rows, another order) computes the
+    verify's bits."""
+    dt = process_dt(dt_raw_by_slot.contiguous(), dt_bias, dt_limit).contiguous()     # [S, H]
+    return dt, torch.exp(dt * A.float())
+
+
+def _advance(h, x, dt, dA, B):
+    """One token of the recurrence, h = dA h + dt x B^T: h [R, H, P, N], x [R, H, P], dt and dA
+    [R, H] (``_coeffs_by_slot``), B [R, H, N] float32. The verify's tokens and the replay both go
+    here, so a replayed state is the checkpointed one bit for bit."""
     dBx = (dt[:, :, None] * x)[..., None] * B[:, :, None, :]              # [R, H, P, N]
     return dA[:, :, None, None] * h + dBx
 
@@ -101,11 +110,11 @@ def selective_state_update_ref(
     Ch = expand_groups(C.float(), H)                                      # [N, s, H, N]
     xf = x.float()                                                        # [N, s, H, P]
     ys = []
+    by_slot = dt_raw.new_zeros(ssm_state.shape[0], H)                     # [S, H]
     for t in range(s):
-        # dt a token at a time, as the replay does: CPU vector math can round an element by
-        # where it falls in the tensor, and a replayed state must equal the checkpointed one
-        dt = process_dt(dt_raw[:, t], dt_bias, dt_limit)                  # [N, H]
-        h = _advance(h, xf[:, t], dt, Bh[:, t], A)
+        by_slot[slots] = dt_raw[:, t]          # (null rows share slot 0: their y is unspecified)
+        dt, dA = (c[slots] for c in _coeffs_by_slot(by_slot, dt_bias, A, dt_limit))   # [N, H]
+        h = _advance(h, xf[:, t], dt, dA, Bh[:, t])
         if pending is None or t == 0:
             ssm_state[slots, t] = torch.where(keep, old[:, t], h)
         ys.append(torch.einsum("rhpn,rhn->rhp", h, Ch[:, t]) + D.float()[:, None] * xf[:, t])
@@ -140,8 +149,8 @@ def _replay(ssm_state, pending: PendingInputs, slots, num_accepted, s, dt_bias, 
     n_replay = (num_accepted.long() - 1).clamp(0, K)                      # [N]
     n_replay = torch.where(slots == NULL_SLOT, 0, n_replay)
     for j in range(K):                  # capacity, a host int: rows past their count keep h
-        dt = process_dt(pending.dt[slots, j, :, 0], dt_bias, dt_limit)     # [N, H]
-        nxt = _advance(h, pending.x[slots, j].float(), dt, pending.B[slots, j, :, 0].float(), A)
+        dt, dA = (c[slots] for c in _coeffs_by_slot(pending.dt[:, j, :, 0], dt_bias, A, dt_limit))
+        nxt = _advance(h, pending.x[slots, j].float(), dt, dA, pending.B[slots, j, :, 0].float())
         h = torch.where((j < n_replay)[:, None, None, None], nxt, h)
     return h
 

@@ -301,7 +301,7 @@ def check_ssu_deferred(impl, device, dtype, N, K, steps=5, gated=False, H=4, G=2
     """CONTRACT item 4b: ``impl`` (the state update's signature, plain or gated, with ``pending``)
     on a deferred pool against the same ``impl`` on a checkpointed pool, over ``steps`` verify
     steps of random widths s in 1..1+K and random accepted counts (the first step 1, then up to
-    the previous width): every y bit for bit, and after each step the deferred state equals
+    the previous width), the rows in a new order each step: every y bit for bit, and after each step the deferred state equals
     checkpoint 0 bit for bit. Both pools start NaN wherever no live slot owns, the pending inputs
     NaN everywhere (a replay that read an input no verify stored would turn the state NaN);
     NaN places must stay NaN in both (the null slot and unused slots are never written).
@@ -321,6 +321,9 @@ def check_ssu_deferred(impl, device, dtype, N, K, steps=5, gated=False, H=4, G=2
     w = (1 + 0.1 * torch.randn(I, generator=g)).to(dtype).to(device)
     prev_s = 1
     for step in range(steps):
+        if step:        # rows change places between steps (the engine's batches do)
+            slots = slots[torch.randperm(N, generator=g).to(slots.device)]
+            ok = (slots != NULL_SLOT).to(device)
         s = int(torch.randint(1, K + 2, (), generator=g))
         acc = torch.randint(1, prev_s + 1, (N,), generator=g, dtype=torch.int32).to(device)
         rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731

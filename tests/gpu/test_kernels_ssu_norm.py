@@ -144,7 +144,7 @@ def test_deferred_state_update_is_bitwise_the_checkpointed(dtype, gated):
     """CONTRACT item 4b on CUDA: the kernel on a deferred pool (one state a slot, replaying the
     accepted pending tokens) against the kernel on a checkpointed pool, over random verify steps
     and accepted counts: y and the state bit for bit (the replay and the token loop share
-    ``_advance``), dead slots and unwritten pending inputs untouched. Nemotron-like heads (head_dim
+    ``_advance``), dead slots (their states and pending inputs) untouched. Nemotron-like heads (head_dim
     64, d_state 128: 4 head_dim blocks, so 4 copies of dt and B) at 1 and 8 rows, and a small odd
     shape with the dt clamp; the load-ahead loop (16-bit, s > 1) and the plain one both occur."""
     op = (triton_state_update.triton_selective_state_update_gated if gated
