@@ -30,9 +30,9 @@ def ssu_block_p(P: int, N: int) -> int:
     the same outputs and checkpoints bit for bit, and each launch 1-10% shorter at 1 and 8 rows,
     s = 1 and 4, on the bench-large, Nano and 8B head counts (H100, 2026-11-28,
     results/2026-11-28-spec-step-glue-h100.md)."""
-    block_n = max(16, 1 << (N - 1).bit_length())
-    block_p = min(1 << (P - 1).bit_length(), max(1, (2048 if block_n == 128 else 4096) // block_n))
-    return max(block_p, 1)
+    from hybrid_engine.mamba_cache.ops.triton_common import next_pow2    # (imports Triton lazily)
+    block_n = max(16, next_pow2(N))
+    return min(next_pow2(P), max(1, (2048 if block_n == 128 else 4096) // block_n))
 
 
 def pending_blocks(P: int, N: int) -> int:

@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 
 import checkpoint_cases as cc  # noqa: E402
 import kernel_cases as kc  # noqa: E402
+import ssu_deferred_cases as sdc  # noqa: E402
 import linear_cases as lc  # noqa: E402
 import ssd_pooled_cases as spc  # noqa: E402
 from hybrid_engine.models.skinny_linear import skinny_linear, skinny_linear_dot, skinny_linear_fma  # noqa: E402
@@ -184,13 +185,13 @@ CASES = {
     # the deferred state update (CONTRACT item 4b) against the checkpointed kernel, bit for bit, over
     # 5 verify steps: plain with the dt clamp, then gated, then 3 head_dim blocks per head in float16,
     # then the public gated op (a verify: the unfused update and the standalone norm)
-    "ssu_deferred": lambda: [kc.check_ssu_deferred(triton_selective_state_update, "cpu", F32, 5, 3,
+    "ssu_deferred": lambda: [sdc.check_ssu_deferred(triton_selective_state_update, "cpu", F32, 5, 3,
                                                    dt_limit=(0.01, 0.4)),
-                             kc.check_ssu_deferred(triton_selective_state_update_gated, "cpu", F32, 4, 2,
+                             sdc.check_ssu_deferred(triton_selective_state_update_gated, "cpu", F32, 4, 2,
                                                    gated=True, seed=1),
-                             kc.check_ssu_deferred(triton_selective_state_update, "cpu", torch.float16, 3, 4,
+                             sdc.check_ssu_deferred(triton_selective_state_update, "cpu", torch.float16, 3, 4,
                                                    P=40, Nst=128, steps=3, seed=2),
-                             _on_triton(lambda: kc.check_ssu_deferred(   # the public op: two kernels
+                             _on_triton(lambda: sdc.check_ssu_deferred(   # the public op: two kernels
                                  selective_state_update_gated, "cpu", F32, 3, 2, gated=True, out_tol=1e-5, seed=3))],
     # state update + gated norm in one kernel: 2 heads per norm group; then 1 head per group with
     # z as [N, s, I]; then 2 head_dim blocks per head (4 programs per group), 3 norm groups over

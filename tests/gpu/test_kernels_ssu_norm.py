@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernel_cases as kc
+import ssu_deferred_cases as sdc
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops import (selective_state_update_gated, selective_state_update_gated_ref,
                              triton_common, triton_state_update)
@@ -152,7 +153,7 @@ def test_deferred_state_update_is_bitwise_the_checkpointed(dtype, gated):
     for N, K, shape, lim in ((1, 3, dict(H=32, G=4, P=64, Nst=128), (0.0, float("inf"))),
                              (8, 4, dict(H=16, G=2, P=64, Nst=128), (0.0, float("inf"))),
                              (5, 2, dict(H=6, G=3, P=24, Nst=24), (0.01, 0.4))):
-        kc.check_ssu_deferred(op, DEV, dtype, N, K, steps=6, gated=gated, dt_limit=lim, seed=N + K, **shape)
+        sdc.check_ssu_deferred(op, DEV, dtype, N, K, steps=6, gated=gated, dt_limit=lim, seed=N + K, **shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -165,6 +166,6 @@ def test_deferred_public_gated_op_takes_two_kernels_for_a_verify(dtype, monkeypa
     real = triton_norm.triton_gated_rmsnorm
     monkeypatch.setattr(triton_norm, "triton_gated_rmsnorm", lambda *a, **k: launched.append(1) or real(*a, **k))
     tol = kc.TOL["norm"][dtype] + kc._ULP.get(dtype, 0.0)
-    kc.check_ssu_deferred(selective_state_update_gated, DEV, dtype, 8, 3, steps=6, gated=True, seed=11,
+    sdc.check_ssu_deferred(selective_state_update_gated, DEV, dtype, 8, 3, steps=6, gated=True, seed=11,
                           out_tol=tol, H=16, G=2, P=64, Nst=128)
     assert launched, "a deferred verify did not take the two-kernel path"

@@ -10,7 +10,7 @@ import torch
 from hybrid_engine.mamba_cache.ops import selective_state_update_gated_ref, selective_state_update_ref
 from hybrid_engine.mamba_cache.ops.state_update import PendingInputs, pending_blocks, ssu_block_p
 from hybrid_engine.mamba_cache.pool import MambaPool
-from kernel_cases import check_ssu_deferred
+from ssu_deferred_cases import check_ssu_deferred
 
 
 @pytest.mark.parametrize("K", [1, 3, 4])
