@@ -13,7 +13,8 @@ Public ops (each picks its backend through ``kernel_backend`` and logs the choic
 - ``beside(side, main, device)``: side() on a per-device side stream while main() runs (CUDA):
   the MoE block's shared expert beside its router and routing.
 
-Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe); CPU ->
+Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe; FP8
+experts above 8 tokens run W8A8 there, rows quantized per token, twin ``grouped_experts_w8a8_ref``); CPU ->
 ``grouped_experts_ref``, which runs each expert only over the tokens routed to it (the expert
 loop reads the per-expert counts on the host, which costs nothing on CPU); CUDA without Triton ->
 ``dense_experts_ref`` (every expert over every token, weighted; sync-free but E/k times the work).
@@ -246,6 +247,34 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
     return out.to(h.dtype)
 
 
+def grouped_experts_w8a8_ref(h: torch.Tensor, up_q: torch.Tensor, down_q: torch.Tensor, up_scale: torch.Tensor,
+                             down_scale: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                             activation: str = "relu2") -> torch.Tensor:
+    """Twin of the W8A8 grouped path (``triton_moe.routed_experts_triton(..., w8a8=True)``): h
+    [T, D_in] 16-bit, FP8 experts up_q [E, F, D_in] / down_q [E, D_out, F] with [E] float32 scales.
+    Each token's row is quantized per token (``fp8.quantize_activations``); each expert's up
+    projection is the float32 product of the codes times (token scale * expert scale), rounded to
+    h.dtype, then the activation; that row is quantized again per row for the down projection,
+    whose sum is scaled the same way, weighted and summed over the k choices in float32 -> [T, D_out]
+    h.dtype. Against the kernel under the interpreter (exact FP8 dots) only the summation order
+    differs; a Hopper GPU's FP8 tensor cores also round within each ``PROMOTE_K`` products. Reads
+    the routed experts on the host (tests only)."""
+    from hybrid_engine.quantization.fp8 import quantize_activations
+    T, k = ids.shape
+    hq, hs = quantize_activations(h, None)                                   # [T, D_in], [T, 1]
+    flat = ids.reshape(-1).long()
+    out = torch.zeros(T, down_q.shape[1], dtype=torch.float32, device=h.device)
+    w_flat = weights.reshape(-1).float()
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().flatten()
+        tok = pairs // k
+        u = (F.linear(hq[tok].float(), up_q[e].float()) * (hs[tok] * up_scale[e].float())).to(h.dtype)
+        aq, as_ = quantize_activations(_act(u, activation), None)
+        y = F.linear(aq.float(), down_q[e].float()) * (as_ * down_scale[e].float())
+        out.index_put_((tok,), y.to(h.dtype).float() * w_flat[pairs, None], accumulate=True)
+    return out.to(h.dtype)
+
+
 def dense_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                       weights: torch.Tensor, activation: str = "relu2") -> torch.Tensor:
     """Every expert over every token, weighted by the (mostly zero) dense routing weight: no
@@ -288,14 +317,18 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
 
 # ------------------------------------------------------------------------------------ alignment
 
-def align_block_size(num_pairs: int, num_experts: int) -> int:
+def align_block_size(num_pairs: int, num_experts: int, w8a8: bool = False) -> int:
     """Rows per grouped-GEMM tile: small tiles when experts get few tokens (decode batches), large
     for prefill. A function of static shapes only, so each CUDA-graph bucket fixes its own."""
     per_expert = num_pairs / num_experts
     # 128-row tiles from 64 pairs per expert up: on the Nano widths a 2048-token prefill (96 per
     # expert) ran its routed experts 1.11x faster than with 64-row tiles, an 8192-token one (384)
-    # 1.27x (benchmarks/moe_gemm_sweep.py, H200, 2026-11-25)
-    return 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
+    # 1.27x (benchmarks/moe_gemm_sweep.py, H200, 2026-11-25). W8A8 (FP8 operands, their partial
+    # sums promoted to float32, which holds a second accumulator) stops at 64 rows: at 2048 / 8192
+    # tokens 1.57 / 2.57 ms against 1.58 / 3.00 for the best 128-row tiles (H200, 2026-11-29,
+    # benchmarks/results/2026-11-29-moe-fp8-w8a8-h200.md)
+    bm = 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
+    return min(bm, 64) if w8a8 else bm
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
 
 
 def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = False,
-                smem_bytes: int | None = None) -> dict:
+                smem_bytes: int | None = None, w8a8: bool = False) -> dict:
     """Tile sizes for the grouped GEMM (by BLOCK_M, which align_block_size picks from the load).
     SwiGLU loads two weight tiles per step (gate and up rows): 128-row tiles keep BLOCK_N at 128
     and three stages there. ``smem_bytes``: the device's shared memory per block (None: no
@@ -72,16 +72,24 @@ def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = Fa
         cfg = dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
     if dtype == torch.float32:        # double the bytes per element: halve K tiles
         cfg.update(BLOCK_K=32, num_stages=2)
-    if smem_bytes is not None and gemm_smem_bytes(bm, cfg, dtype, swiglu) > smem_bytes:
-        cfg.update(BLOCK_N=64, BLOCK_K=32 if dtype == torch.float32 else 64, num_warps=4, num_stages=2)
+    if w8a8:                          # FP8 operands, one byte each: the same bytes per stage in twice the K
+        cfg.update(BLOCK_K=2 * cfg["BLOCK_K"])
+        if bm == 64:                  # the most rows moe_ops.align_block_size gives W8A8: 4 stages
+            cfg.update(num_stages=4)
+    if smem_bytes is not None and gemm_smem_bytes(bm, cfg, dtype, swiglu, w8a8) > smem_bytes:
+        cfg.update(BLOCK_N=64, BLOCK_K=128 if w8a8 else 32 if dtype == torch.float32 else 64, num_warps=4,
+                   num_stages=2)
+    if w8a8:                          # the FP8 dot's partial sums join the float32 sum every 128 products
+        cfg.update(PROMOTE_K=min(128, cfg["BLOCK_K"]))
     return cfg
 
 
-def gemm_smem_bytes(rows_per_expert_tile: int, cfg: dict, dtype: torch.dtype, swiglu: bool = False) -> int:
+def gemm_smem_bytes(rows_per_expert_tile: int, cfg: dict, dtype: torch.dtype, swiglu: bool = False,
+                    w8a8: bool = False) -> int:
     """Shared memory the grouped GEMM's pipelined tiles take: per stage an activation tile
     [BLOCK_M, BLOCK_K] and one weight tile [BLOCK_K, BLOCK_N] (two with SwiGLU) in the
-    activations' dtype (FP8 weights are converted to it)."""
-    elem = torch.finfo(dtype).bits // 8
+    activations' dtype (weight-only FP8 weights are converted to it; W8A8: one byte each)."""
+    elem = 1 if w8a8 else torch.finfo(dtype).bits // 8
     per_stage = rows_per_expert_tile * cfg["BLOCK_K"] + cfg["BLOCK_K"] * cfg["BLOCK_N"] * (2 if swiglu else 1)
     return cfg["num_stages"] * per_stage * elem
 

@@ -18,6 +18,8 @@ Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graph
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,8 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
 from .moe_ops import DECODE_MAX_TOKENS, align_block_size, align_pairs
 from .moe_tiles import gemm_config, gemv_tiles, max_shared_mem
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ alignment
@@ -174,10 +178,21 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
                          WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ws_ptr,
-                         SWIGLU: tl.constexpr = False, W_SCALED: tl.constexpr = False):
+                         SWIGLU: tl.constexpr = False, W_SCALED: tl.constexpr = False,
+                         as_ptr=None, A_SCALED: tl.constexpr = False, MODEL_BF16: tl.constexpr = False,
+                         PROMOTE_K: tl.constexpr = 32):
     """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows.
     A rows: the sorted position (A_SORTED) or the pair's token (pair // A_DIV); output rows: the
-    sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once."""
+    sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once.
+    A_SCALED (W8A8, with W_SCALED): A holds float8_e4m3fn codes with one float32 scale per A row
+    (``as_ptr``, indexed like the A rows); the dot runs on FP8 operands (the FP8 tensor cores) and
+    the sum is multiplied by (row scale * expert scale); the epilogue then rounds to bfloat16
+    (MODEL_BF16) or float16, the model's dtype (otherwise to A's). The FP8 tensor cores of a
+    Hopper GPU keep fewer bits than float32 while they accumulate (Triton lets them run a whole K
+    that way by default on sm_90: a 1e-2 relative error against float32 sums at Nano widths, H200,
+    2026-11-29); the dot's partial sum is added into the float32 accumulator every PROMOTE_K
+    products (a multiple of 32, at most BLOCK_K), as cuBLAS's FP8 GEMM does without fast
+    accumulation."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(nrows_ptr):
@@ -201,30 +216,45 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
         mk = offs_k < K
         a = tl.load(a_base + offs_k[None, :], mask=mrow[:, None] & mk[None, :], other=0.0)   # [BM, BK]
         w = tl.load(w_base + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)      # [BK, BN]
-        if W_SCALED:                    # FP8 weight tile -> the activations' dtype (exact)
+        if W_SCALED and not A_SCALED:   # FP8 weight tile -> the activations' dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
-        if IEEE:
+        if A_SCALED:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)
+        elif IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
         if SWIGLU:                      # the up rows sit N rows below the gate rows
             wu = tl.load(w_base + N * s_wn + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
-            if W_SCALED:
+            if W_SCALED and not A_SCALED:
                 wu = wu.to(a_ptr.dtype.element_ty)
-            if IEEE:
+            if A_SCALED:
+                acc_up = tl.dot(a, wu, acc_up, max_num_imprecise_acc=PROMOTE_K)
+            elif IEEE:
                 acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, wu, acc_up)
-    if W_SCALED:
-        acc = acc * tl.load(ws_ptr + e)
+    if A_SCALED:                        # one scale per row: the token's (or sorted row's) times the expert's
+        scale = tl.load(as_ptr + a_rows, mask=mrow, other=0.0)[:, None] * tl.load(ws_ptr + e)
+        acc = acc * scale
         if SWIGLU:
-            acc_up = acc_up * tl.load(ws_ptr + e)
-    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
+            acc_up = acc_up * scale
+        if MODEL_BF16:
+            out_ty = tl.bfloat16
+        else:
+            out_ty = tl.float16
+    else:
+        if W_SCALED:
+            acc = acc * tl.load(ws_ptr + e)
+            if SWIGLU:
+                acc_up = acc_up * tl.load(ws_ptr + e)
+        out_ty = a_ptr.dtype.element_ty
+    y = acc.to(out_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
     if SWIGLU:
-        y = _swiglu(y, acc_up, a_ptr.dtype.element_ty)
+        y = _swiglu(y, acc_up, out_ty)
     if WEIGHTED:
         y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
     if OUT_SORTED:
@@ -264,18 +294,43 @@ def _check(h, w_up, w_down, ids, weights, swiglu: bool = False):
         raise ValueError("routed experts: weights and h need a unit inner stride")
 
 
+_W8A8_DTYPES = (torch.bfloat16, torch.float16)       # the rows' dtypes of the W8A8 grouped path
+_w8a8_logged: set[tuple[bool, str]] = set()
+
+
+def _w8a8_wanted(w8a8: bool | None, fp8_weights: bool, dtype: torch.dtype) -> bool:
+    """Whether the grouped path runs W8A8 (see ``routed_experts_triton``); the outcome is
+    logged once per (outcome, dtype). Asking for it where it cannot run is a ValueError."""
+    possible = fp8_weights and dtype in _W8A8_DTYPES
+    if w8a8 and not possible:
+        raise ValueError(f"routed experts: w8a8 needs FP8 expert weights and bfloat16 / float16 rows, got "
+                         f"{'FP8' if fp8_weights else 'unquantized'} weights and {dtype}")
+    use = possible if w8a8 is None else bool(w8a8)
+    if fp8_weights and (use, str(dtype)) not in _w8a8_logged:
+        _w8a8_logged.add((use, str(dtype)))
+        logger.info("FP8 experts (%s rows) above %d tokens: %s", dtype, DECODE_MAX_TOKENS,
+                    "W8A8 grouped GEMM (rows quantized per token, FP8 tensor cores)" if use
+                    else "weight-only grouped GEMM (FP8 weight tiles converted to the rows' dtype)")
+    return use
+
+
 def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor, add: torch.Tensor | None = None,
                           force_grouped: bool = False, out: torch.Tensor | None = None,
                           activation: str = "relu2", *, up_scale: torch.Tensor | None = None,
-                          down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          down_scale: torch.Tensor | None = None, w8a8: bool | None = None) -> torch.Tensor:
     """Same contract as ``moe_ops.routed_experts``. ``force_grouped`` (tests, benchmarks) takes
     the grouped path whatever the token count; ``out`` [T, D_out] h.dtype to write into.
-    ``up_scale`` / ``down_scale`` [E] float32: FP8 weights, scaled per expert in the epilogue."""
+    ``up_scale`` / ``down_scale`` [E] float32: FP8 weights, scaled per expert in the epilogue.
+    ``w8a8`` (FP8 weights, 16-bit h, grouped path; None: on there): each projection's input rows
+    are quantized to FP8 per row (``fp8_quantizer.quantize_rows_fp8``) and the grouped GEMM runs
+    on FP8 operands, as the FP8 linears' prefill path does (twin: ``moe_ops.grouped_experts_w8a8_ref``);
+    False keeps the weight-only path (FP8 weight tiles converted to h's dtype)."""
     swiglu = activation == "swiglu"
     _check(h, w_up, w_down, ids, weights, swiglu)
     if (up_scale is None) != (down_scale is None):
         raise ValueError("routed experts: give both up_scale and down_scale or neither")
+    w8a8 = _w8a8_wanted(w8a8, up_scale is not None, h.dtype)
     scaled = dict(W_SCALED=up_scale is not None)
     T, k = ids.shape
     E, F, _ = w_up.shape
@@ -300,24 +355,33 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled, **pdl)
     else:
-        bm = align_block_size(P, E)
+        bm = align_block_size(P, E, w8a8)
         al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
               else align_pairs(ids, E, bm))
         smem = None if dev.type != "cuda" else max_shared_mem(
             dev.index if dev.index is not None else torch.cuda.current_device())
-        cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem)
+        cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem, w8a8=w8a8)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         ieee = h.dtype == torch.float32
+        a_up, a_up_scale = h, None
+        if w8a8:
+            from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
+            a_up, a_up_scale = quantize_rows_fp8(h)                      # [T, D] codes, [T, 1] scales
+            scaled.update(A_SCALED=True, MODEL_BF16=h.dtype == torch.bfloat16)
         _grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
-            h, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
-            F, h.shape[1], P, k, h.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
+            a_up, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            F, h.shape[1], P, k, a_up.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
             A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm,
-            SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **cfg)
+            SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, as_ptr=a_up_scale,
+            **scaled, **cfg)
+        a_down, a_down_scale = inter, None
+        if w8a8:        # the activation's rows in sorted order; the padding rows past num_rows are skipped
+            a_down, a_down_scale = quantize_rows_fp8(inter, rows_in_use=al.num_rows)
         _grouped_gemm_kernel[(cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
-            inter, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
-            D_out, F, P, 1, inter.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
+            a_down, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            D_out, F, P, 1, a_down.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
             A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm,
-            ws_ptr=down_scale if down_scale is not None else weights, **scaled, **cfg)
+            ws_ptr=down_scale if down_scale is not None else weights, as_ptr=a_down_scale, **scaled, **cfg)
     if out is None:
         out = torch.empty(T, D_out, dtype=h.dtype, device=dev)
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):

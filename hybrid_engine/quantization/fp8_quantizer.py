@@ -133,7 +133,8 @@ def _quantize_tiles(x_row, q_row, K, s, FAST_DIV: tl.constexpr, HW_ROUND: tl.con
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q_ptr: the codes as uint8
                           STATIC: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                          HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
+                          HW_ROUND: tl.constexpr, RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False,
+                          rows_ptr=None, BOUNDED: tl.constexpr = False):
     """One program per row. Dynamic: s = amax(|x|) / 448 (1 for an all-zero row or one holding a
     NaN), stored to s_ptr[row]; static: s = in_scale_ptr[0]. Then q = clamp(x / s) in
     float8_e4m3fn, x / s rounded to nearest (``_divide_fast`` on CUDA where the scale allows,
@@ -142,8 +143,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
     the engine's non-finite check still sees it after the projection). RELU2: x is replaced by
     relu(x)² (in x's dtype) as it is read: the MLP's activation and down_proj's quantizer in one
     pass over the up projection's output, instead of a relu² kernel writing it and this one
-    reading it back."""
+    reading it back. BOUNDED: rows from ``rows_ptr[0]`` on are not in use (the fused MoE's padding
+    rows past its last expert tile) and their programs exit without reading or writing."""
     row = tl.program_id(0).to(tl.int64)
+    if BOUNDED:
+        if row >= tl.load(rows_ptr):
+            return
     x_row = x_ptr + row * sxm
     if ONE_PASS:        # the row fits one tile (K <= BLOCK_K): read it once
         offs = tl.arange(0, BLOCK_K)
@@ -184,7 +189,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, sxm, sqm,    # q
 
 
 def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, *, relu2: bool = False,
-                      block_k: int = 8192, two_pass_block_k: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_k: int = 8192, two_pass_block_k: int = 4096,
+                      rows_in_use: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill activations of the W8A8 path in one pass: x [M, K] (16- or 32-bit, unit inner
     stride) -> (x_q [M, K] float8_e4m3fn, scale float32 [M, 1] per token, or the static
     ``input_scale`` []). Equal code for code to ``fp8.quantize_activations`` (its torch twin), which
@@ -195,7 +201,9 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     benchmarks/results/2026-11-27-fp8-quantizer-h100.md): 273 us in 4096-wide tiles, 304 us in
     8192-wide ones, 374 us as a single 32768-wide tile. ``relu2``:
     quantize relu(x)² (rounded to x's dtype) instead of x, without writing it (twin:
-    ``quantize_activations(relu2_ref(x))``)."""
+    ``quantize_activations(relu2_ref(x))``). ``rows_in_use`` [1] int32 on x's device: only the
+    rows before it are quantized (no host sync); the codes and scales of later rows are left
+    unwritten (dynamic scales only)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fp8: x must be [M, K] with a unit inner stride, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
@@ -205,6 +213,8 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     M, K = x.shape
     x_q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     static = input_scale is not None
+    if rows_in_use is not None and (static or rows_in_use.numel() != 1 or rows_in_use.dtype != torch.int32):
+        raise ValueError("quantize_rows_fp8: rows_in_use must be a one-element int32 tensor, with dynamic scales")
     scale = input_scale.float().reshape(()) if static else torch.empty((M, 1), dtype=torch.float32,
                                                                           device=x.device)
     if M == 0:
@@ -217,7 +227,7 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None, 
     _quantize_rows_kernel[(M,)](x, x_q.view(torch.uint8), scale, scale, K, x.stride(0), x_q.stride(0),
                                 STATIC=static, BLOCK_K=bk, ONE_PASS=one_pass, HW_ROUND=hw_round,
                                 RELU2=bool(relu2), BF16_BITS=bool(relu2) and x.dtype == torch.bfloat16 and not hw_round,
-                                num_warps=4)
+                                rows_ptr=rows_in_use, BOUNDED=rows_in_use is not None, num_warps=4)
     # 4 warps at every tile width: H100, 8192 rows (graph replays, 2026-11-27): 21504 wide with relu²
     # in 4096 tiles 273.0 us (8 warps 289.6, 16: 307.3); 8192 wide one pass 73.3 (75.8 / 85.4);
     # 4096 wide 40.0 (43.6 / 51.5)

@@ -13,7 +13,8 @@ import torch
 # the checks (tests/gpu/test_quant_cuda.py runs them on CUDA)
 from quant_checks import (check_fp8, check_fp8_relu2, check_nvfp4, check_nvfp4_relu2,
                           check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k, check_fp8_experts,
-                          check_quantize_rows, check_add_rmsnorm_fp8)
+                          check_fp8_experts_w8a8, check_quantize_rows, check_quantize_rows_bounded,
+                          check_add_rmsnorm_fp8)
 
 
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
@@ -150,6 +151,13 @@ def _cases():
         # one token: FP8 experts' down projection takes its own tile there (moe_tiles.gemv_tiles)
         "fp8_experts_decode_one": lambda: check_fp8_experts(cpu, f32, 1, 6, 3, 40, 600, grouped=False, seed=2),
         "fp8_experts_grouped": lambda: check_fp8_experts(cpu, f32, 11, 6, 3, 40, 24, grouped=True, seed=1),
+        # W8A8 grouped path: FP8 rows and FP8 dots (exact in the interpreter); 16 experts > T k leaves some empty
+        "fp8_experts_w8a8": lambda: max(check_fp8_experts_w8a8(cpu, f16, 11, 6, 3, 40, 24),
+                                        check_fp8_experts_w8a8(cpu, f16, 9, 16, 2, 72, 40, seed=3)),
+        "fp8_experts_w8a8_one_expert": lambda: check_fp8_experts_w8a8(cpu, f16, 10, 5, 2, 40, 24, seed=1,
+                                                                      one_expert=True),
+        "fp8_experts_w8a8_swiglu": lambda: check_fp8_experts_w8a8(cpu, f16, 9, 6, 2, 40, 24, seed=2, swiglu=True),
+        "fp8_quantize_rows_bounded": lambda: check_quantize_rows_bounded(cpu),
     }
 
 

@@ -174,8 +174,9 @@ def check_zero_k(device):
 
 
 def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
-    """routed_experts_triton with FP8 merged experts (per-expert scales) vs the reference with the
-    weights dequantized exactly (float32 h: the same arithmetic up to summation order)."""
+    """routed_experts_triton with FP8 merged experts (per-expert scales), weight-only (the decode
+    path, and the grouped path with ``w8a8=False``), vs the reference with the weights dequantized
+    exactly (float32 h: the same arithmetic up to summation order)."""
     from hybrid_engine.models.moe_ops import grouped_experts_ref, dequantize_experts
     from hybrid_engine.models.triton_moe import routed_experts_triton
     g = torch.Generator().manual_seed(seed)
@@ -194,11 +195,57 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     dev = lambda t: t.to(device)   # noqa: E731
     with poisoned_empty():
         y = routed_experts_triton(dev(h), dev(up_q), dev(down_q), dev(ids), dev(wts), force_grouped=grouped,
-                                  up_scale=dev(up_s), down_scale=dev(down_s))
+                                  up_scale=dev(up_s), down_scale=dev(down_s), w8a8=False)
     assert y.shape == (T, D) and not torch.isnan(y).any()
     err = _rel(y.cpu(), ref)
     tol = tol or {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     assert err <= tol, f"fp8 experts T={T} grouped={grouped}: rel err {err:.2e} > {tol:.0e}"
+    return err
+
+
+def _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=False):
+    """Random 16-bit rows and FP8 merged experts (per-expert scales, amax / 448), ids, weights."""
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T, D, generator=g) * torch.logspace(-1, 1, T)[:, None]).to(dtype)   # rows of unlike scales
+    w_up = torch.randn(E, (2 if swiglu else 1) * F, D, generator=g) / math.sqrt(D) * torch.rand(E, 1, 1, generator=g).add(0.5)
+    w_down = torch.randn(E, D, F, generator=g) / math.sqrt(F)
+    qs = [quantize_fp8(w, False) for w in (*w_up, *w_down)]
+    up_q, down_q = torch.stack([q for q, _ in qs[:E]]), torch.stack([q for q, _ in qs[E:]])
+    up_s, down_s = torch.stack([s for _, s in qs[:E]]), torch.stack([s for _, s in qs[E:]])
+    if one_expert:          # every token's first choice is expert 0; the rest spread over the others
+        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:k - 1]])
+                           for _ in range(T)])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return h, up_q, down_q, up_s, down_s, ids.to(torch.int32), torch.rand(T, k, generator=g)
+
+
+def check_fp8_experts_w8a8(device, dtype, T, E, k, D, F, seed=0, swiglu=False, one_expert=False, tol=None):
+    """The W8A8 grouped path (rows quantized per token, FP8 dot) against its twin
+    ``grouped_experts_w8a8_ref`` (same codes, float32 sums): ragged experts, experts with no token
+    when E > T k, ``one_expert`` (every token on expert 0), SwiGLU. The twin is also compared with
+    the weight-only reference, so that the check would see a kernel that skipped the activations'
+    quantization: the kernel must sit much closer to the twin than the twin to weight-only."""
+    from hybrid_engine.models.moe_ops import dequantize_experts, grouped_experts_ref, grouped_experts_w8a8_ref
+    from hybrid_engine.models.triton_moe import routed_experts_triton
+    act = "swiglu" if swiglu else "relu2"
+    h, up_q, down_q, up_s, down_s, ids, wts = _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu, one_expert)
+    twin = grouped_experts_w8a8_ref(h, up_q, down_q, up_s, down_s, ids, wts, act).float()
+    weight_only = grouped_experts_ref(h.float(), dequantize_experts(up_q, up_s, torch.float32),
+                                      dequantize_experts(down_q, down_s, torch.float32), ids, wts, act)
+    dev = lambda t: t.to(device)   # noqa: E731
+    with poisoned_empty():
+        y = routed_experts_triton(dev(h), dev(up_q), dev(down_q), dev(ids), dev(wts), force_grouped=True,
+                                  activation=act, up_scale=dev(up_s), down_scale=dev(down_s), w8a8=True)
+    assert y.shape == (T, D) and y.dtype == dtype and torch.isfinite(y).all()
+    err, gap = _rel(y.cpu().float(), twin), _rel(twin, weight_only)
+    # the interpreter's FP8 dots are exact (0 here); a Hopper GPU's FP8 tensor cores keep fewer bits
+    # than float32 within each 128 products (PROMOTE_K), and a 16-bit rounding of the up projection
+    # that lands the other way moves that row's FP8 codes: 3.6e-3..5.8e-3 at Nano widths (H200,
+    # 2026-11-29), against 4e-2 between the twin and the weight-only product (the W8A8 noise itself)
+    tol = tol or 1e-2
+    assert err <= tol, f"w8a8 experts T={T} E={E} k={k}: rel err {err:.2e} against the twin > {tol:.0e}"
+    assert err < gap / 3, f"w8a8 experts T={T}: kernel-twin {err:.2e} not well below twin-weight-only {gap:.2e}"
     return err
 
 
@@ -263,6 +310,35 @@ def check_quantize_rows(impl, device, seed=0, shapes=((1, 5), (3, 130), (7, 1100
         assert bad == 0, f"{bad} codes differ for {tuple(x.shape)} {x.dtype} static={in_scale is not None}"
         n += q.numel()
     return n
+
+
+def check_quantize_rows_bounded(device, seed=0):
+    """``quantize_rows_fp8(..., rows_in_use=n)``: the first n rows code for code the twin's, the
+    rest untouched (their poisoned codes and scales stay NaN), for n = 0, some and all, one and two
+    passes; bad arguments are a ValueError."""
+    from hybrid_engine.quantization.fp8 import quantize_activations
+    from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(9, 300, generator=g) * torch.logspace(-2, 2, 9)[:, None]).to(torch.float16)
+    ref_q, ref_s = quantize_activations(x, None)
+    for n in (0, 4, 9):
+        for block_k in (256, 1024):
+            with poisoned_empty():
+                q, sc = quantize_rows_fp8(x.to(device), block_k=block_k,
+                                          rows_in_use=torch.tensor([n], dtype=torch.int32, device=device))
+            q, sc = q.cpu(), sc.cpu()
+            assert torch.equal(q[:n].view(torch.uint8), ref_q[:n].view(torch.uint8)), (n, block_k)
+            assert torch.equal(sc[:n], ref_s[:n]), (n, block_k)
+            assert q[n:].float().isnan().all() and sc[n:].isnan().all(), f"rows past {n} were written"
+    for bad in (dict(rows_in_use=torch.tensor([1, 2], dtype=torch.int32)), dict(rows_in_use=torch.tensor([2])),
+                dict(rows_in_use=torch.tensor([2], dtype=torch.int32), input_scale=torch.tensor(1.0))):
+        try:
+            quantize_rows_fp8(x.to(device), **{k: v.to(device) for k, v in bad.items()})
+        except ValueError as e:
+            assert "rows_in_use" in str(e), e
+        else:
+            raise AssertionError(f"no ValueError for {bad}")
+    return 0.0
 
 
 def check_add_rmsnorm_fp8(device, dtype, T, D, seed=0, residual=True):
