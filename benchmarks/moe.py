@@ -18,6 +18,10 @@ measured in the same run (device copy). Prefill tokens/s beside the measured bf1
 counting the FLOPs of dense weights, the selected experts only, and attention.
 ``--quantization fp8``: the end-to-end rows with the weights quantized at load (FP8 linears and
 routed experts; issue 17's "30B-A3B shape in FP8"), their roofline counting the bytes as stored.
+``--hf-batches 1 8``: at those decode batches, transformers' greedy ``generate`` on the engine's own
+weight tensors (``transformers_sharing``: assigned, not copied, so the full shape fits one GPU),
+its decode tok/s, the engine's ratio to it, and how many greedy tokens agree. transformers runs
+whatever kernels it finds (its torch fallbacks without mamba-ssm / causal-conv1d).
 Prints a markdown table; writes ``moe-<shape>-<device>[-fp8].json`` to --out.
 """
 from __future__ import annotations
@@ -215,8 +219,47 @@ def step_state_bytes(mc, ctx: int) -> int:
     return len(mc.mamba_layer_ids) * (ssm + conv) + len(mc.attention_layer_ids) * kv
 
 
+def transformers_sharing(llm, model_dir: Path):
+    """transformers' model of ``model_dir``'s config whose every parameter and buffer IS the engine's
+    tensor (assigned, not copied): the issue's baseline in the same process at no extra weight memory
+    (the full Nano shape fits one GPU once, not twice). Built on the meta device, then the engine's
+    state dict is assigned; the names differ only in the backbone's prefix (the checkpoint's
+    ``backbone.`` against transformers' ``model.``). Any name or shape that does not match, and any
+    tensor left on the meta device, is an error: the baseline must run the engine's exact weights."""
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=llm.engine.cfg.dtype)
+    state = {("model." + k[len("backbone."):]) if k.startswith("backbone.") else k: v
+             for k, v in llm.engine.model.state_dict().items()}
+    hf.load_state_dict(state, assign=True, strict=True)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"transformers baseline: {len(left)} tensors were not assigned from the engine, e.g. {left[0]}")
+    return hf.eval()
+
+
+def transformers_decode(hf, prompts: list[list[int]], gen: int, dev) -> dict:
+    """Greedy ``generate`` of ``gen`` tokens after each of ``prompts`` (one batch, equal lengths):
+    the decode step time is (time of ``gen`` tokens - time of 1) / (gen - 1), so the prompt's prefill
+    is not counted; and the tokens."""
+    ids = torch.tensor(prompts, device=dev)
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        with torch.no_grad():
+            return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    run(2)                                                                   # warm-up
+    t1 = timeit(lambda: run(1), dev, warmup=0, iters=3)
+    tn = timeit(lambda: run(gen), dev, warmup=0, iters=3)
+    step = max(tn - t1, 1e-9) / (gen - 1)
+    tokens = run(gen)[:, ids.shape[1]:].tolist()
+    return dict(batch=len(prompts), tok_s=len(prompts) / step, step_ms=step * 1e3, tokens=tokens)
+
+
 def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: int, bw: float, peak: float,
-        kv_fraction: float, profile_lens=(), **engine_kw) -> dict:
+        kv_fraction: float, profile_lens=(), hf_batches=(), hf_tokens: int = 8, **engine_kw) -> dict:
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_config(tmp / "m", shape)
     t0 = time.perf_counter()
@@ -235,6 +278,9 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
     params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)   # noqa: E731
     out = {"decode": [], "prefill": [], "build_peak_GB": build_peak / 1e9,
            "weights_GB": (dense + moe_layers * mc.n_routed_experts * per_expert + emb) / 1e9}
+    hf = transformers_sharing(llm, model_dir) if hf_batches else None
+    if hf is not None:
+        out["transformers"] = []
     for b in batches:
         prompts = [rng.integers(3, mc.vocab_size, prompt_len).tolist() for _ in range(b)]
         llm.generate(prompts, params(2), use_tqdm=False)                               # warm-up
@@ -253,6 +299,19 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
                                   roofline_tok_s=roof, frac_roofline=(b / step) / roof))
         print(f"decode b={b}: {b / step:.1f} tok/s, step {step * 1e3:.2f} ms, roofline {roof:.1f} tok/s "
               f"({100 * (b / step) / roof:.0f}%)", flush=True)
+        if hf is not None and b in hf_batches:
+            row = transformers_decode(hf, prompts, hf_tokens, dev)
+            ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params(hf_tokens), use_tqdm=False)]
+            theirs = row.pop("tokens")
+            row.update(engine_over_transformers=(b / step) / row["tok_s"],
+                       equal_sequences=sum(list(a) == t for a, t in zip(ours, theirs)),
+                       equal_prefix_tokens=sum(next((i for i, (x, y) in enumerate(zip(a, t)) if x != y), len(t))
+                                               for a, t in zip(ours, theirs)) / (b * hf_tokens))
+            out["transformers"].append(row)
+            print(f"transformers b={b}: {row['tok_s']:.2f} tok/s, step {row['step_ms']:.1f} ms (the engine "
+                  f"{row['engine_over_transformers']:.1f}x); greedy {hf_tokens} tokens: {row['equal_sequences']}/{b} "
+                  f"sequences equal, {100 * row['equal_prefix_tokens']:.0f}% of tokens before the first "
+                  "difference", flush=True)
     for n in prefill_lens:
         prompt = rng.integers(3, mc.vocab_size, n).tolist()
         try:
@@ -268,7 +327,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
               f"matmul peak)", flush=True)
         if n in profile_lens:
             out["prefill"][-1]["profile"] = profile_prefill(llm, prompt, params(1))
-    del llm
+    del llm, hf
     gc.collect()
     return out
 
@@ -322,8 +381,16 @@ def main() -> int:
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-super-layer", action="store_true", help="no kernel rows for the Super latent layer")
     ap.add_argument("--vs-transformers", action="store_true", help="CPU: also time transformers on a reduced Nano")
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[],
+                    help="end-to-end rows: at these decode batches (of --batches) also time transformers' greedy "
+                         "generate on the engine's own weight tensors (shared, not copied; bf16 only)")
+    ap.add_argument("--hf-tokens", type=int, default=8, help="tokens per transformers generate (--hf-batches)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
+    if args.hf_batches and args.quantization:
+        ap.error("--hf-batches: transformers runs the engine's bf16 tensors; a quantized engine has none to share")
+    if not set(args.hf_batches) <= set(args.batches) or args.hf_tokens < 2:
+        ap.error(f"--hf-batches must be among --batches {args.batches}, and --hf-tokens at least 2")
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shape = SHAPES[args.shape]
@@ -353,6 +420,7 @@ def main() -> int:
     if not args.skip_e2e:
         res.update(e2e(shape, dev, dtype, args.batches, args.prefill, args.gen, args.prompt_len, bw, peak,
                        args.kv_fraction, profile_lens=set(args.profile_prefill),
+                       hf_batches=set(args.hf_batches), hf_tokens=args.hf_tokens,
                        **({"prefill_cuda_graphs": False} if args.no_prefill_graphs else {}),
                        **({"quantization": args.quantization} if args.quantization else {})))
         save_json(path, res)
@@ -381,6 +449,13 @@ def main() -> int:
         print("|---|---|---|---|")
         for r in res["prefill"]:
             print(f"| {r['tokens']} | {r['tok_s']:.0f} | {r['tflops']:.1f} | {100 * r['frac_matmul_peak']:.0f}% |")
+    if res.get("transformers"):
+        print(f"\n| decode batch | transformers tok/s | engine / transformers | greedy sequences equal "
+              f"({args.hf_tokens} tokens) | tokens before the first difference |")
+        print("|---|---|---|---|---|")
+        for r in res["transformers"]:
+            print(f"| {r['batch']} | {r['tok_s']:.2f} | {r['engine_over_transformers']:.1f}x | "
+                  f"{r['equal_sequences']}/{r['batch']} | {100 * r['equal_prefix_tokens']:.0f}% |")
     return 0
 
 

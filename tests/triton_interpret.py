@@ -189,9 +189,6 @@ def compile_for_sm90(launches: list[dict]) -> list[str]:
     recorded. The interpreter runs a kernel's Python without the compiler's checks (types that
     change between branches, for one), so a case can pass on the CPU with a kernel the GPU
     refuses."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     failures = []
     for rec in launches:
         where = f"{rec['module']}.{rec['name']} {rec['constexprs']}"
@@ -200,15 +197,24 @@ def compile_for_sm90(launches: list[dict]) -> list[str]:
             continue
         where += f" {rec['signature']} {rec['options']}"
         try:
-            kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
-            while not isinstance(kernel, triton.JITFunction):      # autotuner / heuristics wrappers
-                kernel = kernel.fn
-            attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec["aligned"]}
-            triton.compile(ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=rec["options"])
+            compile_launch_for_sm90(rec)
         except Exception as exc:
             failures.append(f"{where}: {type(exc).__name__}: {str(exc)[-600:]}")
     return failures
+
+
+def compile_launch_for_sm90(rec: dict):
+    """One recorded launch (``launch_record``) compiled for sm_90 -> Triton's compiled kernel
+    (``.asm["ttir"]`` and the rest: what the GPU would run, read on the CPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernel = getattr(importlib.import_module(rec["module"]), rec["name"])
+    while not isinstance(kernel, triton.JITFunction):      # autotuner / heuristics wrappers
+        kernel = kernel.fn
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec["aligned"]}
+    return triton.compile(ASTSource(kernel, rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=rec["options"])
 
 
 OLDEST_TRITON = "3.6"        # pyproject.toml: triton>=3.6

@@ -53,3 +53,24 @@ def test_the_sweeps_pick_stays_where_it_fits():
     # by this count, the config that failed two SwiGLU GPU tests (256 wide, 4 stages) needs more
     # shared memory than an H100 has (likely why; the error itself was not seen)
     assert gemm_smem_bytes(128, dict(BLOCK_N=256, BLOCK_K=64, num_stages=4), torch.bfloat16, True) > H100_SMEM
+
+
+def test_w8a8_is_chosen_for_fp8_experts_with_16_bit_rows_only(caplog):
+    """``routed_experts_triton``'s W8A8 choice (``_w8a8_wanted``): on by default for FP8 experts
+    with bfloat16 / float16 rows, off for float32 rows or unquantized experts, off when asked;
+    asking for it where it cannot run is a ValueError naming what it needs; each outcome logged once."""
+    import logging
+    from hybrid_engine.models import triton_moe
+    from hybrid_engine.models.triton_moe import _w8a8_wanted
+    triton_moe._w8a8_logged.clear()
+    with caplog.at_level(logging.INFO, logger=triton_moe.__name__):
+        assert _w8a8_wanted(None, True, torch.bfloat16) and _w8a8_wanted(None, True, torch.float16)
+        assert _w8a8_wanted(None, True, torch.bfloat16)
+        assert not _w8a8_wanted(None, True, torch.float32) and not _w8a8_wanted(None, False, torch.bfloat16)
+        assert not _w8a8_wanted(False, True, torch.bfloat16) and _w8a8_wanted(True, True, torch.float16)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("W8A8 grouped GEMM" in m and "bfloat16" in m for m in lines) == 1, lines
+    assert sum("weight-only" in m for m in lines) == 2, lines          # float32 rows; bf16 with w8a8=False
+    for fp8, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        with pytest.raises(ValueError, match="w8a8 needs FP8 expert weights and bfloat16 / float16 rows"):
+            _w8a8_wanted(True, fp8, dtype)

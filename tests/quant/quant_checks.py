@@ -223,29 +223,28 @@ def _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=Fals
 def check_fp8_experts_w8a8(device, dtype, T, E, k, D, F, seed=0, swiglu=False, one_expert=False, tol=None):
     """The W8A8 grouped path (rows quantized per token, FP8 dot) against its twin
     ``grouped_experts_w8a8_ref`` (same codes, float32 sums): ragged experts, experts with no token
-    when E > T k, ``one_expert`` (every token on expert 0), SwiGLU. The twin is also compared with
-    the weight-only reference, so that the check would see a kernel that skipped the activations'
-    quantization: the kernel must sit much closer to the twin than the twin to weight-only."""
-    from hybrid_engine.models.moe_ops import dequantize_experts, grouped_experts_ref, grouped_experts_w8a8_ref
+    when E > T k, ``one_expert`` (every token on expert 0), SwiGLU. Under the interpreter (FP8 dots
+    exact) the two agree to float32 summation order; on CUDA within 1e-2, a quarter of the 4e-2
+    between the twin and the weight-only product (so a kernel that skipped the activations'
+    quantization fails). That the compiled dots promote their partial sums is checked on the
+    compiled kernel (tests/quant/test_quant_kernels.py), not by this tolerance."""
+    from hybrid_engine.models.moe_ops import grouped_experts_w8a8_ref
     from hybrid_engine.models.triton_moe import routed_experts_triton
     act = "swiglu" if swiglu else "relu2"
     h, up_q, down_q, up_s, down_s, ids, wts = _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu, one_expert)
     twin = grouped_experts_w8a8_ref(h, up_q, down_q, up_s, down_s, ids, wts, act).float()
-    weight_only = grouped_experts_ref(h.float(), dequantize_experts(up_q, up_s, torch.float32),
-                                      dequantize_experts(down_q, down_s, torch.float32), ids, wts, act)
     dev = lambda t: t.to(device)   # noqa: E731
     with poisoned_empty():
         y = routed_experts_triton(dev(h), dev(up_q), dev(down_q), dev(ids), dev(wts), force_grouped=True,
                                   activation=act, up_scale=dev(up_s), down_scale=dev(down_s), w8a8=True)
     assert y.shape == (T, D) and y.dtype == dtype and torch.isfinite(y).all()
-    err, gap = _rel(y.cpu().float(), twin), _rel(twin, weight_only)
-    # the interpreter's FP8 dots are exact (0 here); a Hopper GPU's FP8 tensor cores keep fewer bits
-    # than float32 within each 128 products (PROMOTE_K), and a 16-bit rounding of the up projection
-    # that lands the other way moves that row's FP8 codes: 3.6e-3..5.8e-3 at Nano widths (H200,
-    # 2026-11-29), against 4e-2 between the twin and the weight-only product (the W8A8 noise itself)
-    tol = tol or 1e-2
+    err = _rel(y.cpu().float(), twin)
+    # the interpreter's FP8 dots are exact (0 in every case here); a Hopper GPU's FP8 tensor cores
+    # keep fewer bits than float32 within each 128 products (PROMOTE_K), and a 16-bit rounding of
+    # the up projection that lands the other way moves that row's FP8 codes: 3.6e-3..5.8e-3 at Nano
+    # widths (H200, 2026-11-29)
+    tol = tol or (1e-6 if torch.device(device).type == "cpu" else 1e-2)
     assert err <= tol, f"w8a8 experts T={T} E={E} k={k}: rel err {err:.2e} against the twin > {tol:.0e}"
-    assert err < gap / 3, f"w8a8 experts T={T}: kernel-twin {err:.2e} not well below twin-weight-only {gap:.2e}"
     return err
 
 

@@ -42,6 +42,27 @@ def test_every_case_of_the_script_is_asserted(interpreter_results):
     assert ran == set(CASES), (sorted(ran - set(CASES)), sorted(set(CASES) - ran))
 
 
+def test_w8a8_expert_dots_promote_their_partial_sums(interpreter_results):
+    """The W8A8 grouped GEMM, compiled for sm_90 as the cases launched it, keeps ``PROMOTE_K`` on
+    every FP8 dot: without it Triton's sm_90 default (2^30) lets the tensor cores accumulate a
+    whole K in their reduced precision, a 9.8e-3 error against float32 sums at Nano widths where
+    promotion every 128 products gave 3.6e-3 (H200, 2026-11-29), too close to tell apart by
+    tolerance in a CUDA test. This reads the compiled kernel on the CPU instead."""
+    import re
+    from triton_interpret import compile_launch_for_sm90
+    launches = [r for r in interpreter_results["_launches"]
+                if r["name"] == "_grouped_gemm_kernel" and r["constexprs"].get("A_SCALED")]
+    assert {r["constexprs"]["SWIGLU"] for r in launches} == {False, True}, "the cases launch both activations"
+    for rec in launches:
+        promote, block_k = rec["constexprs"]["PROMOTE_K"], rec["constexprs"]["BLOCK_K"]
+        assert promote % 32 == 0 and block_k % promote == 0, rec["constexprs"]
+        ttir = compile_launch_for_sm90(rec).asm["ttir"]
+        dots = [line for line in ttir.splitlines() if "tt.dot " in line]
+        assert len(dots) == (2 if rec["constexprs"]["SWIGLU"] else 1), dots
+        for line in dots:
+            assert re.search(rf"maxNumImpreciseAcc = {promote}\b", line), line
+
+
 def test_launched_kernels_compile_for_sm90(interpreter_results):
     """The kernels as the cases launched them also compile for the GPU (the interpreter skips
     the compiler's checks)."""
