@@ -39,7 +39,8 @@ IGNORED_SUFFIXES = (".k_scale", ".v_scale")
 _KERNELS = {
     "fp8": "decode (<= 8 rows): Triton FP8-weight skinny kernels (bf16/fp16 compute); prefill: "
            "torch._scaled_mm W8A8 (bf16, K and N multiples of 16); routed experts: the fused MoE "
-           "kernels with per-expert scales; otherwise / CPU: exact dequantize reference",
+           "kernels with per-expert scales (weight-only up to 8 tokens, W8A8 above with bf16/fp16 rows); "
+           "otherwise / CPU: exact dequantize reference",
     "nvfp4": "decode (<= 128 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
              "dequantize to 16 bits + cuBLAS; CPU: exact dequantize reference",
 }
