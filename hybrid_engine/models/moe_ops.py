@@ -223,10 +223,14 @@ def _check_activation(activation: str, w_up: torch.Tensor, w_down: torch.Tensor)
 
 
 def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                        weights: torch.Tensor, activation: str = "relu2") -> torch.Tensor:
+                        weights: torch.Tensor, activation: str = "relu2", *,
+                        w8a8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each expert over the tokens routed to it, in ascending expert order (as transformers):
     h [T, D_in], w_up [E, F, D_in], w_down [E, D_out, F], ids/weights [T, k] -> [T, D_out] h.dtype.
-    Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
+    ``w8a8_scales`` (up, down: [E] float32): the twin of the W8A8 grouped path
+    (``grouped_experts_w8a8_ref``); the weights are FP8 codes and each projection's input rows are
+    quantized per row. Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
+    up_scale, down_scale = w8a8_scales if w8a8_scales is not None else (None, None)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)                 # pair indices grouped by expert
@@ -239,7 +243,7 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
             continue
         pairs = order[start:start + n]
         tok = pairs // k
-        y = F.linear(_act(F.linear(h[tok], w_up[e]), activation), w_down[e])
+        y = _project(_act(_project(h[tok], w_up[e], up_scale, e), activation), w_down[e], down_scale, e)
         # dtype * float32 -> float32; a token appears once per expert, so this is out[tok] += ...
         # (index_put_ rather than index_add_, which is ~100x slower on CPU for few rows)
         out.index_put_((tok,), y * w_flat[pairs, None], accumulate=True)
@@ -247,32 +251,28 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
     return out.to(h.dtype)
 
 
+def _project(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+    """x [n, K] @ w [N, K]^T in x.dtype. With ``scale`` [E] (W8A8): x quantized per row
+    (``fp8.quantize_activations``), the float32 product of the codes times (row scale * scale[e]),
+    rounded to x.dtype."""
+    if scale is None:
+        return F.linear(x, w)
+    from hybrid_engine.quantization.fp8 import quantize_activations
+    xq, xs = quantize_activations(x, None)                                   # [n, K], [n, 1]
+    return (F.linear(xq.float(), w.float()) * (xs * scale[e].float())).to(x.dtype)
+
+
 def grouped_experts_w8a8_ref(h: torch.Tensor, up_q: torch.Tensor, down_q: torch.Tensor, up_scale: torch.Tensor,
                              down_scale: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                              activation: str = "relu2") -> torch.Tensor:
     """Twin of the W8A8 grouped path (``triton_moe.routed_experts_triton(..., w8a8=True)``): h
     [T, D_in] 16-bit, FP8 experts up_q [E, F, D_in] / down_q [E, D_out, F] with [E] float32 scales.
-    Each token's row is quantized per token (``fp8.quantize_activations``); each expert's up
-    projection is the float32 product of the codes times (token scale * expert scale), rounded to
-    h.dtype, then the activation; that row is quantized again per row for the down projection,
-    whose sum is scaled the same way, weighted and summed over the k choices in float32 -> [T, D_out]
-    h.dtype. Against the kernel under the interpreter (exact FP8 dots) only the summation order
-    differs; a Hopper GPU's FP8 tensor cores also round within each ``PROMOTE_K`` products. Reads
-    the routed experts on the host (tests only)."""
-    from hybrid_engine.quantization.fp8 import quantize_activations
-    T, k = ids.shape
-    hq, hs = quantize_activations(h, None)                                   # [T, D_in], [T, 1]
-    flat = ids.reshape(-1).long()
-    out = torch.zeros(T, down_q.shape[1], dtype=torch.float32, device=h.device)
-    w_flat = weights.reshape(-1).float()
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero().flatten()
-        tok = pairs // k
-        u = (F.linear(hq[tok].float(), up_q[e].float()) * (hs[tok] * up_scale[e].float())).to(h.dtype)
-        aq, as_ = quantize_activations(_act(u, activation), None)
-        y = F.linear(aq.float(), down_q[e].float()) * (as_ * down_scale[e].float())
-        out.index_put_((tok,), y.to(h.dtype).float() * w_flat[pairs, None], accumulate=True)
-    return out.to(h.dtype)
+    ``grouped_experts_ref`` with each projection's input rows quantized per row: the up
+    projection rounded to h.dtype, then the activation, quantized again for the down projection,
+    weighted and summed over the k choices in float32 -> [T, D_out] h.dtype. Against the kernel
+    under the interpreter (exact FP8 dots) only the summation order differs; a Hopper GPU's FP8
+    tensor cores also round within each ``PROMOTE_K`` products."""
+    return grouped_experts_ref(h, up_q, down_q, ids, weights, activation, w8a8_scales=(up_scale, down_scale))
 
 
 def dense_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
