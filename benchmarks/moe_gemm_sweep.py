@@ -27,6 +27,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_engine.models import moe_ops, triton_moe  # noqa: E402
+from hybrid_engine.quantization.fp8 import quantize_fp8  # noqa: E402
 
 D, F, E, K_TOP = 2688, 1856, 128, 6     # hidden, expert inner, experts, top-k
 
@@ -63,9 +64,10 @@ WEIGHT_MODES = ("bf16", "fp8", "w8a8")
 
 
 def _fp8_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (float8_e4m3fn codes, [E] float32 scales amax / 448), as Fp8Experts stores them."""
-    scale = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / 448.0
-    return (w.float() / scale[:, None, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    """[E, N, K] -> (float8_e4m3fn codes, [E] float32 scales), one per-tensor quantization an
+    expert, as ``Fp8Experts.quantized_from`` stores them."""
+    qs = [quantize_fp8(w_e, per_channel=False) for w_e in w]
+    return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
 
 
 def inputs(T: int, weights_mode: str = "bf16"):

@@ -179,17 +179,7 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     exactly (float32 h: the same arithmetic up to summation order)."""
     from hybrid_engine.models.moe_ops import grouped_experts_ref, dequantize_experts
     from hybrid_engine.models.triton_moe import routed_experts_triton
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(T, D, generator=g).to(dtype)
-    w_up = torch.randn(E, F, D, generator=g) / math.sqrt(D) * torch.rand(E, 1, 1, generator=g).add(0.5)
-    w_down = torch.randn(E, D, F, generator=g) / math.sqrt(F)
-    qs = [quantize_fp8(w.reshape(-1, w.shape[-1]), False) for w in (*w_up, *w_down)]
-    up_q = torch.stack([q for q, _ in qs[:E]]).view(E, F, D)
-    down_q = torch.stack([q for q, _ in qs[E:]]).view(E, D, F)
-    up_s = torch.stack([s for _, s in qs[:E]])
-    down_s = torch.stack([s for _, s in qs[E:]])
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-    wts = torch.rand(T, k, generator=g)
+    h, up_q, down_q, up_s, down_s, ids, wts = _fp8_expert_inputs(dtype, T, E, k, D, F, seed, spread=False)
     ref = grouped_experts_ref(h.float(), dequantize_experts(up_q, up_s, torch.float32),
                               dequantize_experts(down_q, down_s, torch.float32), ids, wts)
     dev = lambda t: t.to(device)   # noqa: E731
@@ -203,10 +193,14 @@ def check_fp8_experts(device, dtype, T, E, k, D, F, grouped, seed=0, tol=None):
     return err
 
 
-def _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=False):
-    """Random 16-bit rows and FP8 merged experts (per-expert scales, amax / 448), ids, weights."""
+def _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=False, spread=True):
+    """Random rows and FP8 merged experts (per-expert scales, amax / 448), ids, weights.
+    ``spread``: the rows' scales span 0.1..10 (each row's own FP8 scale then matters)."""
     g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(T, D, generator=g) * torch.logspace(-1, 1, T)[:, None]).to(dtype)   # rows of unlike scales
+    h = torch.randn(T, D, generator=g)
+    if spread:
+        h = h * torch.logspace(-1, 1, T)[:, None]
+    h = h.to(dtype)
     w_up = torch.randn(E, (2 if swiglu else 1) * F, D, generator=g) / math.sqrt(D) * torch.rand(E, 1, 1, generator=g).add(0.5)
     w_down = torch.randn(E, D, F, generator=g) / math.sqrt(F)
     qs = [quantize_fp8(w, False) for w in (*w_up, *w_down)]
