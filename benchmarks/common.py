@@ -60,7 +60,10 @@ def random_weights(std: float = 0.02):
 
 
 def hf_twin(our_model, model_dir: Path):
-    """A transformers NemotronH sharing our parameters (no copy): backbone.* -> model.*."""
+    """A transformers NemotronH sharing our parameters (no copy): backbone.* -> model.*. Built on
+    the meta device and assigned our state dict, so a model that fits the device once still fits
+    (the full Nano-30B-A3B shape); a name or shape that does not match, or a tensor left on the
+    meta device, is an error: the baseline must run our exact weights."""
     from transformers import AutoConfig, NemotronHForCausalLM
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -68,7 +71,30 @@ def hf_twin(our_model, model_dir: Path):
     sd = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
           for k, v in our_model.state_dict().items() if not k.startswith("mtp.")}
     hf.load_state_dict(sd, assign=True, strict=True)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"hf_twin: {len(left)} tensors were not assigned from our model, e.g. {left[0]}")
     return hf.eval()
+
+
+def hf_greedy_decode(hf, prompts: list[list[int]], gen: int, sync=None, iters: int = 3) -> dict:
+    """transformers' greedy ``generate`` of ``gen`` tokens after each of ``prompts`` (one batch,
+    equal lengths) on ``hf``'s device: the decode step time is (time of ``gen`` tokens - time of
+    one) / (gen - 1), so the prompt's prefill is not counted -> dict(batch, tok_s, step_ms,
+    tokens). ``sync`` as in ``median_time`` (``torch.cuda.synchronize`` on CUDA)."""
+    ids = torch.tensor(prompts, device=next(hf.parameters()).device)
+
+    def run(n):
+        with torch.no_grad():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+
+    run(2)                                                                   # warm-up
+    t1 = median_time(lambda: run(1), warmup=0, iters=iters, sync=sync)
+    tn = median_time(lambda: run(gen), warmup=0, iters=iters, sync=sync)
+    step = max(tn - t1, 1e-9) / (gen - 1)
+    return dict(batch=len(prompts), tok_s=len(prompts) / step, step_ms=step * 1e3,
+                tokens=run(gen)[:, ids.shape[1]:].tolist())
 
 
 def median_time(fn, *, warmup: int = 1, iters: int = 3, sync=None) -> float:

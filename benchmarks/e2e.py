@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (SHAPE_8B, SHAPE_SMALL, copy_bandwidth, cuda_time, hf_twin,  # noqa: E402
+from benchmarks.common import (SHAPE_8B, SHAPE_SMALL, copy_bandwidth, cuda_time, hf_greedy_decode, hf_twin,  # noqa: E402
                                random_weights, save_json, step_clock, write_config)
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
@@ -59,12 +59,8 @@ def bench_decode(llm, hf, mc, batches, prompt_len, gen, bw, weight_bytes, hf_bat
         row = dict(batch=b, ours_tok_s=ours, step_ms=step * 1e3, roofline_tok_s=roof, frac_roofline=ours / roof,
                    roofline_strict_tok_s=strict, frac_roofline_strict=ours / strict)
         if hf is not None and b in hf_batches:
-            ids = torch.tensor(prompts, device="cuda")
-            gen_kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
             try:
-                t_hf_all = cuda_time(lambda: hf.generate(ids, max_new_tokens=hf_gen, **gen_kw), warmup=1, iters=1)
-                t_hf_pre = cuda_time(lambda: hf.generate(ids, max_new_tokens=1, **gen_kw), warmup=1, iters=1)
-                hf_tps = b * (hf_gen - 1) / (t_hf_all - t_hf_pre)
+                hf_tps = hf_greedy_decode(hf, prompts, hf_gen, sync=torch.cuda.synchronize, iters=1)["tok_s"]
                 row.update(hf_tok_s=hf_tps, speedup_vs_hf=ours / hf_tps)
             except torch.OutOfMemoryError:           # transformers' torch-fallback scan is memory-hungry
                 row.update(hf_tok_s=None, hf_note="transformers OOM")

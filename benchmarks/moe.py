@@ -19,7 +19,7 @@ counting the FLOPs of dense weights, the selected experts only, and attention.
 ``--quantization fp8``: the end-to-end rows with the weights quantized at load (FP8 linears and
 routed experts; issue 17's "30B-A3B shape in FP8"), their roofline counting the bytes as stored.
 ``--hf-batches 1 8``: at those decode batches, transformers' greedy ``generate`` on the engine's own
-weight tensors (``transformers_sharing``: assigned, not copied, so the full shape fits one GPU),
+weight tensors (``common.hf_twin``: assigned, not copied, so the full shape fits one GPU),
 its decode tok/s, the engine's ratio to it, and how many greedy tokens agree. transformers runs
 whatever kernels it finds (its torch fallbacks without mamba-ssm / causal-conv1d).
 Prints a markdown table; writes ``moe-<shape>-<device>[-fp8].json`` to --out.
@@ -39,7 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import profile_prefill, save_json, step_clock, write_config  # noqa: E402
+from benchmarks.common import (hf_greedy_decode, hf_twin, profile_prefill, save_json, step_clock,  # noqa: E402
+                               write_config)
+from benchmarks.moe_roofline import (distinct_experts, param_split, prefill_flops, step_state_bytes,  # noqa: E402
+                                     weight_split)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models import moe_ops  # noqa: E402
 
@@ -98,12 +101,6 @@ def matmul_peak(dev, dtype, n: int) -> float:
     b = torch.randn(n, n, device=dev, dtype=dtype)
     t = timeit(lambda: a @ b, dev, warmup=2, iters=7)
     return 2 * n ** 3 / t
-
-
-def distinct_experts(p: np.ndarray, b: int) -> float:
-    """Expected distinct experts hit by b tokens when expert e is chosen by a token with
-    probability p[e] (p sums to k), tokens independent."""
-    return float(np.sum(1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** b))
 
 
 # ------------------------------------------------------------------------------------ kernel rows
@@ -169,95 +166,6 @@ def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fr
         loader.load_checkpoint = orig
 
 
-def weight_split(model) -> tuple[int, int, int]:
-    """(bytes of every weight but routed experts and embeddings, bytes of one routed expert,
-    bytes of the embedding table)."""
-    dense = expert = emb = 0
-    for name, p in model.named_parameters():
-        nb = p.numel() * p.element_size()
-        if name.endswith(("experts.up_proj", "experts.down_proj")):
-            expert += nb // p.shape[0]
-        elif name.endswith("embeddings.weight"):
-            emb = nb
-        else:
-            dense += nb
-    n_moe = sum(1 for n, _ in model.named_parameters() if n.endswith("experts.up_proj"))
-    return dense, expert // max(n_moe, 1), emb
-
-
-def param_split(model) -> tuple[int, int]:
-    """(parameters of every weight a prefill token multiplies by, except the routed experts, the
-    embedding table and the lm_head; parameters of one routed expert of one layer). Counted in
-    elements, not bytes: the router stays float32 in a bf16 model. A quantized model's scales
-    (``*_scale``) are not weights a token multiplies by."""
-    dense = expert = n_moe = 0
-    for name, p in model.named_parameters():
-        if name.endswith(("experts.up_proj", "experts.down_proj")):
-            expert += p.numel() // p.shape[0]
-            n_moe += name.endswith("experts.up_proj")
-        elif not name.endswith(("embeddings.weight", "lm_head.weight", "_scale")):
-            dense += p.numel()
-    return dense, expert // max(n_moe, 1)
-
-
-def prefill_flops(mc, n: int, dense_params: int, expert_params: int, moe_layers: int) -> float:
-    """FLOPs of one prefill of ``n`` tokens: 2 per parameter per token for ``dense_params``
-    (``param_split``: everything but the embeddings, the lm_head and the routed experts) and the
-    ``num_experts_per_tok`` selected routed experts of every MoE layer (``expert_params``: one
-    expert of one layer), causal attention (QK^T and PV over n/2 keys on average), and the lm_head
-    for the last token only (tied or not). Before 2026-11-27 the experts were counted for one MoE
-    layer instead of all of them."""
-    per_token = 2 * (dense_params + moe_layers * mc.num_experts_per_tok * expert_params)
-    attn = len(mc.attention_layer_ids) * 4 * mc.num_attention_heads * mc.head_dim * (n / 2)
-    return n * (per_token + attn) + 2 * mc.vocab_size * mc.hidden_size
-
-
-def step_state_bytes(mc, ctx: int) -> int:
-    ssm = mc.mamba_num_heads * mc.mamba_head_dim * mc.ssm_state_size * 4 * 2       # read + write, f32
-    conv = mc.conv_dim * (mc.conv_kernel - 1) * 2 * 2
-    kv = ctx * mc.num_key_value_heads * mc.head_dim * 2 * 2
-    return len(mc.mamba_layer_ids) * (ssm + conv) + len(mc.attention_layer_ids) * kv
-
-
-def transformers_sharing(llm, model_dir: Path):
-    """transformers' model of ``model_dir``'s config whose every parameter and buffer IS the engine's
-    tensor (assigned, not copied): the issue's baseline in the same process at no extra weight memory
-    (the full Nano shape fits one GPU once, not twice). Built on the meta device, then the engine's
-    state dict is assigned; the names differ only in the backbone's prefix (the checkpoint's
-    ``backbone.`` against transformers' ``model.``). Any name or shape that does not match, and any
-    tensor left on the meta device, is an error: the baseline must run the engine's exact weights."""
-    import transformers
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=llm.engine.cfg.dtype)
-    state = {("model." + k[len("backbone."):]) if k.startswith("backbone.") else k: v
-             for k, v in llm.engine.model.state_dict().items()}
-    hf.load_state_dict(state, assign=True, strict=True)
-    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"transformers baseline: {len(left)} tensors were not assigned from the engine, e.g. {left[0]}")
-    return hf.eval()
-
-
-def transformers_decode(hf, prompts: list[list[int]], gen: int, dev) -> dict:
-    """Greedy ``generate`` of ``gen`` tokens after each of ``prompts`` (one batch, equal lengths):
-    the decode step time is (time of ``gen`` tokens - time of 1) / (gen - 1), so the prompt's prefill
-    is not counted; and the tokens."""
-    ids = torch.tensor(prompts, device=dev)
-    mask = torch.ones_like(ids)
-
-    def run(n):
-        with torch.no_grad():
-            return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
-    run(2)                                                                   # warm-up
-    t1 = timeit(lambda: run(1), dev, warmup=0, iters=3)
-    tn = timeit(lambda: run(gen), dev, warmup=0, iters=3)
-    step = max(tn - t1, 1e-9) / (gen - 1)
-    tokens = run(gen)[:, ids.shape[1]:].tolist()
-    return dict(batch=len(prompts), tok_s=len(prompts) / step, step_ms=step * 1e3, tokens=tokens)
-
-
 def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: int, bw: float, peak: float,
         kv_fraction: float, profile_lens=(), hf_batches=(), hf_tokens: int = 8, **engine_kw) -> dict:
     tmp = Path(tempfile.mkdtemp())
@@ -278,7 +186,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
     params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)   # noqa: E731
     out = {"decode": [], "prefill": [], "build_peak_GB": build_peak / 1e9,
            "weights_GB": (dense + moe_layers * mc.n_routed_experts * per_expert + emb) / 1e9}
-    hf = transformers_sharing(llm, model_dir) if hf_batches else None
+    hf = hf_twin(model, model_dir) if hf_batches else None
     if hf is not None:
         out["transformers"] = []
     for b in batches:
@@ -300,7 +208,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
         print(f"decode b={b}: {b / step:.1f} tok/s, step {step * 1e3:.2f} ms, roofline {roof:.1f} tok/s "
               f"({100 * (b / step) / roof:.0f}%)", flush=True)
         if hf is not None and b in hf_batches:
-            row = transformers_decode(hf, prompts, hf_tokens, dev)
+            row = hf_greedy_decode(hf, prompts, hf_tokens, sync=(lambda: _sync(dev)))
             ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params(hf_tokens), use_tqdm=False)]
             theirs = row.pop("tokens")
             row.update(engine_over_transformers=(b / step) / row["tok_s"],

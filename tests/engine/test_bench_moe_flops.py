@@ -1,4 +1,4 @@
-"""The MoE benchmark's prefill FLOP count (benchmarks/moe.py ``prefill_flops``, the numerator of its
+"""The MoE benchmark's prefill FLOP count (benchmarks/moe_roofline.py ``prefill_flops``, the numerator of its
 "% of matmul peak") against a count made by hand from the tiny shape's config: every projection's
 2 * in * out per token, the router, the shared expert and the top-k routed experts of *every* MoE
 layer (the count once took the experts of one layer only), causal attention, one lm_head row."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from benchmarks.common import write_config
-from benchmarks.moe import SHAPE_TINY, build_llm, param_split, prefill_flops
+from benchmarks.moe import SHAPE_TINY, build_llm
+from benchmarks.moe_roofline import param_split, prefill_flops
 
 
 def test_prefill_flops_counts_the_experts_of_every_moe_layer():
@@ -45,7 +46,7 @@ def test_fp8_rows_count_the_experts_as_stored():
     """``moe.py --quantization fp8``: the random weights are quantized at load (routed experts and
     linears), and the roofline's byte count (``weight_split``) takes an FP8 expert at one byte a
     weight, half a bf16 one; the prefill FLOPs (``param_split``) do not change."""
-    from benchmarks.moe import weight_split
+    from benchmarks.moe_roofline import weight_split
     from hybrid_engine.quantization.experts import Fp8Experts
     md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
     bf16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15).engine.model

@@ -1,6 +1,7 @@
-"""The MoE benchmark's transformers baseline (benchmarks/moe.py ``--hf-batches``): transformers'
-model runs on the engine's own weight tensors (assigned, not copied, so the full Nano shape fits
-one GPU once), and its greedy tokens are the engine's on the tiny shape in float32."""
+"""The MoE benchmark's transformers baseline (benchmarks/moe.py ``--hf-batches``, through
+``common.hf_twin`` and ``common.hf_greedy_decode``): transformers' model runs on the engine's own
+weight tensors (assigned, not copied, so the full Nano shape fits one GPU once), and its greedy
+tokens are the engine's on the tiny shape in float32."""
 import tempfile
 from pathlib import Path
 
@@ -8,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.common import write_config
-from benchmarks.moe import SHAPE_TINY, build_llm, transformers_decode, transformers_sharing
+from benchmarks.common import hf_greedy_decode, hf_twin, write_config
+from benchmarks.moe import SHAPE_TINY, build_llm
 from hybrid_engine import SamplingParams
 
 
 def test_transformers_baseline_shares_every_tensor_and_agrees():
     md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
     llm = build_llm(md, torch.device("cpu"), torch.float32, 2, 256, 0.15)
-    hf = transformers_sharing(llm, md)
+    hf = hf_twin(llm.engine.model, md)
     ours = llm.engine.model.state_dict()          # (not the engine's own counters: expert_tokens)
     theirs = [*hf.named_parameters(), *hf.named_buffers()]
     assert len(theirs) == len(ours)
@@ -24,7 +25,7 @@ def test_transformers_baseline_shares_every_tensor_and_agrees():
         engine_name = "backbone." + name[len("model."):] if name.startswith("model.") else name
         assert t.data_ptr() == ours[engine_name].data_ptr(), f"{name} is a copy, not the engine's tensor"
     prompts = np.random.default_rng(0).integers(3, SHAPE_TINY["vocab_size"], (2, 24)).tolist()
-    row = transformers_decode(hf, prompts, 6, torch.device("cpu"))
+    row = hf_greedy_decode(hf, prompts, 6)
     want = [list(o.outputs[0].token_ids) for o in
             llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)]
     assert row["tokens"] == want

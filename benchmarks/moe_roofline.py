@@ -1,0 +1,63 @@
+"""Byte and FLOP accounting of the MoE benchmark (``benchmarks/moe.py``): which weights a decode
+step reads (``weight_split``, ``distinct_experts``, ``step_state_bytes``) and which a prefill token
+multiplies by (``param_split``, ``prefill_flops``), the denominators of its "% roofline" and
+"% matmul peak" columns."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def distinct_experts(p: np.ndarray, b: int) -> float:
+    """Expected distinct experts hit by b tokens when expert e is chosen by a token with
+    probability p[e] (p sums to k), tokens independent."""
+    return float(np.sum(1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** b))
+
+
+def weight_split(model) -> tuple[int, int, int]:
+    """(bytes of every weight but routed experts and embeddings, bytes of one routed expert,
+    bytes of the embedding table)."""
+    dense = expert = emb = 0
+    for name, p in model.named_parameters():
+        nb = p.numel() * p.element_size()
+        if name.endswith(("experts.up_proj", "experts.down_proj")):
+            expert += nb // p.shape[0]
+        elif name.endswith("embeddings.weight"):
+            emb = nb
+        else:
+            dense += nb
+    n_moe = sum(1 for n, _ in model.named_parameters() if n.endswith("experts.up_proj"))
+    return dense, expert // max(n_moe, 1), emb
+
+
+def param_split(model) -> tuple[int, int]:
+    """(parameters of every weight a prefill token multiplies by, except the routed experts, the
+    embedding table and the lm_head; parameters of one routed expert of one layer). Counted in
+    elements, not bytes: the router stays float32 in a bf16 model. A quantized model's scales
+    (``*_scale``) are not weights a token multiplies by."""
+    dense = expert = n_moe = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.up_proj", "experts.down_proj")):
+            expert += p.numel() // p.shape[0]
+            n_moe += name.endswith("experts.up_proj")
+        elif not name.endswith(("embeddings.weight", "lm_head.weight", "_scale")):
+            dense += p.numel()
+    return dense, expert // max(n_moe, 1)
+
+
+def prefill_flops(mc, n: int, dense_params: int, expert_params: int, moe_layers: int) -> float:
+    """FLOPs of one prefill of ``n`` tokens: 2 per parameter per token for ``dense_params``
+    (``param_split``: everything but the embeddings, the lm_head and the routed experts) and the
+    ``num_experts_per_tok`` selected routed experts of every MoE layer (``expert_params``: one
+    expert of one layer), causal attention (QK^T and PV over n/2 keys on average), and the lm_head
+    for the last token only (tied or not). Before 2026-11-27 the experts were counted for one MoE
+    layer instead of all of them."""
+    per_token = 2 * (dense_params + moe_layers * mc.num_experts_per_tok * expert_params)
+    attn = len(mc.attention_layer_ids) * 4 * mc.num_attention_heads * mc.head_dim * (n / 2)
+    return n * (per_token + attn) + 2 * mc.vocab_size * mc.hidden_size
+
+
+def step_state_bytes(mc, ctx: int) -> int:
+    ssm = mc.mamba_num_heads * mc.mamba_head_dim * mc.ssm_state_size * 4 * 2       # read + write, f32
+    conv = mc.conv_dim * (mc.conv_kernel - 1) * 2 * 2
+    kv = ctx * mc.num_key_value_heads * mc.head_dim * 2 * 2
+    return len(mc.mamba_layer_ids) * (ssm + conv) + len(mc.attention_layer_ids) * kv
