@@ -36,7 +36,7 @@ from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8  # noqa: 
 
 FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)
             for bn, bk, nw in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (1, 2048, 4), (2, 2048, 4),
-                               (4, 2048, 8), (8, 2048, 8), (2, 4096, 8), (4, 512, 4), (1, 4096, 4))]
+                               (4, 2048, 4), (4, 2048, 8), (8, 2048, 8), (2, 4096, 8), (4, 512, 4), (1, 4096, 4))]
 # the Nano sweep (hidden 2688: K tiles of 2048 leave a third of their lanes masked;
 # benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md)
 NANO_FMA_CFGS = [dict(block_n=bn, block_k=bk, num_warps=nw)

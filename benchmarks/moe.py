@@ -134,6 +134,21 @@ def kernel_rows(shape: dict, dev, dtype, token_counts, bw: float, peak: float) -
 
 # ------------------------------------------------------------------------------------ end to end
 
+def first_token_gaps(hf, prompts, engine_first: list[int]) -> dict:
+    """Where the engine's first greedy token sits in transformers' own last-position logits (float32
+    copies of them), per prompt: transformers' top-1 minus top-2 logit, and its top-1 minus the
+    logit of the engine's pick (0: the same token). A differing pick whose gap is within the noise
+    of 16-bit arithmetic, against a top-2 gap of the same size, is a near tie rather than a bug."""
+    ids = torch.tensor(prompts, device=next(hf.parameters()).device)
+    with torch.no_grad():
+        logits = hf(ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()     # [B, V]
+    top2 = logits.topk(2, dim=-1).values
+    picked = logits.gather(1, torch.tensor(engine_first, device=logits.device)[:, None])[:, 0]
+    r = lambda t: [round(v, 4) for v in t.tolist()]                                    # noqa: E731
+    return dict(logit_std=float(logits.std()), hf_top2_gap=r(top2[:, 0] - top2[:, 1]),
+                engine_pick_gap=r(top2[:, 0] - picked))
+
+
 def build_llm(model_dir: Path, dev, dtype, max_seqs: int, max_tokens: int, kv_fraction: float, **engine_kw):
     """The engine on random weights made on the device (no checkpoint read); ``engine_kw`` go to
     ``LLM`` (e.g. ``prefill_cuda_graphs=False``)."""
@@ -215,11 +230,14 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
                        equal_sequences=sum(list(a) == t for a, t in zip(ours, theirs)),
                        equal_prefix_tokens=sum(next((i for i, (x, y) in enumerate(zip(a, t)) if x != y), len(t))
                                                for a, t in zip(ours, theirs)) / (b * hf_tokens))
+            row.update(first_token_gaps(hf, prompts, [o[0] for o in ours]))
             out["transformers"].append(row)
             print(f"transformers b={b}: {row['tok_s']:.2f} tok/s, step {row['step_ms']:.1f} ms (the engine "
                   f"{row['engine_over_transformers']:.1f}x); greedy {hf_tokens} tokens: {row['equal_sequences']}/{b} "
                   f"sequences equal, {100 * row['equal_prefix_tokens']:.0f}% of tokens before the first "
-                  "difference", flush=True)
+                  f"difference; first token, in transformers' logits (std {row['logit_std']:.2f}): its top-1 "
+                  f"minus top-2 {row['hf_top2_gap']}, its top-1 minus the engine's pick {row['engine_pick_gap']}",
+                  flush=True)
     for n in prefill_lens:
         prompt = rng.integers(3, mc.vocab_size, n).tolist()
         try:

@@ -179,25 +179,12 @@ def _wastes_wide_k_tiles(K: int) -> bool:
 
 def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     """x [M <= 8, K]: the FMA kernel for one row (``relu2`` applied as x loads), the dot kernel for
-    more (after the relu² kernel, for ``relu2``). Block sizes from H100
-    sweeps of ``benchmarks/fp8_gemv.py`` on the 8B shapes: one row (2, 2048, 4 warps), and (8, 2048,
-    8 warps) for the few long rows (N <= 4096, N * K >= 2^24: down_proj and q/o_proj 32.5 -> 31.8 us,
-    8.2 -> 7.7 us; out_proj too, 13.4 -> 13.6 us; k/v_proj keeps (2, 2048, 4), 4.0 us against 3.2 at
-    (2, 4096, 8);
-    ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``), and (4, 1024, 4) where wide K tiles
-    would leave over a fifth of their lanes masked (``_wastes_wide_k_tiles``); more rows 32-wide tiles, K tiles of
-    512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
+    more (after the relu² kernel, for ``relu2``). One row: ``_fma_config``; more rows 32-wide tiles,
+    K tiles of 512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
     M, K = x.shape
     N = w_q.shape[0]
     if M == 1:
-        if _wastes_wide_k_tiles(K):
-            block_n, block_k, warps = 4, 1024, 4
-        elif N <= 4096 and N * K >= (1 << 24):
-            block_n, block_k, warps = 8, 2048, 8
-        else:
-            block_n, block_k, warps = 2, 2048, 4
-        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, block_n=block_n, block_k=block_k,
-                                     num_warps=warps, relu2=relu2)
+        return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, **_fma_config(N, K), relu2=relu2)
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
     # one 8B step's projections 3.918 -> 3.837 ms at 8 rows (down_proj 52.6 -> 48.4 us). K in slices
@@ -207,6 +194,29 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     # projections 4.00 -> ~3.45 ms (bf16 4.27). The wide ones gain nothing (in_proj 34.5 -> 35.1 in 2)
     return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,
                                  block_k=512, num_stages=3, k_slices=_dot_slices(N, K))
+
+
+def _fma_config(N: int, K: int) -> dict:
+    """The one-row kernel's config (``fp8_skinny_linear``'s rule). H200 sweep of 8 configs on the 8B
+    and Nano projections (2026-11-29, ``benchmarks/results/2026-11-29-fp8-gemv-h200.md``):
+    - small weights (N * K <= 2^22, the k/v projections): one 4096-wide K tile a program, 8 warps
+      (8B k/v 3.5 -> 2.7 us, Nano's 256 x 2688 2.4 -> 1.7; the H100 had 4.0 -> 3.2 for the 8B);
+    - K tiles of 2048 that would leave over a fifth of their lanes masked: (4, 1024, 4)
+      (``_wastes_wide_k_tiles``, the Nano widths);
+    - N <= 4096: the long rows (N * K >= 2^24: the 8B down_proj, out_proj, q/o_proj) (8, 2048, 8),
+      as on the H100 (down_proj 32.5 -> 31.8 us there,
+      ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); shorter ones (the Nano out_proj,
+      o_proj, shared-expert down) (2, 2048, 4), 5.0 us against 5.3 at (8, 2048, 8);
+    - wider N (the 8B in_proj, up_proj): (4, 2048, 4), 22.3 -> 20.1 us and 25.9 -> 23.0 against
+      the (2, 2048, 4) of the H100 sweep, which did not try (4, 2048, 4)."""
+    if N * K <= (1 << 22):
+        return dict(block_n=2, block_k=4096, num_warps=8)
+    if _wastes_wide_k_tiles(K):
+        return dict(block_n=4, block_k=1024, num_warps=4)
+    if N <= 4096:
+        return dict(block_n=8, block_k=2048, num_warps=8) if N * K >= (1 << 24) else dict(block_n=2, block_k=2048,
+                                                                                           num_warps=4)
+    return dict(block_n=4, block_k=2048, num_warps=4)
 
 
 def _dot_slices(N: int, K: int) -> int:

@@ -40,3 +40,20 @@ def test_bad_baseline_arguments_are_refused(argv, monkeypatch):
     with pytest.raises(SystemExit) as e:
         moe.main()
     assert e.value.code == 2
+
+
+def test_first_token_gaps_place_the_engines_pick_in_transformers_logits():
+    """``first_token_gaps``: 0 where the engine picked transformers' top-1; a wrong pick (the top-2
+    token, here) reads as transformers' own top-1 minus top-2 gap."""
+    from benchmarks.moe import first_token_gaps
+    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
+    llm = build_llm(md, torch.device("cpu"), torch.float32, 2, 256, 0.15)
+    hf = hf_twin(llm.engine.model, md)
+    prompts = np.random.default_rng(1).integers(3, SHAPE_TINY["vocab_size"], (2, 16)).tolist()
+    with torch.no_grad():
+        logits = hf(torch.tensor(prompts)).logits[:, -1]
+    top = logits.topk(2, dim=-1)
+    same = first_token_gaps(hf, prompts, top.indices[:, 0].tolist())
+    assert same["engine_pick_gap"] == [0.0, 0.0]
+    second = first_token_gaps(hf, prompts, top.indices[:, 1].tolist())
+    assert second["engine_pick_gap"] == second["hf_top2_gap"] and min(second["hf_top2_gap"]) > 0

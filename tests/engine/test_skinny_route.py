@@ -34,17 +34,19 @@ def test_fma_route_configs_by_rows():
 
 def test_fp8_one_row_configs_of_the_swept_shapes(monkeypatch):
     """The FP8 one-row dispatch (``fp8_kernels.fp8_skinny_linear``) on the shapes its configs were
-    swept on: K = 2688 (Nano: mamba in_proj, q_proj, shared-expert up) takes (4, 1024, 4), whose
-    K tiles leave fewer lanes masked; the 8B shapes and the Nano K = 3712 / 4096 ones keep 2048-wide
-    tiles (benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md, 2026-11-26-fp8-gemv-reduce-h100.md)."""
+    swept on: small weights (the k/v projections) one 4096-wide K tile with 8 warps; K = 2688 (Nano:
+    mamba in_proj, q_proj, shared-expert up) (4, 1024, 4), whose K tiles leave fewer lanes masked;
+    the long rows (N <= 4096, N * K >= 2^24) (8, 2048, 8), shorter ones (2, 2048, 4); wider N (the
+    8B in_proj and up_proj) (4, 2048, 4) (benchmarks/results/2026-11-29-fp8-gemv-h200.md)."""
     import torch
     from hybrid_engine.quantization import fp8_kernels
     seen = []
     monkeypatch.setattr(fp8_kernels, "fp8_skinny_linear_fma",
                         lambda x, w, s, b, **cfg: seen.append((cfg["block_n"], cfg["block_k"], cfg["num_warps"])))
     want = {(10304, 2688): (4, 1024, 4), (4096, 2688): (4, 1024, 4), (3712, 2688): (4, 1024, 4),
-            (2688, 4096): (2, 2048, 4), (2688, 3712): (2, 2048, 4), (18560, 4096): (2, 2048, 4),
-            (4096, 21504): (8, 2048, 8), (4096, 4096): (8, 2048, 8), (1024, 4096): (2, 2048, 4)}
+            (2688, 4096): (2, 2048, 4), (2688, 3712): (2, 2048, 4), (18560, 4096): (4, 2048, 4),
+            (21504, 4096): (4, 2048, 4), (4096, 21504): (8, 2048, 8), (4096, 8192): (8, 2048, 8),
+            (4096, 4096): (8, 2048, 8), (1024, 4096): (2, 4096, 8), (256, 2688): (2, 4096, 8)}
     for (N, K), cfg in want.items():
         seen.clear()
         fp8_kernels.fp8_skinny_linear(torch.zeros(1, K), torch.zeros(N, K, dtype=torch.float8_e4m3fn),

@@ -41,6 +41,17 @@ def test_fp8_skinny_kernel(shape, per_channel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("kernel", ["fma", "dot"])
+def test_fp8_every_code(kernel, dtype):
+    """Every finite e4m3 code (subnormals included) through the one-row FMA kernel and the 2-8-row
+    dot kernel, each product exact."""
+    from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear_fma
+    impl = fp8_skinny_linear_fma if kernel == "fma" else fp8_skinny_linear_dot
+    xs = (1.0, 2.0 ** -14, 2.0 ** 7) if dtype == F16 else (1.0, 2.0 ** -60, 2.0 ** 60)
+    qc.check_fp8_every_code(lambda x, w, s, b: impl(x, w, s, b), DEV, dtype, xs)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", [(1, 4096, 21504), (1, 1000, 2688), (2, 4096, 21504), (8, 4096, 21504)],
                          ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
 def test_nvfp4_relu2_on_load(shape, dtype):

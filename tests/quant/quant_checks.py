@@ -371,3 +371,21 @@ def check_add_rmsnorm_fp8(device, dtype, T, D, seed=0, residual=True):
 
 
 # shapes: (M, N, K) with ragged rows and odd widths (N, K not multiples of the blocks)
+
+
+def check_fp8_every_code(impl, device, dtype, x_values):
+    """impl(x [1, 1], w_q [254, 1], s [254], None) on a weight holding every finite float8_e4m3fn code
+    (both signs, the 14 subnormals, zero and the largest, 448) times each x of ``x_values`` (powers of
+    two, so each product is exact): each output equals the code's value times x times its scale."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~torch.isnan(codes.float())]                            # 0x7F and 0xFF are NaN
+    w_q = codes.reshape(-1, 1).to(device)                                 # [254, 1]
+    s = torch.tensor([2.0 ** (i % 5 - 2) for i in range(w_q.shape[0])], device=device)   # per channel
+    for xv in x_values:
+        x = torch.full((1, 1), xv, dtype=dtype, device=device)
+        with poisoned_empty():
+            y = impl(x, w_q, s, None)
+        want = (codes.float().to(device) * s * xv).to(dtype)
+        assert torch.equal(y[0], want), (f"fp8 every code, x={xv}: {int((y[0] != want).sum())} codes differ, "
+                                         f"first at {int((y[0] != want).nonzero()[0])}")
+    return 0.0
