@@ -9,18 +9,19 @@ def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
              f"adaptive={meta['adaptive']}, prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens, "
              f"median of {meta['repeats']} after a warm-up; batch 1 decodes {meta.get('b1_prompts', 1)} prompts one "
              "after the other. Speed-up: tokens/s end to end (prefill included); decode speed-up: time per "
-             "output token after the first (TPOT), against none's", "",
-             "| workload | method | K | batch | tok/s | speed-up | decode speed-up | TPOT ms | AL | per-position "
+             "output token after the first (TPOT), against none's; TTFT: mean time to a request's first token", "",
+             "| workload | method | K | batch | tok/s | speed-up | decode speed-up | TPOT ms | TTFT ms | AL | per-position "
              "acceptance | greedy == none | steps per run by plan |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in real:
         per = " ".join(f"{x:.2f}" for x in r["per_position"]) or "-"
         eq = {True: "yes", False: "NO"}.get(r.get("greedy_equal"), "-")
         plans = ", ".join(f"{name} {n:g}" for name, n in r.get("steps_by_plan", {}).items()) or "-"
         dec = "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x"
         tpot = "-" if r.get("tpot_s") is None else f"{r['tpot_s'] * 1e3:.3f}"
+        ttft = "-" if r.get("ttft_s") is None else f"{r['ttft_s'] * 1e3:.2f}"
         lines.append(f"| {r['workload']} | {r['method']} | {r['k']} | {r['batch']} | {r['tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {dec} | {tpot} | {r['acceptance_length']:.2f} | {per} | {eq} | {plans} |")
+                     f"{r['speedup']:.2f}x | {dec} | {tpot} | {ttft} | {r['acceptance_length']:.2f} | {per} | {eq} | {plans} |")
     if forced:
         lines += ["", "## Forced acceptance on random-weight shapes (outputs are not the model's)", "",
                   "| shape | method | K | batch | forced p | tok/s | speed-up | AL (expected) "

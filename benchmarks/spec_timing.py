@@ -42,17 +42,25 @@ def mean_tpot(outputs) -> float | None:
     return sum(per) / len(per) if per else None
 
 
+def mean_ttft(outputs) -> float | None:
+    """Mean over requests of (first token - arrival), seconds: the prefill and first token of each
+    request (host times, ``RequestOutput.metrics``); what end-to-end time holds beside the TPOT."""
+    per = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs
+           if o.metrics.get("first_token_time") is not None and o.metrics.get("arrival_time") is not None]
+    return sum(per) / len(per) if per else None
+
+
 def time_cell(llm, groups, args, plans: dict) -> tuple[float, list, dict]:
     """``groups``: [(prompts, params)], the generate calls one run makes one after the other (batch
     1 over several prompts: one call each). -> (median seconds of a run, the last run's output
     tokens in order, stats over the timed runs: acceptance, ``tpot_s`` (median over runs of the
-    runs' mean TPOT) and ``steps_by_plan`` (which plan took the steps, per run; ``plans`` is the
+    runs' mean TPOT), ``ttft_s`` (the same of the time to first token) and ``steps_by_plan`` (which plan took the steps, per run; ``plans`` is the
     engine's ``count_plans`` dict))."""
     for prompts, params in groups:
         llm.generate(prompts, params, use_tqdm=False)                  # warm-up (graphs, caches)
     before = copy.deepcopy(llm.stats())                                # stats() shares its lists
     plans.clear()
-    times, tpots, outs = [], [], []
+    times, tpots, ttfts, outs = [], [], [], []
     for _ in range(args.repeats):
         sync(args.device)
         t0 = time.perf_counter()
@@ -60,8 +68,10 @@ def time_cell(llm, groups, args, plans: dict) -> tuple[float, list, dict]:
         sync(args.device)
         times.append(time.perf_counter() - t0)
         tpots.append(mean_tpot(outs))
+        ttfts.append(mean_ttft(outs))
     stats = stat_delta(llm.stats(), before)
     stats["tpot_s"] = statistics.median(tpots) if None not in tpots else None
+    stats["ttft_s"] = statistics.median(ttfts) if None not in ttfts else None
     stats["steps_by_plan"] = {name: n / args.repeats for name, n in sorted(plans.items())}
     return statistics.median(times), [o.outputs[0].token_ids for o in outs], stats
 

@@ -52,6 +52,7 @@ def test_spec_real_smoke(files, tmp_path):
         assert r["prompts"] == (2 if r["batch"] == 1 else r["batch"])
         assert r["tokens"] == 12 * r["prompts"] and r["tok_s"] > 0 and r["speedup"] > 0
         assert 0 < r["tpot_s"] < r["seconds"] and r["decode_speedup"] > 0
+        assert 0 < r["ttft_s"] < r["seconds"] / r["prompts"]
         if r["method"] != "none":
             assert len(r["per_position"]) == 2 and r["acceptance_length"] >= 1.0
             if r["workload"] != "sample":
@@ -91,6 +92,17 @@ def test_mean_tpot_excludes_the_first_token():
     assert mean_tpot([out(11, 5.0, 6.0), out(5, 1.0, 3.0)]) == pytest.approx((0.1 + 0.5) / 2)
     assert mean_tpot([out(1, 2.0, 2.0), out(3, 1.0, 2.0)]) == pytest.approx(0.5)
     assert mean_tpot([out(1, 2.0, 2.0)]) is None
+
+
+def test_mean_ttft_is_arrival_to_first_token():
+    from benchmarks.spec_timing import mean_ttft
+    from hybrid_engine.outputs import CompletionOutput, RequestOutput
+
+    def out(arrival, first):
+        return RequestOutput("r", [1], [CompletionOutput(0, [1, 2], None, "length")], True,
+                             metrics={"arrival_time": arrival, "first_token_time": first, "finish_time": first + 1})
+    assert mean_ttft([out(1.0, 1.5), out(2.0, 2.1)]) == pytest.approx(0.3)
+    assert mean_ttft([]) is None
 
 
 def test_bench_large_shape_is_the_trained_presets_target_and_draft(tmp_path):
