@@ -178,11 +178,17 @@ def sweep_header() -> tuple[str, float]:
     return head, bw
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 1 << 30, device="cuda", rounds: int = 5) -> float:
+    """Measured copy bandwidth on ``device`` in bytes/s (read + write counted): the best of
+    ``rounds`` medians of 10 copies, the achievable rate the rooflines divide by. One median of a
+    few copies moved by 8% between runs on one machine (3.84 to 4.16 TB/s on an H200, 2026-11-29)
+    while the engine's own rates held within 1% (``results/2026-11-29-moe-nano-transformers-h200.md``)."""
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    t = cuda_time(lambda: b.copy_(a), warmup=3, iters=10)
+    t = min(median_time(lambda: b.copy_(a), warmup=3 if r == 0 else 0, iters=10, sync=sync) for r in range(rounds))
+    del a, b
     return 2 * nbytes / t
 
 

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (hf_greedy_decode, hf_twin, profile_prefill, save_json, step_clock,  # noqa: E402
+from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, profile_prefill, save_json, step_clock,  # noqa: E402
                                write_config)
 from benchmarks.moe_roofline import (distinct_experts, param_split, prefill_flops, step_state_bytes,  # noqa: E402
                                      weight_split)
@@ -84,15 +84,6 @@ def timeit(fn, dev, warmup=1, iters=5) -> float:
         _sync(dev)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
-
-
-def copy_bandwidth(dev, nbytes: int) -> float:
-    """Bytes/s of a device copy (read + write counted)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    t = timeit(lambda: b.copy_(a), dev, warmup=2, iters=7)
-    del a, b
-    return 2 * nbytes / t
 
 
 def matmul_peak(dev, dtype, n: int) -> float:
@@ -322,7 +313,7 @@ def main() -> int:
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     big = dev.type == "cuda"
-    bw = copy_bandwidth(dev, (1 << 30) if big else (64 << 20))
+    bw = copy_bandwidth((1 << 30) if big else (64 << 20), dev)
     peak = matmul_peak(dev, dtype, 8192 if big else 512)
     res = dict(shape=args.shape, device=torch.cuda.get_device_name() if big else "cpu", dtype=str(dtype),
                quantization=args.quantization, copy_bw_TBps=bw / 1e12, matmul_peak_TFLOPs=peak / 1e12,
