@@ -168,12 +168,13 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
 
 def _wastes_wide_k_tiles(K: int) -> bool:
     """True when 2048-wide K tiles would leave over a fifth of their lanes masked (the Nano widths:
-    K = 2688 takes two tiles, 4096 lanes, a third masked). Such rows take (4, 1024, 4 warps): the
+    K = 2688 takes two tiles, 4096 lanes, a third masked). Such rows take (4, 1024, 4 warps) unless
+    the weight is small (``_fma_config``'s first rule, before this one): the
     best, or within 2% of it, of 15 one-row configs on the three K = 2688 projections of the
     Nano-30B-A3B shape (mamba in_proj 13.8 -> 12.0 us, attention q_proj 7.3 -> 6.0, shared-expert up
     7.2 -> 5.7; H100, ``benchmarks/results/2026-11-27-fp8-gemv-nano-h100.md``). K = 3712 and 4096
     keep the 2048 tiles, best there in the same sweep. Other widths it takes (K < 1639, 3072,
-    4480, ...) were not measured; it comes before the long-row rule."""
+    4480, ...) were not measured; it comes before the long-row and wide-N rules."""
     return cdiv(K, 2048) * 2048 * 4 > 5 * K
 
 
@@ -200,12 +201,14 @@ def _fma_config(N: int, K: int) -> dict:
     """The one-row kernel's config (``fp8_skinny_linear``'s rule). H200 sweep of 8 configs on the 8B
     and Nano projections (2026-11-29, ``benchmarks/results/2026-11-29-fp8-gemv-h200.md``):
     - small weights (N * K <= 2^22, the k/v projections): one 4096-wide K tile a program, 8 warps
-      (8B k/v 3.5 -> 2.7 us, Nano's 256 x 2688 2.4 -> 1.7; the H100 had 4.0 -> 3.2 for the 8B);
+      (8B k/v 3.6 -> 2.7 us, Nano's 256 x 2688 2.4 -> 1.7; the H100 had 4.0 -> 3.2 for the 8B);
     - K tiles of 2048 that would leave over a fifth of their lanes masked: (4, 1024, 4)
       (``_wastes_wide_k_tiles``, the Nano widths);
     - N <= 4096: the long rows (N * K >= 2^24: the 8B down_proj, out_proj, q/o_proj) (8, 2048, 8),
       as on the H100 (down_proj 32.5 -> 31.8 us there,
-      ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``); shorter ones (the Nano out_proj,
+      ``benchmarks/results/2026-11-26-fp8-gemv-reduce-h100.md``; on the H200 (4, 2048, 4) was 0.2-0.4
+      us faster on out_proj and q/o_proj and 0.6 us slower on down_proj, one call, not adopted);
+      shorter ones (the Nano out_proj,
       o_proj, shared-expert down) (2, 2048, 4), 5.0 us against 5.3 at (8, 2048, 8);
     - wider N (the 8B in_proj, up_proj): (4, 2048, 4), 22.3 -> 20.1 us and 25.9 -> 23.0 against
       the (2, 2048, 4) of the H100 sweep, which did not try (4, 2048, 4)."""

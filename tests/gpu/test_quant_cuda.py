@@ -21,8 +21,10 @@ from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BF16, F16 = torch.bfloat16, torch.float16
-SHAPES = [(1, 4096, 4096), (1, 17504, 4096), (1, 4096, 8192), (2, 37, 130), (4, 4096, 4096),
-          (8, 21504, 4096), (8, 131072 // 16, 4096), (3, 1, 17)]
+# one row covers every config of fp8_kernels._fma_config: (8, 2048, 8) long rows, (4, 2048, 4) wide
+# N, (4, 1024, 4) K = 2688, (2, 2048, 4) short rows, (2, 4096, 8) small weights (K 2688 < the tile)
+SHAPES = [(1, 4096, 4096), (1, 17504, 4096), (1, 4096, 8192), (1, 4096, 2688), (1, 2688, 4096), (1, 256, 2688),
+          (2, 37, 130), (4, 4096, 4096), (8, 21504, 4096), (8, 131072 // 16, 4096), (3, 1, 17)]
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +49,7 @@ def test_fp8_every_code(kernel, dtype):
     dot kernel, each product exact."""
     from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear_fma
     impl = fp8_skinny_linear_fma if kernel == "fma" else fp8_skinny_linear_dot
-    xs = (1.0, 2.0 ** -14, 2.0 ** 7) if dtype == F16 else (1.0, 2.0 ** -60, 2.0 ** 60)
+    xs = (1.0, 2.0 ** -13, 2.0 ** 5) if dtype == F16 else (1.0, 2.0 ** -60, 2.0 ** 60)
     qc.check_fp8_every_code(lambda x, w, s, b: impl(x, w, s, b), DEV, dtype, xs)
 
 
@@ -84,8 +86,10 @@ def test_fp8_dot_kernel_k_slices(shape, k_slices, per_channel, dtype):
                  m, n, k, per_channel, seed=m + n)
 
 
-# one row: the long-row (8, 2048, 8), the plain (2, 2048, 4) and the narrow-K (4, 1024, 4) configs
-RELU2_SHAPES = [(1, 4096, 21504), (1, 5000, 4096), (1, 37, 130), (2, 4096, 21504), (8, 4096, 21504), (3, 1, 17)]
+# one row: the long-row (8, 2048, 8), wide-N (4, 2048, 4), narrow-K (4, 1024, 4), short-row (2, 2048, 4)
+# and small-weight (2, 4096, 8) configs
+RELU2_SHAPES = [(1, 4096, 21504), (1, 5000, 4096), (1, 3712, 2688), (1, 2688, 3712), (1, 37, 130), (2, 4096, 21504),
+                (8, 4096, 21504), (3, 1, 17)]
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -375,8 +375,11 @@ def check_add_rmsnorm_fp8(device, dtype, T, D, seed=0, residual=True):
 
 def check_fp8_every_code(impl, device, dtype, x_values):
     """impl(x [1, 1], w_q [254, 1], s [254], None) on a weight holding every finite float8_e4m3fn code
-    (both signs, the 14 subnormals, zero and the largest, 448) times each x of ``x_values`` (powers of
-    two, so each product is exact): each output equals the code's value times x times its scale."""
+    (both signs, the subnormals and the largest, 448) times each x of ``x_values``: each output equals
+    the code's value (torch's own e4m3 conversion) times x times its scale. x and the scales are
+    powers of two chosen so that every product is exact in ``dtype`` (no rounding below its
+    subnormals, no overflow), so any wrong code shows. Zero's sign is not checked (a sum of +0 and -0
+    is +0)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[~torch.isnan(codes.float())]                            # 0x7F and 0xFF are NaN
     w_q = codes.reshape(-1, 1).to(device)                                 # [254, 1]

@@ -52,7 +52,8 @@ def test_spec_real_smoke(files, tmp_path):
         assert r["prompts"] == (2 if r["batch"] == 1 else r["batch"])
         assert r["tokens"] == 12 * r["prompts"] and r["tok_s"] > 0 and r["speedup"] > 0
         assert 0 < r["tpot_s"] < r["seconds"] and r["decode_speedup"] > 0
-        assert 0 < r["ttft_s"] < r["seconds"] / r["prompts"]
+        # batch 1: one request after another; a batch's requests wait for each other's prefills
+        assert 0 < r["ttft_s"] < (r["seconds"] / r["prompts"] if r["batch"] == 1 else r["seconds"])
         if r["method"] != "none":
             assert len(r["per_position"]) == 2 and r["acceptance_length"] >= 1.0
             if r["workload"] != "sample":
