@@ -83,18 +83,19 @@ def hf_greedy_decode(hf, prompts: list[list[int]], gen: int, sync=None, iters: i
     one) / (gen - 1), so the prompt's prefill is not counted -> dict(batch, tok_s, step_ms,
     tokens). ``sync`` as in ``median_time`` (``torch.cuda.synchronize`` on CUDA)."""
     ids = torch.tensor(prompts, device=next(hf.parameters()).device)
+    last = {}                                # the latest output per length: the tokens, without a rerun
 
     def run(n):
         with torch.no_grad():
-            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
+            last[n] = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
 
     run(2)                                                                   # warm-up
     t1 = median_time(lambda: run(1), warmup=0, iters=iters, sync=sync)
     tn = median_time(lambda: run(gen), warmup=0, iters=iters, sync=sync)
     step = max(tn - t1, 1e-9) / (gen - 1)
     return dict(batch=len(prompts), tok_s=len(prompts) / step, step_ms=step * 1e3,
-                tokens=run(gen)[:, ids.shape[1]:].tolist())
+                tokens=last[gen][:, ids.shape[1]:].tolist())
 
 
 def median_time(fn, *, warmup: int = 1, iters: int = 3, sync=None) -> float:

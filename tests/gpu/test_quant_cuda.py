@@ -50,7 +50,7 @@ def test_fp8_every_code(kernel, dtype):
     from hybrid_engine.quantization.fp8_kernels import fp8_skinny_linear_fma
     impl = fp8_skinny_linear_fma if kernel == "fma" else fp8_skinny_linear_dot
     xs = (1.0, 2.0 ** -13, 2.0 ** 5) if dtype == F16 else (1.0, 2.0 ** -60, 2.0 ** 60)
-    qc.check_fp8_every_code(lambda x, w, s, b: impl(x, w, s, b), DEV, dtype, xs)
+    qc.check_fp8_every_code(impl, DEV, dtype, xs)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
