@@ -13,10 +13,12 @@ included). Answers "where does a K=3 verify step spend its time compared with a 
         # with random weights: its step costs without training first
     --methods none,mtp,mtp:32768     # "mtp:N": MTP drafting over the first N vocabulary ids
     --methods none,mtp:fp8,draft_model:fp8,mtp:32768:fp8   # ":fp8": the drafter's weights in FP8
+    --methods none,ngram:adaptive,mtp:adaptive   # ":adaptive": adaptive speculation on (on random
+        # weights nothing is accepted and the rows rest at width 0: what a resting step costs)
     --batch 8                        # B requests at once (the prompt rotated per row)
 
-Adaptive speculation is off (every step verifies K drafts), so the spec rows are the cost of a full
-K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
+Adaptive speculation is off (every step verifies K drafts) unless a method says ``:adaptive``, so
+the spec rows are the cost of a full K-draft step whatever the acceptance. ``--rounds R`` measures every method R times, interleaved
 (none, ngram, ..., none, ngram, ...: a fresh engine each time), and reports each method's median
 step and the ratio of medians: the greedy step is partly host-bound and its interval moved by up to
 27% between calls on the same machine kind, so one sample per method is not a ratio to trust.
@@ -60,7 +62,8 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     name, *opts = method.split(":")
     rows = next((int(o) for o in opts if o.isdigit()), None)
     quant = "fp8" if "fp8" in opts else None
-    spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=False,
+    adaptive = "adaptive" in opts           # ":adaptive": the engine's adaptive policy (random weights: it rests)
+    spec = None if method == "none" else SpeculativeConfig(name, k, model=draft, adaptive=adaptive,
                                                            forced_acceptance_rate=forced,
                                                            draft_vocab_size=rows, quantization=quant)
     with random_weights() if random else contextlib.nullcontext():
@@ -88,7 +91,8 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
     steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
     # max_model_len bounds the captured graphs' attention split count: part of what a row measures
     row = dict(method=method, dtype=dtype, k=0 if spec is None else k, batch=batch, step_ms=step * 1e3,
-               host_execute_ms=host_ms, steps_by_plan=steps_by_plan, max_model_len=len(prompt) + tokens + 64)
+               host_execute_ms=host_ms, steps_by_plan=steps_by_plan, max_model_len=len(prompt) + tokens + 64,
+               acceptance_length=llm.stats()["mean_acceptance_length"])
     if profile:
         clock.profile = (6, 16)
         clock.run(run)
@@ -136,7 +140,7 @@ def main() -> int:
             rows.append(r)
             rounds[-1][method] = r["step_ms"]
             print(f"\n[round {rnd}] {method} K={r['k']}: step {r['step_ms']:.3f} ms, host in execute "
-                  f"{r['host_execute_ms']:.3f} ms, steps by plan {r['steps_by_plan']}", flush=True)
+                  f"{r['host_execute_ms']:.3f} ms, AL {r['acceptance_length']:.2f}, steps by plan {r['steps_by_plan']}", flush=True)
             for name, us, n in r.get("kernels_us_per_step", []):
                 print(f"  {us:9.2f} us  {n:6.2f}x  {name}")
     summary = {m: float(np.median([rd[m] for rd in rounds])) for m in methods}

@@ -7,13 +7,19 @@ and needs no host sync). When a step's output reaches the host for commit, its h
 ``observe`` with the counts the commit already has (valid tokens and verified drafts per row).
 
 ``AdaptiveDrafts`` keeps per request slot (stable for the request's life; ``reset`` when a slot is
-given to a request) an exponentially decayed count of accepted and tried draft positions. Under
-the usual geometric model the j-th draft of a row is accepted with probability alpha^j, where
-alpha = accepted / tried; a row wants the largest k with alpha^k >= ``threshold`` (a draft worth
-verifying is one whose acceptance chance beats the relative cost of one more verified token). The
-step's width is the largest k among its rows, rounded up to a width the executor has CUDA graphs
-for. A row that wants fewer drafts than the step's width still verifies all of them: the step's
-columns are paid for anyway, and a cut would only lose tokens.
+given to a request) exponentially decayed counts of two acceptance rates: ``p1``, that a row's
+first draft is accepted, and ``c``, that a later draft is accepted when every draft before it was.
+The j-th draft is then accepted with probability p1 * c^(j-1), and a row wants the largest k whose
+k-th draft has p1 * c^(k-1) >= ``threshold`` (a draft worth verifying is one whose acceptance
+chance beats the relative cost of one more verified token). Why two rates, not one geometric
+alpha: n-gram drafts come in bursts (a match is either there, and then it copies for several
+tokens, or it is not: 0.41 / 0.39 / 0.39 per position on the trained bench-large model), and a
+single alpha fitted while a row verifies one draft sees only the first position's rate, so a row
+that narrowed to one draft stayed there (2026-11-29 H200 run: adaptive n-gram at 0.90x of no
+speculation where a fixed K = 3 ran at 1.39x). The step's width is the largest k among its rows,
+rounded up to a width the executor has CUDA graphs for. A row that wants fewer drafts than the
+step's width still verifies all of them: the step's columns are paid for anyway, and a cut would
+only lose tokens.
 
 A row at k = 0 sees no drafts, so it probes: on every ``probe_every * 2**backoff``-th step it asks
 for one draft (steps are counted globally, so the probes of many rows coincide on the same steps);
@@ -23,11 +29,13 @@ Observations of a slot given to another request since its step was launched are 
 generation counter per slot). Nothing here touches the device.
 
 With ``step_costs`` (``SpeculativeConfig.adaptive_step_cost``) the policy also weighs what a step
-costs: ``StepCosts`` keeps a decayed mean of the host time between the reads of consecutive steps
-(the later step's own time, whether the GPU or the host bounds it; decode-only steps, the first
-sample of each key dropped) per (width, batch rows rounded up to a power of two), and a step's
+costs: ``StepCosts`` keeps the median of the last few host times between the reads of consecutive
+steps (the later step's own time, whether the GPU or the host bounds it; decode-only steps, the
+first sample of each key dropped; a median, because with a decayed mean a few slow intervals
+kept one width's cost at 3.4-6.1 ms against ~0.5 ms for the others on the H200, 2026-11-29, and
+held that width off) per (width, batch rows rounded up to a power of two), and a step's
 width is the allowed one, at most the rows' wish rounded up, with the most expected tokens per
-second: sum over rows of (1 + alpha + ... + alpha^w) / cost(w). Untimed widths are tried on every
+second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w). Untimed widths are tried on every
 4th step, and every ``explore_every``-th step re-times the least timed width, so a cost read in a
 slow moment is not kept forever. The widths then depend on
 timing (the tokens do not: invariant 2 keeps random rows of probabilistic drafters at K); a
@@ -36,9 +44,14 @@ tensor-parallel engine refuses it, since its ranks must choose the same widths.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 
 import numpy as np
+
+
+_PSEUDO = 0.05     # AdaptiveDrafts.observe: the continuation rate's pull back to 1 per unseen step
 
 
 class FixedDrafts:
@@ -54,6 +67,12 @@ class FixedDrafts:
     def width(self, slots: np.ndarray) -> int:
         return self.num_spec
 
+    def _rates(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """-> (p1 [B], c [B]): each row's first-draft and continuation acceptance rates."""
+        p1 = self.first_accepted[slots] / np.maximum(self.first_tried[slots], 1e-9)
+        c = self.next_accepted[slots] / np.maximum(self.next_tried[slots], 1e-9)
+        return np.clip(p1, 0.0, 1.0), np.clip(c, 0.0, 1.0)
+
     def snapshot(self, slots: np.ndarray, num_decode: int, width: int, decode_only: bool = False):
         return None
 
@@ -62,16 +81,20 @@ class FixedDrafts:
 
 
 class StepCosts:
-    """Seconds a step takes per (width, batch-size bucket): a decayed mean of the host time between
-    the reads of consecutive steps (``record`` with the clock's now for each read step, in step
-    order). The batch size is rounded up to a power of two: a width's cost grows with the rows."""
+    """Seconds a step takes per (width, batch-size bucket): the median of the last ``window``
+    host times between the reads of consecutive steps (``record`` with the clock's now for each
+    read step, in step order). The batch size is rounded up to a power of two: a width's cost
+    grows with the rows."""
 
-    def __init__(self, decay: float = 0.8, clock=time.perf_counter):
-        self.decay, self.clock = decay, clock
-        self.mean: dict[tuple[int, int], float] = {}      # (width, bucket) -> seconds
-        self.samples: dict[tuple[int, int], int] = {}     # samples in the mean
+    def __init__(self, window: int = 16, clock=time.perf_counter):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window, self.clock = window, clock
+        self.recent: dict[tuple[int, int], deque] = {}    # (width, bucket) -> the last window seconds
+        self.samples: dict[tuple[int, int], int] = {}     # samples seen (all, not only the kept)
+        self._median: dict[tuple[int, int], float] = {}   # recent's median, refreshed per record
         # keys whose first sample was dropped: a width's first step may include one-off work
-        # (Triton compiling a kernel in eager mode) that would weigh on the mean for long
+        # (Triton compiling a kernel in eager mode) that would weigh on the cost for long
         self._warm: set[tuple[int, int]] = set()
         self._last: tuple[int, float] | None = None       # (step number, read time) of the last read step
 
@@ -85,18 +108,17 @@ class StepCosts:
         now = self.clock()
         if timed and rows and self._last is not None and self._last[0] == step - 1:
             key = (width, self.bucket(rows))
-            dt = now - self._last[1]
             if key not in self._warm:
                 self._warm.add(key)
-                self._last = (step, now)
-                return
-            old = self.mean.get(key)
-            self.mean[key] = dt if old is None else self.decay * old + (1.0 - self.decay) * dt
-            self.samples[key] = self.samples.get(key, 0) + 1
+            else:
+                kept = self.recent.setdefault(key, deque(maxlen=self.window))
+                kept.append(now - self._last[1])
+                self._median[key] = statistics.median(kept)
+                self.samples[key] = self.samples.get(key, 0) + 1
         self._last = (step, now)
 
     def get(self, width: int, rows: int) -> float | None:
-        return self.mean.get((width, self.bucket(rows)))
+        return self._median.get((width, self.bucket(rows)))
 
     def count(self, width: int, rows: int) -> int:
         return self.samples.get((width, self.bucket(rows)), 0)
@@ -104,7 +126,7 @@ class StepCosts:
 
 class AdaptiveDrafts:
     def __init__(self, num_spec: int, num_slots: int, *, widths: tuple[int, ...] | None = None,
-                 threshold: float = 0.25, decay: float = 0.8, probe_every: int = 8, max_backoff: int = 3,
+                 threshold: float = 0.1, decay: float = 0.9, probe_every: int = 8, max_backoff: int = 3,
                  step_costs: StepCosts | None = None, explore_every: int = 64):
         """``widths``: the draft counts a step may have (None: any of 0..num_spec); the chosen width
         is rounded up to one of them. ``threshold``: the least acceptance chance of the last draft
@@ -123,8 +145,10 @@ class AdaptiveDrafts:
         self._round_up = np.array([min(w for w in allowed if w >= k) for k in range(num_spec + 1)], np.int64)
         self._log_threshold = math.log(threshold)
         # per slot (slot space, null slot 0 included)
-        self.accepted = np.zeros(num_slots, np.float64)    # decayed accepted draft positions
-        self.tried = np.zeros(num_slots, np.float64)       # decayed tried draft positions
+        self.first_accepted = np.zeros(num_slots, np.float64)   # decayed: first drafts accepted
+        self.first_tried = np.zeros(num_slots, np.float64)      # decayed: first drafts verified
+        self.next_accepted = np.zeros(num_slots, np.float64)    # decayed: later drafts accepted ...
+        self.next_tried = np.zeros(num_slots, np.float64)       # ... of those verified after accepted ones
         self.k = np.zeros(num_slots, np.int64)             # drafts the request wants next
         self.backoff = np.zeros(num_slots, np.int64)       # probe interval exponent while k = 0
         self.gen = np.zeros(num_slots, np.int64)           # bumped by reset: late outputs of an old owner
@@ -133,9 +157,10 @@ class AdaptiveDrafts:
         self._verifying_probe = False                      # the step being launched verifies a probe
 
     def reset(self, slot: int) -> None:
-        """A request got ``slot``: start optimistic (prior alpha = 1 with the weight of half an
-        observed position, so two rejected steps bring it to 0), all drafts."""
-        self.accepted[slot] = self.tried[slot] = 0.5
+        """A request got ``slot``: start optimistic (prior p1 = c = 1, each with the weight of half an
+        observed position, so two rejected first drafts bring a row to rest), all drafts."""
+        self.first_accepted[slot] = self.first_tried[slot] = 0.5
+        self.next_accepted[slot] = self.next_tried[slot] = 0.5
         self.k[slot] = self.num_spec
         self.backoff[slot] = 0
         self.gen[slot] += 1
@@ -169,12 +194,18 @@ class AdaptiveDrafts:
             return cands[int(np.argmin(counts))] if self.steps % 4 == 0 else most
         if self.steps % self.explore_every == 0:
             return cands[int(np.argmin(counts))]
-        alpha = np.clip(self.accepted[slots] / np.maximum(self.tried[slots], 1e-9), 0.0, 1.0)   # [B]
-        # expected tokens of a row verifying w drafts (geometric): 1 + alpha + ... + alpha^w
-        powers = alpha[:, None] ** np.arange(most + 1)[None, :]                                  # [B, most+1]
-        tokens = np.cumsum(powers, axis=1).sum(0)                                               # [most+1]
+        p1, c = self._rates(slots)                                                              # [B], [B]
+        # expected tokens of a row verifying w drafts: 1 + p1 * (1 + c + ... + c^(w-1))
+        powers = c[:, None] ** np.arange(most)[None, :]                                         # [B, most]
+        tokens = len(slots) + np.concatenate([[0.0], (p1[:, None] * np.cumsum(powers, axis=1)).sum(0)])  # [most+1]
         rate = [tokens[w] / self.costs.get(w, rows) for w in cands]
         return cands[int(np.argmax(rate))]
+
+    def _rates(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """-> (p1 [B], c [B]): each row's first-draft and continuation acceptance rates."""
+        p1 = self.first_accepted[slots] / np.maximum(self.first_tried[slots], 1e-9)
+        c = self.next_accepted[slots] / np.maximum(self.next_tried[slots], 1e-9)
+        return np.clip(p1, 0.0, 1.0), np.clip(c, 0.0, 1.0)
 
     def snapshot(self, slots: np.ndarray, num_decode: int, width: int, decode_only: bool = False):
         """What ``observe`` needs of the step being launched, taken right after its ``width`` call
@@ -202,16 +233,25 @@ class AdaptiveDrafts:
         if not live.all():
             slots, nv = slots[live], nv[live]
         acc = np.clip(nv - 1, 0, width)                    # accepted drafts (a prefix)
-        tried = np.minimum(acc + 1, width)                 # columns verified up to the first rejection
         was_resting = self.k[slots] == 0
-        a = self.accepted[slots] = self.decay * self.accepted[slots] + acc
-        t = self.tried[slots] = self.decay * self.tried[slots] + tried
-        alpha = a / np.maximum(t, 1e-9)
+        d = self.decay
+        fa = self.first_accepted[slots] = d * self.first_accepted[slots] + (acc > 0)
+        ft = self.first_tried[slots] = d * self.first_tried[slots] + 1.0
+        # drafts 2..min(acc + 1, width) were verified after accepted ones, acc - 1 of them accepted.
+        # A step that verified none of them adds a small accepted pseudo-count instead: c drifts
+        # back to 1 over ~2 / (1 - decay) such steps, so a row that narrowed to one draft on a bad
+        # stretch tries more again (else nothing would ever re-measure its c)
+        tried_next = np.minimum(acc, width - 1)
+        seen = tried_next > 0
+        na = self.next_accepted[slots] = d * self.next_accepted[slots] + np.where(seen, np.maximum(acc - 1, 0),
+                                                                                 _PSEUDO)
+        nt = self.next_tried[slots] = d * self.next_tried[slots] + np.where(seen, tried_next, _PSEUDO)
+        p1, c = fa / ft, np.minimum(na / np.maximum(nt, 1e-9), 1.0)
+        # largest k with p1 * c^(k-1) >= threshold: 0 if p1 < threshold, else
+        # 1 + floor(log(threshold / p1) / log(c)) (every draft when c = 1)
         with np.errstate(divide="ignore"):
-            ln_alpha = np.log(alpha)
-        # largest k with alpha^k >= threshold: k = floor(log(threshold) / log(alpha))
-        k = np.where(alpha >= 1.0 - 1e-9, self.num_spec,
-                     np.where(alpha <= 0.0, 0, np.floor(self._log_threshold / np.minimum(ln_alpha, -1e-12))))
+            more = np.floor((self._log_threshold - np.log(np.maximum(p1, 1e-12))) / np.minimum(np.log(c), -1e-12))
+        k = np.where(p1 < self.threshold, 0, np.where(c >= 1.0 - 1e-9, self.num_spec, 1 + more))
         k = np.clip(k, 0, self.num_spec).astype(np.int64)
         self.k[slots] = k
         # a resting row whose probe failed backs off; one that wants drafts again probes from scratch
