@@ -277,6 +277,57 @@ def count_plans(runner) -> dict[str, int]:
     return plans
 
 
+class StepTimeline:
+    """Every step the runner launches from now on: when ``execute`` began, the plan that took it
+    (class name) and how many drafts per row it verified (the previous step's drafts; 0 for a step
+    without decode rows, of no speculation, or of resting adaptive rows). ``summary()`` groups the steps by plan and
+    width with the median interval from a step's start to the next one's: what a step of that
+    kind cost, whichever of the GPU or the host bound it. ``cut()`` marks a boundary (between
+    generate calls): no interval spans it."""
+
+    def __init__(self, runner):
+        self.steps: list[tuple[float, str, int] | None] = []     # (start, plan, width); None: a cut
+        self._plan = "?"
+        choose, execute = runner._choose_plan, runner.execute
+
+        def chosen(step):
+            plan = choose(step)
+            self._plan = type(plan).__name__
+            return plan
+
+        def timed(sched):
+            prev = runner.prev            # its drafts are what this step's decode rows verify
+            width = 0 if sched.decode is None or prev is None or prev.drafts is None else int(prev.drafts.shape[1])
+            start = time.perf_counter()
+            handle = execute(sched)
+            self.steps.append((start, self._plan, width))
+            return handle
+        runner._choose_plan, runner.execute = chosen, timed
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def cut(self) -> None:
+        self.steps.append(None)
+
+    def summary(self, runs: int = 1) -> dict[str, dict]:
+        """{"<plan>/w<width>": {"steps": steps per run, "interval_ms": median}}, sorted by key;
+        a step with no next step before a cut has no interval (it counts as a step)."""
+        out: dict[str, dict] = {}
+        intervals: dict[str, list[float]] = {}
+        for cur, nxt in zip(self.steps, self.steps[1:] + [None]):
+            if cur is None:
+                continue
+            key = f"{cur[1]}/w{cur[2]}"
+            out.setdefault(key, {"steps": 0})["steps"] += 1
+            if nxt is not None:
+                intervals.setdefault(key, []).append(nxt[0] - cur[0])
+        for key, row in out.items():
+            row["steps"] /= runs
+            row["interval_ms"] = statistics.median(intervals[key]) * 1e3 if key in intervals else None
+        return dict(sorted(out.items()))
+
+
 def step_clock(llm) -> StepClock:
     """The one ``StepClock`` of ``llm``'s engine (made on first use: wrapping the runner twice
     would count every launch twice)."""

@@ -12,6 +12,9 @@ over ``none`` at the same workload and batch, end to end and decode only (time p
 after the first, TPOT: prefill is the same work with or without speculation, and at 128 new tokens
 it is a large part of a batch-1 run). A batch-1 cell decodes ``--b1-prompts`` files one after the
 other (a single file's text decides its acceptance). Greedy outputs must equal ``none``'s (asserted).
+Each cell also lists its steps by plan and by drafts verified (width), with the median interval
+from one step to the next (``common.StepTimeline``): where adaptive speculation rested or narrowed,
+and what those steps cost.
 
 Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, the Nano-30B-A3B
 MoE) at the acceptance each method reached, via forced acceptance
@@ -19,7 +22,9 @@ MoE) at the acceptance each method reached, via forced acceptance
 
     # trained run from benchmarks.train (target/, draft/, heldout_files.json); on one H100 the
     # training takes ~8.5 minutes, so the benchmark runs in the next call on the still-warm machine
-    # (results/2026-11-27-train-copy-windows-420s-h100.md):
+    # (results/2026-11-27-train-copy-windows-420s-h100.md). Its learning-rate schedule follows the
+    # elapsed time, so two time-budgeted runs train different models: to compare calls, train
+    # with --max-steps N and a time budget it does not reach:
     python -m benchmarks.train --preset bench-large --device cuda --out /tmp/run --no-progress --eval-windows 4
     python -m benchmarks.spec_real --run /tmp/run --dtype float32 --ks 3 --batches 1,8 --out $OUT
     # anything else: the embedded default model and a folder of text files
@@ -42,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import count_plans  # noqa: E402
+from benchmarks.common import StepTimeline, count_plans  # noqa: E402
 from benchmarks.spec_report import markdown, plot  # noqa: E402
 from benchmarks.spec_timing import free, time_cell  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
@@ -140,6 +145,7 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
             if method.endswith("-general"):
                 llm.engine.runner.drop_fused_plans(proposing_only=True)
             plans = count_plans(llm.engine.runner)
+            timeline = StepTimeline(llm.engine.runner)      # step intervals by plan and width
             if tok is None:
                 tok = llm.tokenizer
                 prompts = build_prompts(tok, heldout_files(args), max(*batches, args.b1_prompts), args.prompt_tokens,
@@ -150,7 +156,7 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                         groups = [([p], params_for(wl, 1, args.max_tokens)) for p in prompts[wl][:args.b1_prompts]]
                     else:
                         groups = [(prompts[wl][:b], params_for(wl, b, args.max_tokens))]
-                    secs, outs, st = time_cell(llm, groups, args, plans)
+                    secs, outs, st = time_cell(llm, groups, args, plans, timeline)
                     n_tok = sum(len(o) for o in outs)
                     row = dict(workload=wl, method=method, k=k, batch=b, prompts=sum(len(g[0]) for g in groups),
                                seconds=secs, tokens=n_tok, tok_s=n_tok / secs, **st)

@@ -4,6 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
     lines = [f"# spec_real ({meta['device']}, {meta['target']})", "",
              f"adaptive={meta['adaptive']}, prompt {meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens, "
@@ -22,6 +26,13 @@ def markdown(real: list[dict], forced: list[dict], meta: dict) -> str:
         ttft = "-" if r.get("ttft_s") is None else f"{r['ttft_s'] * 1e3:.2f}"
         lines.append(f"| {r['workload']} | {r['method']} | {r['k']} | {r['batch']} | {r['tok_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {dec} | {tpot} | {ttft} | {r['acceptance_length']:.2f} | {per} | {eq} | {plans} |")
+    timed = [r for r in real if r.get("steps_by_width")]
+    if timed:
+        lines += ["", "## Steps per run by plan and drafts verified (width), with the median step interval", "",
+                  "| workload | method | K | batch | plan/width: steps per run (interval ms) |", "|---|---|---|---|---|"]
+        for r in timed:
+            cells = ", ".join(f"{key} {v['steps']:g} ({_ms(v['interval_ms'])})" for key, v in r["steps_by_width"].items())
+            lines.append(f"| {r['workload']} | {r['method']} | {r['k']} | {r['batch']} | {cells} |")
     if forced:
         lines += ["", "## Forced acceptance on random-weight shapes (outputs are not the model's)", "",
                   "| shape | method | K | batch | forced p | tok/s | speed-up | AL (expected) "
