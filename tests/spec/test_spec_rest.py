@@ -1,0 +1,41 @@
+"""benchmarks/spec_rest.py on CPU with the tiny random-weight shape: every engine runs, its ratio
+to no speculation and its steps by width are reported, and a method whose greedy tokens differ
+from no speculation fails the run."""
+import json
+
+import pytest
+
+from benchmarks import spec_rest
+
+
+def test_spec_rest_reports_each_engine_against_none(tmp_path):
+    assert spec_rest.main(["--shape", "tiny", "--device", "cpu", "--tokens", "14", "--runs", "1", "--rounds", "1",
+                           "--methods", "none,ngram", "--fixed", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "spec_rest.json").read_text())
+    rows = {(r["method"], r["adaptive"]): r for r in data["rows"]}
+    assert set(rows) == {("none", None), ("ngram", True), ("ngram", False)}
+    assert rows[("none", None)]["vs_none"] == 1.0
+    for r in rows.values():
+        assert r["s_per_token"] > 0 and r["vs_none"] > 0
+        # 14 tokens per run: one prefill step (the first token) and 13 decode steps or fewer
+        decode = sum(v["steps"] for k, v in r["steps_by_width"].items() if k.startswith("DecodeOnlyPlan"))
+        assert 1 <= decode <= 13, r["steps_by_width"]
+    # the fixed engine verifies K every decode step; no speculation verifies none
+    assert all(k.endswith("/w3") for k in rows[("ngram", False)]["steps_by_width"] if k.startswith("Decode"))
+    assert all(k.endswith("/w0") for k in rows[("none", None)]["steps_by_width"])
+    md = (tmp_path / "spec_rest.md").read_text()
+    assert "| ngram | on |" in md and "| ngram | off |" in md
+
+
+def test_spec_rest_fails_when_speculation_changes_the_tokens(tmp_path, monkeypatch):
+    real = spec_rest.measure
+
+    def wrong(target, draft, method, adaptive, args):
+        row = real(target, draft, method, adaptive, args)
+        if method != "none":
+            row["tokens"] = list(row["tokens"][:-1]) + [row["tokens"][-1] + 1]
+        return row
+    monkeypatch.setattr(spec_rest, "measure", wrong)
+    with pytest.raises(SystemExit, match="changed the greedy tokens"):
+        spec_rest.main(["--shape", "tiny", "--device", "cpu", "--tokens", "6", "--runs", "1", "--rounds", "1",
+                        "--methods", "none,ngram", "--out", str(tmp_path)])
