@@ -22,8 +22,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # Adaptive speculation (spec/adaptive.py): per request, the number of drafts shrinks while its
     # recent acceptance is low (down to none) and grows back when it rises; a step verifies as many
-    # drafts as its most confident row wants (0: the step costs a plain decode step). False: every
-    # decode row verifies num_speculative_tokens drafts every step.
+    # drafts as its most confident row wants (0: no drafts verified, though on the GPU such a step
+    # still costs more than a step without speculation). False: every decode row verifies
+    # num_speculative_tokens drafts every step.
     adaptive: bool = True
     # With adaptive: also weigh what a step of each width costs (measured on the host between the
     # reads of consecutive steps), choosing the width with the most expected tokens per second.

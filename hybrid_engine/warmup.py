@@ -55,8 +55,8 @@ from .spec.adaptive import FixedDrafts
 
 logger = logging.getLogger("hybrid_engine")
 
-RESTING_MARGIN = 6              # steps beyond the policy's steps_to_rest: the anchors' prefill, the
-                                # commit's one-step lag (async), a probe
+RESTING_STEPS = 4               # the anchors' prefill, then decode steps until their rest shows
+                                # (a step's width is chosen a step ahead)
 WARMUP_TOKENS = 4               # new tokens per warm-up request: a few decode steps each
 MIXED_WARMUP_TOKENS = 512       # wave 4's longest prompt: a chat turn's new tokens after its restore
 SMALL_LENGTHS = (1, 2, 15, 16, 17, 31, 64, 100, 255, 256, 257)
@@ -120,12 +120,10 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int, resting: bool = False) 
     """Wave 4 (module docstring) beside ``anchors`` decoding requests -> (requests, prompt tokens,
     steps). With speculation a step's width is chosen from the previous step's rows, and a new
     request starts at every draft, so a prompt a step keeps every step at full width. ``resting``:
-    the anchors first decode alone for a few steps (random tokens: their drafts are rejected and
-    adaptive speculation brings them to no drafts), then a prompt arrives every other step, after
-    a step of the anchors alone: the width a chat turn meets beside conversations at rest."""
+    the anchors are put at rest after their prefill (``AdaptiveDrafts.rest``: no drafts) and decode
+    alone for a few steps, then a prompt arrives every other step, after a step of the anchors
+    alone: the width a chat turn meets beside conversations at rest."""
     sc = engine.cfg.scheduler
-    policy = engine.runner.policy
-    resting_steps = (policy.steps_to_rest() + RESTING_MARGIN) if resting else 0
     # the anchors' decode rows (1 + K tokens each) share each step's budget with the new prompt
     lengths = [n for n in mixed_warmup_lengths(MIXED_WARMUP_TOKENS,
                                                sc.max_num_batched_tokens - anchors * (1 + engine.num_spec))
@@ -133,7 +131,7 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int, resting: bool = False) 
     if sc.max_num_seqs < anchors + 1 or not lengths:
         return 0, 0, 0
     # the decoding rows: enough tokens to outlive the wave even when every draft is accepted
-    anchor = SamplingParams(max_tokens=((2 if resting else 1) * len(lengths) + resting_steps + 8) * (1 + engine.num_spec),
+    anchor = SamplingParams(max_tokens=((2 if resting else 1) * len(lengths) + RESTING_STEPS + 8) * (1 + engine.num_spec),
                             ignore_eos=True, seed=seed)
     # one output token: each prompt finishes in its prefill step, so every step is the anchors'
     # decode rows plus one new prefill row (no queue builds up behind max_num_seqs)
@@ -146,11 +144,22 @@ def _mixed_wave(engine, prompt, seed: int, anchors: int, resting: bool = False) 
             engine.abort(r.request_id)
         _drain(engine, reqs)
         return 0, 0, 0
+    anchor_reqs = list(reqs)
     requests, tokens, steps = anchors, 8 * anchors, 0
-    for _ in range(resting_steps if resting else 2):     # their prefill, then they decode
+
+    def keep_resting():
+        # at rest by decree, not by rejections (a trained drafter may never give them): again before
+        # each prompt, since the anchors-alone steps verify the prompt row's full width and learn
+        for r in anchor_reqs:
+            engine.runner.policy.rest(r.slot)
+    for i in range(RESTING_STEPS if resting else 2):     # their prefill, then they decode
         engine.step()
         steps += 1
+        if resting and i == 0:          # slots now given
+            keep_resting()
     for i, n in enumerate(lengths):     # one new prompt a step: each step is decode rows + one prefill row
+        if resting:
+            keep_resting()
         group = _admit(engine, prompt(n), once, f"warmup-mixed-{anchors}-{int(resting)}-{i}")
         if not group:
             continue

@@ -52,6 +52,7 @@ import numpy as np
 
 
 _PSEUDO = 0.05     # AdaptiveDrafts.observe: the continuation rate's pull back to 1 per unseen step
+_TIE = 1e-9        # AdaptiveDrafts.observe: slack on the k rule's floor (both paths agree at ties)
 
 
 class FixedDrafts:
@@ -66,12 +67,6 @@ class FixedDrafts:
 
     def width(self, slots: np.ndarray) -> int:
         return self.num_spec
-
-    def _rates(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """-> (p1 [B], c [B]): each row's first-draft and continuation acceptance rates."""
-        p1 = self.first_accepted[slots] / np.maximum(self.first_tried[slots], 1e-9)
-        c = self.next_accepted[slots] / np.maximum(self.next_tried[slots], 1e-9)
-        return np.clip(p1, 0.0, 1.0), np.clip(c, 0.0, 1.0)
 
     def snapshot(self, slots: np.ndarray, num_decode: int, width: int, decode_only: bool = False):
         return None
@@ -158,23 +153,24 @@ class AdaptiveDrafts:
 
     def reset(self, slot: int) -> None:
         """A request got ``slot``: start optimistic (prior p1 = c = 1, each with the weight of half an
-        observed position, so two rejected first drafts bring a row to rest), all drafts."""
+        observed position: with the defaults ten rejected steps bring a new row to rest), all drafts."""
         self.first_accepted[slot] = self.first_tried[slot] = 0.5
         self.next_accepted[slot] = self.next_tried[slot] = 0.5
         self.k[slot] = self.num_spec
         self.backoff[slot] = 0
         self.gen[slot] += 1
 
-    def steps_to_rest(self) -> int:
-        """How many steps of K rejected drafts bring a new request to no drafts (10 with the
-        defaults): what a warm-up that wants requests at rest waits for (``warmup._mixed_wave``)."""
-        scratch = AdaptiveDrafts(self.num_spec, 2, threshold=self.threshold, decay=self.decay)
-        scratch.reset(1)
-        slots, steps = np.array([1]), 0
-        while scratch.k[1] > 0:
-            scratch.observe(scratch.snapshot(slots, 1, self.num_spec), np.array([1]))
-            steps += 1
-        return steps
+    def rest(self, slot: int) -> None:
+        """Put ``slot``'s request at rest now: no drafts, probes at the longest interval, and a
+        first-draft rate of 0 with the weight of ten windows of rejections, so that the step already
+        chosen at full width (a width is chosen a step ahead) and a probe or two, even if accepted,
+        keep it at rest. Warm-up's way to reach the steps of resting requests
+        (``warmup._mixed_wave``) without waiting for rejections, which a trained drafter may
+        never give."""
+        self.first_accepted[slot] = 0.0
+        self.first_tried[slot] = 10.0 / (1.0 - self.decay)
+        self.k[slot] = 0
+        self.backoff[slot] = self.max_backoff
 
     def width(self, slots: np.ndarray) -> int:
         """Drafts the next step verifies for these rows (slots [B], host)."""
@@ -205,12 +201,16 @@ class AdaptiveDrafts:
             return cands[int(np.argmin(counts))] if self.steps % 4 == 0 else most
         if self.steps % self.explore_every == 0:
             return cands[int(np.argmin(counts))]
-        p1, c = self._rates(slots)                                                              # [B], [B]
-        # expected tokens of a row verifying w drafts: 1 + p1 * (1 + c + ... + c^(w-1))
-        powers = c[:, None] ** np.arange(most)[None, :]                                         # [B, most]
-        tokens = len(slots) + np.concatenate([[0.0], (p1[:, None] * np.cumsum(powers, axis=1)).sum(0)])  # [most+1]
+        tokens = self.expected_tokens(slots, most)
         rate = [tokens[w] / self.costs.get(w, rows) for w in cands]
         return cands[int(np.argmax(rate))]
+
+    def expected_tokens(self, slots: np.ndarray, most: int) -> np.ndarray:
+        """[most + 1]: tokens a step of these rows yields if it verifies w = 0..most drafts, summed
+        over rows: 1 + p1 * (1 + c + ... + c^(w-1)) each."""
+        p1, c = self._rates(slots)                                                              # [B], [B]
+        powers = c[:, None] ** np.arange(most)[None, :]                                         # [B, most]
+        return len(slots) + np.concatenate([[0.0], (p1[:, None] * np.cumsum(powers, axis=1)).sum(0)])
 
     def _rates(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> (p1 [B], c [B]): each row's first-draft and continuation acceptance rates."""
@@ -253,8 +253,9 @@ class AdaptiveDrafts:
         ft = self.first_tried[slots] = d * self.first_tried[slots] + 1.0
         # drafts 2..min(acc + 1, width) were verified after accepted ones, acc - 1 of them accepted.
         # A step that verified none of them adds a small accepted pseudo-count instead: c drifts
-        # back to 1 over ~2 / (1 - decay) such steps, so a row that narrowed to one draft on a bad
-        # stretch tries more again (else nothing would ever re-measure its c)
+        # back up (from ~0 with decay 0.9: ~0.27 after 20 such steps, ~0.9 after ~50), so a row
+        # that narrowed to one draft on a bad stretch tries more again (else nothing would ever
+        # re-measure its c; with threshold 0.03 one step of c >= 0.03 / p1 is enough)
         tried_next = np.minimum(acc, width - 1)
         seen = tried_next > 0
         na = self.next_accepted[slots] = d * self.next_accepted[slots] + np.where(seen, np.maximum(acc - 1, 0),
@@ -264,7 +265,9 @@ class AdaptiveDrafts:
         # largest k with p1 * c^(k-1) >= threshold: 0 if p1 < threshold, else
         # 1 + floor(log(threshold / p1) / log(c)) (every draft when c = 1)
         with np.errstate(divide="ignore"):
-            more = np.floor((self._log_threshold - np.log(np.maximum(p1, 1e-12))) / np.minimum(np.log(c), -1e-12))
+            ratio = (self._log_threshold - np.log(np.maximum(p1, 1e-12))) / np.minimum(np.log(c), -1e-12)
+        # + _TIE: at p1 * c^j == threshold the logs' last bits (numpy's or math's) decide nothing
+        more = np.maximum(np.floor(ratio + _TIE), 0)
         k = np.where(p1 < self.threshold, 0, np.where(c >= 1.0 - 1e-9, self.num_spec, 1 + more))
         k = np.clip(k, 0, self.num_spec).astype(np.int64)
         self.k[slots] = k
@@ -295,7 +298,8 @@ class AdaptiveDrafts:
             k = self.num_spec
         else:
             ln_c = math.log(c) if c > 0.0 else -math.inf
-            k = 1 + math.floor((self._log_threshold - math.log(max(p1, 1e-12))) / min(ln_c, -1e-12))
+            ratio = (self._log_threshold - math.log(max(p1, 1e-12))) / min(ln_c, -1e-12)
+            k = 1 + max(math.floor(ratio + _TIE), 0)
         k = min(max(k, 0), self.num_spec)
         self.k[slot] = k
         self.backoff[slot] = 0 if k > 0 else min(int(self.backoff[slot]) + (was_resting and probe), self.max_backoff)

@@ -93,12 +93,12 @@ def test_warm_up_captures_the_mixed_steps_graphs(hybrid_dir, spec, monkeypatch):
     eng = llm.engine
     pg = install_reruns(llm)
     assert eng.prefill_graphs is pg
-    if spec is not None:     # every draft rejected, as on random weights: the rows come to rest
+    if spec is not None:     # every draft accepted (a trained drafter): warm-up must still put rows at rest
         policy, real_observe = eng.runner.policy, eng.runner.policy.observe
 
-        def rejecting(token, num_valid):
-            real_observe(token, np.ones_like(num_valid))
-        monkeypatch.setattr(policy, "observe", rejecting)
+        def accepting(token, num_valid):
+            real_observe(token, np.where(num_valid > 0, token[2] + 1, num_valid))
+        monkeypatch.setattr(policy, "observe", accepting)
     seen = []                                    # (key, replayed) of every prefill-graph call in wave 4
     real_wave, real_forward = warmup._mixed_wave, pg.forward
 
