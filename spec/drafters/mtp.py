@@ -64,8 +64,9 @@ class MTPDrafter(Drafter):
         last_tok = ctx.query_start_loc[1:] - 1
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
-        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
-        k = ctx.drafts_wanted(self.num_spec)                                  # the MTP KV above follows every step
+        k = ctx.drafts_wanted(self.num_spec)
+        # the MTP KV follows every step, drafts or not (k = 0: no logits either, on the eager path)
+        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index, want_logits=k > 0)
         if not k:
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
         st = ctx.sampling
@@ -84,15 +85,16 @@ class MTPDrafter(Drafter):
         out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
         return out, (torch.stack(probs, 1) if want_probs else None)
 
-    def _verify(self, tokens, hidden, fb, idx):
+    def _verify(self, tokens, hidden, fb, idx, want_logits: bool = True):
         """The MTP over the step's tokens -> (MTP hidden [B, D], logits [B, V]) at idx [B]; a
-        decode-only step within the graphs' buckets replays a graph."""
+        decode-only step within the graphs' buckets replays a graph (its logits always). Without
+        ``want_logits`` the eager path returns None for the logits (no lm_head read)."""
         md = fb.mamba
         g = self.verify_graphs.get(md.decode_len)
         if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
         h, normed = self._step(tokens, hidden, fb, idx)
-        return h, self.draft_logits(normed)
+        return h, (self.draft_logits(normed) if want_logits else None)
 
     def _single(self, tok, hidden, pos, block_tables, valid, block_size: int, max_seq: int):
         """One token per row -> (MTP hidden [B, D], logits [B, V]); a graph replay when one fits."""
