@@ -130,6 +130,7 @@ class AdaptiveDrafts:
         every ``explore_every`` steps."""
         if not 0.0 < threshold < 1.0 or not 0.0 < decay < 1.0:
             raise ValueError(f"need 0 < threshold < 1 and 0 < decay < 1, got {threshold}, {decay}")
+        # threshold and decay may be changed between steps (tests that need rows to rest sooner)
         self.num_spec, self.threshold, self.decay = num_spec, threshold, decay
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self.costs, self.explore_every = step_costs, explore_every
@@ -138,7 +139,6 @@ class AdaptiveDrafts:
         self._allowed = tuple(allowed)
         # _round_up[k] = the smallest allowed width >= k
         self._round_up = np.array([min(w for w in allowed if w >= k) for k in range(num_spec + 1)], np.int64)
-        self._log_threshold = math.log(threshold)
         # per slot (slot space, null slot 0 included)
         self.first_accepted = np.zeros(num_slots, np.float64)   # decayed: first drafts accepted
         self.first_tried = np.zeros(num_slots, np.float64)      # decayed: first drafts verified
@@ -265,7 +265,7 @@ class AdaptiveDrafts:
         # largest k with p1 * c^(k-1) >= threshold: 0 if p1 < threshold, else
         # 1 + floor(log(threshold / p1) / log(c)) (every draft when c = 1)
         with np.errstate(divide="ignore"):
-            ratio = (self._log_threshold - np.log(np.maximum(p1, 1e-12))) / np.minimum(np.log(c), -1e-12)
+            ratio = (math.log(self.threshold) - np.log(np.maximum(p1, 1e-12))) / np.minimum(np.log(c), -1e-12)
         # + _TIE: at p1 * c^j == threshold the logs' last bits (numpy's or math's) decide nothing
         more = np.maximum(np.floor(ratio + _TIE), 0)
         k = np.where(p1 < self.threshold, 0, np.where(c >= 1.0 - 1e-9, self.num_spec, 1 + more))
@@ -298,7 +298,7 @@ class AdaptiveDrafts:
             k = self.num_spec
         else:
             ln_c = math.log(c) if c > 0.0 else -math.inf
-            ratio = (self._log_threshold - math.log(max(p1, 1e-12))) / min(ln_c, -1e-12)
+            ratio = (math.log(self.threshold) - math.log(max(p1, 1e-12))) / min(ln_c, -1e-12)
             k = 1 + max(math.floor(ratio + _TIE), 0)
         k = min(max(k, 0), self.num_spec)
         self.k[slot] = k

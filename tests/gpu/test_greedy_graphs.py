@@ -5,7 +5,7 @@ path taken on most steps, and no host sync on it."""
 import numpy as np
 import pytest
 
-from engine_steps import launch_steps_without_sync
+from engine_steps import launch_steps_without_sync, rest_sooner
 from hybrid_engine import LLM, SamplingParams
 from hybrid_engine.step import runner as runner_mod
 
@@ -117,6 +117,7 @@ def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, gra
     follows_greedy_step_log.clear()
     llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=SpeculativeConfig("ngram", 3))
+    rest_sooner(llm)                              # the schedule below was counted under this rule
     assert llm.engine.runner.greedy_graphs is not None
     ngram_plan = next(p for p in llm.engine.runner.plans if type(p).__name__ == "NgramStepGraphs")
     widths = []                                   # drafts verified by each fused n-gram replay

@@ -6,7 +6,7 @@ drafts equal the general path's; no host sync on any subclass."""
 import numpy as np
 import pytest
 
-from engine_steps import launch_steps_without_sync
+from engine_steps import launch_steps_without_sync, rest_sooner
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig
 from hybrid_engine.default_model import default_model_dir
 from test_greedy_graphs import drive
@@ -37,11 +37,16 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
                              adaptive=adaptive)
     plain = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
                       async_scheduling=async_scheduling), prompts)
-    eager = drive(LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
-                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
+    eager_llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                    async_scheduling=async_scheduling, speculative_config=spec)
+    if adaptive:
+        rest_sooner(eager_llm)
+    eager = drive(eager_llm, prompts)
     spec_step_log.clear()
     llm = LLM(mtp_target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
+    if adaptive:
+        rest_sooner(llm)                          # rows must come to rest within this short schedule
     plan = next(p for p in llm.engine.runner.plans if type(p).__name__ == plan_name)
     widths = []                                   # drafts verified by each fused replay
     replay = plan.replay
