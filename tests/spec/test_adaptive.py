@@ -128,6 +128,24 @@ def test_one_row_observe_equals_the_batched_observe():
     assert len(ks) >= 3 and len(backoffs) >= 2, (ks, backoffs)     # the run crossed the rule's branches
 
 
+def test_rest_puts_a_row_at_rest_through_an_accepted_step_in_flight():
+    """``rest`` (warm-up's): the row wants no drafts at once, and the step already launched at full
+    width, even if all its drafts are accepted, and one accepted probe keep it there; a row that
+    keeps accepting leaves rest within a few probes."""
+    pol = AdaptiveDrafts(3, 8)
+    pol.reset(1)
+    in_flight = pol.snapshot(np.array([1]), 1, 3)            # launched before the rest
+    pol.rest(1)
+    assert pol.k[1] == 0 and pol.width(np.array([1])) == 0
+    pol.observe(in_flight, np.array([4]))                    # every draft accepted
+    assert pol.k[1] == 0
+    pol.observe(pol.snapshot(np.array([1]), 1, 1), np.array([2]))     # an accepted probe
+    assert pol.k[1] == 0
+    for _ in range(4):
+        pol.observe(pol.snapshot(np.array([1]), 1, 1), np.array([2]))
+    assert pol.k[1] == 3
+
+
 def test_policy_failed_probes_back_off_and_step_width_is_the_max_row():
     pol = AdaptiveDrafts(3, 8, probe_every=4, max_backoff=2, threshold=0.25, decay=0.8)
     for s in (1, 2):
