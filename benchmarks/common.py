@@ -263,20 +263,6 @@ class StepClock:
 _CLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def count_plans(runner) -> dict[str, int]:
-    """Counts, by class name, the plan the runner chooses for each step from now on (fused step
-    graphs or a general plan): the returned dict fills as steps run; clear it to start over."""
-    plans: dict[str, int] = {}
-    choose = runner._choose_plan
-
-    def counted_choose(step):
-        plan = choose(step)
-        plans[type(plan).__name__] = plans.get(type(plan).__name__, 0) + 1
-        return plan
-    runner._choose_plan = counted_choose
-    return plans
-
-
 class StepTimeline:
     """Every step the runner launches from now on: when ``execute`` began, the plan that took it
     (class name) and how many drafts per row it verified (the previous step's drafts; 0 for a step
@@ -309,6 +295,14 @@ class StepTimeline:
 
     def cut(self) -> None:
         self.steps.append(None)
+
+    def steps_by_plan(self, runs: int = 1) -> dict[str, float]:
+        """{plan class name: steps per run} (fused step graphs or a general plan), sorted."""
+        counts: dict[str, int] = {}
+        for s in self.steps:
+            if s is not None:
+                counts[s[1]] = counts.get(s[1], 0) + 1
+        return {name: n / runs for name, n in sorted(counts.items())}
 
     def summary(self, runs: int = 1) -> dict[str, dict]:
         """{"<plan>/w<width>": {"steps": steps per run, "interval_ms": median}}, sorted by key;

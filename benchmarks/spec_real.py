@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import StepTimeline, count_plans  # noqa: E402
+from benchmarks.common import StepTimeline  # noqa: E402
+from benchmarks.spec_shapes import shape_dirs  # noqa: E402
 from benchmarks.spec_report import markdown, plot  # noqa: E402
 from benchmarks.spec_timing import free, time_cell  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
@@ -144,8 +145,7 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                       **engine_kw)
             if method.endswith("-general"):
                 llm.engine.runner.drop_fused_plans(proposing_only=True)
-            plans = count_plans(llm.engine.runner)
-            timeline = StepTimeline(llm.engine.runner)      # step intervals by plan and width
+            timeline = StepTimeline(llm.engine.runner)      # steps by plan and width, their intervals
             if tok is None:
                 tok = llm.tokenizer
                 prompts = build_prompts(tok, heldout_files(args), max(*batches, args.b1_prompts), args.prompt_tokens,
@@ -156,7 +156,7 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                         groups = [([p], params_for(wl, 1, args.max_tokens)) for p in prompts[wl][:args.b1_prompts]]
                     else:
                         groups = [(prompts[wl][:b], params_for(wl, b, args.max_tokens))]
-                    secs, outs, st = time_cell(llm, groups, args, plans, timeline)
+                    secs, outs, st = time_cell(llm, groups, args, timeline)
                     n_tok = sum(len(o) for o in outs)
                     row = dict(workload=wl, method=method, k=k, batch=b, prompts=sum(len(g[0]) for g in groups),
                                seconds=secs, tokens=n_tok, tok_s=n_tok / secs, **st)
@@ -227,35 +227,6 @@ def forced_rates(rows: list[dict], k: int) -> dict[str, float]:
     return out
 
 
-def shape_dirs(shape: str, tmp: Path) -> tuple[Path, Path | None]:
-    """(target folder, draft folder) of a random-weight shape: config.json only (weights are random)."""
-    from benchmarks.common import SHAPE_8B, SHAPE_SMALL, write_config
-    if shape == "8b":
-        target = dict(SHAPE_8B, num_nextn_predict_layers=1)
-        vocab = 131072
-    elif shape == "nano":
-        from benchmarks.moe import SHAPE_NANO
-        target = dict(SHAPE_NANO, num_nextn_predict_layers=1)
-        vocab = SHAPE_NANO.get("vocab_size", 131072)
-    elif shape == "bench-large":                # the trained benchmark target's shape (issue 15's step costs)
-        from benchmarks.train.models import MTP_PATTERN, PRESETS
-        p = PRESETS["bench-large"]
-        vocab = p.vocab_size
-        target = dict(p.target, vocab_size=vocab, num_nextn_predict_layers=1, mtp_pattern=MTP_PATTERN,
-                      tie_word_embeddings=False)
-        return (write_config(tmp / f"{shape}-target", target),
-                write_config(tmp / f"{shape}-draft", dict(p.draft, vocab_size=vocab)))
-    elif shape == "tiny":                       # CPU tests
-        target = dict(pattern="M*-", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=128, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
-                      vocab_size=512, num_nextn_predict_layers=1)
-        vocab = 512
-    else:
-        raise SystemExit(f"unknown shape {shape!r}: 8b, nano, bench-large or tiny")
-    draft = dict(SHAPE_SMALL, vocab_size=vocab) if shape != "tiny" else dict(target, pattern="M-", num_nextn_predict_layers=0)
-    return write_config(tmp / f"{shape}-target", target), write_config(tmp / f"{shape}-draft", draft)
-
-
 def run_forced(args, rates: dict[str, float]) -> list[dict]:
     from benchmarks.common import random_weights
     rows = []
@@ -273,7 +244,7 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                 p = rates.get(method)
                 spec = spec_config(method, k, args, str(draft), forced=p) if method != "none" else None
                 llm = LLM(str(target), speculative_config=spec, **engine_kw)
-                plans = count_plans(llm.engine.runner)
+                timeline = StepTimeline(llm.engine.runner)
                 vocab = llm.engine.cfg.model.vocab_size
                 g = torch.Generator().manual_seed(0)
                 for b in sorted(args.forced_batches):
@@ -290,7 +261,7 @@ def run_forced(args, rates: dict[str, float]) -> list[dict]:
                     else:
                         prompts = torch.randint(3, vocab, (b, args.forced_prompt_tokens), generator=g).tolist()
                         groups = [(prompts, [SamplingParams(max_tokens=args.forced_max_tokens, ignore_eos=True)] * b)]
-                    secs, outs, st = time_cell(llm, groups, args, plans)
+                    secs, outs, st = time_cell(llm, groups, args, timeline)
                     n_tok = sum(len(o) for o in outs)
                     expected_al = None if p is None else sum(p ** j for j in range(k + 1))
                     row = dict(shape=shape, method=method, k=0 if method == "none" else k, batch=b,

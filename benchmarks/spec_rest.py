@@ -25,48 +25,32 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import StepTimeline, random_weights, save_json  # noqa: E402
-from benchmarks.spec_timing import free, sync  # noqa: E402
+from benchmarks.spec_timing import free, time_cell  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
 PROMPT = [(7 * i) % 200 + 3 for i in range(48)] * 2    # repeats: the n-gram drafter finds drafts to reject
 
 
 def measure(target: str, draft: str, method: str, adaptive: bool, args) -> dict:
-    """One engine: median seconds per output token over ``args.runs`` timed generates (after two
-    warm-ups), its acceptance length, steps by plan and width, and the tokens of its last run."""
+    """One engine through ``spec_timing.time_cell`` (a warm-up, then the median of ``args.runs``
+    timed generates): seconds per output token, acceptance length, steps by plan and width, and the
+    tokens of its last run."""
     spec = None if method == "none" else SpeculativeConfig(
         method, args.k, adaptive=adaptive, model=draft if method == "draft_model" else None)
     with random_weights(std=args.std):
         llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=4, speculative_config=spec,
                   max_model_len=len(PROMPT) + args.tokens + 64, enable_prefix_caching=False)
     timeline = StepTimeline(llm.engine.runner)
-    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    for _ in range(2):
-        llm.generate([PROMPT], params, use_tqdm=False)
-    before = dict(llm.stats())
-    timeline.clear()
-    per_token, tokens = [], None
-    for _ in range(args.runs):
-        sync(args.device)
-        t0 = time.perf_counter()
-        out = llm.generate([PROMPT], params, use_tqdm=False)
-        sync(args.device)
-        per_token.append((time.perf_counter() - t0) / args.tokens)
-        timeline.cut()
-        tokens = out[0].outputs[0].token_ids
-    after = llm.stats()
-    # verify_steps counts row-steps that verified (K > 0 engines); tokens per row-step = AL
-    steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
-    accepted = after["drafts_accepted"] - before["drafts_accepted"]
+    groups = [([PROMPT], [SamplingParams(max_tokens=args.tokens, ignore_eos=True)])]
+    secs, outs, st = time_cell(llm, groups, argparse.Namespace(repeats=args.runs, device=args.device), timeline)
     row = dict(method=method, adaptive=adaptive if method != "none" else None, k=0 if spec is None else args.k,
-               s_per_token=statistics.median(per_token), acceptance_length=(1 + accepted / steps) if steps else None,
-               steps_by_width=timeline.summary(runs=args.runs), tokens=tokens)
+               s_per_token=secs / args.tokens, acceptance_length=st["acceptance_length"],
+               steps_by_width=st["steps_by_width"], tokens=outs[0])
     llm.shutdown()
     del llm
     free()
@@ -76,7 +60,7 @@ def measure(target: str, draft: str, method: str, adaptive: bool, args) -> dict:
 def markdown(rows: list[dict], args, device_name: str) -> str:
     lines = [f"# spec_rest ({device_name}, shape {args.shape}, {args.dtype})", "",
              f"batch 1, prompt {len(PROMPT)} tokens, {args.tokens} new tokens, K = {args.k}, random weights "
-             f"(std {args.std}); per engine the median of {args.runs} generates after two warm-ups; ratio: "
+             f"(std {args.std}); per engine the median of {args.runs} generates after a warm-up; ratio: "
              f"none's time per token over the method's, within a round, median of {args.rounds} rounds", "",
              "| method | adaptive | ms per token (median over rounds) | vs none | per round | AL | steps per run by plan/width (interval ms) |",
              "|---|---|---|---|---|---|---|"]
@@ -109,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from benchmarks.spec_real import shape_dirs
+    from benchmarks.spec_shapes import shape_dirs
     target, draft = shape_dirs(args.shape, Path(tempfile.mkdtemp(prefix="spec-rest-")))
     methods = [m for m in args.methods.split(",") if m]
     if "none" not in methods:

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepClock, count_plans, kernel_times, random_weights, save_json  # noqa: E402
+from benchmarks.common import StepClock, StepTimeline, kernel_times, random_weights, save_json  # noqa: E402
 from benchmarks.spec_timing import free  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402
@@ -79,16 +79,16 @@ def measure(model: str, method: str, k: int, dtype: str, prompt: list[int], toke
         host.append(time.perf_counter() - t0)
         return h
     llm.engine.runner.execute = timed_execute
-    plans = count_plans(llm.engine.runner)         # which plan takes each step (fused or general)
+    timeline = StepTimeline(llm.engine.runner)     # which plan takes each step (fused or general)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     # rows differ (rotated prompts) so a batched step is not B copies of one row's work
     prompts = [prompt[i:] + prompt[:i] for i in range(batch)]
     run = lambda: llm.generate(prompts, params, use_tqdm=False)  # noqa: E731
     host.clear()
-    plans.clear()
+    timeline.clear()
     step = clock.step_time(run, runs=5, warmup=1)
     host_ms = float(np.median(host)) * 1e3          # before the profiled run (its syncs are in execute)
-    steps_by_plan = {name: n // 6 for name, n in plans.items()}     # per run (1 warm-up + 5 timed)
+    steps_by_plan = {name: int(n) for name, n in timeline.steps_by_plan(runs=6).items()}   # per run (1 warm-up + 5 timed)
     # max_model_len bounds the captured graphs' attention split count: part of what a row measures
     row = dict(method=method, dtype=dtype, k=0 if spec is None else k, batch=batch, step_ms=step * 1e3,
                host_execute_ms=host_ms, steps_by_plan=steps_by_plan, max_model_len=len(prompt) + tokens + 64,
@@ -121,7 +121,7 @@ def main() -> int:
     DRAFT_DIR[0] = args.draft_model or str(default_draft_model_dir())
     args.model = args.model or str(default_model_dir())
     if args.shape:
-        from benchmarks.spec_real import shape_dirs
+        from benchmarks.spec_shapes import shape_dirs
         target, draft = shape_dirs(args.shape, Path(tempfile.mkdtemp(prefix="spec-step-cost-")))
         args.model, DRAFT_DIR[0] = str(target), str(draft)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")   # the engine logs its paths once

@@ -50,19 +50,17 @@ def mean_ttft(outputs) -> float | None:
     return sum(per) / len(per) if per else None
 
 
-def time_cell(llm, groups, args, plans: dict, timeline=None) -> tuple[float, list, dict]:
+def time_cell(llm, groups, args, timeline) -> tuple[float, list, dict]:
     """``groups``: [(prompts, params)], the generate calls one run makes one after the other (batch
     1 over several prompts: one call each). -> (median seconds of a run, the last run's output
     tokens in order, stats over the timed runs: acceptance, ``tpot_s`` (median over runs of the
-    runs' mean TPOT), ``ttft_s`` (the same of the time to first token), ``steps_by_plan`` (which plan took the steps, per run; ``plans`` is the
-    engine's ``count_plans`` dict) and, given a ``common.StepTimeline``, ``steps_by_width`` (its
-    summary over the timed runs: steps per run and median interval by plan and width))."""
+    runs' mean TPOT), ``ttft_s`` (the same of the time to first token), ``steps_by_plan`` (which plan took the steps, per run) and ``steps_by_width``
+    (steps per run and median interval by plan and width), both from ``timeline``, the engine's
+    ``common.StepTimeline``)."""
     for prompts, params in groups:
         llm.generate(prompts, params, use_tqdm=False)                  # warm-up (graphs, caches)
     before = copy.deepcopy(llm.stats())                                # stats() shares its lists
-    plans.clear()
-    if timeline is not None:
-        timeline.clear()
+    timeline.clear()
     times, tpots, ttfts, outs = [], [], [], []
     for _ in range(args.repeats):
         sync(args.device)
@@ -70,8 +68,7 @@ def time_cell(llm, groups, args, plans: dict, timeline=None) -> tuple[float, lis
         outs = []
         for prompts, params in groups:
             outs += llm.generate(prompts, params, use_tqdm=False)
-            if timeline is not None:
-                timeline.cut()               # no step interval spans two generate calls
+            timeline.cut()                   # no step interval spans two generate calls
         sync(args.device)
         times.append(time.perf_counter() - t0)
         tpots.append(mean_tpot(outs))
@@ -79,9 +76,8 @@ def time_cell(llm, groups, args, plans: dict, timeline=None) -> tuple[float, lis
     stats = stat_delta(llm.stats(), before)
     stats["tpot_s"] = statistics.median(tpots) if None not in tpots else None
     stats["ttft_s"] = statistics.median(ttfts) if None not in ttfts else None
-    stats["steps_by_plan"] = {name: n / args.repeats for name, n in sorted(plans.items())}
-    if timeline is not None:
-        stats["steps_by_width"] = timeline.summary(runs=args.repeats)
+    stats["steps_by_plan"] = timeline.steps_by_plan(runs=args.repeats)
+    stats["steps_by_width"] = timeline.summary(runs=args.repeats)
     return statistics.median(times), [o.outputs[0].token_ids for o in outs], stats
 
 

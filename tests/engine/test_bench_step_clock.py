@@ -40,18 +40,20 @@ def _count_executes(runner) -> list:
     return executed
 
 
-def test_count_plans_counts_every_step_by_its_plan():
-    """count_plans (spec_real's and spec_step_cost's steps-by-plan): one count per executed step,
-    under the class name of the plan that took it (on CPU: the general plans)."""
-    from benchmarks.common import count_plans
+def test_step_timeline_counts_every_step_by_its_plan():
+    """StepTimeline.steps_by_plan (spec_real's and spec_step_cost's steps-by-plan): one count per
+    executed step, under the class name of the plan that took it (on CPU: the general plans)."""
+    from benchmarks.common import StepTimeline
     llm = LLM(device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
-    plans = count_plans(llm.engine.runner)
+    timeline = StepTimeline(llm.engine.runner)
     executed = _count_executes(llm.engine.runner)
     llm.generate([[7] * 30, [9] * 5], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    plans = timeline.steps_by_plan()
     assert sum(plans.values()) == len(executed) > 6
     assert plans.get("MixedPlan", 0) >= 2 and plans.get("DecodeOnlyPlan", 0) >= 1, plans
-    plans.clear()
+    timeline.clear()
     llm.generate([[3] * 4], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    plans = timeline.steps_by_plan()
     assert sum(plans.values()) == 3, plans          # one prefill step, two decode steps
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import spec_real
+from benchmarks.spec_shapes import shape_dirs
 
 CODE = '''def area(width, height):
     """The area of a rectangle."""
@@ -113,7 +114,7 @@ def test_bench_large_shape_is_the_trained_presets_target_and_draft(tmp_path):
     from hybrid_engine.config import ATTENTION, MOE, ModelConfig
     from benchmarks.train.models import PRESETS
     p = PRESETS["bench-large"]
-    target, draft = spec_real.shape_dirs("bench-large", tmp_path)
+    target, draft = shape_dirs("bench-large", tmp_path)
     t, d = ModelConfig.from_json(target), ModelConfig.from_json(draft)
     assert t.hidden_size == p.target["hidden_size"] and t.vocab_size == d.vocab_size == p.vocab_size
     assert len(t.layer_types) == len(p.target["pattern"]) and t.num_nextn_predict_layers == 1
