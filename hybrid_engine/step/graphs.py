@@ -23,6 +23,7 @@ import torch
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 
+from .capture import capturing
 from .decode_prep import DecodeDest
 from .forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 from .prefill_graphs import PrefillGraphs, forward_split
@@ -128,7 +129,7 @@ class CudaGraphExecutor(EagerExecutor):
                 EagerExecutor.forward(self, fb)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capturing(g, pool=pool):
                 hidden, logits = EagerExecutor.forward(self, fb)
             pool = g.pool()
             self.graphs_by_width[tokens_per_row][bucket] = _Graph(g, fb, hidden, logits)
@@ -230,7 +231,7 @@ def capture_step_graph(body, *, device: torch.device, pool) -> torch.cuda.CUDAGr
     body()
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
+    with capturing(g, pool=pool):
         body()
     return g
 

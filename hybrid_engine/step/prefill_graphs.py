@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .capture import capturing
 from .forward_batch import ForwardBatch
 from .prefill_layout import PrefillKey, load_prefill, prefill_bucket, split_decode_prefill, static_prefill_batch
 from .prefill_staging import PrefillStatic, in_arena
@@ -191,7 +192,7 @@ class PrefillGraphs:
         del warm_hidden, warm_logits
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
             hidden, logits = self._forward(fresh())
             hidden_out.copy_(hidden)     # the model's own output buffers return to the pool
             logits_out.copy_(logits)

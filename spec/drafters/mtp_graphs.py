@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from hybrid_engine.step.capture import capturing
 from hybrid_engine.step.forward_batch import AttnMetadata, ForwardBatch, MambaMetadata
 
 from .common import single_token_batch
@@ -98,7 +99,7 @@ class MTPGraphs:
                     body(bucket)
                 torch.cuda.synchronize(device)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with capturing(g, pool=pool):
                     out = body(bucket)
                 pool = g.pool()
                 setattr(bucket, f"{prefix}_graph", g)
