@@ -16,7 +16,7 @@ from .models.nemotron_h import Caches
 from .quantization.kv_scales import attach_kv_scales, note_unused_kv_scales
 from .step.graphs import make_executor
 from .step.greedy_graphs import make_greedy_graphs
-from .step.spec_graphs import make_spec_graphs
+from .step.spec_graphs import greedy_follower, make_spec_graphs
 from .step.runner import ModelRunner
 from .spec.adaptive import draft_counts, make_policy
 from .spec.drafters import DrafterBuild, drafter_footprint, make_drafter
@@ -103,9 +103,9 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
                              widths=tuple(1 + c for c in counts),
                              prefill_graphs=cfg.prefill_cuda_graphs and tp is None)
     # with speculation, steps that verify no drafts replay the fused greedy graphs when the
-    # drafter follows a step from its tokens alone (n-gram: full_context False)
+    # drafter follows a step inside them (n-gram: its kernel after the argmax)
     greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,
-                                       drafter_follows_fused=not drafter.full_context)
+                                       follower=greedy_follower(drafter) if k else None)
     forced = forced_acceptance(cfg)
     # greedy n-gram, MTP and draft-model verify steps replayed whole (prepare + forward + verify + propose);
     # forced acceptance (benchmarks) draws its coins inside them

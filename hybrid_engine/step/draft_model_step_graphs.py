@@ -15,7 +15,8 @@ graph:
 
 the same ops, in the same order, as ``DraftModelDrafter.propose`` for greedy rows, with the
 draft's single-token length bound of its step graphs (max_model_len + 2), so the drafts equal the
-general path's. It always drafts K (the runner keeps the width its policy picks). Pad rows (rows
+general path's. It drafts K (the runner keeps the width its policy picks; a resting step before
+another only follows, ``_follow``: the draft model's pass over the step). Pad rows (rows
 >= N of the bucket) have the null Mamba slot and zeroed block tables from ``prepare_decode``; their
 fork and single-token steps use the null slot, are invalid at position 0 and write their KV to the
 null block.
@@ -38,6 +39,7 @@ logger = logging.getLogger("hybrid_engine")
 class DraftModelStepGraphs(SpecStepGraphs):
     name = "draft-model"
     verifies_no_drafts = True    # the drafter follows every step (its caches)
+    follows_without_drafting = True
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int, max_model_len: int,
@@ -48,6 +50,11 @@ class DraftModelStepGraphs(SpecStepGraphs):
         self.max_seq = max_model_len + 2
         self.single = SingleTokenSteps(self.max_rows, executor.device)
         self._capture_all()
+
+    def _follow(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> None:
+        # the draft's caches follow the step (no fork, no single-token steps), as
+        # DraftModelDrafter.propose's eager path for a next width 0
+        self.drafter.model(g.fb, self.drafter.caches)
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
         d = self.drafter

@@ -13,6 +13,13 @@ bucket B and parity q:
 so the host's calls for such a step are one H2D copy of the staged array (into a buffer whose
 address the graphs hold), one replay, and the D2H of payload[q][:N].
 
+In a spec engine whose drafter follows a step from its tokens alone (the n-gram drafter: a
+``follower``, ``ngram_graphs.NgramFollower``) these graphs serve the steps that verify no drafts
+after one that verified none (adaptive speculation at rest), and the follower's kernel is captured
+after the argmax: it appends the tokens to the rows' histories and drafts K for the next step into
+drafts[q]. Launched eagerly after the replay, that proposal was about a third of a resting step's
+host time (cProfile, H200, results/2026-11-30-spec-rest-follow-h200.md).
+
 Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
 live in different buffers, and a step writes the buffers of the step before the previous one.
 Every reader of those is ordered before that: the previous graph step's kernels run on the same
@@ -32,6 +39,7 @@ import torch
 from .decode_prep import DecodeDest, PrevOutputs
 from .graphs import CudaGraphExecutor, EagerExecutor, capture_step_graphs
 from .input_batch import InputBatch
+from .spec_graphs import FusedSpecStep
 from .step_io import StepRows
 from .transfer import H2D, CurrentStream
 from .triton_greedy_verify import chunk_buffers, greedy_verify
@@ -40,10 +48,13 @@ logger = logging.getLogger("hybrid_engine")
 
 
 class GreedyStepGraphs:
-    def __init__(self, executor: CudaGraphExecutor, *, block_size: int, max_blocks: int):
+    def __init__(self, executor: CudaGraphExecutor, *, block_size: int, max_blocks: int, follower=None):
+        """``follower``: a spec engine's drafter step captured after the argmax (module docstring),
+        with ``num_spec``, ``propose(slots, sampled, num_valid, next_start) -> drafts [B, K]`` and
+        ``before_replay()`` (host); None without speculation."""
         if 1 not in executor.graphs_by_width:
             raise ValueError("greedy step graphs serve decode rows of one token: the executor has no width-1 graphs")
-        self.ex, self.block_size = executor, block_size
+        self.ex, self.block_size, self.follower = executor, block_size, follower
         self.fwd = executor.graphs_by_width[1]         # [bucket] the one-token forward graphs
         self.batch: InputBatch | None = None           # the runner's, given by bind()
         self._rows = self._prev_idx = None             # [N] batch rows / previous-step rows from applies()
@@ -53,6 +64,9 @@ class GreedyStepGraphs:
         self.tokens = [e64(bmax, 1), e64(bmax, 1)]     # [Bmax, 1] tokens of a parity's steps
         self.next_start = [e64(bmax), e64(bmax)]       # [Bmax] next start positions
         self.payload = [e64(bmax, 1), e64(bmax, 1)]    # [Bmax, 1] D2H payload: tokens, NONFINITE rows marked
+        num_spec = 0 if follower is None else follower.num_spec
+        self.drafts = [e64(bmax, num_spec), e64(bmax, num_spec)]   # [Bmax, K] the follower's drafts
+        self._ones = torch.ones(bmax, dtype=torch.int64, device=dev)   # [Bmax] valid tokens per row: 1
         self._start = e64(bmax)                        # [Bmax] prepare_decode's start output (greedy_verify's start)
         self._unused = e64(bmax)                       # num_valid / drafts inputs (read only for K > 0)
         self._no_drafts = e64(bmax, 0)                 # [Bmax, 0] greedy_verify's drafts: none
@@ -90,14 +104,19 @@ class GreedyStepGraphs:
                       tokens_out=self.tokens[parity][:bucket], num_valid_out=self._pick_scratch[0][:bucket],
                       next_start_out=self._pick_scratch[1][:bucket], payload_out=self.payload[parity][:bucket],
                       chunks=self._argmax_chunks)
+        if self.follower is not None:   # pad rows' appends go to the null slot's history (prepare_decode's slots)
+            drafts = self.follower.propose(m.decode_slots[:bucket], self.tokens[parity][:bucket],
+                                           self._ones[:bucket], self.next_start[parity][:bucket])
+            self.drafts[parity][:bucket].copy_(drafts)                  # [B, K]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         keys = [(bucket, parity) for bucket in sorted(self.ex.buckets, reverse=True) for parity in (0, 1)]
         self.graphs, seconds, used = capture_step_graphs(keys, self._body, device=self.ex.device, pool=self.ex.pool,
                                                          staged=self.staged)
-        logger.info("captured %d greedy step graphs (prepare + forward + argmax; B in %s, 2 parities) "
-                    "in %.1fs, %.1f MiB", len(self.graphs), list(self.ex.buckets), seconds, used / 2**20)
+        logger.info("captured %d greedy step graphs (prepare + forward + argmax%s; B in %s, 2 parities) "
+                    "in %.1fs, %.1f MiB", len(self.graphs), "" if self.follower is None else " + the drafter's follow",
+                    list(self.ex.buckets), seconds, used / 2**20)
 
     # ---- the step (the fused plan of docs/design.md "The step as phases") ---------------------
     fused = True        # replay() prepares, runs the forward and samples: the runner only finishes
@@ -126,13 +145,15 @@ class GreedyStepGraphs:
         self._rows, self._prev_idx = rows, prev_idx
         return True
 
-    def replay(self, step: StepRows, prev, h2d: H2D):
-        """Run the step ``applies`` accepted as one replay -> (tokens [N, 1], next starts [N],
-        batch rows [N], D2H payload [N, 1]: the tokens with non-finite rows set to
-        step_io.NONFINITE)."""
+    def replay(self, step: StepRows, prev, h2d: H2D, next_width: int = 0) -> FusedSpecStep:
+        """Run the step ``applies`` accepted as one replay -> its outputs (width 0: tokens [N, 1],
+        the payload [N, 1] with non-finite rows set to step_io.NONFINITE, the follower's drafts
+        [N, K], K = 0 without one). ``next_width``: unused (the follower always drafts K)."""
         n = len(step.req_ids)
         rows, batch = self._rows, self.batch
         host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
+        if self.follower is not None:
+            self.follower.before_replay()
         parity = self.parity
         main = self._main()
         if self._read_ev[parity] is not None:              # this parity's buffers are written below
@@ -148,16 +169,17 @@ class GreedyStepGraphs:
         bucket = next(x for x in self.ex.buckets if x >= n)
         self.graphs[(bucket, parity)].replay()
         self.parity = 1 - parity
-        views = self._views.get((parity, n))
-        if views is None:
-            views = self._views[(parity, n)] = (self.tokens[parity][:n], self.next_start[parity][:n],
-                                                self.payload[parity][:n])
-        return views[0], views[1], rows, views[2]
+        out = self._views.get((parity, n))
+        if out is None:
+            out = self._views[(parity, n)] = FusedSpecStep(
+                sampled=self.tokens[parity][:n], num_valid=self._ones[:n], next_start=self.next_start[parity][:n],
+                drafts=self.drafts[parity][:n], rows=None, payload=self.payload[parity][:n], width=0)
+        out.rows = rows
+        return out
 
-    def slots(self, n: int) -> torch.Tensor:
-        """[n] the Mamba slots the last replay of n rows read (its bucket's buffer; valid until the
-        next replay, so a drafter that follows the step reads them right after it)."""
-        return self.fwd[next(x for x in self.ex.buckets if x >= n)].fb.mamba.decode_slots[:n]
+    def accepted_rows(self):
+        """[N] the batch rows (host) of the step ``applies`` last accepted."""
+        return self._rows
 
     def bind(self, batch: InputBatch) -> None:
         """The runner's input batch (the graphs read its staged rows); called once by the runner."""
@@ -170,16 +192,17 @@ class GreedyStepGraphs:
 
 
 def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: int,
-                       drafter_follows_fused: bool = False) -> GreedyStepGraphs | None:
+                       follower=None) -> GreedyStepGraphs | None:
     """Greedy step graphs where they apply (CUDA graphs on, the Triton input preparation
     available; with speculation, only where steps may verify no drafts (adaptive, width-1 graphs)
-    and the drafter can follow such a step from its tokens alone (``drafter_follows_fused``: the
-    n-gram drafter)); the choice is logged once either way."""
+    and the drafter can follow such a step inside them (``follower``: the n-gram drafter's,
+    ``spec_graphs.greedy_follower``)); the choice is logged once either way."""
     if not isinstance(executor, CudaGraphExecutor):
         return None
-    if num_spec and not (drafter_follows_fused and 1 in executor.graphs_by_width):
+    if num_spec and not (follower is not None and 1 in executor.graphs_by_width):
         logger.info("greedy step graphs: off (speculation: steps without drafts are %s)",
-                    "not adaptive" if 1 not in executor.graphs_by_width else "followed by a model drafter")
+                    "not adaptive" if 1 not in executor.graphs_by_width
+                    else "followed by a drafter that cannot follow inside them (a model drafter)")
         return None
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", executor.device) != "triton":
@@ -187,7 +210,7 @@ def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: 
                        "greedy decode steps take the general path")
         return None
     try:
-        return GreedyStepGraphs(executor, block_size=block_size, max_blocks=max_blocks)
+        return GreedyStepGraphs(executor, block_size=block_size, max_blocks=max_blocks, follower=follower)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:   # e.g. no memory left for capture
         logger.warning("greedy step graphs: off (capture failed: %s: %s); greedy decode steps take "
                        "the general path", type(exc).__name__, exc)

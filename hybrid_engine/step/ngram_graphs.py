@@ -41,6 +41,26 @@ class NgramStepGraphs(SpecStepGraphs):
         self.drafter.flush()                               # pending slot resets, before the graph reads them
 
 
+class NgramFollower:
+    """The n-gram drafter inside the greedy step graphs (``greedy_graphs.py``): its Triton kernel
+    appends a resting step's tokens to the rows' histories and drafts K for the next step, captured
+    after the argmax; pending slot resets are flushed before each replay."""
+
+    def __init__(self, drafter):
+        self.drafter, self.kernel, self.num_spec = drafter, drafter._kernel, drafter.num_spec
+
+    def propose(self, slots, sampled, num_valid, next_start) -> torch.Tensor:
+        return self.kernel(self.drafter._store, self.drafter.length, slots, sampled, num_valid, next_start)
+
+    def before_replay(self) -> None:
+        self.drafter.flush()
+
+
+def make_ngram_follower(drafter) -> NgramFollower | None:
+    """The follower where the drafter runs its Triton kernel (else None: no greedy graphs)."""
+    return None if getattr(drafter, "_kernel", None) is None else NgramFollower(drafter)
+
+
 def make_ngram_graphs(executor, drafter, *, max_model_len: int = 0, **kw) -> NgramStepGraphs | None:
     """N-gram step graphs where they apply (CUDA graphs on, the n-gram drafter on Triton, the
     Triton input preparation); the choice is logged either way. (``max_model_len``: unused, the

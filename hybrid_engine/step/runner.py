@@ -180,42 +180,20 @@ class ModelRunner:
         raise AssertionError("MixedPlan takes every step")
 
     def _finish_fused(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
-        if getattr(plan, "proposes", False):               # a whole verify step, drafts included
-            return self._finish_fused_spec(sched, step, plan)
-        # payload: the tokens with rows whose logits were not finite set to NONFINITE
-        sampled, next_start, rows, payload = plan.replay(step, self.prev, self.h2d)
-        n = len(rows)
-        num_valid, drafts = self.consts.full(n, 1), self.consts.no_drafts(n)
-        observe = None
-        if self.num_spec:
-            # a spec engine's step that verified no drafts (adaptive): the drafter (one that reads
-            # only tokens, slots and positions: n-gram) follows it and drafts for the next step
-            slots_np = self.batch.slot[rows]
-            num_drafts = self.policy.width(slots_np)
-            if self.policy.times_steps:     # a width-0 step's time; no acceptance to learn from it
-                observe = (self.policy, self.policy.snapshot(slots_np, n, 0, decode_only=True))
-            drafts, _ = self.drafter.propose(DraftContext(
-                req_ids=step.req_ids, slots=plan.slots(n), sampled=sampled, num_valid=num_valid,
-                input_token=None, input_pos=next_start, hidden=None, token_index=None,
-                is_decode=self.consts.full(n, 1, torch.bool), query_start_loc=None, input_ids=None,
-                positions=None, next_input_ids=None, forward_batch=None, sampling=None,
-                block_size=self.block_size, num_drafts=num_drafts))
-        handle = self._finish(sched, step.req_ids, rows, payload,
-                              PrevStep(sampled=sampled, num_valid=num_valid, next_start=next_start,
-                                       drafts=drafts, draft_probs=None), observe=observe)
-        plan.read_by(handle.copy_event)
-        return handle
-
-    def _finish_fused_spec(self, sched: SchedulerOutput, step: StepRows, plan) -> StepHandle:
-        """A verify step replayed whole (``SpecStepGraphs``): the policy picks the next width (the
-        graph drafted K) and is told this step's counts later, as on the general path."""
-        out = plan.replay(step, self.prev, self.h2d)
-        num_drafts, observe = self.num_spec, None
+        """A step replayed whole: a greedy step (``GreedyStepGraphs``; in a spec engine at rest, with
+        the n-gram drafter's proposal inside) or a verify step (``SpecStepGraphs``). The replay
+        drafted K (or nothing); the policy picks the next width, before the replay (it learns
+        nothing in between: at 0 after a resting step a model drafter's graph only follows the
+        step), and is told this step's counts later, as on the general path."""
+        num_drafts, slots_np, observe = self.num_spec, None, None
         if not isinstance(self.policy, FixedDrafts):
-            slots_np = self.batch.slot[out.rows]
+            slots_np = self.batch.slot[plan.accepted_rows()]
             num_drafts = self.policy.width(slots_np)
+        # payload: the tokens (then the verified drafts) with non-finite rows marked NONFINITE
+        out = plan.replay(step, self.prev, self.h2d, next_width=num_drafts)
+        if slots_np is not None and (out.width or self.policy.times_steps):   # width 0: only its time
             observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width, decode_only=True))
-        drafts = out.drafts if num_drafts == self.num_spec else out.drafts[:, :num_drafts]
+        drafts = out.drafts if num_drafts == out.drafts.shape[1] else out.drafts[:, :num_drafts]
         handle = self._finish(sched, step.req_ids, out.rows, out.payload,
                               PrevStep(sampled=out.sampled, num_valid=out.num_valid, next_start=out.next_start,
                                        drafts=drafts, draft_probs=None), width=out.width, observe=observe)

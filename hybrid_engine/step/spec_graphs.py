@@ -23,9 +23,13 @@ captured here. Width 0 (adaptive speculation resting every row) is captured too
 (``verifies_no_drafts``): such a step is a one-token forward, its argmax and the proposal. The
 model-based drafters must follow every step to keep their caches (the MTP layers' KV, the draft
 model's states); without it those steps fell to the general path (on the bench-large target at
-batch 8, 55 of a draft-model run's 127 steps, at the general path's host cost). The n-gram
+batch 8, 55 of a draft-model run's 127 steps, at the general path's host cost). A resting step
+whose next step rests too (the policy's next width, known on the host before the replay, is 0)
+replays a follow-only graph where the drafter has one (``follows_without_drafting``: the MTP
+layers' and the draft model's pass over the step, no drafts): proposing K there cost a resting MTP
+step 1.81x a greedy step on random weights (H200, results/2026-11-29-spec-adaptive-two-rates-h200.md). The n-gram
 drafter's width-0 steps after a width-0 step are the greedy graphs' (``greedy_graphs.py``, asked
-first, with the n-gram kernel after the replay); the first one after a drafting step is this
+first, with the n-gram kernel captured after the argmax); the first one after a drafting step is this
 plan's, since the greedy graphs read one column of previous outputs.
 Subclasses: ``ngram_graphs.NgramStepGraphs`` (the n-gram Triton kernel),
 ``mtp_step_graphs.MTPStepGraphs`` (the MTP layers), ``draft_model_step_graphs.DraftModelStepGraphs``
@@ -69,6 +73,7 @@ class SpecStepGraphs:
     proposes = True       # ... the drafter's proposal included: the runner only finishes it
     name = "spec"         # in the capture log line
     verifies_no_drafts = False   # also capture width 0 (model drafters: see the module docstring)
+    follows_without_drafting = False   # width 0 also as a follow-only graph (``_follow``) for a next width 0
 
     def __init__(self, executor: CudaGraphExecutor, drafter, *, num_spec: int, widths: tuple[int, ...],
                  block_size: int, max_blocks: int, forced_acceptance_rate: float | None = None):
@@ -104,7 +109,8 @@ class SpecStepGraphs:
         self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
         vocab_size = next(iter(executor.graphs_by_width[1 + self.draft_counts[0]].values())).logits.shape[-1]
         self._argmax_chunks = chunk_buffers(bmax * (1 + K), vocab_size, dev)   # greedy_verify's scratch
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}   # (bucket, k, parity)
+        # (bucket, k, parity, drafting): drafting False only at k = 0 (``_follow_only``)
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._views: dict[tuple, FusedSpecStep] = {}                         # (parity, N, k)
         self.parity = 0                                      # parity of the next graph step
         self._read_ev: list = [None, None]                   # last D2H of a parity's payload (an Event)
@@ -117,11 +123,16 @@ class SpecStepGraphs:
         [bucket, 1+k], num_valid [bucket], next_start [bucket])."""
         raise NotImplementedError
 
+    def _follow(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> None:
+        """Captured after verification in the follow-only graphs (``follows_without_drafting``):
+        the drafter's caches follow the step (as ``_propose`` leaves them, drafts aside); no drafts."""
+        raise NotImplementedError
+
     def _before_replay(self) -> None:
         """Host work a replay needs first (e.g. the drafter's pending slot resets)."""
 
     # ---- start-up ----------------------------------------------------------------------------
-    def _body(self, bucket: int, num_drafts: int, parity: int) -> None:
+    def _body(self, bucket: int, num_drafts: int, parity: int, drafting: bool = True) -> None:
         from .triton_decode_prep import triton_prepare_decode
         k, tokens_per_row = num_drafts, 1 + num_drafts
         g = self.ex.graphs_by_width[tokens_per_row][bucket]
@@ -149,18 +160,30 @@ class SpecStepGraphs:
         greedy_verify(logits, verified[:bucket], self._start[:bucket], tokens_out=sampled, num_valid_out=num_valid,
                       next_start_out=next_start, payload_out=self.payload[(k, parity)][:bucket],
                       chunks=self._argmax_chunks, **forced_kwargs)
+        if not drafting:                  # the next step rests too: the drafter only follows this one
+            self._follow(g, bucket, hidden, sampled, num_valid, next_start)
+            return                        # drafts[parity] is not written: the next step reads none of it
         drafts = self._propose(g, bucket, hidden, sampled, num_valid, next_start)   # [B, K]
         self.drafts[parity][:bucket].copy_(drafts)
 
+    @property
+    def _follow_only(self) -> bool:
+        """Whether resting steps followed by a resting step have their own (follow-only) graphs."""
+        return self.follows_without_drafting and 0 in self.draft_counts
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        keys = [(bucket, k, parity) for k in sorted(self.draft_counts, reverse=True)
+        keys = [(bucket, k, parity, True) for k in sorted(self.draft_counts, reverse=True)
                 for bucket in sorted(self.ex.buckets, reverse=True) for parity in (0, 1)]
+        if self._follow_only:
+            keys += [(bucket, 0, parity, False) for bucket in sorted(self.ex.buckets, reverse=True)
+                     for parity in (0, 1)]
         self.graphs, seconds, used = capture_step_graphs(keys, self._body, device=self.ex.device, pool=self.ex.pool,
                                                          staged=self.staged)
         logger.info("captured %d %s step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
-                    "2 parities) in %.1fs, %.1f MiB", len(self.graphs), self.name, list(self.ex.buckets),
-                    list(self.draft_counts), seconds, used / 2**20)
+                    "2 parities%s) in %.1fs, %.1f MiB", len(self.graphs), self.name, list(self.ex.buckets),
+                    list(self.draft_counts), "; k = 0 also follow-only" if self._follow_only else "",
+                    seconds, used / 2**20)
 
     # ---- the step ---------------------------------------------------------------------------
     def applies(self, step: StepRows, prev) -> bool:
@@ -183,7 +206,11 @@ class SpecStepGraphs:
         self._rows, self._prev_idx = rows, prev_idx
         return True
 
-    def replay(self, step: StepRows, prev, h2d: H2D) -> FusedSpecStep:
+    def replay(self, step: StepRows, prev, h2d: H2D, next_width: int) -> FusedSpecStep:
+        """Run the step ``applies`` accepted as one replay. ``next_width``: the drafts the next step
+        verifies per row (the runner's policy); a resting step followed by a resting step replays
+        the follow-only graph where there is one (its ``drafts`` are then [N, K] of stale values:
+        the runner keeps none of them)."""
         n, num_drafts = len(step.req_ids), prev.drafts.shape[1]
         rows, batch = self._rows, self.batch
         host, _ = batch.stage_decode(rows, self._prev_idx, header=True)
@@ -201,7 +228,8 @@ class SpecStepGraphs:
         h2d.begin_step()
         h2d.put_raw(host, out=self.staged)
         bucket = next(x for x in self.ex.buckets if x >= n)
-        self.graphs[(bucket, num_drafts, parity)].replay()
+        drafting = num_drafts > 0 or next_width > 0 or not self._follow_only
+        self.graphs[(bucket, num_drafts, parity, drafting)].replay()
         self.parity = other
         key = (parity, n, num_drafts)
         out = self._views.get(key)
@@ -212,6 +240,10 @@ class SpecStepGraphs:
                 payload=self.payload[(num_drafts, parity)][:n], width=num_drafts)
         out.rows = rows
         return out
+
+    def accepted_rows(self):
+        """[N] the batch rows (host) of the step ``applies`` last accepted."""
+        return self._rows
 
     def bind(self, batch: InputBatch) -> None:
         self.batch = batch
@@ -236,6 +268,16 @@ def make_spec_graphs(executor, drafter, **kw) -> SpecStepGraphs | None:
     factory = {NgramDrafter: make_ngram_graphs, MTPDrafter: make_mtp_step_graphs,
                DraftModelDrafter: make_draft_model_step_graphs}.get(type(drafter))
     return None if factory is None else factory(executor, drafter, **kw)
+
+
+def greedy_follower(drafter):
+    """What the greedy step graphs capture after the argmax to let the drafter follow a resting
+    step (``greedy_graphs.py``): the n-gram drafter's kernel; None for a drafter that must follow
+    with a model (MTP, draft model: their resting steps are this plan's width-0 graphs) or none."""
+    from hybrid_engine.spec.drafters.ngram import NgramDrafter
+
+    from .ngram_graphs import make_ngram_follower
+    return make_ngram_follower(drafter) if type(drafter) is NgramDrafter else None
 
 
 def build_step_graphs(cls, label: str, executor, drafter, **kw) -> SpecStepGraphs | None:

@@ -3,6 +3,7 @@ tokens through every transition (requests arriving into a running batch, rows fi
 bucket shrinks, a sampling request forcing the general path and leaving again), with the graph
 path taken on most steps, and no host sync on it."""
 import numpy as np
+import torch
 import pytest
 
 from engine_steps import launch_steps_without_sync, rest_sooner
@@ -17,8 +18,9 @@ def target(model_dirs):
     return model_dirs("gpu_greedy", pattern="M-M*-M-", seed=5)
 
 
-def drive(llm, prompts):
-    """A fixed schedule of arrivals and lengths -> {request index: tokens}."""
+def drive(llm, prompts, drafts_of=None):
+    """A fixed schedule of arrivals and lengths -> {request index: tokens}; ``drafts_of`` (a dict)
+    gets {request index: (drafts proposed, drafts accepted)}."""
     eng = llm.engine
     greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 9, 21, 14, 26, 5, 17, 12)]
     sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
@@ -44,6 +46,8 @@ def drive(llm, prompts):
         eng.step()
     while eng.has_work():
         eng.step()
+    if drafts_of is not None:
+        drafts_of.update({i: (r.metrics.drafts_proposed, r.metrics.drafts_accepted) for i, r in reqs.items()})
     return {i: list(r.output_token_ids) for i, r in reqs.items()}
 
 
@@ -103,7 +107,7 @@ def follows_greedy_step_log(monkeypatch):
 def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, graph_path_log,
                                                    follows_greedy_step_log):
     """Adaptive n-gram speculation on random weights accepts ~nothing: once its rows drop to zero
-    drafts, its steps replay the fused greedy graphs (the n-gram drafter follows them), and every
+    drafts, its steps replay the fused greedy graphs (the n-gram kernel inside them), and every
     transition (probes, a sampling row, arrivals) keeps the tokens of no speculation, eager. Each
     arrival starts at K drafts and a probe comes every 8 steps, so of this schedule's ~30 steps only
     10-12 follow a zero-draft step (counted on CPU, float32, the same tokens); the greedy graphs
@@ -123,9 +127,9 @@ def test_adaptive_ngram_rests_on_the_greedy_graphs(target, async_scheduling, gra
     widths = []                                   # drafts verified by each fused n-gram replay
     replay = ngram_plan.replay
 
-    def logged_replay(step, prev, h2d):
+    def logged_replay(step, prev, h2d, next_width):
         widths.append(prev.drafts.shape[1])
-        return replay(step, prev, h2d)
+        return replay(step, prev, h2d, next_width)
     ngram_plan.replay = logged_replay
     assert drive(llm, prompts) == eager
     took, could = graph_path_log, follows_greedy_step_log
@@ -148,20 +152,39 @@ def _self_repeating_prompts(rng):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_step_log):
+def test_ngram_step_graphs_equal_eager(target, async_scheduling, adaptive, spec_step_log, graph_path_log):
     """Greedy n-gram verify steps replayed whole (NgramStepGraphs) give the eager tokens through
-    arrivals, a sampling row and finishing rows, and take most decode steps."""
+    arrivals, a sampling row and finishing rows, and take most decode steps. Adaptive (rows coming
+    to rest): the resting steps replay the greedy graphs with the n-gram kernel inside, and the
+    drafter's histories and the drafts verified per request equal the eager engine's, whose
+    drafter runs after each step."""
     from hybrid_engine import SpeculativeConfig
     prompts = _self_repeating_prompts(np.random.default_rng(3))
     spec = SpeculativeConfig("ngram", 3, adaptive=adaptive)
-    eager = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
-                      async_scheduling=async_scheduling, speculative_config=spec), prompts)
+    eager_llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
+                    async_scheduling=async_scheduling, speculative_config=spec)
+    if adaptive:
+        rest_sooner(eager_llm)
+    eager_drafts, fused_drafts = {}, {}
+    eager = drive(eager_llm, prompts, eager_drafts)
     plain = drive(LLM(target, dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True,
                       async_scheduling=async_scheduling), prompts)
     spec_step_log.clear()
+    graph_path_log.clear()
     llm = LLM(target, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config=spec)
+    if adaptive:
+        rest_sooner(llm)
     assert any(getattr(p, "proposes", False) for p in llm.engine.runner.plans)
-    assert drive(llm, prompts) == eager == plain
+    assert drive(llm, prompts, fused_drafts) == eager == plain
     if not adaptive:
         assert sum(spec_step_log) >= 10, sum(spec_step_log)
+    else:
+        assert sum(graph_path_log) >= 3, sum(graph_path_log)     # resting steps on the greedy graphs
+        assert fused_drafts == eager_drafts, (fused_drafts, eager_drafts)
+        # every row's token history as the drafter kept it (the greedy graphs append inside the
+        # replay; the eager drafter after each step). Slot 0, the null slot, takes pad rows' appends
+        d_eager, d_fused = eager_llm.engine.runner.drafter, llm.engine.runner.drafter
+        assert torch.equal(d_eager.length[1:], d_fused.length[1:])
+        assert torch.equal(d_eager.history[1:], d_fused.history[1:])
+        assert int(d_fused.length[1:].max()) > max(len(q) for q in prompts)

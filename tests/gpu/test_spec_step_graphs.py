@@ -48,12 +48,12 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
     if adaptive:
         rest_sooner(llm)                          # rows must come to rest within this short schedule
     plan = next(p for p in llm.engine.runner.plans if type(p).__name__ == plan_name)
-    widths = []                                   # drafts verified by each fused replay
+    widths = []                                   # (drafts verified, next width) of each fused replay
     replay = plan.replay
 
-    def logged_replay(step, prev, h2d):
-        widths.append(prev.drafts.shape[1])
-        return replay(step, prev, h2d)
+    def logged_replay(step, prev, h2d, next_width):
+        widths.append((prev.drafts.shape[1], next_width))
+        return replay(step, prev, h2d, next_width)
     plan.replay = logged_replay
     fused = drive(llm, prompts)
     assert fused == eager
@@ -63,8 +63,12 @@ def test_spec_step_graphs_equal_eager(mtp_target, small_draft, method, plan_name
     assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]
     if not adaptive:
         assert sum(spec_step_log) >= 10, sum(spec_step_log)
-    else:   # the drafts are mostly rejected: rows come to rest, and width-0 steps replay fused too
-        assert 0 in widths and any(w > 0 for w in widths), widths
+    else:   # the drafts are mostly rejected: rows come to rest, and width-0 steps replay fused too,
+        # those followed by a resting step on the follow-only graphs (the drafter drafts nothing)
+        verified = [k for k, _ in widths]
+        assert 0 in verified and any(k > 0 for k in verified), widths
+        assert (0, 0) in widths, widths           # replayed the follow-only graph (key (B, 0, q, False))
+        assert {k for _, k, _, drafting in plan.graphs if not drafting} == {0}
 
 
 def _fused_and_general_runs(spec, plan_name: str, dtype: str = "float32", general: bool = True):

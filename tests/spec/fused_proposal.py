@@ -2,7 +2,10 @@
 ``DraftModelStepGraphs._propose``) against its drafter's general path, on CPU: at each steady
 greedy verify step of a real engine the drafter's caches are snapshotted before the general
 ``propose`` runs; the fused proposal then runs from the same caches on the same step and must give
-the same drafts and leave the caches in the same state."""
+the same drafts and leave the caches in the same state. The fused follow-only step (``_follow``,
+the graphs a resting step replays when the next step rests too) must leave the caches as the
+general ``propose`` asked for no drafts does, from the same caches on the same step."""
+import dataclasses
 import inspect
 import json
 
@@ -42,6 +45,21 @@ def check_fused_proposal(monkeypatch, llm, drafter_cls, fused_cls, caches_of, k:
             assert torch.equal(got, general_drafts), (got, general_drafts)
             for t, want in zip(caches_of(self), after):
                 assert torch.equal(t, want)
+            # no drafts for the next step: the general path's follow, then the fused one, from the
+            # same caches (and the fused one must change them: not a no-op)
+            for t, saved in zip(caches_of(self), before):
+                t.copy_(saved)
+            none, _ = orig(self, dataclasses.replace(ctx, num_drafts=0))
+            assert none.shape == (b, 0)
+            followed = [t.clone() for t in caches_of(self)]
+            for t, saved in zip(caches_of(self), before):
+                t.copy_(saved)
+            assert fused._follow(G, b, ctx.hidden, ctx.sampled, ctx.num_valid, ctx.input_pos) is None
+            for t, want in zip(caches_of(self), followed):
+                assert torch.equal(t, want)
+            assert any(not torch.equal(t, was) for t, was in zip(followed, before))
+            for t, want in zip(caches_of(self), after):    # the drafting step's state goes on
+                t.copy_(want)
             checked.append(b)
             accepted.append(int(ctx.num_valid.max()))
         return drafts, probs
