@@ -18,7 +18,7 @@ In a spec engine whose drafter follows a step from its tokens alone (the n-gram 
 after one that verified none (adaptive speculation at rest), and the follower's kernel is captured
 after the argmax: it appends the tokens to the rows' histories and drafts K for the next step into
 drafts[q]. Launched eagerly after the replay, that proposal was about a third of a resting step's
-host time (cProfile, H200, results/2026-11-30-spec-rest-follow-h200.md).
+host time (cProfile, H200, results/2026-11-29-spec-rest-follow-h200.md).
 
 Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
 live in different buffers, and a step writes the buffers of the step before the previous one.
