@@ -13,6 +13,11 @@ those rows only: in the published ``*E`` pattern the MoE layer sees one token pe
 of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the
 full pass up to float rounding (the kept rows go through the MoE and linear kernels in smaller
 batches); the MoE's expert-load counters then count one token per sequence and pass.
+
+``follow``: the KV alone, for a step after which nothing is drafted (adaptive speculation at
+rest): the layers up to the last attention layer, that layer's k and v only. In ``*E`` that is the
+input projection, two norms and the k / v projections; the attention itself, o_proj, the MoE, the
+final norm and the lm_head are not run (their outputs would be read by nothing).
 """
 from __future__ import annotations
 
@@ -88,6 +93,23 @@ class MTP(nn.Module):
             h, residual = h[rows], residual[rows]
         normed, h = self.layers[-1].final_layernorm.add_norm(h, residual)
         return h, normed
+
+    def follow(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, fb: ForwardBatch, caches) -> None:
+        """The MTP KV of every pair and nothing else (the drafter following a step it drafts
+        nothing after): the layers up to the last attention layer, which only writes its KV
+        (``Attention.write_kv_only``); no layer after it, no final norm. The KV is ``forward``'s,
+        bit for bit (the same ops on the same inputs up to the writes)."""
+        last = self.rows_from - 1                 # the last attention layer; -1: the block has none
+        if last < 0:
+            return
+        first = self.layers[0]
+        h = first.eh_proj(self._eh_input(first, embeds, prev_hidden))
+        residual = None
+        for layer in self.layers[:last]:
+            x, residual = layer.norm.add_norm(h, residual)
+            h = layer.mixer(x, fb, caches) if layer.takes_batch else layer.mixer(x)
+        x, _ = self.layers[last].norm.add_norm(h, residual)
+        self.layers[last].mixer.write_kv_only(x, fb, caches)
 
     @staticmethod
     def _eh_input(first: MTPLayer, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:

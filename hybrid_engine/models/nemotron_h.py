@@ -214,6 +214,20 @@ class Attention(nn.Module):
                             max_query_len=a.max_query_len, max_seq_len=a.max_seq_len, k_scale=ks, v_scale=vs)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
+    def write_kv_only(self, x: torch.Tensor, fb: ForwardBatch, caches: Caches) -> None:
+        """Only the cache writes of ``forward`` (k and v of x's tokens, the same ops: the same
+        bits): no query, attention or output projection. For a pass that must keep this layer's
+        cache but reads nothing of its output (``MTP.follow``)."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.nkv, self.hd)
+        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        if self.key_scale != 1.0:
+            k = k * self.key_scale
+        if self.rope is not None:                          # RoPE rotates q and k together
+            _, k = self.rotary(self.q_proj(x).view(t, self.nh, self.hd), k, fb.positions)
+        ks, vs = caches.kv.scales(self.ordinal)
+        write_kv(k, v, caches.kv.k[self.ordinal], caches.kv.v[self.ordinal], fb.attn.slot_mapping, ks, vs)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """Positional encoding: none (Nemotron-H) or RoPE (``cfg.rope_theta`` set)."""
         return (q, k) if self.rope is None else self.rope(q, k, positions)

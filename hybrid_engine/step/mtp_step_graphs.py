@@ -16,7 +16,7 @@ trained 5 M default model a K = 3 MTP step cost ~3 ms against ~0.4 ms for a gree
 the same ops, in the same order, as ``MTPDrafter.propose`` for greedy decode rows, so the drafts
 (and with them the tokens, which greedy verification makes independent of the drafts anyway)
 equal the general path's. It drafts K (a resting step before another only follows: ``_follow``,
-the first pass without its lm_head): the runner keeps the width its policy picks, and
+the MTP KV alone, ``MTP.follow``): the runner keeps the width its policy picks, and
 MTP KV written for drafts that are not verified is rewritten by the next verify pass before any
 step reads it (as for rejected drafts). Pad rows (rows >= N of the bucket) have zeroed block
 tables and slot mappings, and their single-token steps are invalid at position 0: their MTP KV
@@ -52,10 +52,9 @@ class MTPStepGraphs(SpecStepGraphs):
         self._capture_all()
 
     def _follow(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> None:
-        # the MTP KV of the step's tokens (the same pass as _propose's first, no lm_head, no drafts),
-        # as MTPDrafter.propose's eager path for a next width 0
-        fb = replace(g.fb, attn=replace(g.fb.attn, max_seq_len=self.max_seq))
-        self.drafter._step(sampled.reshape(-1).clamp(min=0), hidden[:bucket * sampled.shape[1]], fb)
+        # the MTP KV of the step's tokens alone (MTP.follow: _propose's first pass up to the last
+        # attention layer's k and v), as MTPDrafter.propose's eager path for a next width 0
+        self.drafter.follow(sampled.reshape(-1).clamp(min=0), hidden[:bucket * sampled.shape[1]], g.fb)
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
         d = self.drafter

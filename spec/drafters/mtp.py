@@ -49,6 +49,11 @@ class MTPDrafter(Drafter):
         self.graphs = None            # an MTPGraphs on CUDA with graphs on (make_mtp): verify 1+K, steps
         self.verify_graphs = {}       # verify-pass graphs by tokens per row (1+K and adaptive widths)
 
+    def follow(self, tokens, prev_hidden, fb) -> None:
+        """The MTP KV of the step's pairs, nothing else (``MTP.follow``): a step after which the
+        next verifies no drafts."""
+        self.mtp.follow(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches)
+
     def _step(self, tokens, prev_hidden, fb, rows=None):
         """-> (MTP hidden, final-normed hidden), each [T, D], or [R, D] at ``rows`` [R]: the MTP KV
         of every token either way (``MTP.forward``)."""
@@ -65,10 +70,10 @@ class MTPDrafter(Drafter):
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
         k = ctx.drafts_wanted(self.num_spec)
-        # the MTP KV follows every step, drafts or not (k = 0: no logits either, on the eager path)
-        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index, want_logits=k > 0)
-        if not k:
+        if not k:      # the MTP KV follows every step, drafts or not: at k = 0 the KV alone
+            self.follow(shifted.clamp(min=0), ctx.hidden, fb)
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
+        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
         st = ctx.sampling
         want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample
@@ -85,16 +90,15 @@ class MTPDrafter(Drafter):
         out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
         return out, (torch.stack(probs, 1) if want_probs else None)
 
-    def _verify(self, tokens, hidden, fb, idx, want_logits: bool = True):
+    def _verify(self, tokens, hidden, fb, idx):
         """The MTP over the step's tokens -> (MTP hidden [B, D], logits [B, V]) at idx [B]; a
-        decode-only step within the graphs' buckets replays a graph (its logits always). Without
-        ``want_logits`` the eager path returns None for the logits (no lm_head read)."""
+        decode-only step within the graphs' buckets replays a graph."""
         md = fb.mamba
         g = self.verify_graphs.get(md.decode_len)
         if g is not None and not md.num_prefill_rows and 0 < md.num_decode_rows <= g.max_rows:
             return g.verify(tokens, hidden, fb, idx)
         h, normed = self._step(tokens, hidden, fb, idx)
-        return h, (self.draft_logits(normed) if want_logits else None)
+        return h, self.draft_logits(normed)
 
     def _single(self, tok, hidden, pos, block_tables, valid, block_size: int, max_seq: int):
         """One token per row -> (MTP hidden [B, D], logits [B, V]); a graph replay when one fits."""
