@@ -115,7 +115,7 @@ class PhaseTimer:
               ("engine", "EngineCore.launch"), ("engine", "EngineCore.finish_step"),
               ("step.greedy_graphs", "GreedyStepGraphs.applies"), ("step.greedy_graphs", "GreedyStepGraphs.replay"),
               ("step.spec_graphs", "SpecStepGraphs.applies"), ("step.spec_graphs", "SpecStepGraphs.replay"),
-              ("step.runner", "ModelRunner._finish_fused_spec"), ("step.runner", "ModelRunner._finish")]
+              ("step.runner", "ModelRunner._finish_fused"), ("step.runner", "ModelRunner._finish")]
     IMPORTERS = ("step.plans.decode_only",)     # modules that import a patched module function by name
 
     def __init__(self):

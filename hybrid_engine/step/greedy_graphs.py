@@ -17,8 +17,8 @@ In a spec engine whose drafter follows a step from its tokens alone (the n-gram 
 ``follower``, ``ngram_graphs.NgramFollower``) these graphs serve the steps that verify no drafts
 after one that verified none (adaptive speculation at rest), and the follower's kernel is captured
 after the argmax: it appends the tokens to the rows' histories and drafts K for the next step into
-drafts[q]. Launched eagerly after the replay, that proposal was about a third of a resting step's
-host time (cProfile, H200, results/2026-11-29-spec-rest-follow-h200.md).
+drafts[q]. Launched eagerly after the replay, that proposal took about a third of the runner's
+fused-step finish (cProfile, H200, results/2026-11-29-spec-rest-follow-h200.md).
 
 Parities: step N+1 reads the tokens and next starts of step N while writing its own, so the two
 live in different buffers, and a step writes the buffers of the step before the previous one.
@@ -202,7 +202,8 @@ def make_greedy_graphs(executor, *, num_spec: int, block_size: int, max_blocks: 
     if num_spec and not (follower is not None and 1 in executor.graphs_by_width):
         logger.info("greedy step graphs: off (speculation: steps without drafts are %s)",
                     "not adaptive" if 1 not in executor.graphs_by_width
-                    else "followed by a drafter that cannot follow inside them (a model drafter)")
+                    else "followed by a drafter that cannot follow inside them (a model drafter, or n-gram "
+                         "without its Triton kernel)")
         return None
     from hybrid_engine.mamba_cache.ops.triton_common import kernel_backend
     if kernel_backend("prepare_decode", executor.device) != "triton":

@@ -38,7 +38,7 @@ class ModelRunner:
                  device: torch.device, draft_policy=None, forced_acceptance_rate: float | None = None,
                  spec_graphs=None):
         """``executor``: the forward (EagerExecutor / CudaGraphExecutor); ``greedy_graphs``: a
-        GreedyStepGraphs (CUDA graphs on, K = 0) or None; ``draft_policy``: how many drafts the
+        GreedyStepGraphs (CUDA graphs on; K = 0, or adaptive n-gram at rest) or None; ``draft_policy``: how many drafts the
         next step verifies (``spec/adaptive.py``; default: always ``num_spec``);
         ``forced_acceptance_rate``: benchmark-only forced acceptance (``DraftVerifier``);
         ``spec_graphs``: a fused plan of whole greedy verify steps (``spec_graphs.SpecStepGraphs``:
@@ -186,7 +186,7 @@ class ModelRunner:
         nothing in between: at 0 after a resting step a model drafter's graph only follows the
         step), and is told this step's counts later, as on the general path."""
         num_drafts, slots_np, observe = self.num_spec, None, None
-        if not isinstance(self.policy, FixedDrafts):
+        if self.num_spec and not isinstance(self.policy, FixedDrafts):
             slots_np = self.batch.slot[plan.accepted_rows()]
             num_drafts = self.policy.width(slots_np)
         # payload: the tokens (then the verified drafts) with non-finite rows marked NONFINITE

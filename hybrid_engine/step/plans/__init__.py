@@ -3,8 +3,9 @@
 The runner asks its plans, in order, whether they take the step (``StepPlan.applies``); the first
 that does prepares it. The order is fixed when the runner is built:
 
-- ``GreedyStepGraphs`` (``step/greedy_graphs.py``, CUDA graphs on, K = 0): a decode-only step whose
-  rows all take the argmax; *fused*: one graph replay prepares, runs the forward and samples.
+- ``GreedyStepGraphs`` (``step/greedy_graphs.py``, CUDA graphs on, K = 0 or adaptive n-gram at
+  rest): a decode-only step whose rows all take the argmax; *fused*: one graph replay prepares,
+  runs the forward and samples (and the n-gram kernel drafts).
 - ``DecodeOnlyPlan`` (``decode_only.py``): every row decodes or verifies drafts; one staged host
   array and one ``prepare_decode`` launch.
 - ``MixedPlan`` (``mixed.py``): prefill chunks, alone or with decode rows; host-exact prefill

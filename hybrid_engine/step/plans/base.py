@@ -24,9 +24,10 @@ class StepResources:
 
 
 class StepPlan:
-    """One route through a step. ``fused`` plans run prepare + forward + sampling in ``replay``
-    (-> tokens [N, 1], next starts [N], batch rows [N]); the others ``prepare`` a ``StepInputs``
-    and the runner runs the forward, the sampler and the drafter on it."""
+    """One route through a step. ``fused`` plans run prepare + forward + sampling (and, in a spec
+    engine, the drafter) in ``replay(step, prev, h2d, next_width)`` (-> a ``FusedSpecStep``:
+    tokens, valid counts, next starts, drafts, batch rows, payload, width); the others ``prepare``
+    a ``StepInputs`` and the runner runs the forward, the sampler and the drafter on it."""
     fused = False
 
     def applies(self, step: StepRows, prev: PrevStep | None) -> bool:
