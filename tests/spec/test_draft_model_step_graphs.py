@@ -27,3 +27,11 @@ def test_fused_proposal_equals_the_general_paths(monkeypatch):
               speculative_config=SpeculativeConfig("draft_model", 3, model=str(default_draft_model_dir()),
                                                    adaptive=False))
     check_fused_proposal(monkeypatch, llm, DraftModelDrafter, DraftModelStepGraphs, _cache_tensors)
+
+
+def test_fused_follow_equals_the_general_paths_at_rest(monkeypatch):
+    """The follow-only graphs' body (``_follow``) at the resting steps of an adaptive engine."""
+    from hybrid_engine.default_model import default_draft_model_dir, default_model_dir
+    llm = LLM(default_model_dir(), dtype="float32", device="cpu", max_num_seqs=4,
+              speculative_config=SpeculativeConfig("draft_model", 3, model=str(default_draft_model_dir())))
+    check_fused_proposal(monkeypatch, llm, DraftModelDrafter, DraftModelStepGraphs, _cache_tensors, at_rest=True)

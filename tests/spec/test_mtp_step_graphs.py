@@ -19,3 +19,13 @@ def test_fused_mtp_proposal_equals_the_general_paths(monkeypatch):
     llm = LLM(default_model_dir(), dtype="float32", device="cpu", max_num_seqs=4,
               speculative_config=SpeculativeConfig("mtp", 3, adaptive=False))
     check_fused_proposal(monkeypatch, llm, MTPDrafter, MTPStepGraphs, lambda d: list(d.kv.k) + list(d.kv.v))
+
+
+def test_fused_mtp_follow_equals_the_general_paths_at_rest(monkeypatch):
+    """The follow-only graphs' body (``_follow``: ``MTP.follow``) at the resting steps of an
+    adaptive engine."""
+    from hybrid_engine.default_model import default_model_dir
+    llm = LLM(default_model_dir(), dtype="float32", device="cpu", max_num_seqs=4,
+              speculative_config=SpeculativeConfig("mtp", 3))
+    check_fused_proposal(monkeypatch, llm, MTPDrafter, MTPStepGraphs, lambda d: list(d.kv.k) + list(d.kv.v),
+                         at_rest=True)
