@@ -57,20 +57,27 @@ def measure(target: str, draft: str, method: str, adaptive: bool, args) -> dict:
     return row
 
 
+def _interval(rounds: list[dict], key: str) -> str:
+    """The median over rounds of a plan/width's median step interval (ms), '-' where no round timed it
+    (the step counts are the last round's)."""
+    ms = [r["steps_by_width"][key]["interval_ms"] for r in rounds
+          if r["steps_by_width"].get(key, {}).get("interval_ms") is not None]
+    return "-" if not ms else f"{statistics.median(ms):.3f}"
+
+
 def markdown(rows: list[dict], args, device_name: str) -> str:
     lines = [f"# spec_rest ({device_name}, shape {args.shape}, {args.dtype})", "",
              f"batch 1, prompt {len(PROMPT)} tokens, {args.tokens} new tokens, K = {args.k}, random weights "
              f"(std {args.std}); per engine the median of {args.runs} generates after a warm-up; ratio: "
              f"none's time per token over the method's, within a round, median of {args.rounds} rounds", "",
-             "| method | adaptive | ms per token (median over rounds) | vs none | per round | AL | steps per run by plan/width (interval ms) |",
+             "| method | adaptive | ms per token (median over rounds) | vs none | per round | AL | steps per run by plan/width (interval ms, median over rounds) |",
              "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["method"], r["adaptive"]) for r in rows}, key=lambda k: (k[0] != "none", k[0], str(k[1])))
     for method, adaptive in keys:
         mine = [r for r in rows if r["method"] == method and r["adaptive"] == adaptive]
         ratios = [r["vs_none"] for r in mine]
         last = mine[-1]
-        widths = ", ".join(f"{key} {v['steps']:g} ({'-' if v['interval_ms'] is None else round(v['interval_ms'], 3)})"
-                           for key, v in last["steps_by_width"].items())
+        widths = ", ".join(f"{key} {v['steps']:g} ({_interval(mine, key)})" for key, v in last["steps_by_width"].items())
         al = "-" if last["acceptance_length"] is None else f"{last['acceptance_length']:.2f}"
         lines.append(f"| {method} | {'-' if adaptive is None else ('on' if adaptive else 'off')} | "
                      f"{statistics.median(r['s_per_token'] for r in mine) * 1e3:.4f} | {statistics.median(ratios):.2f}x | "
