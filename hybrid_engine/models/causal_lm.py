@@ -38,6 +38,12 @@ class HybridCausalLM(nn.Module):
             h, residual = layer(h, residual, fb, caches)
         return final_norm.add_norm(h, residual)[0]
 
+    def follow(self, fb, caches) -> None:
+        """Every scheduled token's cache writes (Mamba states, KV), no output: a draft model
+        following a step after which it drafts nothing (adaptive speculation at rest). Here the
+        whole forward; a family may stop after its last cache-owning layer (Nemotron-H does)."""
+        self(fb, caches)
+
     def reset_runtime_state(self) -> None:
         """Rebuild the buffers the checkpoint does not fill (MoE expert-load counters, RoPE
         frequencies): the model is materialised from the meta device with them unset."""

@@ -295,6 +295,24 @@ class NemotronHForCausalLM(HybridCausalLM):
             from .mtp import MTP
             self.mtp = MTP(cfg)
 
+    def follow(self, fb: ForwardBatch, caches: Caches) -> None:
+        """``forward``'s cache writes alone: the blocks up to the last that owns a cache (Mamba
+        state or KV), that one only writing its KV if it is an attention block; no later block, no
+        final norm. The caches are forward's, bit for bit (the same ops up to the writes)."""
+        layers = self.backbone.layers
+        last = max((j for j, layer in enumerate(layers) if layer.stateful), default=-1)
+        if last < 0:
+            return
+        h, residual = self.backbone.embeddings(fb.input_ids), None
+        for layer in layers[:last]:
+            h, residual = layer(h, residual, fb, caches)
+        block = layers[last]
+        if block.kind == ATTENTION:
+            x, _ = block.norm.add_norm_for(h, residual, block.mixer.input_projections())
+            block.mixer.write_kv_only(x, fb, caches)
+        else:
+            block(h, residual, fb, caches)
+
     def forward(self, fb: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Returns the final-normed hidden states [T, D] of every scheduled token."""
         h, residual = self.backbone.embeddings(fb.input_ids), None     # [T, D]

@@ -52,9 +52,10 @@ class DraftModelStepGraphs(SpecStepGraphs):
         self._capture_all()
 
     def _follow(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> None:
-        # the draft's caches follow the step (no fork, no single-token steps), as
-        # DraftModelDrafter.propose's eager path for a next width 0
-        self.drafter.model(g.fb, self.drafter.caches)
+        # the draft's caches follow the step and nothing else (model.follow: no fork, no
+        # single-token steps, no layer after its last cache), as DraftModelDrafter.propose's eager
+        # path for a next width 0
+        self.drafter.model.follow(g.fb, self.drafter.caches)
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
         d = self.drafter

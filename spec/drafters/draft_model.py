@@ -72,9 +72,10 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, ctx: DraftContext):
         k, m = ctx.drafts_wanted(self.num_spec), self.max_num_seqs
-        self.verify_exec.forward(ctx.forward_batch)                # follow the target's step
-        if not k:                                                  # the next step verifies none
+        if not k:      # the next step verifies none: the caches follow the step, nothing else
+            self.model.follow(ctx.forward_batch, self.caches)
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
+        self.verify_exec.forward(ctx.forward_batch)                # follow the target's step
         valid = ctx.num_valid > 0
         a = ctx.num_valid.clamp(min=1)
         scratch = ctx.slots + m
