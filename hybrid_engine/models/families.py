@@ -7,6 +7,8 @@ shapes, the shared modules' parameters, and the family's own frozen settings in
 reads ``ModelConfig``'s cache shapes and the model's forward contract:
 
     model(fb: ForwardBatch, caches: Caches) -> final-normed hidden states [T, D]
+    model.follow(fb, caches) -> None: the forward's cache writes alone (a draft model at rest;
+        ``HybridCausalLM``'s default runs the whole forward)
     model.compute_logits(hidden [L, D]) -> [L, V] float32
     model.reset_runtime_state(); model.read_expert_load() -> {module name: [tokens per expert]}
     model.keep_in_fp32 (loader suffixes kept float32), model.embedding_name (the tensor

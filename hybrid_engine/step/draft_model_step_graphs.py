@@ -16,7 +16,7 @@ graph:
 the same ops, in the same order, as ``DraftModelDrafter.propose`` for greedy rows, with the
 draft's single-token length bound of its step graphs (max_model_len + 2), so the drafts equal the
 general path's. It drafts K (the runner keeps the width its policy picks; a resting step before
-another only follows, ``_follow``: the draft model's pass over the step). Pad rows (rows
+another only follows, ``_follow``: the draft model's caches alone, ``model.follow``). Pad rows (rows
 >= N of the bucket) have the null Mamba slot and zeroed block tables from ``prepare_decode``; their
 fork and single-token steps use the null slot, are invalid at position 0 and write their KV to the
 null block.

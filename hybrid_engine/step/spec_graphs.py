@@ -26,7 +26,7 @@ model's states); without it those steps fell to the general path (on the bench-l
 batch 8, 55 of a draft-model run's 127 steps, at the general path's host cost). A resting step
 whose next step rests too (the policy's next width, known on the host before the replay, is 0)
 replays a follow-only graph where the drafter has one (``follows_without_drafting``: the MTP
-KV of the step's tokens, the draft model's pass over the step, no drafts): proposing K there cost a resting MTP
+KV of the step's tokens, the draft model's caches, no drafts): proposing K there cost a resting MTP
 step 1.81x a greedy step on random weights (H200, results/2026-11-29-spec-adaptive-two-rates-h200.md). The n-gram
 drafter's width-0 steps after a width-0 step are the greedy graphs' (``greedy_graphs.py``, asked
 first, with the n-gram kernel captured after the argmax); the first one after a drafting step is this
