@@ -12,11 +12,12 @@ the KV of every pair. The layers after the last attention layer (and the final n
 those rows only: in the published ``*E`` pattern the MoE layer sees one token per sequence instead
 of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the
 full pass up to float rounding (the kept rows go through the MoE and linear kernels in smaller
-batches); the MoE's expert-load counters then count one token per sequence and pass.
+batches); the MoE's expert-load counters then count one token per sequence and pass (none on
+a resting step: ``follow`` does not reach the MoE).
 
 ``follow``: the KV alone, for a step after which nothing is drafted (adaptive speculation at
 rest): the layers up to the last attention layer, that layer's k and v only. In ``*E`` that is the
-input projection, two norms and the k / v projections; the attention itself, o_proj, the MoE, the
+two input norms, the input projection, the attention layer's norm and the k / v projections; the attention itself, o_proj, the MoE, the
 final norm and the lm_head are not run (their outputs would be read by nothing).
 """
 from __future__ import annotations

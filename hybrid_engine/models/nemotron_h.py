@@ -223,8 +223,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.nkv, self.hd)
         if self.key_scale != 1.0:
             k = k * self.key_scale
-        if self.rope is not None:                          # RoPE rotates q and k together
-            _, k = self.rotary(self.q_proj(x).view(t, self.nh, self.hd), k, fb.positions)
+        if self.rope is not None:     # RoPE rotates q and k alike: a one-head stand-in for q
+            _, k = self.rotary(k[:, :1], k, fb.positions)
         ks, vs = caches.kv.scales(self.ordinal)
         write_kv(k, v, caches.kv.k[self.ordinal], caches.kv.v[self.ordinal], fb.attn.slot_mapping, ks, vs)
 

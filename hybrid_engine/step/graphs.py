@@ -44,6 +44,11 @@ class EagerExecutor:
         hidden = self.model(fb, self.caches)
         return hidden, self.model.compute_logits(hidden[fb.logits_indices])
 
+    def follow(self, fb: ForwardBatch) -> None:
+        """The forward's cache writes alone (``model.follow``): a drafter's model following a step
+        after which it drafts nothing."""
+        self.model.follow(fb, self.caches)
+
     def decode_dest(self, num_rows: int, tokens_per_row: int) -> tuple[DecodeDest, ForwardBatch] | None:
         """Persistent buffers a decode-only batch of ``num_rows`` rows of ``tokens_per_row`` tokens
         may be prepared in, and the ForwardBatch viewing its real rows; None: the caller allocates
@@ -139,6 +144,15 @@ class CudaGraphExecutor(EagerExecutor):
         logger.info("captured %d CUDA graphs (B in %s, tokens per row in %s) in %.1fs, %.1f MiB",
                     len(self.buckets) * len(self.widths), list(self.buckets), list(self.widths),
                     time.perf_counter() - t0, used / 2**20)
+
+    def follow(self, fb: ForwardBatch) -> None:
+        """A decode-only step a graph fits: its replay (host-cheaper than the eager follow's
+        launches, the same cache writes); otherwise ``model.follow``."""
+        md = fb.mamba
+        if (md.num_prefill_rows or md.num_decode_rows == 0 or md.decode_len not in self.graphs_by_width
+                or md.num_decode_rows > self.buckets[-1]):
+            return super().follow(fb)
+        self.forward(fb)
 
     def forward(self, fb: ForwardBatch):
         md = fb.mamba

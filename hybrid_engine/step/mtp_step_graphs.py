@@ -53,8 +53,11 @@ class MTPStepGraphs(SpecStepGraphs):
 
     def _follow(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> None:
         # the MTP KV of the step's tokens alone (MTP.follow: _propose's first pass up to the last
-        # attention layer's k and v), as MTPDrafter.propose's eager path for a next width 0
-        self.drafter.follow(sampled.reshape(-1).clamp(min=0), hidden[:bucket * sampled.shape[1]], g.fb)
+        # attention layer's k and v), as MTPDrafter.propose's eager path for a next width 0; with
+        # _propose's length bound (an attention layer before the last one runs in full and splits
+        # by it, so its outputs round as in a drafting step)
+        fb = replace(g.fb, attn=replace(g.fb.attn, max_seq_len=self.max_seq))
+        self.drafter.follow(sampled.reshape(-1).clamp(min=0), hidden[:bucket * sampled.shape[1]], fb)
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
         d = self.drafter

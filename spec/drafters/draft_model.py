@@ -73,7 +73,7 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: DraftContext):
         k, m = ctx.drafts_wanted(self.num_spec), self.max_num_seqs
         if not k:      # the next step verifies none: the caches follow the step, nothing else
-            self.model.follow(ctx.forward_batch, self.caches)
+            self.verify_exec.follow(ctx.forward_batch)
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
         self.verify_exec.forward(ctx.forward_batch)                # follow the target's step
         valid = ctx.num_valid > 0

@@ -59,21 +59,28 @@ class MTPDrafter(Drafter):
         of every token either way (``MTP.forward``)."""
         return self.mtp(self.target.backbone.embeddings(tokens), prev_hidden, fb, self.caches, rows)
 
-    def propose(self, ctx: DraftContext):
+    @staticmethod
+    def pair_tokens(ctx: DraftContext) -> torch.Tensor:
+        """[T] the token after each of the step's input tokens (pair i's t_{i+1}): host-known
+        inside prefill chunks, the step's new samples elsewhere (placeholders -1 as 0)."""
         fb = ctx.forward_batch
         valid = ctx.num_valid > 0
-        nd_tok = fb.mamba.num_decode_tokens
-        # the token after each input token: host-known inside chunks, the new samples elsewhere
         shifted = ctx.next_input_ids.clone()
-        shifted[:nd_tok] = ctx.sampled[:fb.mamba.num_decode_rows].reshape(-1)
+        shifted[:fb.mamba.num_decode_tokens] = ctx.sampled[:fb.mamba.num_decode_rows].reshape(-1)
         last_tok = ctx.query_start_loc[1:] - 1
         is_prefill = ~ctx.is_decode
         shifted[last_tok] = torch.where(is_prefill & valid, ctx.sampled[:, 0], shifted[last_tok])
+        return shifted.clamp(min=0)
+
+    def propose(self, ctx: DraftContext):
+        fb = ctx.forward_batch
+        valid = ctx.num_valid > 0
+        tokens = self.pair_tokens(ctx)
         k = ctx.drafts_wanted(self.num_spec)
         if not k:      # the MTP KV follows every step, drafts or not: at k = 0 the KV alone
-            self.follow(shifted.clamp(min=0), ctx.hidden, fb)
+            self.follow(tokens, ctx.hidden, fb)
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
-        hidden, logits = self._verify(shifted.clamp(min=0), ctx.hidden, fb, ctx.token_index)
+        hidden, logits = self._verify(tokens, ctx.hidden, fb, ctx.token_index)
         st = ctx.sampling
         want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample

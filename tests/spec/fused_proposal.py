@@ -22,8 +22,8 @@ def check_fused_proposal(monkeypatch, llm, drafter_cls, fused_cls, caches_of, k:
     one of them a full batch of 3 rows, and that rows accepted drafts on some checked step.
     ``at_rest`` (an adaptive engine): every request rests from its admission
     (``AdaptiveDrafts.rest``), and the checked steps are those after which nothing is drafted, where the engine's
-    own ``propose`` follows (steps of width 0, and the first after a drafting step) and
-    ``_follow`` must leave the same caches."""
+    own ``propose`` follows (steps of width 0 whose next step rests too: where the follow-only
+    graphs replay) and ``_follow`` must leave the same caches."""
     d = llm.engine.drafter
     if at_rest:      # every request rests from its admission (AdaptiveDrafts.rest, as warm-up does)
         policy = llm.engine.runner.policy

@@ -1,6 +1,7 @@
 """``MTP.follow`` (the drafter following a step it drafts nothing after: adaptive speculation at
 rest) writes exactly the MTP KV of the full pass (``MTP.forward``, what a drafting step writes),
-bit for bit, and nothing else: at steady steps of a real engine the drafter's KV is snapshotted,
+bit for bit, and nothing else: at every step of a real engine (prefill, mixed and decode; arrivals
+while others decode) the drafter's KV is snapshotted,
 the full first pass runs, then from the same KV the follow; the two caches must be equal and must
 differ from the snapshot. MTP blocks: the published ``*E`` and one whose last attention layer
 comes after an MLP and another attention layer (``*-*E``: the layers before it run in full)."""
@@ -23,30 +24,38 @@ def test_follow_writes_the_full_passes_kv_and_nothing_else(model_dirs, monkeypat
     checked = []
     orig = MTPDrafter.propose
 
-    def compare(self, ctx):
+    def compare(self, ctx):                              # every step: prefill, mixed and decode
         fb = ctx.forward_batch
-        nd_tok = fb.mamba.num_decode_tokens
-        if ctx.is_decode.all() and nd_tok:              # steady decode steps: the pairs are (h_i, t_{i+1})
-            tokens = ctx.sampled.reshape(-1).clamp(min=0)
-            caches = list(self.kv.k) + list(self.kv.v)
-            before = [t.clone() for t in caches]
-            self._step(tokens, ctx.hidden, fb)           # the full pass (all rows)
-            full = [t.clone() for t in caches]
-            for t, saved in zip(caches, before):
-                t.copy_(saved)
-            assert self.follow(tokens, ctx.hidden, fb) is None
-            for t, want in zip(caches, full):
-                assert torch.equal(t, want)
-            assert any(not torch.equal(t, was) for t, was in zip(full, before))
-            for t, saved in zip(caches, before):         # the step goes on from where it was
-                t.copy_(saved)
-            checked.append(nd_tok)
+        tokens = self.pair_tokens(ctx)
+        caches = list(self.kv.k) + list(self.kv.v)
+        before = [t.clone() for t in caches]
+        self._step(tokens, ctx.hidden, fb)               # the full pass (all rows)
+        full = [t.clone() for t in caches]
+        for t, saved in zip(caches, before):
+            t.copy_(saved)
+        assert self.follow(tokens, ctx.hidden, fb) is None
+        for t, want in zip(caches, full):
+            assert torch.equal(t, want)
+        assert any(not torch.equal(t, was) for t, was in zip(full, before))
+        for t, saved in zip(caches, before):             # the step goes on from where it was
+            t.copy_(saved)
+        checked.append((fb.mamba.num_decode_rows, fb.mamba.num_prefill_rows))
         return orig(self, ctx)
     monkeypatch.setattr(MTPDrafter, "propose", compare)
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 200, n).tolist() for n in (9, 14, 5)]
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert len(checked) >= 4 and max(checked) >= 3 * 3, checked    # full batches of 3 rows x (1 + K)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (9, 14, 5, 11)]
+    eng = llm.engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    reqs = [eng.make_request(p, params) for p in prompts]
+    for r in reqs[:3]:
+        eng.add_request(r)
+    for _ in range(3):
+        eng.step()
+    eng.add_request(reqs[3])                              # arrives while the others decode
+    while eng.has_work():
+        eng.step()
+    assert (0, 3) in checked and (3, 0) in checked, checked          # the first prefill; decode of 3 rows
+    assert any(d and p for d, p in checked), checked                  # a mixed step: the arrival's prefill
 
 
 def test_write_kv_only_is_forwards_cache_write_with_rope():

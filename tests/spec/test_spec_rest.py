@@ -29,13 +29,16 @@ def test_spec_rest_reports_each_engine_against_none(tmp_path):
 
 def test_spec_rest_markdown_takes_each_intervals_median_over_rounds():
     import argparse
+    # the last round's interval (0.9) is not the median (0.5); M/w0 is timed in one round only
     rows = [dict(method="none", adaptive=None, s_per_token=t, vs_none=1.0, acceptance_length=1.0, round=i,
-                 steps_by_width={"G/w0": {"steps": 9.0, "interval_ms": ms}}) for i, (t, ms) in
-            enumerate([(1e-3, 0.4), (2e-3, 0.9), (3e-3, 0.5)])]
-    rows[1]["steps_by_width"]["M/w0"] = {"steps": 1.0, "interval_ms": None}
+                 steps_by_width={"G/w0": {"steps": 9.0, "interval_ms": ms}, "M/w0": {"steps": 1.0, "interval_ms": m}})
+            for i, (t, ms, m) in enumerate([(1e-3, 0.4, None), (2e-3, 0.5, 0.7), (3e-3, 0.9, None)])]
+    rows.append(dict(rows[0], method="ngram", adaptive=True, round=0,
+                     steps_by_width={"N/w0": {"steps": 2.0, "interval_ms": None}}))
     md = spec_rest.markdown(rows, argparse.Namespace(shape="tiny", dtype="float32", tokens=9, k=3, std=0.02,
                                                      runs=1, rounds=3), "cpu")
-    assert "| none | - | 2.0000 | 1.00x | 1.00, 1.00, 1.00 | 1.00 | G/w0 9 (0.500) |" in md, md
+    assert "| none | - | 2.0000 | 1.00x | 1.00, 1.00, 1.00 | 1.00 | G/w0 9 (0.500), M/w0 1 (0.700) |" in md, md
+    assert "| ngram | on |" in md and "N/w0 2 (-) |" in md, md
 
 
 def test_spec_rest_fails_when_speculation_changes_the_tokens(tmp_path, monkeypatch):
