@@ -145,14 +145,18 @@ class CudaGraphExecutor(EagerExecutor):
                     len(self.buckets) * len(self.widths), list(self.buckets), list(self.widths),
                     time.perf_counter() - t0, used / 2**20)
 
+    def _decode_graph_fits(self, md: MambaMetadata) -> bool:
+        """A decode-only batch of a captured width and at most the largest bucket's rows."""
+        return not (md.num_prefill_rows or md.num_decode_rows == 0 or md.decode_len not in self.graphs_by_width
+                    or md.num_decode_rows > self.buckets[-1])
+
     def follow(self, fb: ForwardBatch) -> None:
         """A decode-only step a graph fits: its replay (host-cheaper than the eager follow's
         launches, the same cache writes); otherwise ``model.follow``."""
-        md = fb.mamba
-        if (md.num_prefill_rows or md.num_decode_rows == 0 or md.decode_len not in self.graphs_by_width
-                or md.num_decode_rows > self.buckets[-1]):
-            return super().follow(fb)
-        self.forward(fb)
+        if self._decode_graph_fits(fb.mamba):
+            self.forward(fb)
+        else:
+            super().follow(fb)
 
     def forward(self, fb: ForwardBatch):
         md = fb.mamba
@@ -164,8 +168,7 @@ class CudaGraphExecutor(EagerExecutor):
                 self.split_steps += got is not None
             if got is not None:
                 return got
-        if (md.num_prefill_rows or num_rows == 0 or tokens_per_row not in self.graphs_by_width
-                or num_rows > self.buckets[-1]):
+        if not self._decode_graph_fits(md):
             return super().forward(fb)
         key = (num_rows, tokens_per_row)
         got = self._outs.get(key)

@@ -15,6 +15,21 @@ from .spec_graphs import SpecStepGraphs, build_step_graphs
 logger = logging.getLogger("hybrid_engine")
 
 
+class NgramFollower:
+    """The n-gram drafter inside a fused step's graph (the greedy step graphs' resting steps and
+    ``NgramStepGraphs``' verify steps): its Triton kernel appends the step's tokens to the rows'
+    histories and drafts K for the next step; pending slot resets are flushed before each replay."""
+
+    def __init__(self, drafter):
+        self.drafter, self.kernel, self.num_spec = drafter, drafter._kernel, drafter.num_spec
+
+    def propose(self, slots, sampled, num_valid, next_start) -> torch.Tensor:
+        return self.kernel(self.drafter._store, self.drafter.length, slots, sampled, num_valid, next_start)
+
+    def before_replay(self) -> None:
+        self.drafter.flush()
+
+
 class NgramStepGraphs(SpecStepGraphs):
     name = "n-gram"
     # width 0 too: a step that verifies no drafts right after one that did (adaptive speculation
@@ -30,30 +45,14 @@ class NgramStepGraphs(SpecStepGraphs):
             raise ValueError("n-gram step graphs need the n-gram drafter on its Triton kernel")
         super().__init__(executor, drafter, num_spec=num_spec, widths=widths, block_size=block_size,
                          max_blocks=max_blocks, forced_acceptance_rate=forced_acceptance_rate)
-        self.kernel = kernel
+        self.follower = NgramFollower(drafter)             # the kernel call the greedy graphs capture too
         self._capture_all()
 
     def _propose(self, g, bucket: int, hidden, sampled, num_valid, next_start) -> torch.Tensor:
-        return self.kernel(self.drafter._store, self.drafter.length, g.fb.mamba.decode_slots[:bucket], sampled,
-                           num_valid, next_start)                              # [B, K]
+        return self.follower.propose(g.fb.mamba.decode_slots[:bucket], sampled, num_valid, next_start)  # [B, K]
 
     def _before_replay(self) -> None:
-        self.drafter.flush()                               # pending slot resets, before the graph reads them
-
-
-class NgramFollower:
-    """The n-gram drafter inside the greedy step graphs (``greedy_graphs.py``): its Triton kernel
-    appends a resting step's tokens to the rows' histories and drafts K for the next step, captured
-    after the argmax; pending slot resets are flushed before each replay."""
-
-    def __init__(self, drafter):
-        self.drafter, self.kernel, self.num_spec = drafter, drafter._kernel, drafter.num_spec
-
-    def propose(self, slots, sampled, num_valid, next_start) -> torch.Tensor:
-        return self.kernel(self.drafter._store, self.drafter.length, slots, sampled, num_valid, next_start)
-
-    def before_replay(self) -> None:
-        self.drafter.flush()
+        self.follower.before_replay()                      # pending slot resets, before the graph reads them
 
 
 def make_ngram_follower(drafter) -> NgramFollower | None:

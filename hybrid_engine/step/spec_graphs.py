@@ -90,6 +90,8 @@ class SpecStepGraphs:
                                   and 1 + k in executor.graphs_by_width)
         if not self.draft_counts:
             raise ValueError(f"no captured forward width among {widths}")
+        # resting steps followed by a resting step have their own (follow-only) graphs
+        self.follow_only = self.follows_without_drafting and 0 in self.draft_counts
         self.batch: InputBatch | None = None
         self._rows = self._prev_idx = None
         dev = executor.device
@@ -109,7 +111,7 @@ class SpecStepGraphs:
         self.staged = e64(2 + bmax * (2 + max_blocks))       # [N, W, prev, slot, block rows]
         vocab_size = next(iter(executor.graphs_by_width[1 + self.draft_counts[0]].values())).logits.shape[-1]
         self._argmax_chunks = chunk_buffers(bmax * (1 + K), vocab_size, dev)   # greedy_verify's scratch
-        # (bucket, k, parity, drafting): drafting False only at k = 0 (``_follow_only``)
+        # (bucket, k, parity, drafting): drafting False only at k = 0 (``follow_only``)
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._views: dict[tuple, FusedSpecStep] = {}                         # (parity, N, k)
         self.parity = 0                                      # parity of the next graph step
@@ -166,23 +168,18 @@ class SpecStepGraphs:
         drafts = self._propose(g, bucket, hidden, sampled, num_valid, next_start)   # [B, K]
         self.drafts[parity][:bucket].copy_(drafts)
 
-    @property
-    def _follow_only(self) -> bool:
-        """Whether resting steps followed by a resting step have their own (follow-only) graphs."""
-        return self.follows_without_drafting and 0 in self.draft_counts
-
     @torch.inference_mode()
     def _capture_all(self) -> None:
         keys = [(bucket, k, parity, True) for k in sorted(self.draft_counts, reverse=True)
                 for bucket in sorted(self.ex.buckets, reverse=True) for parity in (0, 1)]
-        if self._follow_only:
+        if self.follow_only:
             keys += [(bucket, 0, parity, False) for bucket in sorted(self.ex.buckets, reverse=True)
                      for parity in (0, 1)]
         self.graphs, seconds, used = capture_step_graphs(keys, self._body, device=self.ex.device, pool=self.ex.pool,
                                                          staged=self.staged)
         logger.info("captured %d %s step graphs (prepare + forward + verify + propose; B in %s, k in %s, "
                     "2 parities%s) in %.1fs, %.1f MiB", len(self.graphs), self.name, list(self.ex.buckets),
-                    list(self.draft_counts), "; k = 0 also follow-only" if self._follow_only else "",
+                    list(self.draft_counts), "; k = 0 also follow-only" if self.follow_only else "",
                     seconds, used / 2**20)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -228,7 +225,7 @@ class SpecStepGraphs:
         h2d.begin_step()
         h2d.put_raw(host, out=self.staged)
         bucket = next(x for x in self.ex.buckets if x >= n)
-        drafting = num_drafts > 0 or next_width > 0 or not self._follow_only
+        drafting = num_drafts > 0 or next_width > 0 or not self.follow_only
         self.graphs[(bucket, num_drafts, parity, drafting)].replay()
         self.parity = other
         key = (parity, n, num_drafts)
