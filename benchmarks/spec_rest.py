@@ -36,12 +36,13 @@ from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 PROMPT = [(7 * i) % 200 + 3 for i in range(48)] * 2    # repeats: the n-gram drafter finds drafts to reject
 
 
-def measure(target: str, draft: str, method: str, adaptive: bool, args) -> dict:
+def measure(target: str, draft: str, method: str, adaptive, args) -> dict:
     """One engine through ``spec_timing.time_cell`` (a warm-up, then the median of ``args.runs``
-    timed generates): seconds per output token, acceptance length, steps by plan and width, and the
-    tokens of its last run."""
+    timed generates; ``adaptive``: False, True or "cost", adaptive_step_cost): seconds per output
+    token, acceptance length, steps by plan and width, and the tokens of its last run."""
     spec = None if method == "none" else SpeculativeConfig(
-        method, args.k, adaptive=adaptive, model=draft if method == "draft_model" else None)
+        method, args.k, adaptive=bool(adaptive), adaptive_step_cost=adaptive == "cost",
+        model=draft if method == "draft_model" else None)
     with random_weights(std=args.std):
         llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=4, speculative_config=spec,
                   max_model_len=len(PROMPT) + args.tokens + 64, enable_prefix_caching=False)
@@ -79,7 +80,7 @@ def markdown(rows: list[dict], args, device_name: str) -> str:
         last = mine[-1]
         widths = ", ".join(f"{key} {v['steps']:g} ({_interval(mine, key)})" for key, v in last["steps_by_width"].items())
         al = "-" if last["acceptance_length"] is None else f"{last['acceptance_length']:.2f}"
-        lines.append(f"| {method} | {'-' if adaptive is None else ('on' if adaptive else 'off')} | "
+        lines.append(f"| {method} | {'-' if adaptive is None else ('cost' if adaptive == 'cost' else 'on' if adaptive else 'off')} | "
                      f"{statistics.median(r['s_per_token'] for r in mine) * 1e3:.4f} | {statistics.median(ratios):.2f}x | "
                      f"{', '.join(f'{x:.2f}' for x in ratios)} | {al} | {widths} |")
     return "\n".join(lines) + "\n"
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", default="none,ngram,mtp,draft_model")
     ap.add_argument("--fixed", action="store_true", help="also each method with adaptive speculation off")
+    ap.add_argument("--cost", action="store_true", help="also each method with adaptive_step_cost")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--runs", type=int, default=5, help="timed generates per engine")
@@ -108,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     cells = [(m, None) for m in methods if m == "none"] + [(m, True) for m in methods if m != "none"]
     if args.fixed:
         cells += [(m, False) for m in methods if m != "none"]
+    if args.cost:
+        cells += [(m, "cost") for m in methods if m != "none"]
     rows = []
     for rnd in range(args.rounds):
         ref = None
         for method, adaptive in cells:
-            row = measure(str(target), str(draft), method, bool(adaptive), args)
+            row = measure(str(target), str(draft), method, False if adaptive is None else adaptive, args)
             row["round"] = rnd
             if method == "none":
                 ref = row

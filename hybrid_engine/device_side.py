@@ -119,7 +119,8 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
                          max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len, block_size=cc.block_size,
                          max_blocks=max_blocks, num_spec=k, device=local.device,
                          draft_policy=make_policy(cfg.speculative, k, pool.num_slots,
-                                                  counts if executor.widths is not None else None),
+                                                  counts if executor.widths is not None else None,
+                                                  timed=tp is None),
                          forced_acceptance_rate=forced, spec_graphs=spec_graphs)
     return DeviceSide(cfg=local, model=model, caches=caches, drafter=drafter, runner=runner, num_blocks=num_blocks,
                       max_model_len=max_model_len, max_blocks_per_req=max_blocks, checkpoint_rows=rows,

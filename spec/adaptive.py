@@ -28,18 +28,32 @@ a failed probe doubles its interval (up to ``2**max_backoff``), an accepted one 
 Observations of a slot given to another request since its step was launched are dropped (a
 generation counter per slot). Nothing here touches the device.
 
-With ``step_costs`` (``SpeculativeConfig.adaptive_step_cost``) the policy also weighs what a step
-costs: ``StepCosts`` keeps the median of the last few host times between the reads of consecutive
-steps (the later step's own time, whether the GPU or the host bounds it; decode-only steps, the
-first sample of each key dropped; a median, because with a decayed mean a few slow intervals
-kept one width's cost at 3.4-6.1 ms against ~0.5 ms for the others on the H200, 2026-11-29, and
-held that width off) per (width, batch rows rounded up to a power of two), and a step's
-width is the allowed one, at most the rows' wish rounded up, with the most expected tokens per
-second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w). Untimed widths are tried on every
-4th step, and every ``explore_every``-th step re-times the least timed width, so a cost read in a
-slow moment is not kept forever. The widths then depend on
-timing (the tokens do not: invariant 2 keeps random rows of probabilistic drafters at K); a
-tensor-parallel engine refuses it, since its ranks must choose the same widths.
+Resting by measured cost. A model drafter's first draft is not one more verified token: it is the
+drafter's own pass (the MTP block, the draft model), which on a small host-bound model costs most
+of a greedy step (bench-large at random weights, H200: a one-draft MTP step 0.665 ms, a resting
+step 0.367 ms), while on a large model it is a small fraction. So an adaptive engine times its
+steps per width (``StepCosts`` below, the same measurement as the cost mode's) and a row also
+rests when no width w it may take pays for itself: its expected accepted drafts
+p1 * (1 + c + ... + c^(w-1)) stay below half that width's measured extra cost,
+cost(w) / cost(0) - 1, for every width timed at this batch size (``_pays``; half: a margin for
+the noise of p1, see ``_COST_MARGIN``). Until width 0 and a drafting width are both
+timed (a fresh engine has no resting steps yet) the threshold rule alone decides. The widths a
+drafting row takes are still the threshold rule's: on the trained bench-large model choosing them
+by cost lost to it in every cell (H200, 2026-11-29: n-gram edit 1.48x against 1.83x).
+
+With ``choose_by_cost`` (``SpeculativeConfig.adaptive_step_cost``) the policy also weighs what a
+step costs to choose a drafting step's width. ``StepCosts`` keeps the median of the last few host
+times between the reads of consecutive steps (the later step's own time, whether the GPU or the
+host bounds it; decode-only steps, the first sample of each key dropped; a median, because with a
+decayed mean a few slow intervals kept one width's cost at 3.4-6.1 ms against ~0.5 ms for the
+others on the H200, 2026-11-29, and held that width off) per (width, batch rows rounded up to a
+power of two), and a step's width is the allowed one, at most the rows' wish rounded up, with the
+most expected tokens per second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w).
+Untimed widths are tried on every 4th step, and every ``explore_every``-th step re-times the least
+timed width, so a cost read in a slow moment is not kept forever. With either use of the costs the
+widths depend on timing (the tokens do not: invariant 2 keeps random rows of probabilistic
+drafters at K); a tensor-parallel engine times nothing (``make_policy(timed=False)``), since its
+ranks must choose the same widths.
 """
 from __future__ import annotations
 
@@ -53,6 +67,13 @@ import numpy as np
 
 _PSEUDO = 0.05     # AdaptiveDrafts.observe: the continuation rate's pull back to 1 per unseen step
 _TIE = 1e-9        # AdaptiveDrafts.observe: slack on the k rule's floor (both paths agree at ties)
+_MIN_TIMED = 2     # AdaptiveDrafts._extra_costs: kept samples of a width before its cost counts
+# AdaptiveDrafts._pays: a row rests only when its expected accepted drafts are below this share of
+# a width's extra cost. p1 is a decayed estimate over ~10 observations, and a resting row is
+# re-measured only by its probes (one draft every 8-64 steps), so resting on an estimate that a
+# run of rejections pushed low is expensive; at 1.0 a row accepting 20% of first drafts (0.6
+# expected at K = 3, extra cost 0.2) rested for about half of its steps
+_COST_MARGIN = 0.5
 
 
 class FixedDrafts:
@@ -87,7 +108,7 @@ class StepCosts:
         self.window, self.clock = window, clock
         self.recent: dict[tuple[int, int], deque] = {}    # (width, bucket) -> the last window seconds
         self.samples: dict[tuple[int, int], int] = {}     # samples seen (all, not only the kept)
-        self._median: dict[tuple[int, int], float] = {}   # recent's median, refreshed per record
+        self._median: dict[tuple[int, int], float] = {}   # recent's median, refreshed by get() after a record
         # keys whose first sample was dropped: a width's first step may include one-off work
         # (Triton compiling a kernel in eager mode) that would weigh on the cost for long
         self._warm: set[tuple[int, int]] = set()
@@ -108,12 +129,16 @@ class StepCosts:
             else:
                 kept = self.recent.setdefault(key, deque(maxlen=self.window))
                 kept.append(now - self._last[1])
-                self._median[key] = statistics.median(kept)
+                self._median.pop(key, None)          # stale: get() takes the median again
                 self.samples[key] = self.samples.get(key, 0) + 1
         self._last = (step, now)
 
     def get(self, width: int, rows: int) -> float | None:
-        return self._median.get((width, self.bucket(rows)))
+        key = (width, self.bucket(rows))
+        got = self._median.get(key)
+        if got is None and key in self.recent:
+            got = self._median[key] = statistics.median(self.recent[key])
+        return got
 
     def count(self, width: int, rows: int) -> int:
         return self.samples.get((width, self.bucket(rows)), 0)
@@ -122,18 +147,22 @@ class StepCosts:
 class AdaptiveDrafts:
     def __init__(self, num_spec: int, num_slots: int, *, widths: tuple[int, ...] | None = None,
                  threshold: float = 0.03, decay: float = 0.9, probe_every: int = 8, max_backoff: int = 3,
-                 step_costs: StepCosts | None = None, explore_every: int = 64):
+                 step_costs: StepCosts | None = None, choose_by_cost: bool = False, explore_every: int = 64):
         """``widths``: the draft counts a step may have (None: any of 0..num_spec); the chosen width
         is rounded up to one of them. ``threshold``: the least acceptance chance of the last draft
-        a row asks for. ``decay``: weight of the past per observed step. ``step_costs``: weigh the
-        measured cost of each width too (module docstring), re-measuring the least measured width
-        every ``explore_every`` steps."""
+        a row asks for. ``decay``: weight of the past per observed step. ``step_costs``: the
+        steps' measured costs, which rest a row whose drafts do not pay for them (module
+        docstring; None: the threshold rule alone). ``choose_by_cost``: also choose a drafting
+        step's width by them (the cost mode; needs ``step_costs``), re-measuring the least
+        measured width every ``explore_every`` steps."""
+        if choose_by_cost and step_costs is None:
+            raise ValueError("choose_by_cost needs step_costs")
         if not 0.0 < threshold < 1.0 or not 0.0 < decay < 1.0:
             raise ValueError(f"need 0 < threshold < 1 and 0 < decay < 1, got {threshold}, {decay}")
         # threshold and decay may be changed between steps (tests that need rows to rest sooner)
         self.num_spec, self.threshold, self.decay = num_spec, threshold, decay
         self.probe_every, self.max_backoff = probe_every, max_backoff
-        self.costs, self.explore_every = step_costs, explore_every
+        self.costs, self.choose_by_cost, self.explore_every = step_costs, choose_by_cost, explore_every
         self.times_steps = step_costs is not None        # wants the steps that verify no drafts too
         allowed = sorted(set(range(num_spec + 1) if widths is None else widths) | {0, num_spec})
         self._allowed = tuple(allowed)
@@ -186,7 +215,7 @@ class AdaptiveDrafts:
             want = self._probe = bool(due.any())
             return int(self._round_up[int(want)])
         width = int(self._round_up[want])
-        return width if self.costs is None else self._cheapest(slots, width)
+        return self._cheapest(slots, width) if self.choose_by_cost else width
 
     def _cheapest(self, slots: np.ndarray, most: int) -> int:
         """The allowed width <= ``most`` (the rows' wish, rounded up to an allowed width) with the
@@ -270,6 +299,9 @@ class AdaptiveDrafts:
         more = np.maximum(np.floor(ratio + _TIE), 0)
         k = np.where(p1 < self.threshold, 0, np.where(c >= 1.0 - 1e-9, self.num_spec, 1 + more))
         k = np.clip(k, 0, self.num_spec).astype(np.int64)
+        extra = self._extra_costs(n)
+        if extra:
+            k = np.where(self._pays(p1, c, extra), k, 0)
         self.k[slots] = k
         # a resting row whose probe failed backs off; one that wants drafts again probes from scratch
         self.backoff[slots] = np.where(k > 0, 0, np.minimum(self.backoff[slots] + (was_resting & probe),
@@ -301,8 +333,37 @@ class AdaptiveDrafts:
             ratio = (math.log(self.threshold) - math.log(max(p1, 1e-12))) / min(ln_c, -1e-12)
             k = 1 + max(math.floor(ratio + _TIE), 0)
         k = min(max(k, 0), self.num_spec)
+        if k:
+            extra = self._extra_costs(1)
+            if extra and not self._pays(p1, c, extra):
+                k = 0
         self.k[slot] = k
         self.backoff[slot] = 0 if k > 0 else min(int(self.backoff[slot]) + (was_resting and probe), self.max_backoff)
+
+    def _extra_costs(self, rows: int) -> list[tuple[int, float]]:
+        """[(w, cost(w) / cost(0) - 1)] for the allowed widths w > 0 timed at ``rows`` decode rows
+        (each width and width 0 at least ``_MIN_TIMED`` times); [] without step costs."""
+        costs = self.costs
+        if costs is None or costs.count(0, rows) < _MIN_TIMED:
+            return []
+        base = costs.get(0, rows)
+        return [(w, costs.get(w, rows) / base - 1.0) for w in self._allowed
+                if w and costs.count(w, rows) >= _MIN_TIMED]
+
+    @staticmethod
+    def _pays(p1, c, extra: list[tuple[int, float]]):
+        """Whether some timed width w may pay for itself: expected accepted drafts
+        p1 * (1 + c + ... + c^(w-1)) above ``_COST_MARGIN`` times its extra cost. p1, c: floats
+        (one row) or arrays [B] (then [B] bool); the sum is taken term by term in the same order
+        for both, so the one-row and the batched observe agree to the bit."""
+        pays = False
+        for w, extra_cost in extra:
+            total, term = 1.0, 1.0
+            for _ in range(w - 1):
+                term = term * c
+                total = total + term
+            pays = pays | (p1 * total > _COST_MARGIN * extra_cost)
+        return pays
 
 
 def draft_counts(spec_cfg, num_spec: int) -> tuple[int, ...]:
@@ -316,12 +377,18 @@ def draft_counts(spec_cfg, num_spec: int) -> tuple[int, ...]:
     return tuple(sorted({0, 1, (num_spec + 1) // 2, num_spec}))
 
 
-def make_policy(spec_cfg, num_spec: int, num_slots: int, widths: tuple[int, ...] | None):
+def make_policy(spec_cfg, num_spec: int, num_slots: int, widths: tuple[int, ...] | None, *,
+                timed: bool = True):
     """The runner's policy: adaptive unless the config turns it off (or forces acceptance, whose
-    point is to measure a fixed K); weighing step costs with ``adaptive_step_cost``."""
+    point is to measure a fixed K), timing its steps (a row whose drafts do not pay for their
+    measured cost rests); choosing drafting widths by those costs too with ``adaptive_step_cost``.
+    ``timed`` False (tensor parallelism: every rank must choose the same widths, and timings
+    differ between ranks): acceptance alone decides."""
     if not num_spec:
         return FixedDrafts(0)
     if spec_cfg is None or not spec_cfg.adaptive or spec_cfg.forced_acceptance_rate is not None:
         return FixedDrafts(num_spec)
-    costs = StepCosts() if spec_cfg.adaptive_step_cost else None
-    return AdaptiveDrafts(num_spec, num_slots, widths=widths, step_costs=costs)
+    if spec_cfg.adaptive_step_cost and not timed:
+        raise ValueError("adaptive_step_cost needs a policy that times its steps (no tensor parallelism)")
+    return AdaptiveDrafts(num_spec, num_slots, widths=widths, step_costs=StepCosts() if timed else None,
+                          choose_by_cost=spec_cfg.adaptive_step_cost)

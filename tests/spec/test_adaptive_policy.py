@@ -189,7 +189,7 @@ def _cost_run(step_s, accepted_frac, steps=200, rows=(1,), K=3):
     rejection (a seeded draw). -> widths chosen, in order."""
     from hybrid_engine.spec.adaptive import StepCosts
     clock = Clock()
-    pol = AdaptiveDrafts(K, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock))
+    pol = AdaptiveDrafts(K, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock), choose_by_cost=True)
     slots = np.asarray(rows, np.int64)
     rng = np.random.default_rng(0)
     for s in slots:
@@ -236,7 +236,7 @@ def test_step_cost_policy_without_times_keeps_the_plain_width():
     """Steps that are never timed (every one carries prefill rows): the plain rule's width, except
     every 4th step, which tries an untimed width (here 0): never stuck at 0."""
     from hybrid_engine.spec.adaptive import StepCosts
-    pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=Clock()))
+    pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=Clock()), choose_by_cost=True)
     pol.reset(1)
     slots = np.array([1])
     widths = []
@@ -244,6 +244,89 @@ def test_step_cost_policy_without_times_keeps_the_plain_width():
         widths.append(pol.width(slots))
         pol.observe(pol.snapshot(slots, 1, widths[-1], decode_only=False), np.array([widths[-1] + 1]))
     assert widths.count(3) >= 28 and widths.count(0) <= 10, widths
+
+
+def _timed_drive(pol, clock, step_s, slots, accepted_of, steps):
+    """``_drive`` on a fake clock: a step of width w takes ``step_s[w]`` seconds; every step is
+    decode rows only (timed). ``accepted_of(width) -> accepted drafts`` (the same for each row)."""
+    slots = np.asarray(slots, np.int64)
+    widths, width = [], pol.width(slots)
+    for _ in range(steps):
+        tok = pol.snapshot(slots, len(slots), width, decode_only=True)
+        nxt = pol.width(slots)                          # launched before this step's read (async)
+        clock.t += step_s[width]
+        pol.observe(tok, np.full(len(slots), accepted_of(width) + 1, np.int64))
+        widths.append(width)
+        width = nxt
+    return widths
+
+
+def test_rows_rest_when_their_drafts_do_not_pay_for_the_measured_step_cost():
+    """Model drafters: a drafting step costs ~2x a resting one (bench-large on the H200: 0.665-0.73
+    against 0.367 ms). Once the engine has timed resting steps (a first request whose drafts all
+    failed rested by the threshold rule), a row rests when its expected accepted drafts cannot pay
+    for that: a new all-rejected request rests within 4 steps instead of ~11, and a row whose first
+    draft lands 20% of the time (0.6 expected drafts at 3, against an extra cost of 1.0: a
+    margin of half the cost, and the estimate's noise, rest it) rests, while with cheap drafting
+    steps (1.2x) the same row keeps drafting, and a row at p1 = 0.9 drafts through expensive
+    steps."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    expensive, cheap = {0: 1.0, 1: 1.8, 2: 1.9, 3: 2.0}, {0: 1.0, 1: 1.1, 2: 1.15, 3: 1.2}
+
+    def engine(step_s):
+        clock = Clock()
+        pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock))
+        pol.reset(1)
+        first = _timed_drive(pol, clock, step_s, [1], lambda w: 0, 60)   # rests by the threshold rule
+        assert 8 <= first.index(0) <= 14 and first[-20:].count(0) >= 17, first
+        return pol, clock
+
+    pol, clock = engine(expensive)
+    pol.reset(2)
+    fresh = _timed_drive(pol, clock, expensive, [2], lambda w: 0, 30)
+    assert fresh.index(0) <= 4 and fresh[-20:].count(0) >= 17, fresh
+    # without the costs (the threshold rule alone) the same request drafts ~11 steps
+    plain = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3))
+    plain.reset(2)
+    assert _drive(plain, [2], lambda w: 0, 30).index(0) >= 8
+
+    rng = np.random.default_rng(0)
+    bursty = lambda w: w if rng.random() < 0.2 else 0          # noqa: E731  first draft 20%, then all
+    pol.reset(3)
+    mid = _timed_drive(pol, clock, expensive, [3], bursty, 200)
+    assert mid[50:].count(3) <= 0.2 * 150 and mid[50:].count(0) >= 0.7 * 150, mid   # rest, probes
+    pol_cheap, clock_cheap = engine(cheap)
+    pol_cheap.reset(3)
+    rng = np.random.default_rng(0)
+    mid_cheap = _timed_drive(pol_cheap, clock_cheap, cheap, [3], bursty, 200)
+    assert mid_cheap[50:].count(3) >= 0.9 * 150, mid_cheap
+    pol.reset(4)
+    rng = np.random.default_rng(1)
+    good = _timed_drive(pol, clock, expensive, [4], lambda w: w if rng.random() < 0.9 else 0, 200)
+    assert good[20:].count(3) >= 0.9 * 180, good
+
+
+def test_cost_gate_keeps_the_one_row_and_batched_observe_equal():
+    """The gate's arithmetic in the one-row path (Python floats) and the batched one (numpy) gives
+    the same widths and state on the same timed history."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    step_s = {0: 1.0, 1: 1.7, 2: 1.8, 3: 2.0}
+    runs = []
+    for slots, timed in (([1], True), ([1, 2], True), ([1], False)):
+        clock, rng = Clock(), np.random.default_rng(3)
+        pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock) if timed else None)
+        for s in slots:
+            pol.reset(s)
+        widths = _timed_drive(pol, clock, step_s, slots, lambda w: 0, 40)          # time width 0
+        widths += _timed_drive(pol, clock, step_s, slots,
+                               lambda w: w if rng.random() < 0.3 else 0, 150)
+        runs.append((widths, pol.k[1], pol.first_accepted[1], pol.first_tried[1], pol.backoff[1]))
+    # the same decisions for row 1 whether it is alone or beside row 2 (same acceptance per step,
+    # timed in different batch buckets: 1 and 2 rows, each measured by its own steps) ...
+    assert runs[0] == runs[1]
+    # ... and the gate changed them: 0.9 expected drafts at 3 against an extra cost of 1.0 rest
+    # the row (the threshold rule alone, untimed, drafts most steps)
+    assert runs[0][0][40:].count(0) > runs[2][0][40:].count(0) + 50, (runs[0][0], runs[2][0])
 
 
 def test_step_costs_time_consecutive_decode_steps_per_width_and_batch_bucket():
@@ -277,6 +360,20 @@ def test_step_costs_time_consecutive_decode_steps_per_width_and_batch_bucket():
     assert c.get(3, 1) == 1.0 and c.count(3, 1) == 6
     with pytest.raises(ValueError, match="window"):
         StepCosts(window=0)
+
+
+def test_made_policy_times_its_steps_except_under_tensor_parallelism():
+    """An adaptive engine's policy times its steps (the cost gate); a tensor-parallel one must not
+    (its ranks would choose different widths from different timings): acceptance alone."""
+    from hybrid_engine.spec.adaptive import StepCosts, make_policy
+    pol = make_policy(SpeculativeConfig("mtp", 3), 3, 8, (0, 1, 2, 3))
+    assert isinstance(pol.costs, StepCosts) and pol.times_steps and not pol.choose_by_cost
+    tp = make_policy(SpeculativeConfig("mtp", 3), 3, 8, (0, 1, 2, 3), timed=False)
+    assert tp.costs is None and not tp.times_steps
+    assert make_policy(SpeculativeConfig("mtp", 3, adaptive_step_cost=True), 3, 8, None).choose_by_cost
+    with pytest.raises(ValueError, match="adaptive_step_cost"):
+        make_policy(SpeculativeConfig("mtp", 3, adaptive_step_cost=True), 3, 8, None, timed=False)
+    assert isinstance(make_policy(SpeculativeConfig("mtp", 3, adaptive=False), 3, 8, None), FixedDrafts)
 
 
 def test_fixed_policy_and_counts():
