@@ -33,11 +33,12 @@ drafter's own pass (the MTP block, the draft model), which on a small host-bound
 of a greedy step (bench-large at random weights, H200: a one-draft MTP step 0.665 ms, a resting
 step 0.367 ms), while on a large model it is a small fraction. So an adaptive engine times its
 steps per width (``StepCosts`` below, the same measurement as the cost mode's) and a row also
-rests when no width w it may take pays for itself: its expected accepted drafts
-p1 * (1 + c + ... + c^(w-1)) stay below half that width's measured extra cost,
-cost(w) / cost(0) - 1, for every width timed at this batch size (``_pays``; half: a margin for
-the noise of p1, see ``_COST_MARGIN``). Until width 0 and a drafting width are both
-timed (a fresh engine has no resting steps yet) the threshold rule alone decides. The widths a
+rests when no width w it may take pays for itself: its expected tokens a step,
+1 + p1 * (1 + c + ... + c^(w-1)), stay below 0.9 of that width's measured cost relative to a
+resting step, cost(w) / cost(0), for every width timed at this batch size (``_pays``; 0.9: a
+margin for the noise of p1, see ``_THROUGHPUT_FLOOR``). Until width 0 and a drafting width are both
+timed the threshold rule alone decides; where no row has rested at a batch size yet, the policy
+rests for a few short runs of steps to time width 0 (``_times_rest``). The widths a
 drafting row takes are still the threshold rule's: on the trained bench-large model choosing them
 by cost lost to it in every cell (H200, 2026-11-29: n-gram edit 1.48x against 1.83x).
 
@@ -68,12 +69,19 @@ import numpy as np
 _PSEUDO = 0.05     # AdaptiveDrafts.observe: the continuation rate's pull back to 1 per unseen step
 _TIE = 1e-9        # AdaptiveDrafts.observe: slack on the k rule's floor (both paths agree at ties)
 _MIN_TIMED = 2     # AdaptiveDrafts._extra_costs: kept samples of a width before its cost counts
-# AdaptiveDrafts._pays: a row rests only when its expected accepted drafts are below this share of
-# a width's extra cost. p1 is a decayed estimate over ~10 observations, and a resting row is
-# re-measured only by its probes (one draft every 8-64 steps), so resting on an estimate that a
-# run of rejections pushed low is expensive; at 1.0 a row accepting 20% of first drafts (0.6
-# expected at K = 3, extra cost 0.2) rested for about half of its steps
-_COST_MARGIN = 0.5
+# AdaptiveDrafts._pays: a row rests only when, at every timed width, drafting would yield below this
+# share of a resting step's tokens per second. p1 is a decayed estimate over ~10 observations, and
+# a resting row is re-measured only by its probes (one draft every 8-64 steps), so resting on an
+# estimate that a run of rejections pushed low is expensive; the floor keeps a row drafting where
+# drafting is cheap (an extra cost under 0.11 never rests it: the threshold rule decides there).
+# With a floor of 1.0 a row accepting 20% of first drafts where drafting cost 0.2 extra rested
+# for about half of its steps
+_THROUGHPUT_FLOOR = 0.9
+# AdaptiveDrafts._times_rest: while width 0 has fewer than _REST_TIMED kept samples at a batch size
+# (no row rested there yet) and the drafting width is timed, every _REST_EVERY-th step starts a run
+# of _REST_RUN steps at width 0: the first two only follow (the next width is 0 too), the last
+# drafts again, so once two runs are timed the median is a resting step's cost
+_REST_TIMED, _REST_EVERY, _REST_RUN = 5, 32, 3
 
 
 class FixedDrafts:
@@ -215,7 +223,19 @@ class AdaptiveDrafts:
             want = self._probe = bool(due.any())
             return int(self._round_up[int(want)])
         width = int(self._round_up[want])
-        return self._cheapest(slots, width) if self.choose_by_cost else width
+        if self.choose_by_cost:
+            return self._cheapest(slots, width)
+        return 0 if self._times_rest(len(slots), width) else width
+
+    def _times_rest(self, rows: int, width: int) -> bool:
+        """Whether this step rests to time width 0 (``_REST_TIMED`` and co.). Without it the cost
+        gate could only act after the threshold rule had rested some row at this batch size: an
+        n-gram engine at acceptance length 1.88 on the CPU, its K = 3 steps costing 2.9x a greedy
+        step (0.66x of no speculation), never rested, so never timed width 0."""
+        costs = self.costs
+        if costs is None or costs.count(0, rows) >= _REST_TIMED or costs.count(width, rows) < _MIN_TIMED:
+            return False
+        return self.steps % _REST_EVERY < _REST_RUN
 
     def _cheapest(self, slots: np.ndarray, most: int) -> int:
         """The allowed width <= ``most`` (the rows' wish, rounded up to an allowed width) with the
@@ -352,8 +372,9 @@ class AdaptiveDrafts:
 
     @staticmethod
     def _pays(p1, c, extra: list[tuple[int, float]]):
-        """Whether some timed width w may pay for itself: expected accepted drafts
-        p1 * (1 + c + ... + c^(w-1)) above ``_COST_MARGIN`` times its extra cost. p1, c: floats
+        """Whether some timed width w may pay for itself: its expected tokens a step,
+        1 + p1 * (1 + c + ... + c^(w-1)), at least ``_THROUGHPUT_FLOOR`` times its cost
+        relative to a resting step, 1 + extra cost. p1, c: floats
         (one row) or arrays [B] (then [B] bool); the sum is taken term by term in the same order
         for both, so the one-row and the batched observe agree to the bit."""
         pays = False
@@ -362,7 +383,7 @@ class AdaptiveDrafts:
             for _ in range(w - 1):
                 term = term * c
                 total = total + term
-            pays = pays | (p1 * total > _COST_MARGIN * extra_cost)
+            pays = pays | (1.0 + p1 * total >= _THROUGHPUT_FLOOR * (1.0 + extra_cost))
         return pays
 
 

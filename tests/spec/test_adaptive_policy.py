@@ -266,10 +266,9 @@ def test_rows_rest_when_their_drafts_do_not_pay_for_the_measured_step_cost():
     against 0.367 ms). Once the engine has timed resting steps (a first request whose drafts all
     failed rested by the threshold rule), a row rests when its expected accepted drafts cannot pay
     for that: a new all-rejected request rests within 4 steps instead of ~11, and a row whose first
-    draft lands 20% of the time (0.6 expected drafts at 3, against an extra cost of 1.0: a
-    margin of half the cost, and the estimate's noise, rest it) rests, while with cheap drafting
-    steps (1.2x) the same row keeps drafting, and a row at p1 = 0.9 drafts through expensive
-    steps."""
+    draft lands 20% of the time (1.6 expected tokens a step for 2x the time) rests, while with
+    cheap drafting steps (1.2x) the same row keeps drafting, and a row at p1 = 0.9 drafts through
+    expensive steps."""
     from hybrid_engine.spec.adaptive import StepCosts
     expensive, cheap = {0: 1.0, 1: 1.8, 2: 1.9, 3: 2.0}, {0: 1.0, 1: 1.1, 2: 1.15, 3: 1.2}
 
@@ -304,6 +303,43 @@ def test_rows_rest_when_their_drafts_do_not_pay_for_the_measured_step_cost():
     rng = np.random.default_rng(1)
     good = _timed_drive(pol, clock, expensive, [4], lambda w: w if rng.random() < 0.9 else 0, 200)
     assert good[20:].count(3) >= 0.9 * 180, good
+
+
+def test_policy_times_a_resting_step_where_no_row_rested():
+    """A row whose drafts never fall to the threshold rule's rest (15% of first drafts land, then
+    every one: ~0.5 drafts a K = 3 step) but cost more than they yield (2x a greedy step): the
+    policy rests two short runs of steps to time width 0 (6 steps in all: a row at 60% loses no
+    more), then the gate rests the row; with cheap drafting steps the same row drafts, and
+    without timing it never rests."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    expensive, cheap = {0: 1.0, 1: 1.8, 2: 1.9, 3: 2.0}, {0: 1.0, 1: 1.1, 2: 1.15, 3: 1.2}
+    runs = {}
+    for name, step_s, rate in (("expensive", expensive, 0.15), ("cheap", cheap, 0.15), ("untimed", None, 0.15),
+                               ("good", expensive, 0.6)):
+        clock, rng = Clock(), np.random.default_rng(0)
+        pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3),
+                             step_costs=None if step_s is None else StepCosts(clock=clock))
+        pol.reset(1)
+        runs[name] = _timed_drive(pol, clock, step_s or cheap, [1],
+                                  lambda w: w if rng.random() < rate else 0, 300)    # noqa: B023
+    assert runs["untimed"].count(0) == 0, runs["untimed"]
+    assert runs["good"].count(0) == 6 and runs["good"][100:] == [3] * 200, runs["good"]
+    assert runs["cheap"][100:].count(3) >= 0.9 * 200, runs["cheap"]
+    assert runs["expensive"][100:].count(3) <= 0.25 * 200, runs["expensive"]
+
+
+def test_a_drafter_that_costs_more_than_its_accepted_tokens_rests_at_high_acceptance():
+    """Drafting steps at 5-6.5x a resting step: even with 90% of drafts accepted (3.7 tokens a
+    step at K = 3) drafting yields ~0.6x of resting, so the gate rests the row. (The gate's first
+    form, expected drafts against half the extra cost, kept it drafting: 2.7 > 2.75 is false only
+    by a hair, and at 5x for one draft 0.9 > 2.0 never.)"""
+    from hybrid_engine.spec.adaptive import StepCosts
+    clock, rng = Clock(), np.random.default_rng(0)
+    pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3), step_costs=StepCosts(clock=clock))
+    pol.reset(1)
+    widths = _timed_drive(pol, clock, {0: 1.0, 1: 5.0, 2: 5.5, 3: 6.5}, [1],
+                          lambda w: int(np.cumprod(rng.random(w) < 0.9).sum()), 300)
+    assert widths[100:].count(3) == 0 and widths[100:].count(0) >= 0.8 * 200, widths
 
 
 def test_cost_gate_keeps_the_one_row_and_batched_observe_equal():
