@@ -23,7 +23,7 @@ class SpeculativeConfig:
     # Adaptive speculation (spec/adaptive.py): per request, the number of drafts shrinks while its
     # recent acceptance is low (down to none) and grows back when it rises; a step verifies as many
     # drafts as its most confident row wants (0: no drafts verified, though on the GPU such a step
-    # still costs more than a step without speculation). On one GPU the engine also times its steps
+    # still costs more than a step without speculation). On one device the engine also times its steps
     # per width, and a row rests when its expected accepted drafts cannot pay for the measured
     # extra cost of drafting. False: every decode row verifies num_speculative_tokens drafts every step.
     adaptive: bool = True

@@ -232,6 +232,7 @@ def warm_up(engine, *, seed: int = 0) -> WarmupReport:
         got = _idle_wave(engine, prompt, seed)
         requests, tokens, steps = requests + got[0], tokens + got[1], steps + got[2]
     engine.reset_stats()
+    engine.runner.policy.forget_costs()      # warm-up's step times (compiling, odd rows) are not serving's
     report = WarmupReport(requests=requests, prompt_tokens=tokens, steps=steps, seconds=time.perf_counter() - t0)
     logger.info("warm-up: %d requests, %d prompt tokens, %d steps in %.1f s", report.requests,
                 report.prompt_tokens, report.steps, report.seconds)

@@ -116,7 +116,7 @@ class ModelRunner:
                 # rows (batch): such steps verify all K (docs/design.md invariant 2)
                 num_drafts = self.num_spec
             observe = (self.policy, self.policy.snapshot(slots_np, inp.num_decode, self._width(inp),
-                                                         decode_only=not inp.num_prefill))
+                                                         decode_only=not inp.num_prefill, next_width=num_drafts))
         drafts, draft_probs = self.drafter.propose(
             self._draft_context(step.req_ids, inp, hidden, sampled, num_valid, next_start, num_drafts))
         payload = self._d2h_payload(sampled, inp)
@@ -192,7 +192,8 @@ class ModelRunner:
         # payload: the tokens (then the verified drafts) with non-finite rows marked NONFINITE
         out = plan.replay(step, self.prev, self.h2d, next_width=num_drafts)
         if slots_np is not None and (out.width or self.policy.times_steps):   # width 0: only its time
-            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width, decode_only=True))
+            observe = (self.policy, self.policy.snapshot(slots_np, len(out.rows), out.width, decode_only=True,
+                                                         next_width=num_drafts))
         drafts = out.drafts if num_drafts == out.drafts.shape[1] else out.drafts[:, :num_drafts]
         handle = self._finish(sched, step.req_ids, out.rows, out.payload,
                               PrevStep(sampled=out.sampled, num_valid=out.num_valid, next_start=out.next_start,

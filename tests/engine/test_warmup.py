@@ -34,6 +34,8 @@ def test_warm_up_leaves_the_engine_as_new(hybrid_dir, spec):
     s = eng.stats()
     assert s["steps"] == s["prompt_tokens"] == s["generated_tokens"] == s["requests_finished"] == 0
     assert s["drafts_proposed"] == 0
+    costs = getattr(eng.runner.policy, "costs", None)       # adaptive: warm-up's step times forgotten
+    assert costs is None or (costs.samples == {} and costs.recent == {})
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.engine.stats()["requests_finished"] == len(prompts)

@@ -61,7 +61,9 @@ class Phases:
         return drafts, probs
 
 
-def _run(target, prompts, spec, bad=None, params=None, monkeypatch=None, **kw):
+def _run(target, prompts, spec, bad=None, params=None, monkeypatch=None, timed=False, **kw):
+    """``timed`` False: the policy's acceptance rule alone (no cost gate): these tests count width
+    schedules, which host timing (a loaded machine) would move."""
     holder = {}
     if bad is not None:
         def factory(build):
@@ -72,6 +74,8 @@ def _run(target, prompts, spec, bad=None, params=None, monkeypatch=None, **kw):
                 num_kv_blocks=96)
     args.update(kw)
     llm = LLM(target, speculative_config=spec, **args)
+    if not timed and spec is not None and spec.adaptive and not spec.adaptive_step_cost:
+        llm.engine.runner.policy.stop_timing()
     outs = llm.generate(prompts, params or SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     st = llm.stats()
     assert st["free_slots"] == st["total_slots"] and st["free_blocks"] == st["total_blocks"]

@@ -247,13 +247,14 @@ def test_step_cost_policy_without_times_keeps_the_plain_width():
 
 
 def _timed_drive(pol, clock, step_s, slots, accepted_of, steps):
-    """``_drive`` on a fake clock: a step of width w takes ``step_s[w]`` seconds; every step is
-    decode rows only (timed). ``accepted_of(width) -> accepted drafts`` (the same for each row)."""
+    """``_drive`` on a fake clock, in the runner's order (the next width, then the snapshot that
+    names it): a step of width w takes ``step_s[w]`` seconds; every step is decode rows only.
+    ``accepted_of(width) -> accepted drafts`` (the same for each row)."""
     slots = np.asarray(slots, np.int64)
     widths, width = [], pol.width(slots)
     for _ in range(steps):
-        tok = pol.snapshot(slots, len(slots), width, decode_only=True)
         nxt = pol.width(slots)                          # launched before this step's read (async)
+        tok = pol.snapshot(slots, len(slots), width, decode_only=True, next_width=nxt)
         clock.t += step_s[width]
         pol.observe(tok, np.full(len(slots), accepted_of(width) + 1, np.int64))
         widths.append(width)
@@ -306,22 +307,25 @@ def test_rows_rest_when_their_drafts_do_not_pay_for_the_measured_step_cost():
 
 
 def test_policy_times_a_resting_step_where_no_row_rested():
-    """A row whose drafts never fall to the threshold rule's rest (15% of first drafts land, then
-    every one: ~0.5 drafts a K = 3 step) but cost more than they yield (2x a greedy step): the
-    policy rests two short runs of steps to time width 0 (6 steps in all: a row at 60% loses no
-    more), then the gate rests the row; with cheap drafting steps the same row drafts, and
-    without timing it never rests."""
+    """A row whose drafts never fall to the threshold rule's rest (every 7th step's drafts all
+    land: ~0.4 drafts a K = 3 step) but cost more than they yield (2x a resting step): the policy
+    rests two short runs of steps to time width 0 (6 steps in all: a row whose drafts all land
+    loses no more), then the gate rests the row; with cheap drafting steps the same row drafts,
+    and without timing it never rests."""
     from hybrid_engine.spec.adaptive import StepCosts
     expensive, cheap = {0: 1.0, 1: 1.8, 2: 1.9, 3: 2.0}, {0: 1.0, 1: 1.1, 2: 1.15, 3: 1.2}
     runs = {}
-    for name, step_s, rate in (("expensive", expensive, 0.15), ("cheap", cheap, 0.15), ("untimed", None, 0.15),
-                               ("good", expensive, 0.6)):
-        clock, rng = Clock(), np.random.default_rng(0)
+    for name, step_s, every in (("expensive", expensive, 7), ("cheap", cheap, 7), ("untimed", None, 7),
+                                ("good", expensive, 1)):
+        clock, seen = Clock(), [0]
+
+        def accepted(w, every=every, seen=seen):   # every drafting step's drafts at 1/every of them
+            seen[0] += 1
+            return w if seen[0] % every == 0 else 0
         pol = AdaptiveDrafts(3, 8, widths=(0, 1, 2, 3),
                              step_costs=None if step_s is None else StepCosts(clock=clock))
         pol.reset(1)
-        runs[name] = _timed_drive(pol, clock, step_s or cheap, [1],
-                                  lambda w: w if rng.random() < rate else 0, 300)    # noqa: B023
+        runs[name] = _timed_drive(pol, clock, step_s or cheap, [1], accepted, 300)
     assert runs["untimed"].count(0) == 0, runs["untimed"]
     assert runs["good"].count(0) == 6 and runs["good"][100:] == [3] * 200, runs["good"]
     assert runs["cheap"][100:].count(3) >= 0.9 * 200, runs["cheap"]
@@ -340,6 +344,74 @@ def test_a_drafter_that_costs_more_than_its_accepted_tokens_rests_at_high_accept
     widths = _timed_drive(pol, clock, {0: 1.0, 1: 5.0, 2: 5.5, 3: 6.5}, [1],
                           lambda w: int(np.cumprod(rng.random(w) < 0.9).sum()), 300)
     assert widths[100:].count(3) == 0 and widths[100:].count(0) >= 0.8 * 200, widths
+
+
+def _step_costs(tables: dict[int, dict[int, float]], samples: int = 3):
+    """A StepCosts holding, per batch size rows, ``samples`` kept times of each width's cost
+    (``tables[rows][width]`` seconds; each key's first time is dropped, as ``record`` does)."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    clock = Clock()
+    costs, step = StepCosts(clock=clock), 0
+    for rows, table in tables.items():
+        for width, seconds in table.items():
+            costs.record(step, width, rows, True)          # the interval's start (its own key's read)
+            for _ in range(samples + 1):
+                clock.t += seconds
+                step += 1
+                costs.record(step, width, rows, True)
+            step += 1                                      # no interval across keys
+    return costs
+
+
+def test_only_steady_steps_are_timed():
+    """A step's time includes the drafter's proposal for the next step: a probe verifying one
+    draft and then only following costs what a resting step does, and timing it as width 1 made
+    drafting look free (the gate then never rested anyone). Only steps that draft for the next
+    step as many as they verified are timed; the cost mode keeps timing every step."""
+    from hybrid_engine.spec.adaptive import StepCosts
+    for choose_by_cost, timed_probe in ((False, False), (True, True)):
+        clock = Clock()
+        pol = AdaptiveDrafts(3, 8, step_costs=StepCosts(clock=clock), choose_by_cost=choose_by_cost)
+        pol.reset(1)
+        slots = np.array([1])
+        for i, (width, nxt) in enumerate([(1, 0)] * 4 + [(1, 1)] * 4):
+            clock.t += 1.0
+            pol.steps = i + 1                                  # consecutive step numbers
+            pol.observe(pol.snapshot(slots, 1, width, decode_only=True, next_width=nxt), np.array([1]))
+            if i == 3:
+                assert (pol.costs.count(1, 1) > 0) == timed_probe
+        assert pol.costs.count(1, 1) >= 3
+
+
+def test_cost_gate_edges():
+    """Some timed width paying is enough; the floor is 0.9 of a resting step's tokens per second;
+    a width counts once timed twice; a stale row does not change the step's batch size."""
+    from hybrid_engine.spec.adaptive import _THROUGHPUT_FLOOR
+    assert _THROUGHPUT_FLOOR == 0.9
+    # p1 = 0.5, c = 1: one draft yields 1.5 tokens for 1.9x (no), three 2.5 for 1.6x (yes)
+    assert AdaptiveDrafts._pays(0.5, 1.0, [(1, 0.9), (3, 0.6)])
+    assert not AdaptiveDrafts._pays(0.5, 1.0, [(1, 0.9)])
+    # 1.9 tokens for 2x is 0.95 of resting (drafts), 1.75 for 2x is 0.875 (rests); rows alike
+    assert AdaptiveDrafts._pays(0.3, 1.0, [(3, 1.0)]) and not AdaptiveDrafts._pays(0.25, 1.0, [(3, 1.0)])
+    np.testing.assert_array_equal(AdaptiveDrafts._pays(np.array([0.3, 0.25]), np.array([1.0, 1.0]), [(3, 1.0)]),
+                                  [True, False])
+    once = AdaptiveDrafts(3, 8, step_costs=_step_costs({1: {0: 1.0, 3: 2.0}}, samples=1))
+    twice = AdaptiveDrafts(3, 8, step_costs=_step_costs({1: {0: 1.0, 3: 2.0}}, samples=2))
+    assert once._extra_costs(1) == [] and twice._extra_costs(1) == [(3, 1.0)]
+    # a 2-row step whose other row went stale (its slot changed owner): the row left is judged by
+    # the 2-row costs (expensive here), not the 1-row ones (cheap)
+    pol = AdaptiveDrafts(3, 8, step_costs=_step_costs({2: {0: 1.0, 3: 3.0}, 1: {0: 1.0, 3: 1.1}}))
+    pol.reset(1)
+    pol.reset(2)
+    pol.first_accepted[1], pol.first_tried[1] = 1.5, 4.0       # p1 ~0.29 after a rejected step
+    tok = pol.snapshot(np.array([1, 2]), 2, 3)
+    pol.reset(2)                                               # slot 2 changed owner: its output is stale
+    pol.observe(tok, np.array([1, 1]))
+    assert pol.k[1] == 0                                       # 1.88 tokens for 3x: rests
+    pol.reset(3)                                               # the same row alone: 1-row costs, drafts
+    pol.first_accepted[3], pol.first_tried[3] = 1.5, 4.0
+    pol.observe(pol.snapshot(np.array([3]), 1, 3), np.array([1]))
+    assert pol.k[3] == 3
 
 
 def test_cost_gate_keeps_the_one_row_and_batched_observe_equal():
