@@ -14,6 +14,7 @@ measures end to end.
 
     python -m benchmarks.spec_rest --shape bench-large --out $OUT              # H100/H200
     python -m benchmarks.spec_rest --shape bench-large --methods none,ngram,mtp,draft_model --fixed --out $OUT
+    python -m benchmarks.spec_rest --shape bench-large --cost --out $OUT      # also adaptive_step_cost
     python -m benchmarks.spec_rest --shape tiny --device cpu --tokens 16 --rounds 1 --out /tmp/sr   # CPU smoke
 
 Writes ``spec_rest.json`` and ``spec_rest.md`` into ``--out``.
