@@ -145,6 +145,8 @@ def run_real(args, target: str, draft_dir: str | None) -> list[dict]:
                       **engine_kw)
             if method.endswith("-general"):
                 llm.engine.runner.drop_fused_plans(proposing_only=True)
+            if args.adaptive == "untimed":                  # the acceptance rule alone (no cost gate)
+                llm.engine.runner.policy.stop_timing()
             timeline = StepTimeline(llm.engine.runner)      # steps by plan and width, their intervals
             if tok is None:
                 tok = llm.tokenizer
@@ -297,8 +299,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
-    ap.add_argument("--adaptive", choices=("on", "off", "cost"), default="on",
-                    help="adaptive speculation (cost: also weighing measured step costs, adaptive_step_cost)")
+    ap.add_argument("--adaptive", choices=("on", "off", "cost", "untimed"), default="on",
+                    help="adaptive speculation (cost: also weighing measured step costs, adaptive_step_cost; "
+                         "untimed: the acceptance rule alone, without the cost gate)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft-vocab-size", type=int, default=None,

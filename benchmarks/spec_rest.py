@@ -15,6 +15,7 @@ measures end to end.
     python -m benchmarks.spec_rest --shape bench-large --out $OUT              # H100/H200
     python -m benchmarks.spec_rest --shape bench-large --methods none,ngram,mtp,draft_model --fixed --out $OUT
     python -m benchmarks.spec_rest --shape bench-large --cost --out $OUT      # also adaptive_step_cost
+    python -m benchmarks.spec_rest --shape bench-large --untimed --out $OUT   # also without the cost gate
     python -m benchmarks.spec_rest --shape tiny --device cpu --tokens 16 --rounds 1 --out /tmp/sr   # CPU smoke
 
 Writes ``spec_rest.json`` and ``spec_rest.md`` into ``--out``.
@@ -39,7 +40,8 @@ PROMPT = [(7 * i) % 200 + 3 for i in range(48)] * 2    # repeats: the n-gram dra
 
 def measure(target: str, draft: str, method: str, adaptive, args) -> dict:
     """One engine through ``spec_timing.time_cell`` (a warm-up, then the median of ``args.runs``
-    timed generates; ``adaptive``: False, True or "cost", adaptive_step_cost): seconds per output
+    timed generates; ``adaptive``: False, True, "cost" (adaptive_step_cost) or "untimed" (no cost
+    gate: ``AdaptiveDrafts.stop_timing``)): seconds per output
     token, acceptance length, steps by plan and width, and the tokens of its last run."""
     spec = None if method == "none" else SpeculativeConfig(
         method, args.k, adaptive=bool(adaptive), adaptive_step_cost=adaptive == "cost",
@@ -47,6 +49,8 @@ def measure(target: str, draft: str, method: str, adaptive, args) -> dict:
     with random_weights(std=args.std):
         llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=4, speculative_config=spec,
                   max_model_len=len(PROMPT) + args.tokens + 64, enable_prefix_caching=False)
+    if adaptive == "untimed":                     # the acceptance rule alone (no cost gate)
+        llm.engine.runner.policy.stop_timing()
     timeline = StepTimeline(llm.engine.runner)
     groups = [([PROMPT], [SamplingParams(max_tokens=args.tokens, ignore_eos=True)])]
     secs, outs, st = time_cell(llm, groups, argparse.Namespace(repeats=args.runs, device=args.device), timeline)
@@ -81,7 +85,7 @@ def markdown(rows: list[dict], args, device_name: str) -> str:
         last = mine[-1]
         widths = ", ".join(f"{key} {v['steps']:g} ({_interval(mine, key)})" for key, v in last["steps_by_width"].items())
         al = "-" if last["acceptance_length"] is None else f"{last['acceptance_length']:.2f}"
-        lines.append(f"| {method} | {'-' if adaptive is None else ('cost' if adaptive == 'cost' else 'on' if adaptive else 'off')} | "
+        lines.append(f"| {method} | {'-' if adaptive is None else adaptive if isinstance(adaptive, str) else ('on' if adaptive else 'off')} | "
                      f"{statistics.median(r['s_per_token'] for r in mine) * 1e3:.4f} | {statistics.median(ratios):.2f}x | "
                      f"{', '.join(f'{x:.2f}' for x in ratios)} | {al} | {widths} |")
     return "\n".join(lines) + "\n"
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="none,ngram,mtp,draft_model")
     ap.add_argument("--fixed", action="store_true", help="also each method with adaptive speculation off")
     ap.add_argument("--cost", action="store_true", help="also each method with adaptive_step_cost")
+    ap.add_argument("--untimed", action="store_true", help="also each method adaptive without the cost gate")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--runs", type=int, default=5, help="timed generates per engine")
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         cells += [(m, False) for m in methods if m != "none"]
     if args.cost:
         cells += [(m, "cost") for m in methods if m != "none"]
+    if args.untimed:
+        cells += [(m, "untimed") for m in methods if m != "none"]
     rows = []
     for rnd in range(args.rounds):
         ref = None

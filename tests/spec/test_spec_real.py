@@ -120,3 +120,18 @@ def test_bench_large_shape_is_the_trained_presets_target_and_draft(tmp_path):
     assert len(t.layer_types) == len(p.target["pattern"]) and t.num_nextn_predict_layers == 1
     assert tuple(t.mtp_layer_types) == (ATTENTION, MOE), t.mtp_layer_types
     assert d.hidden_size == p.draft["hidden_size"] and len(d.layer_types) == len(p.draft["pattern"])
+
+
+def test_untimed_runs_the_acceptance_rule_alone(files, tmp_path, monkeypatch):
+    """``--adaptive untimed`` (the gate off, for a same-run comparison with ``on``): each speculative
+    engine's policy stops timing before its cells run; no speculation has no policy to stop."""
+    from hybrid_engine.spec.adaptive import AdaptiveDrafts
+    stopped = []
+    real_stop = AdaptiveDrafts.stop_timing
+    monkeypatch.setattr(AdaptiveDrafts, "stop_timing", lambda self: (stopped.append(self), real_stop(self))[1])
+    rc = spec_real.main(["--device", "cpu", "--dtype", "float32", "--files", str(files), "--methods", "none,ngram",
+                         "--ks", "2", "--batches", "1", "--b1-prompts", "1", "--workloads", "completion",
+                         "--prompt-tokens", "40", "--max-tokens", "6", "--repeats", "1", "--adaptive", "untimed",
+                         "--out", str(tmp_path / "out")])
+    assert rc == 0
+    assert len(stopped) == 1 and stopped[0].costs is None and not stopped[0].times_steps

@@ -8,12 +8,16 @@ import pytest
 from benchmarks import spec_rest
 
 
-def test_spec_rest_reports_each_engine_against_none(tmp_path):
+def test_spec_rest_reports_each_engine_against_none(tmp_path, monkeypatch):
+    from hybrid_engine.spec.adaptive import AdaptiveDrafts
+    untimed = []                                   # policies the --untimed cells stopped timing
+    real_stop = AdaptiveDrafts.stop_timing
+    monkeypatch.setattr(AdaptiveDrafts, "stop_timing", lambda self: (untimed.append(self), real_stop(self))[1])
     assert spec_rest.main(["--shape", "tiny", "--device", "cpu", "--tokens", "14", "--runs", "1", "--rounds", "1",
-                           "--methods", "none,ngram", "--fixed", "--out", str(tmp_path)]) == 0
+                           "--methods", "none,ngram", "--fixed", "--untimed", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "spec_rest.json").read_text())
     rows = {(r["method"], r["adaptive"]): r for r in data["rows"]}
-    assert set(rows) == {("none", None), ("ngram", True), ("ngram", False)}
+    assert set(rows) == {("none", None), ("ngram", True), ("ngram", False), ("ngram", "untimed")}
     assert rows[("none", None)]["vs_none"] == 1.0
     for r in rows.values():
         assert r["s_per_token"] > 0 and r["vs_none"] > 0
@@ -24,7 +28,8 @@ def test_spec_rest_reports_each_engine_against_none(tmp_path):
     assert all(k.endswith("/w3") for k in rows[("ngram", False)]["steps_by_width"] if k.startswith("Decode"))
     assert all(k.endswith("/w0") for k in rows[("none", None)]["steps_by_width"])
     md = (tmp_path / "spec_rest.md").read_text()
-    assert "| ngram | on |" in md and "| ngram | off |" in md
+    assert "| ngram | on |" in md and "| ngram | off |" in md and "| ngram | untimed |" in md
+    assert len(untimed) == 1 and untimed[0].costs is None and not untimed[0].times_steps
 
 
 def test_spec_rest_markdown_takes_each_intervals_median_over_rounds():
