@@ -54,9 +54,10 @@ power of two), and a step's width is the allowed one, at most the rows' wish rou
 most expected tokens per second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w).
 Untimed widths are tried on every 4th step, and every ``explore_every``-th step re-times the least
 timed width, so a cost read in a slow moment is not kept forever. With either use of the costs the
-widths depend on timing (the tokens do not: invariant 2 keeps random rows of probabilistic
-drafters at K); a tensor-parallel engine times nothing (``make_policy(timed=False)``), since its
-ranks must choose the same widths.
+widths depend on timing. The tokens do not, except where a step's row count changes the bits
+(16-bit or quantized weights on a GPU: docs/design.md invariant 2), and random rows of
+probabilistic drafters keep K. A tensor-parallel engine times nothing
+(``make_policy(timed=False)``), since its ranks must choose the same widths.
 """
 from __future__ import annotations
 
