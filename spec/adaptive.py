@@ -45,13 +45,9 @@ drafting row takes are still the threshold rule's: on the trained bench-large mo
 by cost lost to it in every cell (H200, 2026-11-29: n-gram edit 1.48x against 1.83x).
 
 With ``choose_by_cost`` (``SpeculativeConfig.adaptive_step_cost``) the policy also weighs what a
-step costs to choose a drafting step's width. ``StepCosts`` keeps the median of the last few host
-times between the reads of consecutive steps (the later step's own time, whether the GPU or the
-host bounds it; decode-only steps, the first sample of each key dropped; a median, because with a
-decayed mean a few slow intervals kept one width's cost at 3.4-6.1 ms against ~0.5 ms for the
-others on the H200, 2026-11-29, and held that width off) per (width, batch rows rounded up to a
-power of two), and a step's width is the allowed one, at most the rows' wish rounded up, with the
-most expected tokens per second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w).
+step costs to choose a drafting step's width (``StepCosts``, ``spec/step_costs.py``: medians of
+host times per width and batch bucket): a step's width is the allowed one, at most the rows' wish
+rounded up, with the most expected tokens per second: sum over rows of (1 + p1 * (1 + c + ... + c^(w-1))) / cost(w).
 Untimed widths are tried on every 4th step, and every ``explore_every``-th step re-times the least
 timed width, so a cost read in a slow moment is not kept forever. With either use of the costs the
 widths depend on timing. The tokens do not, except where a step's row count changes the bits
@@ -62,11 +58,10 @@ probabilistic drafters keep K. A tensor-parallel engine times nothing
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections import deque
 
 import numpy as np
+
+from .step_costs import StepCosts
 
 
 _PSEUDO = 0.05     # AdaptiveDrafts.observe: the continuation rate's pull back to 1 per unseen step
@@ -111,54 +106,6 @@ class FixedDrafts:
 
     def observe(self, token, num_valid: np.ndarray) -> None:
         pass
-
-
-class StepCosts:
-    """Seconds a step takes per (width, batch-size bucket): the median of the last ``window``
-    host times between the reads of consecutive steps (``record`` with the clock's now for each
-    read step, in step order). The batch size is rounded up to a power of two: a width's cost
-    grows with the rows."""
-
-    def __init__(self, window: int = 16, clock=time.perf_counter):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.window, self.clock = window, clock
-        self.recent: dict[tuple[int, int], deque] = {}    # (width, bucket) -> the last window seconds
-        self.samples: dict[tuple[int, int], int] = {}     # samples seen (all, not only the kept)
-        self._median: dict[tuple[int, int], float] = {}   # recent's median, refreshed by get() after a record
-        # keys whose first sample was dropped: a width's first step may include one-off work
-        # (Triton compiling a kernel in eager mode) that would weigh on the cost for long
-        self._warm: set[tuple[int, int]] = set()
-        self._last: tuple[int, float] | None = None       # (step number, read time) of the last read step
-
-    @staticmethod
-    def bucket(rows: int) -> int:
-        return 1 << max(0, int(rows) - 1).bit_length()
-
-    def record(self, step: int, width: int, rows: int, timed: bool) -> None:
-        """Step ``step`` (the policy's step count) was read now; its time is the interval since
-        the previous step's read when that was step - 1 and ``timed`` (decode rows only)."""
-        now = self.clock()
-        if timed and rows and self._last is not None and self._last[0] == step - 1:
-            key = (width, self.bucket(rows))
-            if key not in self._warm:
-                self._warm.add(key)
-            else:
-                kept = self.recent.setdefault(key, deque(maxlen=self.window))
-                kept.append(now - self._last[1])
-                self._median.pop(key, None)          # stale: get() takes the median again
-                self.samples[key] = self.samples.get(key, 0) + 1
-        self._last = (step, now)
-
-    def get(self, width: int, rows: int) -> float | None:
-        key = (width, self.bucket(rows))
-        got = self._median.get(key)
-        if got is None and key in self.recent:
-            got = self._median[key] = statistics.median(self.recent[key])
-        return got
-
-    def count(self, width: int, rows: int) -> int:
-        return self.samples.get((width, self.bucket(rows)), 0)
 
 
 class AdaptiveDrafts:
@@ -389,8 +336,9 @@ class AdaptiveDrafts:
         self.backoff[slot] = 0 if k > 0 else min(int(self.backoff[slot]) + (was_resting and probe), self.max_backoff)
 
     def _extra_costs(self, rows: int) -> list[tuple[int, float]]:
-        """[(w, cost(w) / cost(0) - 1)] for the allowed widths w > 0 timed at ``rows`` decode rows
-        (each width and width 0 at least ``_MIN_TIMED`` times); [] without step costs."""
+        """[(w, cost(w) / cost(0) - 1)], in increasing w, for the allowed widths w > 0 timed at
+        ``rows`` decode rows (each width and width 0 at least ``_MIN_TIMED`` times); [] without
+        step costs."""
         costs = self.costs
         if costs is None or costs.count(0, rows) < _MIN_TIMED:
             return []
@@ -404,15 +352,15 @@ class AdaptiveDrafts:
     def _pays(p1, c, extra: list[tuple[int, float]]):
         """Whether some timed width w may pay for itself: its expected tokens a step,
         1 + p1 * (1 + c + ... + c^(w-1)), at least ``_THROUGHPUT_FLOOR`` times its cost
-        relative to a resting step, 1 + extra cost. p1, c: floats
-        (one row) or arrays [B] (then [B] bool); the sum is taken term by term in the same order
+        relative to a resting step, 1 + extra cost. p1, c: floats (one row) or arrays [B] (then
+        [B] bool); ``extra`` in increasing widths. The sum grows term by term in the same order
         for both, so the one-row and the batched observe agree to the bit."""
-        pays = False
+        pays, total, term, terms = False, 1.0, 1.0, 1
         for w, extra_cost in extra:
-            total, term = 1.0, 1.0
-            for _ in range(w - 1):
+            for _ in range(w - terms):
                 term = term * c
                 total = total + term
+            terms = w
             pays = pays | (1.0 + p1 * total >= _THROUGHPUT_FLOOR * (1.0 + extra_cost))
         return pays
 
