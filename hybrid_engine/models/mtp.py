@@ -17,8 +17,9 @@ a resting step: ``follow`` does not reach the MoE).
 
 ``follow``: the KV alone, for a step after which nothing is drafted (adaptive speculation at
 rest): the layers up to the last attention layer, that layer's k and v only. In ``*E`` that is the
-two input norms, the input projection, the attention layer's norm and the k / v projections; the attention itself, o_proj, the MoE, the
-final norm and the lm_head are not run (their outputs would be read by nothing).
+two input norms, the input projection, the attention layer's norm and the k / v projections; the
+attention itself, o_proj, the MoE, the final norm and the lm_head are not run (their outputs
+would be read by nothing).
 """
 from __future__ import annotations
 
