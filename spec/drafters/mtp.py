@@ -2,8 +2,10 @@
 
 Per step: (1) replay the target's forward batch through the MTP layers with inputs shifted by one
 token (pair i = (target hidden h_i, token t_{i+1})), so the MTP KV cache follows every computed
-position; the pair at the token that produced each row's newest sample gives draft 1. (2) K-1
-single-token steps, each fed the previous MTP hidden state and the previous draft.
+position; the pair at the token that produced each row's newest sample gives draft 1. A step with
+prefill rows writes only the pairs' KV (``MTP.follow``) and takes draft 1 as a single-token step at
+that pair, the same computation in fewer launches. (2) K-1 single-token steps, each fed the
+previous MTP hidden state and the previous draft.
 Embedding and lm_head are the target's. No Mamba state: rejected positions' KV is overwritten later.
 """
 from __future__ import annotations
@@ -80,14 +82,25 @@ class MTPDrafter(Drafter):
         if not k:      # the MTP KV follows every step, drafts or not: at k = 0 the KV alone
             self.follow(tokens, ctx.hidden, fb)
             return ctx.num_valid.new_empty(ctx.num_valid.shape[0], 0), None
-        hidden, logits = self._verify(tokens, ctx.hidden, fb, ctx.token_index)
-        st = ctx.sampling
-        want_probs = not st.all_greedy
         pos = ctx.input_pos                                  # position of the newest sample
-        tok, q = draw(logits, st, pos + 1, want_probs)
-        drafts, probs = [tok], [q]
         bt = fb.attn.block_tables
         max_seq = fb.attn.max_seq_len + 2 * self.num_spec + 1
+        if fb.mamba.num_prefill_rows:
+            # a step with prefill rows: the MTP KV of every pair (``follow``: a few launches), then
+            # draft 1 as a single-token step at each row's newest pair (h at token_index, the
+            # newest sample), a graph replay where one fits. Eagerly, the whole MTP pass over the
+            # step's tokens was ~60 launches of host work a new request waited for (a 96-token
+            # prompt at batch 1: +2.3 ms a request on the H200, where the prefill's GPU work did
+            # not hide it; results/2026-11-29-spec-rest-cost-gate-h200.md)
+            self.follow(tokens, ctx.hidden, fb)
+            hidden, logits = self._single(ctx.input_token, ctx.hidden[ctx.token_index], (pos - 1).clamp(min=0),
+                                          bt, valid, ctx.block_size, max_seq)
+        else:
+            hidden, logits = self._verify(tokens, ctx.hidden, fb, ctx.token_index)
+        st = ctx.sampling
+        want_probs = not st.all_greedy
+        tok, q = draw(logits, st, pos + 1, want_probs)
+        drafts, probs = [tok], [q]
         for j in range(1, k):
             # pair index pos + j - 1: the previous MTP hidden stands in for the target's
             hidden, logits = self._single(tok, hidden, pos + j - 1, bt, valid, ctx.block_size, max_seq)
