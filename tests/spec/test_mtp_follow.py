@@ -96,3 +96,54 @@ def test_write_kv_only_is_forwards_cache_write_with_rope():
     # the key scale and RoPE matter here: without them the written keys differ
     plain = attn.k_proj(x).view(t, 2, 8)
     assert not torch.allclose(rows(kv.k[0])[slots], plain)
+
+
+@pytest.mark.parametrize("mtp_pattern", ["*E", "*-*E"])
+def test_a_decode_rows_drafts_do_not_depend_on_a_prefill_beside_it(model_dirs, monkeypatch, mtp_pattern):
+    """After a step with prefill rows the drafter writes the MTP KV with ``follow`` and takes draft
+    1 as a single-token step; after a decode-only step it runs the pass over the step's tokens.
+    A decoding request must get the same drafts at every position either way: alone (decode-only
+    steps) and beside a request that arrives and prefills in chunks (mixed steps)."""
+    target = model_dirs(f"mtp_follow_{mtp_pattern.replace('*', 'a').replace('-', 'm')}", pattern="M-M*-ME*",
+                        seed=3, num_nextn_predict_layers=1, mtp_pattern=mtp_pattern)
+    rng = np.random.default_rng(11)
+    first, arrival = rng.integers(3, 200, 10).tolist(), rng.integers(3, 200, 23).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    orig = MTPDrafter.propose
+
+    def drafts_of_first(with_arrival: bool) -> dict:
+        # forced acceptance (coins keyed by slot and position, the same in both runs): verify rows
+        # keep 1-3 tokens, so the newest pair sits at every offset of a row
+        llm = LLM(target, dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=8,
+                  speculative_config=SpeculativeConfig("mtp", 2, adaptive=False, forced_acceptance_rate=0.6))
+        eng = llm.engine
+        req = eng.make_request(first, params)
+        seen, mixed = {}, []
+
+        def record(self, ctx):
+            drafts, probs = orig(self, ctx)
+            rows = [i for i, r in enumerate(ctx.req_ids) if r == req.request_id]
+            if rows and int(ctx.num_valid[rows[0]]) > 0:
+                seen[int(ctx.input_pos[rows[0]])] = drafts[rows[0]].tolist()
+                if ctx.forward_batch.mamba.num_prefill_rows and bool(ctx.is_decode[rows[0]]):
+                    mixed.append(int(ctx.input_pos[rows[0]]))
+            return drafts, probs
+        monkeypatch.setattr(MTPDrafter, "propose", record)
+        eng.add_request(req)
+        for _ in range(2):
+            eng.step()
+        if with_arrival:                                 # prefills in 8-token chunks beside the decode row
+            eng.add_request(eng.make_request(arrival, params))
+        while eng.has_work():
+            eng.step()
+        monkeypatch.setattr(MTPDrafter, "propose", orig)
+        return seen, mixed
+
+    alone, none_mixed = drafts_of_first(False)
+    beside, mixed = drafts_of_first(True)
+    assert not none_mixed and len(mixed) >= 2, mixed     # the second run really drafted in mixed steps
+    steps = sorted(alone)
+    assert {b - a for a, b in zip(steps, steps[1:])} >= {1, 2}, steps   # rows kept 1 and 2+ tokens
+    assert set(mixed) <= set(alone)
+    assert {p: beside[p] for p in mixed} == {p: alone[p] for p in mixed}
+    assert beside == alone
