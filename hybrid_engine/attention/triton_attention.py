@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, num_sms
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, device_ctx, next_pow2, num_sms
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 
@@ -287,7 +287,7 @@ def triton_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block
     fp8_tiles = kv_fp8 and q.dtype != torch.float32
     if fp8_tiles and num_stages is None:
         num_stages = 2
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = F32_DOT_PRECISION if q.dtype == torch.float32 else "tf32"
     qsl = query_start_loc.to(q.device)
     sl = seq_lens.to(q.device)
     nqb = cdiv(Qm, BLOCK_Q)

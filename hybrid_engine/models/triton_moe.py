@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, next_pow2
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
@@ -176,11 +176,11 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
                          N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
-                         WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         WEIGHTED: tl.constexpr, F32: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ws_ptr,
                          SWIGLU: tl.constexpr = False, W_SCALED: tl.constexpr = False,
                          as_ptr=None, A_SCALED: tl.constexpr = False, MODEL_BF16: tl.constexpr = False,
-                         PROMOTE_K: tl.constexpr = 32):
+                         PROMOTE_K: tl.constexpr = 32, F32_PREC: tl.constexpr = F32_DOT_PRECISION):
     """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows.
     A rows: the sorted position (A_SORTED) or the pair's token (pair // A_DIV); output rows: the
     sorted position (OUT_SORTED) or the pair id. Tiles past the used rows exit at once.
@@ -220,8 +220,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
             w = w.to(a_ptr.dtype.element_ty)
         if A_SCALED:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)
-        elif IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        elif F32:                       # float32 operands (triton_common.F32_DOT_PRECISION)
+            acc = tl.dot(a, w, acc, input_precision=F32_PREC)
         else:
             acc = tl.dot(a, w, acc)
         if SWIGLU:                      # the up rows sit N rows below the gate rows
@@ -230,8 +230,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
                 wu = wu.to(a_ptr.dtype.element_ty)
             if A_SCALED:
                 acc_up = tl.dot(a, wu, acc_up, max_num_imprecise_acc=PROMOTE_K)
-            elif IEEE:
-                acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
+            elif F32:
+                acc_up = tl.dot(a, wu, acc_up, input_precision=F32_PREC)
             else:
                 acc_up = tl.dot(a, wu, acc_up)
     if A_SCALED:                        # one scale per row: the token's (or sorted row's) times the expert's
@@ -362,7 +362,7 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             dev.index if dev.index is not None else torch.cuda.current_device())
         cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem, w8a8=w8a8)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
-        ieee = h.dtype == torch.float32
+        f32 = h.dtype == torch.float32
         a_up, a_up_scale = h, None
         if w8a8:
             from hybrid_engine.quantization.fp8_quantizer import quantize_rows_fp8
@@ -371,7 +371,7 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         _grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
             a_up, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             F, h.shape[1], P, k, a_up.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
-            A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, IEEE=ieee, BLOCK_M=bm,
+            A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, F32=f32, BLOCK_M=bm,
             SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, as_ptr=a_up_scale,
             **scaled, **cfg)
         a_down, a_down_scale = inter, None
@@ -380,7 +380,7 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         _grouped_gemm_kernel[(cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
             a_down, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
             D_out, F, P, 1, a_down.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
-            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, IEEE=ieee, BLOCK_M=bm,
+            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, F32=f32, BLOCK_M=bm,
             ws_ptr=down_scale if down_scale is not None else weights, as_ptr=a_down_scale, **scaled, **cfg)
     if out is None:
         out = torch.empty(T, D_out, dtype=h.dtype, device=dev)

@@ -22,6 +22,17 @@ _logged: set[tuple[str, str, str]] = set()
 _triton_ok: bool | None = None
 
 
+# ``input_precision`` of the tensor-core dots of float32 models' Triton kernels (the chunked SSD
+# scan, paged attention at prefill and decode, the grouped expert GEMM): "tf32x3" splits each
+# float32 operand into two TF32 parts and sums three tensor-core products, about float32's
+# accuracy at tensor-core speed; "ieee" lowered those dots to FMAs, 10-20x slower than the 16-bit
+# kernels. H200, bench-large
+# float32 prefill of 256 / 2048 tokens: 7.74 / 33.9 ms -> 5.27 / 20.0 ms (with ``cb_pre``), the
+# first token's top-20 log-probabilities within 2e-6 (results/2026-11-29-f32-prefill-tf32x3-h200.md).
+# Decode-sized projections keep their FMA kernels (``skinny_linear``: bit-exact across row counts).
+F32_DOT_PRECISION = "tf32x3"
+
+
 def triton_available() -> bool:
     """True if ``import triton`` works (cached)."""
     global _triton_ok

@@ -33,7 +33,8 @@ steps 2 and 3 fused (the default), four without:
 All accumulation in float32.  For bf16/fp16 models every dot takes 16-bit operands by default
 (``lowp``: the decay-weighted inputs and the chunk-entry states are rounded to the model dtype
 for the dot, as mamba-ssm does; 1.3x faster on an H100 than TF32 dots over float32 operands,
-which ``lowp=False`` gives); float32 models use IEEE float32 dots (tests, tiny models).
+which ``lowp=False`` gives); float32 models take ``triton_common.F32_DOT_PRECISION`` dots (three
+TF32 products a dot, about float32's accuracy) and precompute C.B once per chunk and group (``cb_pre``).
 ``triton_ssd_sequential.triton_ssd_scan_sequential`` is the simple alternative: one program per
 (sequence, head, P block) walking the tokens with the state in registers (kept for comparison and
 as a fallback).
@@ -48,7 +49,8 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache import NULL_SLOT
 from hybrid_engine.mamba_cache.ops.ssd import _grid_size, check_pooled_emits
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2, search_iters, tl_helpers
+from hybrid_engine.mamba_cache.ops.triton_common import (F32_DOT_PRECISION, cdiv, device_ctx, next_pow2, search_iters,
+                                                         tl_helpers)
 from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_output, emit_states
 from hybrid_engine.mamba_cache.ops.triton_ssd_heads import _chunk_out_heads_kernel
 from hybrid_engine.mamba_cache.ops.triton_ssd_out import _chunk_out_kernel
@@ -137,7 +139,7 @@ def _chunk_cb_kernel(
                      mask=mm[:, None] & mn[None, :], other=0.0)                       # [M, N]
         bt = tl.load(B_ptr + (cstart + offs_j)[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
                      mask=mn[:, None] & mj[None, :], other=0.0)                       # [N, L]
-        if PREC == "ieee":
+        if PREC != "tf32":
             cb = tl.dot(cm.to(tl.float32), bt.to(tl.float32), input_precision=PREC)
         else:
             cb = tl.dot(cm, bt)
@@ -169,7 +171,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     lowp: 16-bit dot operands (the model dtype) for the dots whose operands are float32 values
     (decay-weighted inputs, states); accumulation stays float32.  Ignored for float32 models.
     Chunk-output (step 4) options; None takes ``_DEFAULTS`` when the multi-head kernel runs
-    with 16-bit dot operands, ``_PER_HEAD_DEFAULTS`` otherwise:
+    with 16-bit dot operands, ``_PER_HEAD_DEFAULTS`` otherwise (``cb_pre``: on for float32 models):
     heads_per_program: heads of one group per program (``_chunk_out_heads_kernel``; rounded up
     to a power of two, capped at the heads per group; blocks never straddle groups; 1: the
     per-head ``_chunk_out_kernel``).  The C.B tile of the program's rows x the whole chunk is
@@ -243,7 +245,7 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
     BLOCK_N = max(16, next_pow2(N))
     BLOCK_P = max(16, next_pow2(P))
     clamp, lo, hi = _dt_args(dt_limit)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    prec = F32_DOT_PRECISION if x.dtype == torch.float32 else "tf32"
     lowp = _DEFAULTS["lowp"] if lowp is None else lowp
     lowp = bool(lowp) and x.dtype in (torch.bfloat16, torch.float16) and B.dtype == x.dtype \
         and C.dtype == x.dtype
@@ -267,7 +269,10 @@ def triton_ssd_scan_varlen(x, dt_raw, dt_bias, A, B, C, D, query_start_loc, init
         hpp = 1
     dflt = _DEFAULTS if (lowp and hpp > 1) else _PER_HEAD_DEFAULTS
     opt = lambda v, k: dflt[k] if v is None else v                 # noqa: E731
-    cb_pre, cb_dtype = opt(cb_pre, "cb_pre"), opt(cb_dtype, "cb_dtype")
+    # float32: C.B once per (chunk, group) in its own launch, not once per head (8 heads a group on
+    # the bench-large shape): with tf32x3 dots 5.60 -> 5.27 ms for a 256-token prefill (H200)
+    cb_pre = (x.dtype == torch.float32 or dflt["cb_pre"]) if cb_pre is None else cb_pre
+    cb_dtype = opt(cb_dtype, "cb_dtype")
     assert cb_dtype in ("float32", "model"), cb_dtype
     cb_round = cb_dtype == "model" and x.dtype != torch.float32      # C.B in the model dtype
     BLOCK_K = min(block_k or dflt["block_k"], BLOCK_L)

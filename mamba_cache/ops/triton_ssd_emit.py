@@ -15,17 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv, device_ctx, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, device_ctx, next_pow2
 
 
 @triton.jit
 def emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, tok0, i, h, g, p, n, mp, mn,
                  sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PREC: tl.constexpr = "ieee"):
     """(sum_{j<=i} exp(cum_i - cum_j) dt_j x_j B_j^T [BLOCK_P, BLOCK_N], cum_i) over the first
     i + 1 tokens of the chunk starting at packed token tok0 (row = (c * H + h) * BLOCK_L indexes
-    dtc / cuma): float32 operands, IEEE dots. Shared by ``_emit_kernel`` and the fused pass's
-    in-kernel emits (``triton_ssd_fused_pass``)."""
+    dtc / cuma): float32 operands, dots of precision PREC (``emit_precision``). Shared by
+    ``_emit_kernel`` and the fused pass's in-kernel emits (``triton_ssd_fused_pass``)."""
     cum_i = tl.load(cuma_ptr + row + i)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, i + 1, BLOCK_K):                     # only the chunk's tokens up to i
@@ -39,7 +40,7 @@ def emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, tok0, i, h, g, p, n, mp, 
                      mask=live[:, None] & mp[None, :], other=0.0).to(tl.float32) * w[:, None]
         bs = tl.load(B_ptr + tok[:, None] * sb_t + g * sb_g + n[None, :] * sb_n,
                      mask=live[:, None] & mn[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(tl.trans(xs), bs, acc, input_precision="ieee")   # [BLOCK_P, BLOCK_N]
+        acc = tl.dot(tl.trans(xs), bs, acc, input_precision=PREC)     # [BLOCK_P, BLOCK_N]
     return acc, cum_i
 
 
@@ -50,7 +51,7 @@ def _emit_kernel(
     nseq, H, P, N, heads_per_group, cs,
     sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    OUT_ROWS: tl.constexpr = False,
+    OUT_ROWS: tl.constexpr = False, PREC: tl.constexpr = "ieee",
 ):
     m = tl.program_id(0).to(tl.int64)
     orow = tl.load(out_row_ptr + m).to(tl.int64) if OUT_ROWS else m    # where state m is stored
@@ -72,7 +73,7 @@ def _emit_kernel(
     n = tl.arange(0, BLOCK_N)
     g = h // heads_per_group
     acc, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, row, tok0, i, h, g, p, n, p < P, n < N,
-                              sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, BLOCK_K, BLOCK_P, BLOCK_N)
+                              sx_t, sx_h, sx_p, sb_t, sb_g, sb_n, BLOCK_K, BLOCK_P, BLOCK_N, PREC)
     mask = (p[:, None] < P) & (n[None, :] < N)
     tile = p[:, None] * N + n[None, :]
     h_in = tl.load(hin_ptr + (c * H + h) * P * N + tile, mask=mask, other=0.0)
@@ -126,9 +127,16 @@ def emit_states(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int, out=Non
             x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, out, out_rows if rows else emit_at,
             qsl.numel() - 1, H, P, N, H // G, cs, *x.stride(), *B.stride(),
             BLOCK_L=BLOCK_L, BLOCK_K=min(32, BLOCK_L), BLOCK_P=BLOCK_P, BLOCK_N=max(16, next_pow2(N)),
-            OUT_ROWS=rows, num_warps=4,
+            OUT_ROWS=rows, PREC=emit_precision(x.dtype), num_warps=4,
         )
     return out
+
+
+def emit_precision(dtype: torch.dtype) -> str:
+    """The emits' dot precision: a float32 model's scan dots' (``triton_common.F32_DOT_PRECISION``),
+    so that the state emitted after a chunk's last token sums like the state pass; IEEE for 16-bit
+    models (their pass rounds its dot operands to the model dtype, the emits keep float32)."""
+    return F32_DOT_PRECISION if dtype == torch.float32 else "ieee"
 
 
 def emit_states_ref(x, B, qsl, cum, meta, dtc, cuma, h_in, emit_at, cs: int) -> torch.Tensor:

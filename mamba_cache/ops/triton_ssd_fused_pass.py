@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, next_pow2, num_sms
-from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_partial
+from hybrid_engine.mamba_cache.ops.triton_ssd_emit import emit_partial, emit_precision
 from hybrid_engine.mamba_cache.ops.triton_ssd_pass import start_state
 from hybrid_engine.mamba_cache.ops.triton_ssd_state import chunk_state_tile
 
@@ -65,6 +65,7 @@ def _chunk_pass_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE32: tl.constexpr = False, POOLED: tl.constexpr = False, NULL: tl.constexpr = 0,
     EMITS: tl.constexpr = False, OUT_ROWS: tl.constexpr = False, EMIT_K: tl.constexpr = 32,
+    EMIT_PREC: tl.constexpr = "ieee",
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,7 +109,7 @@ def _chunk_pass_kernel(
             while i < clen:
                 part, cum_i = emit_partial(x_ptr, B_ptr, dtc_ptr, cuma_ptr, lrow, cstart, i, h, g, offs_p,
                                            offs_n, mp, mn, sx_t, sx_h, sx_p, sb_t, sb_g, sb_n,
-                                           EMIT_K, BLOCK_P, BLOCK_N)
+                                           EMIT_K, BLOCK_P, BLOCK_N, EMIT_PREC)
                 orow = m                                                    # where emit m is stored
                 if OUT_ROWS:
                     orow = tl.load(erow_ptr + m).to(tl.int64)
@@ -177,5 +178,5 @@ def launch_chunk_pass(x, B, meta, dtc, cuma, cum, hin, h32, initial_states, fina
         *initial_states.stride(), *final.stride(),
         PREC=prec, LOWP=lowp, BLOCK_L=BLOCK_L, BLOCK_K=BK, BLOCK_P=BP, BLOCK_N=BLOCK_N,
         STORE32=store32, POOLED=pooled, NULL=null_slot, EMITS=emits, OUT_ROWS=emits and rows,
-        EMIT_K=min(32, BLOCK_L), num_warps=num_warps or d["num_warps"],
+        EMIT_K=min(32, BLOCK_L), EMIT_PREC=emit_precision(x.dtype), num_warps=num_warps or d["num_warps"],
     )

@@ -89,7 +89,7 @@ def _chunk_out_heads_kernel(
         else:
             bt = tl.load(B_ptr + cstart * sb_t + g * sb_g + offs_j[None, :] * sb_t
                          + offs_n[:, None] * sb_n, mask=mn[:, None] & mj[None, :], other=0.0)
-            if PREC == "ieee":
+            if PREC != "tf32":
                 cb = tl.dot(cm.to(tl.float32), bt.to(tl.float32), input_precision=PREC)
             else:
                 cb = tl.dot(cm, bt)                                                    # [M, L]

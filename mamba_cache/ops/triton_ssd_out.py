@@ -57,7 +57,7 @@ def _chunk_out_kernel(
             else:
                 bk = tl.load(B_ptr + tok_k[None, :] * sb_t + g * sb_g + offs_n[:, None] * sb_n,
                              mask=mn[:, None] & mk[None, :], other=0.0)               # [N, K]
-                if PREC == "ieee":
+                if PREC != "tf32":
                     cb = tl.dot(cm.to(tl.float32), bk.to(tl.float32), input_precision=PREC)
                 else:
                     cb = tl.dot(cm, bk)                                                # [M, K]

@@ -211,6 +211,9 @@ CASES = {
         selective_state_update_gated, "cpu", F32, 3, 2, 1, norm_groups=ng, seed=4))
         for ng in (1, 8)],
     "ssd": lambda: kc.check_ssd(triton_ssd_scan_varlen, "cpu", F32, [16, 1, 0, 35, 7]),
+    # float32 defaults to C.B precomputed per (chunk, group); the per-head kernel's own C.B too
+    "ssd_f32_no_cb_pre": lambda: kc.check_ssd(
+        lambda *a, **k: triton_ssd_scan_varlen(*a, cb_pre=False, **k), "cpu", F32, [16, 1, 0, 35, 7]),
     "ssd_pooled": lambda: spc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [16, 1, 35, 7, 9, 4],
                                               fresh=(1, 2, 5), null_rows=(4, 5)),
     "ssd_pooled_emit": lambda: spc.check_ssd_pooled(triton_ssd_scan_varlen_pooled, "cpu", F32, [21, 9],

@@ -32,7 +32,7 @@ KERNEL_CASES += ["conv_update_window", "conv_update_cols", "conv_update_cols_row
                  "conv_update_cols_flat_w2_f16", "conv_update_cols_order_hints",       # variants
                  "conv_update_tap_major_weight"]
 KERNEL_CASES += ["ssd_default_f16", "ssd_cb_model_f16",   # SSD chunk output
-                 "ssd_heads_loop", "ssd_heads_cb_pre_f16"]
+                 "ssd_heads_loop", "ssd_heads_cb_pre_f16", "ssd_f32_no_cb_pre"]
 KERNEL_CASES += ["ssd_state_opts", "ssd_state_opts_f16"]          # SSD chunk state
 KERNEL_CASES += ["ssd_fused_long", "ssd_unfused", "ssd_pooled_fused_emit", "ssd_emit_fused_f16",
                  "ssd_pooled_unfused_emit", "ssd_fused_emits", "ssd_fused_emit_edges",
