@@ -10,7 +10,8 @@ stored at position i, so the MTP attention replays the target's own positions an
 ``rows``: the drafter needs the outputs of one token per sequence (its newest sample's pair), but
 the KV of every pair. The layers after the last attention layer (and the final norm) then run on
 those rows only: in the published ``*E`` pattern the MoE layer sees one token per sequence instead
-of 1 + K per decode row, or a whole prompt chunk per prefill row. The drafts are those of the
+of 1 + K per decode row (after a step with prefill rows the drafter does not run this pass: it
+writes the KV with ``follow`` and takes the newest pair as a one-token ``forward``). The drafts are those of the
 full pass up to float rounding (the kept rows go through the MoE and linear kernels in smaller
 batches); the MoE's expert-load counters then count one token per sequence and pass (none on
 a resting step: ``follow`` does not reach the MoE).

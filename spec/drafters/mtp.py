@@ -4,8 +4,8 @@ Per step: (1) replay the target's forward batch through the MTP layers with inpu
 token (pair i = (target hidden h_i, token t_{i+1})), so the MTP KV cache follows every computed
 position; the pair at the token that produced each row's newest sample gives draft 1. A step with
 prefill rows writes only the pairs' KV (``MTP.follow``) and takes draft 1 as a single-token step at
-that pair, the same computation in fewer launches. (2) K-1 single-token steps, each fed the
-previous MTP hidden state and the previous draft.
+that pair (which rewrites that pair's KV): the same drafts up to float rounding, in fewer launches.
+(2) K-1 single-token steps, each fed the previous MTP hidden state and the previous draft.
 Embedding and lm_head are the target's. No Mamba state: rejected positions' KV is overwritten later.
 """
 from __future__ import annotations

@@ -3,9 +3,10 @@
 - ``verify``: the MTP layers over a decode-only step's tokens (B rows x ``tokens_per_row``: 1+K,
   or a narrower width under adaptive speculation; inputs shifted by one token, paired with the
   target's hidden states), then the hidden state and the logits at each row's newest-sample index
-  (``token_index``). Mixed steps run it eagerly.
-- ``step``: one token per row (drafts 2..K): the MTP layers on the previous draft and the previous
-  MTP hidden state, then the logits. Any step's rows.
+  (``token_index``). Steps with prefill rows do not run it (``MTPDrafter.propose``).
+- ``step``: one token per row: the MTP layers on the previous draft and the previous MTP hidden
+  state (drafts 2..K), or, after a step with prefill rows, on each row's newest sample and its
+  target hidden state (draft 1), then the logits. Any step's rows.
 
 Everything a graph reads is a buffer owned here; a call copies the real rows in and the graph
 runs over the bucket. Pad rows (rows >= N of the bucket) write KV only into the null block
