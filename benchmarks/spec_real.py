@@ -14,7 +14,8 @@ it is a large part of a batch-1 run). A batch-1 cell decodes ``--b1-prompts`` fi
 other (a single file's text decides its acceptance). Greedy outputs must equal ``none``'s (asserted).
 Each cell also lists its steps by plan and by drafts verified (width), with the median interval
 from one step to the next (``common.StepTimeline``): where adaptive speculation rested or narrowed,
-and what those steps cost.
+and what those steps cost. ``--rounds R`` repeats the whole sweep R times (engines rebuilt), takes
+each speed-up within its round and reports the median over rounds beside each round's value.
 
 Then (``--forced-shapes``) the same speed-up on large random-weight shapes (8B, the Nano-30B-A3B
 MoE) at the acceptance each method reached, via forced acceptance
@@ -49,7 +50,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import StepTimeline  # noqa: E402
 from benchmarks.spec_shapes import shape_dirs  # noqa: E402
-from benchmarks.spec_report import markdown, plot  # noqa: E402
+from benchmarks.spec_report import markdown, merge_rounds, plot  # noqa: E402
 from benchmarks.spec_timing import free, time_cell  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 
@@ -299,6 +300,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="whole sweeps of the real model, every engine rebuilt; speed-ups within a round, "
+                         "medians over rounds (spec_report.merge_rounds)")
     ap.add_argument("--adaptive", choices=("on", "off", "cost", "untimed"), default="on",
                     help="adaptive speculation (cost: also weighing measured step costs, adaptive_step_cost; "
                          "untimed: the acceptance rule alone, without the cost gate)")
@@ -325,6 +329,8 @@ def parse_args(argv=None):
                     help="only the forced phase (needs --forced-rates or --forced-rates-from)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     bad = [m for m in args.methods if m not in METHODS] + [w for w in args.workloads if w not in WORKLOADS]
     if bad:
         ap.error(f"unknown method/workload {bad}: methods {METHODS}, workloads {WORKLOADS}")
@@ -344,7 +350,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.skip_real and not (args.forced_rates or args.forced_rates_from):
         raise SystemExit("--skip-real needs --forced-rates or --forced-rates-from")
-    real = [] if args.skip_real else run_real(args, target, draft)
+    real = [] if args.skip_real else merge_rounds([run_real(args, target, draft) for _ in range(args.rounds)])
     rates = forced_rates(real, args.forced_k)
     if args.forced_rates_from:
         earlier = json.loads(Path(args.forced_rates_from).read_text())["meta"]["forced_rates"]
@@ -355,7 +361,8 @@ def main(argv=None) -> int:
     forced = run_forced(args, rates) if args.forced_shapes and rates else []
     meta = dict(device=args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
                 target=target, draft=draft, adaptive=args.adaptive, prompt_tokens=args.prompt_tokens,
-                max_tokens=args.max_tokens, repeats=args.repeats, b1_prompts=args.b1_prompts, forced_rates=rates,
+                max_tokens=args.max_tokens, repeats=args.repeats, rounds=args.rounds, b1_prompts=args.b1_prompts,
+                forced_rates=rates,
                 forced=dict(k=args.forced_k, prompt_tokens=args.forced_prompt_tokens, max_tokens=args.forced_max_tokens,
                             dtype=args.forced_dtype, draft_vocab_size=args.draft_vocab_size,
                             draft_quantization=args.draft_quantization),

@@ -135,3 +135,45 @@ def test_untimed_runs_the_acceptance_rule_alone(files, tmp_path, monkeypatch):
                          "--out", str(tmp_path / "out")])
     assert rc == 0
     assert len(stopped) == 1 and stopped[0].costs is None and not stopped[0].times_steps
+
+
+def _cell(method, speedup, equal=True, **kw):
+    return dict(workload="edit", method=method, k=0 if method == "none" else 3, batch=1, speedup=speedup,
+                decode_speedup=speedup * 1.1, tok_s=100.0 * speedup, tpot_s=0.01 / speedup, ttft_s=0.005,
+                seconds=1.0 / speedup, acceptance_length=1.0 if method == "none" else 2.0 + speedup,
+                **({} if method == "none" else {"greedy_equal": equal}), **kw)
+
+
+def test_merge_rounds_takes_medians_of_in_round_ratios_and_every_rounds_equality():
+    from benchmarks.spec_report import markdown, merge_rounds
+    rounds = [[_cell("none", 1.0, per_position=[]), _cell("mtp", s, equal=e, per_position=[0.5, 0.2, 0.1])]
+              for s, e in ((1.3, True), (1.1, True), (1.6, False))]
+    none, mtp = merge_rounds(rounds)
+    assert none["speedup"] == 1.0 and none["rounds"] == 3 and "greedy_equal" not in none
+    assert mtp["speedup"] == 1.3 and mtp["speedup_by_round"] == [1.3, 1.1, 1.6]
+    assert mtp["decode_speedup"] == 1.3 * 1.1 and mtp["acceptance_length"] == 2.0 + 1.3
+    assert mtp["greedy_equal"] is False                       # one round's outputs differed
+    assert mtp["per_position"] == [0.5, 0.2, 0.1]             # round 1's
+    assert merge_rounds(rounds[:1]) is rounds[0]              # one round: its rows as they are
+    md = markdown([none, mtp], [], dict(device="cpu", target="t", adaptive="on", prompt_tokens=8, max_tokens=4,
+                                        repeats=1, rounds=3, b1_prompts=1))
+    assert "| edit | mtp | 3 | 1 | 130.0 | 1.30x (1.30, 1.10, 1.60) |" in md and "3 rounds" in md
+    with pytest.raises(ValueError, match="same cells"):
+        merge_rounds([rounds[0], rounds[1][::-1]])
+
+
+def test_spec_real_rounds_rebuild_the_sweep(files, tmp_path):
+    out = tmp_path / "out"
+    rc = spec_real.main(["--device", "cpu", "--dtype", "float32", "--files", str(files), "--methods", "none,ngram",
+                         "--ks", "2", "--batches", "1", "--b1-prompts", "1", "--workloads", "edit",
+                         "--prompt-tokens", "40", "--max-tokens", "8", "--repeats", "1", "--rounds", "2",
+                         "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "spec_real.json").read_text())
+    assert data["meta"]["rounds"] == 2
+    none, ngram = data["real"]
+    for r in (none, ngram):
+        assert r["rounds"] == 2 and len(r["speedup_by_round"]) == 2 and len(r["tok_s_by_round"]) == 2
+    assert none["speedup_by_round"] == [1.0, 1.0]
+    assert ngram["speedup"] == pytest.approx(sum(ngram["speedup_by_round"]) / 2)   # the median of two
+    assert ngram["greedy_equal"] is True
