@@ -85,7 +85,8 @@ def markdown(rows: list[dict], args, device_name: str) -> str:
         last = mine[-1]
         widths = ", ".join(f"{key} {v['steps']:g} ({_interval(mine, key)})" for key, v in last["steps_by_width"].items())
         al = "-" if last["acceptance_length"] is None else f"{last['acceptance_length']:.2f}"
-        lines.append(f"| {method} | {'-' if adaptive is None else adaptive if isinstance(adaptive, str) else ('on' if adaptive else 'off')} | "
+        label = {None: "-", True: "on", False: "off"}.get(adaptive, adaptive)     # or "cost" / "untimed"
+        lines.append(f"| {method} | {label} | "
                      f"{statistics.median(r['s_per_token'] for r in mine) * 1e3:.4f} | {statistics.median(ratios):.2f}x | "
                      f"{', '.join(f'{x:.2f}' for x in ratios)} | {al} | {widths} |")
     return "\n".join(lines) + "\n"
