@@ -254,9 +254,10 @@ class EngineConfig:
                              f"rows over the ranks), got tensor_parallel_size={self.tensor_parallel_size}")
 
     def _check_draft_quantization(self, name: str) -> None:
-        """FP8 drafter weights pay off only through the 16-bit FP8 kernels: on CUDA they need a GPU
-        with float8 conversions and a bfloat16 / float16 engine (float32 would take the dequantizing
-        reference, slower than the unquantized drafter). CPU runs that reference (tests)."""
+        """FP8 drafter weights pay off only through the FP8 decode kernels: on CUDA they need a GPU
+        with float8 conversions. Any engine dtype works: the kernels read bfloat16, float16 or
+        float32 rows (a float32 engine's drafter then reads a quarter of its bytes). CPU runs the
+        dequantizing reference (tests)."""
         if self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config.quantization={name!r} needs tensor_parallel_size 1, "
                              f"got tensor_parallel_size={self.tensor_parallel_size}")
@@ -268,10 +269,6 @@ class EngineConfig:
             raise ValueError(f"speculative_config.quantization={name!r} needs a GPU with float8 support (compute "
                              f"capability >= {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}); "
                              f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}")
-        if self.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"speculative_config.quantization={name!r} on CUDA needs dtype bfloat16 or float16 "
-                             f"(the FP8 kernels compute in 16 bits), got {self.dtype}; float32 would dequantize "
-                             "every draft weight, slower than unquantized drafts")
 
     def _check_fp8_kv_cache(self) -> None:
         """An FP8 KV cache needs float8 conversions on the device (the attention kernel reads the

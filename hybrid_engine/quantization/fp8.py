@@ -5,14 +5,16 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
 ``w_q.float() * weight_scale`` (per row for [N]).
 
 ``fp8_linear(x, w_q, weight_scale, input_scale, bias)`` dispatch (backend logged once per op):
-- CUDA, 16-bit x, at most ``MAX_SKINNY_ROWS`` rows (decode): the Triton kernels of
+- CUDA, 16-bit or float32 x, at most ``MAX_SKINNY_ROWS`` rows (decode): the Triton kernels of
   ``fp8_kernels`` stream the 1-byte weight and multiply by the scale once per output (weight-only:
-  the activations stay 16-bit, so decode is at least as exact as W8A8);
+  the activations keep their dtype, so decode is at least as exact as W8A8; float32 x is what an
+  FP8 drafter of a float32 engine reads, ``SpeculativeConfig(quantization="fp8")``);
 - CUDA, bfloat16 x, more rows (prefill) and K, N multiples of 16: ``torch._scaled_mm`` W8A8 on the
   FP8 tensor cores: activations quantized per tensor with the checkpoint's static ``input_scale``,
   or per token (dynamic) when there is none, by one Triton pass (``fp8_quantizer.quantize_rows_fp8``,
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
-- otherwise (CPU, float32 models): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
+- otherwise (CPU; float32 or float16 rows above ``MAX_SKINNY_ROWS``): ``fp8_linear_ref``, exact
+  dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
 ``Fp8Linear.forward_relu2``): the one-row decode kernel and the W8A8 path's quantizer apply relu² as
 they read x, so there the relu² output is never written in 16 bits; 2-8 rows run the relu² kernel
@@ -133,7 +135,7 @@ def fp8_scaled_mm(x, w_q, weight_scale, input_scale=None, bias=None, *, relu2: b
 
 def _path(rows: int, K: int, N: int, dtype: torch.dtype, device: torch.device) -> str:
     """Which kernels ``fp8_linear`` runs for x [rows, K] -> [rows, N]: "skinny", "w8a8" or "ref"."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
         if rows <= MAX_SKINNY_ROWS and kernel_backend("fp8_skinny_linear", device) == "triton":
             return "skinny"
         if (dtype in _SCALED_MM_DTYPES and K % 16 == 0 and N % 16 == 0

@@ -1,13 +1,13 @@
 """Decode-sized FP8-weight projections: y = (x @ w_q^T) * weight_scale (+ bias), Triton.
 
 The weights are float8_e4m3fn [N, K] (1 byte each, half the bytes of bf16, so a memory-bound
-decode step reads half as much); x [M <= 8, K] is bf16/fp16 and stays so (weight-only). Every
+decode step reads half as much); x [M <= 8, K] is bf16/fp16/fp32 and stays so (weight-only). Every
 e4m3 value is exact in bf16/fp32, so converting a weight tile is lossless; the scale (float32,
 [] per tensor or [N] per channel) multiplies each output once, after the float32 accumulation.
 - ``_fp8_fma_kernel`` (1 row): BLOCK_N outputs per program, each [BLOCK_N, BLOCK_K] product tile
   reduced into a float32 [BLOCK_N] accumulator as it is made (few registers, many programs per SM).
 - ``_fp8_dot_kernel`` (2..8 rows, padded to 16): the weight tile converted to x's dtype and fed
-  to ``tl.dot`` with float32 accumulation.
+  to ``tl.dot`` with float32 accumulation (float32 x: tf32x3 products, about float32's accuracy).
 ``fp8_linear_ref`` (``quantization/fp8.py``) is the exact twin. The prefill side's activation
 quantizer is ``fp8_quantizer.quantize_rows_fp8``.
 """
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import cdiv
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
 from hybrid_engine.models.activation import proj_input_f32, relu2 as relu2_act, relu2_flags
 
@@ -68,7 +68,8 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
 def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, sxm, swn, sym,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, F32: tl.constexpr = False,
+                    F32_PREC: tl.constexpr = F32_DOT_PRECISION):
     # K in slices of K_S inputs (a multiple of BLOCK_K), one a program (grid axis 1). SPLIT: the
     # slice's float32 sum (weight scale applied, no bias) goes to part [slices, M, N] for
     # slice_sum.sum_slices
@@ -88,7 +89,10 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, s
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN] fp8
-        acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
+        if F32:     # float32 rows (triton_common.F32_DOT_PRECISION); e4m3 codes are exact in tf32
+            acc = tl.dot(xt, wt.to(tl.float32), acc, input_precision=F32_PREC)
+        else:
+            acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n, mask=mn, other=0.0)[None, :]
     else:
@@ -160,7 +164,7 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, part, M, N, K, k_s, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=slices > 1,
-        num_warps=num_warps, num_stages=num_stages)
+        F32=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     if slices > 1:
         sum_slices(part, bias, y)
     return y
@@ -193,8 +197,14 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     # swept, 4096 < N <= 8192 not), H200 sweep at 8 rows (benchmarks/results/2026-11-28-fp8-dot-slices-h200.md): down_proj 52.8 -> 37.8 us in 3
     # slices, out_proj 22.7 -> 17.5, q/o_proj 13.2 -> 11.6, k/v_proj 11.6 -> 6.4 in 4; one step's
     # projections 4.00 -> ~3.45 ms (bf16 4.27). The wide ones gain nothing (in_proj 34.5 -> 35.1 in 2)
-    return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,
-                                 block_k=512, num_stages=3, k_slices=_dot_slices(N, K))
+    # float32 rows (an FP8 drafter of a float32 engine) take narrower K tiles: their tf32x3 dots
+    # hold three products' operands, and at 512 the 4-row eh_proj of the bench-large MTP block
+    # (1024 x 2048) took 242 us against 17.9 at (32, 128, 3 stages), the best of 24 tf32x3 configs
+    # on 6 of 7 shapes; the 16384-row head's best was (64, 64): 18.7 against 25.8 us (H200,
+    # benchmarks/results/2026-11-29-fp8-drafter-f32-h200.md)
+    bn, bk = ((64, 64) if N >= 16384 else (32, 128)) if x.dtype == torch.float32 else (32, 512)
+    return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=bn,
+                                 block_k=bk, num_stages=3, k_slices=_dot_slices(N, K))
 
 
 def _fma_config(N: int, K: int) -> dict:

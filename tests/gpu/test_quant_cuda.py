@@ -1,7 +1,8 @@
 """Quantized-weight kernels and engine paths on CUDA (FP8-capable GPU: Ada / Hopper).
 
 Kernels vs their exact float32 twins (tests/quant/quant_checks.py: poisoned outputs, ragged rows,
-odd widths) in bf16 and fp16; the W8A8 prefill path (``torch._scaled_mm``) vs ``fp8_scaled_mm_ref``;
+odd widths) in bf16 and fp16, the FP8 decode kernels in float32 too; the W8A8 prefill path
+(``torch._scaled_mm``) vs ``fp8_scaled_mm_ref``;
 the public dispatch picks the kernels; and the engine: an FP8 / NVFP4 model generates the same
 greedy tokens with CUDA graphs and async scheduling as eagerly."""
 import sys
@@ -20,7 +21,7 @@ from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-BF16, F16 = torch.bfloat16, torch.float16
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # one row covers every config of fp8_kernels._fma_config: (8, 2048, 8) long rows, (4, 2048, 4) wide
 # N, (4, 1024, 4) K = 2688, (2, 2048, 4) short rows, (2, 4096, 8) small weights (K 2688 < the tile)
 SHAPES = [(1, 4096, 4096), (1, 17504, 4096), (1, 4096, 8192), (1, 4096, 2688), (1, 2688, 4096), (1, 256, 2688),
@@ -34,7 +35,7 @@ def _fp8_gpu(monkeypatch):
         pytest.skip("needs an FP8-capable GPU")
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_fp8_skinny_kernel(shape, per_channel, dtype):
@@ -42,7 +43,7 @@ def test_fp8_skinny_kernel(shape, per_channel, dtype):
     qc.check_fp8(fp8_skinny_linear, DEV, dtype, m, n, k, per_channel, seed=m + n)
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
 @pytest.mark.parametrize("kernel", ["fma", "dot"])
 def test_fp8_every_code(kernel, dtype):
     """Every finite e4m3 code (subnormals included) through the one-row FMA kernel and the 2-8-row

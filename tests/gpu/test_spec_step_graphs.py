@@ -183,23 +183,24 @@ def test_single_token_meta_on_cuda():
         assert torch.equal(out, torch.cat([rmsnorm(e, we, 1e-5), rmsnorm(h, wh, 1e-5)], -1))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("method, plan_name", [("mtp", "MTPStepGraphs"), ("draft_model", "DraftModelStepGraphs")])
-def test_fp8_drafters_propose_the_general_paths_drafts(method, plan_name):
-    """FP8 drafter copies (``SpeculativeConfig.quantization``) on CUDA, bfloat16: the FP8 decode
-    kernels inside the captured proposal give the general path's drafts (same tokens, same
-    counts), and they are accepted about as often as the 16-bit drafter's (a wrong scale or a
-    wrong head shows as far fewer)."""
+def test_fp8_drafters_propose_the_general_paths_drafts(method, plan_name, dtype):
+    """FP8 drafter copies (``SpeculativeConfig.quantization``) on CUDA, in a bfloat16 and a float32
+    engine: the FP8 decode kernels inside the captured proposal give the general path's drafts
+    (same tokens, same counts), and they are accepted about as often as the unquantized drafter's
+    (a wrong scale or a wrong head shows as far fewer)."""
     from dataclasses import replace
     from hybrid_engine.default_model import default_draft_model_dir
     from hybrid_engine.quantization.linear import Fp8Linear
     from hybrid_engine.spec.drafters.draft_quant import FewRowsFp8
     draft = str(default_draft_model_dir()) if method == "draft_model" else None
     spec = SpeculativeConfig(method, 3, model=draft, adaptive=False, quantization="fp8")
-    runs = _fused_and_general_runs(spec, plan_name, dtype="bfloat16")
+    runs = _fused_and_general_runs(spec, plan_name, dtype=dtype)
     assert runs[0] == runs[1]
     (_, proposed, accepted), = _fused_and_general_runs(replace(spec, quantization=None), plan_name,
-                                                       dtype="bfloat16", general=False)
+                                                       dtype=dtype, general=False)
     assert runs[0][2] > 0.85 * accepted and accepted > 0.3 * proposed, (runs[0][1:], proposed, accepted)
-    llm = LLM(default_model_dir(), dtype="bfloat16", device="cuda", max_num_seqs=4, speculative_config=spec)
+    llm = LLM(default_model_dir(), dtype=dtype, device="cuda", max_num_seqs=4, speculative_config=spec)
     head = llm.engine.drafter.draft_logits.head if method == "mtp" else llm.engine.drafter.model.lm_head
     assert isinstance(head, FewRowsFp8) and isinstance(head.narrow, Fp8Linear)
