@@ -167,9 +167,14 @@ def make_draft_model(build) -> DraftModelDrafter:
     if cfg.cache.kv_fp8:
         check_fp8_scale_format(draft_cfg.quantization, cfg.cache.kv_cache_dtype, what="draft model")
     attach_kv_scales(drafter.kv, draft_dir, model, what="draft model")
-    # the replay of the target's step takes every width the target's steps may have (adaptive)
+    # the replay of the target's step takes every width the target's steps may have (adaptive), and
+    # its steps of one prefill row replay prefill graphs (one GPU, as the target's): eagerly, the
+    # draft's forward over a new prompt was host time the next step waited for (bench-large, H200,
+    # batch 1, 32 new tokens: a prefill step's interval 7.1 ms against 1.6 ms without speculation;
+    # benchmarks/results/2026-11-29-spec-prefill-step-h200.md)
     verify_widths = tuple(1 + c for c in draft_counts(spec, build.num_spec))
     drafter.use_executors(lambda m, c, k, name: make_executor(
         m, c, cfg, num_spec=k, max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len,
-        block_size=build.block_size, name=name, widths=verify_widths if k else None))
+        block_size=build.block_size, name=name, widths=verify_widths if k else None,
+        prefill_graphs=bool(k) and cfg.prefill_cuda_graphs and cfg.tensor_parallel_size == 1))
     return drafter
