@@ -93,7 +93,8 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     drafter = make_drafter(DrafterBuild(
         cfg=local, model=model, num_spec=k, max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs,
         block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
-        num_slots=pool.num_slots))
+        num_slots=pool.num_slots, prefill_graphs=cfg.prefill_cuda_graphs and tp is None,
+        checkpoints=cc.enable_prefix_caching))
     rows = row_bytes = 0
     if cc.enable_prefix_caching:
         rows, row_bytes = _attach_checkpoints(local, caches, drafter, num_blocks)

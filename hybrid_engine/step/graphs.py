@@ -72,10 +72,13 @@ class _Graph:
 class CudaGraphExecutor(EagerExecutor):
     def __init__(self, model, caches, *, num_spec: int, max_blocks: int, max_model_len: int,
                  block_size: int, buckets: tuple[int, ...], device: torch.device,
-                 widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
+                 widths: tuple[int, ...] | None = None, prefill_graphs: bool = False,
+                 pad_restores: bool | None = None):
         """``widths``: the row widths (tokens per decode row) to capture; default ``(1 + num_spec,)``.
         ``prefill_graphs``: also replay steps of one prefill row, alone or beside decode rows
-        (captured lazily)."""
+        (captured lazily). ``pad_restores``: the model has checkpoint storage, so prefill graphs
+        pad restores to one (``PrefillGraphs``); None: whether ``caches`` has checkpoint rows now
+        (a draft model's are attached after its executors are built, so it says)."""
         super().__init__(model, caches)
         self.max_tokens_per_row = 1 + num_spec                     # the widest row
         self.widths = tuple(sorted(set(widths or (self.max_tokens_per_row,))))   # tokens per row
@@ -97,7 +100,8 @@ class CudaGraphExecutor(EagerExecutor):
         self.split_steps = 0              # steps run as a decode graph plus a prefill graph
         self.prefill = (PrefillGraphs(lambda fb: EagerExecutor.forward(self, fb), max_blocks=max_blocks,
                                       max_model_len=max_model_len, device=device,
-                                      pad_restores=ckpts is not None and ckpts.num_rows > 0,
+                                      pad_restores=(ckpts is not None and ckpts.num_rows > 0
+                                                    if pad_restores is None else pad_restores),
                                       decode_buckets=mixed_decode_buckets(self.buckets),
                                       max_decode_len=self.max_tokens_per_row)
                         if prefill_graphs else None)
@@ -271,13 +275,15 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def make_executor(model, caches, cfg, *, num_spec: int, max_blocks: int, max_model_len: int, block_size: int,
-                  name: str = "target", widths: tuple[int, ...] | None = None, prefill_graphs: bool = False):
+                  name: str = "target", widths: tuple[int, ...] | None = None, prefill_graphs: bool = False,
+                  pad_restores: bool | None = None):
     """CUDA graphs for decode batches of ``[B, tokens_per_row]`` on CUDA (tokens_per_row in
     ``widths``, default ``1 + num_spec``), and with ``prefill_graphs`` for steps of one prefill
-    row, alone or beside decode rows; eager otherwise."""
+    row, alone or beside decode rows; eager otherwise. ``pad_restores``: see ``CudaGraphExecutor``."""
     if cfg.device.type != "cuda" or cfg.enforce_eager:
         logger.info("%s forward executor: eager (%s)", name, "enforce_eager" if cfg.enforce_eager else cfg.device.type)
         return EagerExecutor(model, caches)
     return CudaGraphExecutor(model, caches, num_spec=num_spec, max_blocks=max_blocks, max_model_len=max_model_len,
                              block_size=block_size, buckets=default_buckets(cfg.scheduler.max_num_seqs),
-                             device=cfg.device, widths=widths, prefill_graphs=prefill_graphs)
+                             device=cfg.device, widths=widths, prefill_graphs=prefill_graphs,
+                             pad_restores=pad_restores)

@@ -47,6 +47,12 @@ class DrafterBuild:
     num_kv_blocks: int           # target KV blocks, null block 0 included
     max_blocks_per_req: int      # block-table width
     num_slots: int               # Mamba/drafter slots, null slot 0 included (slot space)
+    # the target's steps of one prefill row replay prefill graphs (prefill_cuda_graphs, one GPU): a
+    # draft model's replay of those steps may too
+    prefill_graphs: bool = False
+    # prefix caching: attach_checkpoints gives the drafter checkpoint rows after it is built (its
+    # prefill graphs' keys then pad restores to one, as the target's do)
+    checkpoints: bool = False
 
     @property
     def device(self):

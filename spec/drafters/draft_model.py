@@ -176,5 +176,5 @@ def make_draft_model(build) -> DraftModelDrafter:
     drafter.use_executors(lambda m, c, k, name: make_executor(
         m, c, cfg, num_spec=k, max_blocks=build.max_blocks_per_req, max_model_len=build.max_model_len,
         block_size=build.block_size, name=name, widths=verify_widths if k else None,
-        prefill_graphs=bool(k) and cfg.prefill_cuda_graphs and cfg.tensor_parallel_size == 1))
+        prefill_graphs=bool(k) and build.prefill_graphs, pad_restores=build.checkpoints))
     return drafter

@@ -226,8 +226,10 @@ def test_draft_models_prefill_steps_replay_its_prefill_graphs():
         st = llm.stats()
         graphs = llm.engine.drafter.verify_exec.prefill
         assert (graphs is not None and len(graphs.graphs) > 0) == prefill_graphs
+        if prefill_graphs:      # prefix caching (on by default): keys pad restores to one, as the target's
+            assert graphs.pad_restores and llm.engine.runner.executor.prefill.pad_restores
         runs.append(([o.outputs[0].token_ids for o in outs], st["drafts_proposed"], st["drafts_accepted"]))
-        del llm
+        del llm, graphs
     (tokens, proposed, accepted), (eager_tokens, eager_proposed, eager_accepted) = runs
     assert tokens == eager_tokens
     assert eager_accepted > 0.3 * eager_proposed and abs(accepted - eager_accepted) <= 0.1 * eager_accepted, runs
