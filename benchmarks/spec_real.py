@@ -311,7 +311,7 @@ def parse_args(argv=None):
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="MTP drafts over the first N vocabulary ids (SpeculativeConfig.draft_vocab_size)")
     ap.add_argument("--draft-quantization", choices=("fp8",), default=None,
-                    help="MTP / draft-model weights in FP8 (SpeculativeConfig.quantization; 16-bit dtypes on CUDA)")
+                    help="MTP / draft-model weights in FP8 (SpeculativeConfig.quantization; any dtype)")
     ap.add_argument("--forced-shapes", type=words, default=[], help="comma list of 8b,nano,bench-large (empty: skip)")
     ap.add_argument("--forced-methods", type=words, default=["ngram", "mtp"])
     ap.add_argument("--forced-k", type=int, default=3)

@@ -13,8 +13,8 @@ FP8) or [N] (per output channel, ``quantization="fp8"`` at load). The real weigh
   FP8 tensor cores: activations quantized per tensor with the checkpoint's static ``input_scale``,
   or per token (dynamic) when there is none, by one Triton pass (``fp8_quantizer.quantize_rows_fp8``,
   code for code ``quantize_activations``); ``fp8_scaled_mm_ref`` is its twin;
-- otherwise (CPU; float32 or float16 rows above ``MAX_SKINNY_ROWS``): ``fp8_linear_ref``, exact
-  dequantization then a float32 matmul.
+- otherwise (CPU; float32 or float16 rows above ``MAX_SKINNY_ROWS``; bfloat16 with K or N not a
+  multiple of 16; no Triton): ``fp8_linear_ref``, exact dequantization then a float32 matmul.
 ``fp8_linear(..., relu2=True)`` projects relu(x)² (the relu² MLP's down_proj, through
 ``Fp8Linear.forward_relu2``): the one-row decode kernel and the W8A8 path's quantizer apply relu² as
 they read x, so there the relu² output is never written in 16 bits; 2-8 rows run the relu² kernel

@@ -8,6 +8,8 @@ e4m3 value is exact in bf16/fp32, so converting a weight tile is lossless; the s
   reduced into a float32 [BLOCK_N] accumulator as it is made (few registers, many programs per SM).
 - ``_fp8_dot_kernel`` (2..8 rows, padded to 16): the weight tile converted to x's dtype and fed
   to ``tl.dot`` with float32 accumulation (float32 x: tf32x3 products, about float32's accuracy).
+  ``fp8_skinny_linear`` sends float32 rows to the FMA kernel at every row count instead (a grid
+  row each), so they keep one-token steps' bits.
 ``fp8_linear_ref`` (``quantization/fp8.py``) is the exact twin. The prefill side's activation
 quantizer is ``fp8_quantizer.quantize_rows_fp8``.
 """
@@ -25,10 +27,14 @@ from .slice_sum import slice_tiles, sum_slices
 
 
 @triton.jit
-def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn,
+def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn, sxm,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                    RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False):
+                    RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False, ROWS: tl.constexpr = False):
+    if ROWS:                      # grid axis 1 walks the rows of x (stride sxm) and y (contiguous):
+        r = tl.program_id(1).to(tl.int64)     # each runs the one-row code, so its sums are a one-row launch's
+        x_ptr += r * sxm
+        y_ptr += r * N
     if PREFETCH:                  # issued before the wait, used after it (triton_pdl)
         w_first = first_weight_tile(w_ptr, swn, N, K, BLOCK_N, BLOCK_K)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
@@ -126,16 +132,18 @@ def _per_channel(weight_scale, N) -> bool:
 
 def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k=2048, num_warps=4,
                           relu2=False):
-    """x [1, K] -> [1, N] in x.dtype (``relu2``: of ``activation.relu2(x)``, applied as x is loaded)."""
+    """x [M, K] -> [M, N] in x.dtype (``relu2``: of ``activation.relu2(x)``, applied as x is loaded).
+    Each row is a grid row running the one-row code, so a row's result does not depend on M."""
     _check(x, w_q, weight_scale)
     M, K = x.shape
     N = w_q.shape[0]
-    assert M == 1, "the FMA kernel takes one row"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _fp8_fma_kernel[(cdiv(N, block_n),)](
-        x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0),
+    if M == 0:
+        return y
+    _fp8_fma_kernel[(cdiv(N, block_n), M)](
+        x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0), x.stride(0),
         PER_CHANNEL=_per_channel(weight_scale, N),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, ROWS=M > 1,
         **relu2_flags(x, relu2), **pdl_kwargs(x.device, prefetch=True))
     return y
 
@@ -188,7 +196,10 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     K tiles of 512 (``benchmarks/results/2026-11-26-fp8-h100.md``, and the sweep below)."""
     M, K = x.shape
     N = w_q.shape[0]
-    if M == 1:
+    if M == 1 or x.dtype == torch.float32:
+        # float32 rows (a float32 FP8 model, an FP8 drafter of a float32 engine) take the one-row
+        # kernel at every row count, a grid row each: a verify step's rows then get a one-token
+        # step's bits, as unquantized float32 projections do (docs/design.md invariant 2)
         return fp8_skinny_linear_fma(x, w_q, weight_scale, bias, **_fma_config(N, K), relu2=relu2)
     # 2..8 rows: (32, 512, 3 stages) on every shape; the long-row projections took (32, 256, 4) until
     # an H100 sweep of 8 configs at 2, 4 and 8 rows (2026-11-26, results/2026-11-26-nvfp4-pair-decode-h100.md):
@@ -197,14 +208,8 @@ def fp8_skinny_linear(x, w_q, weight_scale, bias=None, relu2: bool = False):
     # swept, 4096 < N <= 8192 not), H200 sweep at 8 rows (benchmarks/results/2026-11-28-fp8-dot-slices-h200.md): down_proj 52.8 -> 37.8 us in 3
     # slices, out_proj 22.7 -> 17.5, q/o_proj 13.2 -> 11.6, k/v_proj 11.6 -> 6.4 in 4; one step's
     # projections 4.00 -> ~3.45 ms (bf16 4.27). The wide ones gain nothing (in_proj 34.5 -> 35.1 in 2)
-    # float32 rows (an FP8 drafter of a float32 engine) take narrower K tiles: their tf32x3 dots
-    # hold three products' operands, and at 512 the 4-row eh_proj of the bench-large MTP block
-    # (1024 x 2048) took 242 us against 17.9 at (32, 128, 3 stages), the best of 24 tf32x3 configs
-    # on 6 of 7 shapes; the 16384-row head's best was (64, 64): 18.7 against 25.8 us (H200,
-    # benchmarks/results/2026-11-29-fp8-drafter-f32-h200.md)
-    bn, bk = ((64, 64) if N >= 16384 else (32, 128)) if x.dtype == torch.float32 else (32, 512)
-    return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=bn,
-                                 block_k=bk, num_stages=3, k_slices=_dot_slices(N, K))
+    return fp8_skinny_linear_dot(relu2_act(x) if relu2 else x, w_q, weight_scale, bias, block_n=32,
+                                 block_k=512, num_stages=3, k_slices=_dot_slices(N, K))
 
 
 def _fma_config(N: int, K: int) -> dict:

@@ -9,8 +9,9 @@ the target's 131072-row lm_head once per draft token (1 GB in bfloat16, ~70% of 
 FP8 pays where the FP8 decode kernels run: up to ``fp8.MAX_SKINNY_ROWS`` rows a projection. Wider
 steps take the W8A8 path, which read no faster on the 8B MTP block at batch 32 (H200, 2026-11-28:
 the MTP speed-up fell from 1.22x to 1.12x with every drafter layer in FP8). So each drafter linear
-layer keeps its 16-bit weights and gains an FP8 copy (``FewRowsFp8``): a call with at most that many
-rows reads the copy, a wider one the 16-bit weights. The row count is the input's shape, known on
+layer keeps its unquantized weights (16-bit, or float32 in a float32 engine) and gains an FP8 copy
+(``FewRowsFp8``): a call with at most that many rows reads the copy, a wider one the unquantized
+weights. The row count is the input's shape, known on
 the host, so the choice costs no sync and a CUDA graph captures one side.
 
 - method "mtp": the MTP block's linear layers, and the lm_head rows the drafts score (an FP8 copy

@@ -54,20 +54,23 @@ def test_fp8_one_row_configs_of_the_swept_shapes(monkeypatch):
         assert seen == [cfg], ((N, K), seen)
 
 
-def test_fp8_few_row_tiles_by_dtype(monkeypatch):
-    """The FP8 2-8-row dispatch: 16-bit rows (32, 512); float32 rows (an FP8 drafter of a float32
-    engine: tf32x3 dots) (32, 128), and (64, 64) for 16384+ rows (a vocabulary head), the swept
-    bests (benchmarks/results/2026-11-29-fp8-drafter-f32-h200.md)."""
+def test_fp8_few_rows_route_by_dtype(monkeypatch):
+    """The FP8 2-8-row dispatch: 16-bit rows take the dot kernel, (32, 512); float32 rows (a float32
+    FP8 model, an FP8 drafter of a float32 engine) take the one-row kernel at its one-row config, so
+    each row keeps a one-token step's bits (the interpreter's ``fp8_f32_rows_invariant`` checks them)."""
     import torch
     from hybrid_engine.quantization import fp8_kernels
     seen = []
     monkeypatch.setattr(fp8_kernels, "fp8_skinny_linear_dot",
-                        lambda x, w, s, b, **cfg: seen.append((cfg["block_n"], cfg["block_k"], cfg["k_slices"])))
-    want = {(torch.bfloat16, 1024, 2048): (32, 512, 1), (torch.float16, 16384, 1024): (32, 512, 1),
-            (torch.float32, 1024, 2048): (32, 128, 1), (torch.float32, 256, 1024): (32, 128, 1),
-            (torch.float32, 16384, 1024): (64, 64, 1), (torch.float32, 4096, 8192): (32, 128, 3)}
-    for (dtype, N, K), cfg in want.items():
-        seen.clear()
-        fp8_kernels.fp8_skinny_linear(torch.zeros(4, K, dtype=dtype), torch.zeros(N, K, dtype=torch.float8_e4m3fn),
-                                      torch.ones(N))
-        assert seen == [cfg], ((dtype, N, K), seen)
+                        lambda x, w, s, b, **cfg: seen.append(("dot", cfg["block_n"], cfg["block_k"])))
+    monkeypatch.setattr(fp8_kernels, "fp8_skinny_linear_fma",
+                        lambda x, w, s, b, **cfg: seen.append(("fma", cfg["block_n"], cfg["block_k"])))
+    want = {(torch.bfloat16, 1024, 2048): ("dot", 32, 512), (torch.float16, 16384, 1024): ("dot", 32, 512),
+            (torch.float32, 1024, 2048): ("fma",) + tuple(fp8_kernels._fma_config(1024, 2048)[k] for k in ("block_n", "block_k")),
+            (torch.float32, 4096, 4096): ("fma", 8, 2048)}
+    for (dtype, N, K), route in want.items():
+        for rows in (2, 4, 8):
+            seen.clear()
+            fp8_kernels.fp8_skinny_linear(torch.zeros(rows, K, dtype=dtype), torch.zeros(N, K, dtype=torch.float8_e4m3fn),
+                                          torch.ones(N))
+            assert seen == [route], ((dtype, N, K, rows), seen)

@@ -398,3 +398,14 @@ def test_engine_graphs_equal_eager(model_dirs, method):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
         del llm
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("relu2", [False, True], ids=["plain", "relu2"])
+@pytest.mark.parametrize("shape", [(8, 4096, 4096), (4, 1024, 2048), (8, 18560, 4096), (3, 4096, 21504), (2, 256, 2688)],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_fp8_float32_rows_keep_one_row_bits(shape, relu2):
+    """float32 rows of 2-8 (a float32 FP8 model's verify step, an FP8 drafter of a float32 engine)
+    run the one-row kernel a grid row each: every row equals, bit for bit, the same row alone, so a
+    verify step's projections are a one-token step's (docs/design.md invariant 2)."""
+    m, n, k = shape
+    qc.check_fp8_rows_invariant(fp8_skinny_linear, DEV, m, n, k, per_channel=m % 2 == 0, relu2=relu2, seed=m + n)

@@ -14,7 +14,7 @@ import torch
 from quant_checks import (check_fp8, check_fp8_relu2, check_nvfp4, check_nvfp4_relu2,
                           check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k, check_fp8_experts,
                           check_fp8_experts_w8a8, check_fp8_every_code, check_quantize_rows, check_quantize_rows_bounded,
-                          check_add_rmsnorm_fp8)
+                          check_add_rmsnorm_fp8, check_fp8_rows_invariant)
 
 
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
@@ -44,6 +44,16 @@ def _cases():
                                device=cpu, dtype=f32, per_channel=True, bias=False),
         "fp8_fma_f16": run(check_fp8, FP8_FMA_SHAPES, impl=small(fp8_skinny_linear_fma, block_n=8, block_k=64),
                            device=cpu, dtype=f16, per_channel=True),
+        # several rows through the one-row kernel (a grid row each): float32 dispatches every row
+        # count there, so each row keeps a one-row launch's bits (relu² on load too)
+        "fp8_fma_rows": run(check_fp8, [(3, 37, 130), (8, 100, 1100)], impl=small(fp8_skinny_linear_fma, block_n=8,
+                                                                                 block_k=64),
+                            device=cpu, dtype=f16, per_channel=True),
+        "fp8_f32_rows_invariant": lambda: max(
+            check_fp8_rows_invariant(impl, cpu, m, n, k, pc, relu2=r2, seed=m)
+            for impl, (m, n, k, pc, r2) in [(small(fp8_skinny_linear_fma, block_n=8, block_k=64), (5, 37, 130, True, False)),
+                                            (fp8_skinny_linear, (4, 40, 96, False, False)),
+                                            (fp8_skinny_linear, (3, 24, 200, True, True))]),
         # every finite code (subnormals, +-448) exactly, at x far from 1 too (every product exact
         # in the dtype): the one-row and the 2-8-row kernels
         "fp8_every_code": lambda: max(

@@ -67,6 +67,28 @@ def _relu2_inputs(M, N, K, dtype, bias, seed):
     return x, relu2_ref(x), w, b
 
 
+def check_fp8_rows_invariant(impl, device, M, N, K, per_channel, relu2=False, seed=0):
+    """float32 impl(x, w_q, s, b[, relu2=True]) on M rows: close to the float32 twin, and each row
+    equal, bit for bit, to the same row computed alone and within every shorter prefix of the rows
+    (a verify step's rows against a one-token step's)."""
+    from hybrid_engine.models.activation import relu2_ref
+    x, w, b = _inputs(M, N, K, torch.float32, True, seed, device)
+    w_q, s = quantize_fp8(w, per_channel)
+    w_q, s = w_q.to(device), s.to(device)
+    kw = dict(relu2=True) if relu2 else {}
+    with poisoned_empty():
+        full = impl(x, w_q, s, b, **kw)
+    assert full.shape == (M, N) and full.dtype == torch.float32 and not torch.isnan(full).any()
+    ref = fp8_linear_ref(relu2_ref(x) if relu2 else x, w_q, s, b)
+    err = _rel(full.cpu(), ref.cpu())
+    assert err <= 1e-5, f"fp8 rows M={M} N={N} K={K}: rel err {err:.2e}"
+    for m in range(1, M):
+        assert torch.equal(impl(x[:m], w_q, s, b, **kw), full[:m]), f"rows 0..{m - 1} alone differ from within {M}"
+    for r in range(M):
+        assert torch.equal(impl(x[r:r + 1], w_q, s, b, **kw), full[r:r + 1]), f"row {r} alone differs"
+    return err
+
+
 def check_fp8_relu2(impl, device, dtype, M, N, K, per_channel, bias=True, seed=0):
     """impl(x, w_q, s, b, relu2=True): bit for bit impl on ``relu2_ref(x)`` (relu² applied as x is
     loaded, rounded to x's dtype as the relu² kernel writes it), and close to the float32 twin."""

@@ -18,7 +18,7 @@ from hybrid_engine.quantization.nvfp4 import dequantize_nvfp4, quantize_nvfp4, u
 from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases
 
 HERE = Path(__file__).resolve().parent
-CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_every_code", "fp8_dot_tensor", "fp8_dot_channel_f16", "fp8_dot_slices", "fp8_dispatch_slices",
+CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_fma_rows", "fp8_f32_rows_invariant", "fp8_every_code", "fp8_dot_tensor", "fp8_dot_channel_f16", "fp8_dot_slices", "fp8_dispatch_slices",
          "fp8_dispatch", "fp8_quantize_rows", "fp8_quantize_rows_one_pass", "fp8_quantize_rows_relu2",
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
          "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "dot_zero_k", "nvfp4_persistent_relu2", "nvfp4_dispatch_relu2", "fp8_experts_decode", "fp8_experts_decode_one",
