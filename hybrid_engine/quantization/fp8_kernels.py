@@ -31,15 +31,15 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn, sxm,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                     RELU2: tl.constexpr = False, BF16_BITS: tl.constexpr = False, ROWS: tl.constexpr = False):
-    if ROWS:                      # grid axis 1 walks the rows of x (stride sxm) and y (contiguous):
-        r = tl.program_id(1).to(tl.int64)     # each runs the one-row code, so its sums are a one-row launch's
-        x_ptr += r * sxm
-        y_ptr += r * N
     if PREFETCH:                  # issued before the wait, used after it (triton_pdl)
         w_first = first_weight_tile(w_ptr, swn, N, K, BLOCK_N, BLOCK_K)
     z = pdl_enter(PDL)            # x is addressed from the wait's zero (triton_pdl); z * 16 keeps
     pid = tl.program_id(0) + z
     x_ptr += z * 16               # the 16-element alignment Triton vectorises x loads on
+    if ROWS:                      # grid axis 1 walks the rows of x (stride sxm) and y (contiguous):
+        r = (tl.program_id(1) + z).to(tl.int64)   # each runs the one-row code: a one-row launch's sums
+        x_ptr += r * sxm
+        y_ptr += r * N
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * swn

@@ -32,7 +32,7 @@ CASES = {
                                             sxm="i32", swn="i32", sym="i32"),
                    dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(num_warps=4, num_stages=4)),
     "fp8_fma": (_fp8_fma_kernel, dict(x_ptr=BF, w_ptr=F8, s_ptr="*fp32", b_ptr="*fp32", y_ptr=BF, N="i32",
-                                      K="i32", swn="i32"),
+                                      K="i32", swn="i32", sxm="i32"),
                 dict(PER_CHANNEL=True, HAS_BIAS=False, BLOCK_N=2, BLOCK_K=2048), dict(num_warps=4)),
     "fp8_dot": (_fp8_dot_kernel, dict(x_ptr=BF, w_ptr=F8, s_ptr="*fp32", b_ptr="*fp32", y_ptr=BF, part_ptr="*fp32",
                                       M="i32", N="i32", K="i32", K_S="i32", sxm="i32", swn="i32", sym="i32"),
@@ -84,9 +84,10 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", 
 
 
 def _ptx(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> str:
-    """The kernel's PTX for sm_90; the optional flags a kernel has (PREFETCH, RELU2, BF16_BITS)
-    take ``prefetch`` / False unless ``consts`` sets them."""
-    optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False}     # flags with defaults
+    """The kernel's PTX for sm_90; the optional flags a kernel has (PREFETCH, RELU2, BF16_BITS, ROWS,
+    F32, F32_PREC) take ``prefetch`` / their defaults unless ``consts`` sets them."""
+    optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False,      # flags with defaults
+                "ROWS": False, "F32": False, "F32_PREC": "tf32x3"}
     flags = {"PDL": pdl} | {k: v for k, v in optional.items() if k in kernel.arg_names and k not in consts}
     names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
