@@ -16,6 +16,7 @@ import torch
 from hybrid_engine.attention import KVCache
 from hybrid_engine.config import ModelConfig
 from hybrid_engine.step.graphs import EagerExecutor, make_executor
+from hybrid_engine.step.single_token_steps import SingleTokenSteps, single_token_meta
 from hybrid_engine.models import build_model
 from hybrid_engine.models.nemotron_h import Caches
 from hybrid_engine.quantization.kv_scales import attach_kv_scales, check_fp8_scale_format
@@ -24,7 +25,7 @@ from hybrid_engine.mamba_cache.pool import MambaPool
 
 from ..adaptive import draft_counts
 from .base import CacheFootprint, DraftContext, Drafter
-from .common import draw, single_token_batch
+from .common import draw
 from .draft_quant import add_fp8_copies, copies_bytes
 
 logger = logging.getLogger("hybrid_engine")
@@ -49,6 +50,10 @@ class DraftModelDrafter(Drafter):
         self.conv_width = mc.conv_kernel - 1
         self.vocab = mc.vocab_size
         self.verify_exec = self.step_exec = EagerExecutor(model, self.caches)
+        # the single-token steps' constant tensors, and a row count no step reaches (every row of a
+        # step on this path is real: single_token_meta's pads are the fused graphs' padding rows)
+        self.single = SingleTokenSteps(max_num_seqs, device)
+        self._all_real = torch.full((1,), 1 << 62, dtype=torch.int64, device=device)
 
     def _checkpoint_shape(self):
         mc = self.model.cfg
@@ -82,15 +87,19 @@ class DraftModelDrafter(Drafter):
         self._fork(ctx.slots, scratch, a)
         st = ctx.sampling
         want_probs = not st.all_greedy
-        tok, pos = ctx.input_token, ctx.input_pos
+        tok = ctx.input_token
         bt = ctx.forward_batch.attn.block_tables
         max_seq = ctx.forward_batch.attn.max_seq_len + 2 * self.num_spec + 1
+        # every single-token step's positions, KV slots and lengths [k, B] at once (one launch on
+        # CUDA; built step by step, ~17 small launches a step were host time in a prefill step)
+        pos, slots, seq_lens, _, _ = single_token_meta(
+            ctx.input_pos.contiguous(), ctx.num_valid.contiguous(), self._all_real, bt, steps=k,
+            block_size=ctx.block_size, tokens_per_row=1, pads_advance=True)
         drafts, probs = [], []
-        for _ in range(k):
-            fb = single_token_batch(tok, pos, bt, ctx.block_size, scratch, valid, max_seq)
+        for j in range(k):
+            fb = self.single.batch(tok, pos[j], seq_lens[j], slots[j], bt, scratch, max_seq)
             _, logits = self.step_exec.forward(fb)
-            tok, q = draw(logits, st, pos + 1, want_probs)
-            pos = pos + 1
+            tok, q = draw(logits, st, pos[j] + 1, want_probs)
             drafts.append(tok)
             probs.append(q)
         out = torch.where(valid[:, None], torch.stack(drafts, 1), -1)
