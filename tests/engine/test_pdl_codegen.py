@@ -144,3 +144,14 @@ def test_relu2_on_load_keeps_the_load_widths(name):
     muls = [len(re.findall(r"\bmul(?:\.\w+)*\.f32\b", _ptx(kernel, sig, {**consts, "RELU2": r}, opts, True)))
             for r in (False, True)]
     assert muls[1] > muls[0], muls
+
+
+def test_fp8_row_grid_keeps_the_load_widths():
+    """The FP8 one-row kernel over a grid of rows (``ROWS``: float32 rows of 2-8, each a grid row)
+    compiles for sm_90 with the same kinds of loads and stores as the one-row launch (its x and y
+    only start at another row), here for float32 x and y."""
+    kernel, sig, consts, opts = CASES["fp8_fma"]
+    sig = {**sig, "x_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32"}
+    one = _memory_ops(kernel, sig, consts, opts, True, prefetch=True)
+    rows = _memory_ops(kernel, sig, {**consts, "ROWS": True}, opts, True, prefetch=True)
+    assert rows == one, (rows, one)
