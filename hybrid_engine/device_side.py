@@ -90,10 +90,11 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     if sc.max_num_batched_tokens < 1 + k:
         raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens} must be >= 1 + "
                          f"num_speculative_tokens = {1 + k}")
+    prefill_graphs = cfg.prefill_cuda_graphs and tp is None   # the target's, and a draft model's replay
     drafter = make_drafter(DrafterBuild(
         cfg=local, model=model, num_spec=k, max_model_len=max_model_len, max_num_seqs=sc.max_num_seqs,
         block_size=cc.block_size, num_kv_blocks=num_blocks, max_blocks_per_req=max_blocks,
-        num_slots=pool.num_slots, prefill_graphs=cfg.prefill_cuda_graphs and tp is None,
+        num_slots=pool.num_slots, prefill_graphs=prefill_graphs,
         checkpoints=cc.enable_prefix_caching))
     rows = row_bytes = 0
     if cc.enable_prefix_caching:
@@ -102,7 +103,7 @@ def build_device_side(cfg: EngineConfig, tp=None) -> DeviceSide:
     executor = make_executor(model, caches, local, num_spec=k, max_blocks=max_blocks,
                              max_model_len=max_model_len, block_size=cc.block_size,
                              widths=tuple(1 + c for c in counts),
-                             prefill_graphs=cfg.prefill_cuda_graphs and tp is None)
+                             prefill_graphs=prefill_graphs)
     # with speculation, steps that verify no drafts replay the fused greedy graphs when the
     # drafter follows a step inside them (n-gram: its kernel after the argmax)
     greedy_graphs = make_greedy_graphs(executor, num_spec=k, block_size=cc.block_size, max_blocks=max_blocks,

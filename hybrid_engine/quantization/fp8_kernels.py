@@ -143,7 +143,10 @@ def fp8_skinny_linear_fma(x, w_q, weight_scale, bias=None, *, block_n=2, block_k
     _fp8_fma_kernel[(cdiv(N, block_n), M)](
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, N, K, w_q.stride(0), x.stride(0),
         PER_CHANNEL=_per_channel(weight_scale, N),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, ROWS=M > 1,
+        # float32 takes the row-grid code at every M (one compiled kernel for a one-token step and a
+        # verify step's rows, so their bits cannot part through different codegen)
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        ROWS=M > 1 or x.dtype == torch.float32,
         **relu2_flags(x, relu2), **pdl_kwargs(x.device, prefetch=True))
     return y
 

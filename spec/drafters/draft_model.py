@@ -90,10 +90,12 @@ class DraftModelDrafter(Drafter):
         tok = ctx.input_token
         bt = ctx.forward_batch.attn.block_tables
         max_seq = ctx.forward_batch.attn.max_seq_len + 2 * self.num_spec + 1
-        # every single-token step's positions, KV slots and lengths [k, B] at once (one launch on
-        # CUDA; built step by step, ~17 small launches a step were host time in a prefill step)
+        # every single-token step's positions, KV slots and lengths [K, B] at once (one launch on
+        # CUDA; built step by step, ~17 small launches a step were host time in a prefill step).
+        # All K whatever k: the step count is the kernel's constexpr, so one compiled variant (the
+        # fused graphs') serves every adaptive width instead of a compile per new k mid-serving
         pos, slots, seq_lens, _, _ = single_token_meta(
-            ctx.input_pos.contiguous(), ctx.num_valid.contiguous(), self._all_real, bt, steps=k,
+            ctx.input_pos.contiguous(), ctx.num_valid.contiguous(), self._all_real, bt, steps=self.num_spec,
             block_size=ctx.block_size, tokens_per_row=1, pads_advance=True)
         drafts, probs = [], []
         for j in range(k):
