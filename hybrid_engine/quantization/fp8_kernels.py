@@ -7,9 +7,8 @@ e4m3 value is exact in bf16/fp32, so converting a weight tile is lossless; the s
 - ``_fp8_fma_kernel`` (1 row): BLOCK_N outputs per program, each [BLOCK_N, BLOCK_K] product tile
   reduced into a float32 [BLOCK_N] accumulator as it is made (few registers, many programs per SM).
 - ``_fp8_dot_kernel`` (2..8 rows, padded to 16): the weight tile converted to x's dtype and fed
-  to ``tl.dot`` with float32 accumulation (float32 x: tf32x3 products, about float32's accuracy).
-  ``fp8_skinny_linear`` sends float32 rows to the FMA kernel at every row count instead (a grid
-  row each), so they keep one-token steps' bits.
+  to ``tl.dot`` with float32 accumulation. ``fp8_skinny_linear`` sends float32 rows to the FMA
+  kernel at every row count instead (a grid row each), so they keep one-token steps' bits.
 ``fp8_linear_ref`` (``quantization/fp8.py``) is the exact twin. The prefill side's activation
 quantizer is ``fp8_quantizer.quantize_rows_fp8``.
 """
@@ -19,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv
+from hybrid_engine.mamba_cache.ops.triton_common import cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import first_weight_tile, pdl_enter, pdl_kwargs
 from hybrid_engine.models.activation import proj_input_f32, relu2 as relu2_act, relu2_flags
 
@@ -74,8 +73,7 @@ def _fp8_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, swn, sxm,
 def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, sxm, swn, sym,
                     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr = False,
-                    PDL: tl.constexpr = False, F32: tl.constexpr = False,
-                    F32_PREC: tl.constexpr = F32_DOT_PRECISION):
+                    PDL: tl.constexpr = False):
     # K in slices of K_S inputs (a multiple of BLOCK_K), one a program (grid axis 1). SPLIT: the
     # slice's float32 sum (weight scale applied, no bias) goes to part [slices, M, N] for
     # slice_sum.sum_slices
@@ -95,10 +93,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_S, s
                      mask=mm[:, None] & mk[None, :], other=0.0)                  # [BM, BK]
         wt = tl.load(w_rows + offs_k[:, None], mask=mk[:, None] & mn[None, :],
                      other=0.0)                                                  # [BK, BN] fp8
-        if F32:     # float32 rows (triton_common.F32_DOT_PRECISION); e4m3 codes are exact in tf32
-            acc = tl.dot(xt, wt.to(tl.float32), acc, input_precision=F32_PREC)
-        else:
-            acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
+        acc = tl.dot(xt, wt.to(x_ptr.dtype.element_ty), acc)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n, mask=mn, other=0.0)[None, :]
     else:
@@ -175,7 +170,7 @@ def fp8_skinny_linear_dot(x, w_q, weight_scale, bias=None, *, block_n=16, block_
         x, w_q, weight_scale, bias if bias is not None else weight_scale, y, part, M, N, K, k_s, x.stride(0),
         w_q.stride(0), y.stride(0), PER_CHANNEL=_per_channel(weight_scale, N),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=slices > 1,
-        F32=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if slices > 1:
         sum_slices(part, bias, y)
     return y

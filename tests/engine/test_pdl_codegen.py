@@ -84,10 +84,9 @@ ALIGNED = {"x_ptr", "w_ptr", "y_ptr", "a_ptr", "out_ptr", "r_ptr", "r_out_ptr", 
 
 
 def _ptx(kernel, sig, consts, opts, pdl: bool, prefetch: bool = False) -> str:
-    """The kernel's PTX for sm_90; the optional flags a kernel has (PREFETCH, RELU2, BF16_BITS, ROWS,
-    F32, F32_PREC) take ``prefetch`` / their defaults unless ``consts`` sets them."""
-    optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False,      # flags with defaults
-                "ROWS": False, "F32": False, "F32_PREC": "tf32x3"}
+    """The kernel's PTX for sm_90; the optional flags a kernel has (PREFETCH, RELU2, BF16_BITS, ROWS)
+    take ``prefetch`` / their defaults unless ``consts`` sets them."""
+    optional = {"PREFETCH": prefetch, "RELU2": False, "BF16_BITS": False, "ROWS": False}   # flags with defaults
     flags = {"PDL": pdl} | {k: v for k, v in optional.items() if k in kernel.arg_names and k not in consts}
     names = list(sig) + list(consts) + list(flags)
     full = {n: sig.get(n, "constexpr") for n in kernel.arg_names if n in names}
