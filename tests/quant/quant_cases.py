@@ -11,9 +11,10 @@ import sys
 import torch
 
 # the checks (tests/gpu/test_quant_cuda.py runs them on CUDA)
+from expert_checks import check_fp8_experts, check_fp8_experts_w8a8
 from quant_checks import (check_fp8, check_fp8_relu2, check_nvfp4, check_nvfp4_relu2,
-                          check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k, check_fp8_experts,
-                          check_fp8_experts_w8a8, check_fp8_every_code, check_quantize_rows, check_quantize_rows_bounded,
+                          check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k,
+                          check_fp8_every_code, check_quantize_rows, check_quantize_rows_bounded,
                           check_add_rmsnorm_fp8, check_fp8_rows_invariant)
 
 
