@@ -21,7 +21,7 @@ reached (e.g. the MTP layers) gets no input_scale, which the engine reads as "dy
 ``--calibrate 0`` no input_scale is written. Routed experts are left in 16 bits and listed in
 ``exclude_modules``, unless ``--experts``: then each expert is written per expert
 (``<p>.experts.<e>.up_proj.weight`` ...) like the other layers, without input_scale (the engine runs
-FP8 experts in the fused MoE and dequantizes NVFP4 experts at load).
+FP8 and NVFP4 experts in the fused MoE as stored).
 
 ``--kv-cache-fp8`` (needs calibration) also writes the FP8 KV-cache scales ModelOpt exports: per
 backbone attention layer ``<attn>.k_proj.k_scale`` and ``<attn>.v_proj.v_scale``, float32 [] =
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--experts", action="store_true",
                     help="also quantize the routed experts (per-expert tensors; the engine runs FP8 "
-                         "experts in the fused MoE and dequantizes NVFP4 ones at load)")
+                         "and NVFP4 experts in the fused MoE as stored)")
     ap.add_argument("--kv-cache-fp8", action="store_true",
                     help="also write FP8 KV-cache scales (k_scale / v_scale per attention layer, from the "
                          "calibration run) for kv_cache_dtype='fp8'")

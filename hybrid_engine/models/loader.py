@@ -26,9 +26,10 @@ a float8_e4m3fn or uint8 tensor only into a model tensor of the same dtype (the 
 ``hybrid_engine.quantization``, which list their weight and scales in ``fixed_dtype_params``: the
 loader never casts those). Any other float8, integer or packed tensor is a ValueError naming it (the
 engine never casts quantized data silently). Names ending in the model's
-``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped. Names in the
-model's ``dequantize_on_load`` (quantized tensors the model holds in 16 bits, e.g. routed experts of
-an FP8 checkpoint) are dequantized with their scales as they are read. A file that is not
+``ignored_checkpoint_suffixes`` (e.g. ModelOpt's KV-cache ``.k_scale``) are skipped, as are the
+names in the model's ``ignored_checkpoint_names`` (e.g. quantized experts' unused input scales). Per-expert
+scales of quantized experts (``<p>.experts.<e>.up_proj.weight_scale`` / ``.weight_scale_2``) are
+stacked into the merged ``<p>.experts.up_proj_weight_scale`` / ``_weight_scale_2``. A file that is not
 valid safetensors (truncated, garbage) is a ValueError naming the file. After loading, every
 floating tensor is checked for NaN / inf with one sum per tensor on the device and a single host
 read for all of them; a non-finite tensor is a ValueError naming it.
@@ -57,9 +58,11 @@ DEFAULT_KEEP_IN_FP32 = ("e_score_correction_bias",)
 LM_HEAD, DEFAULT_EMBED = "lm_head.weight", "backbone.embeddings.weight"
 _MERGED = re.compile(r"^(?P<p>.*\.experts)\.(?P<w>up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight$")
-# per-expert weight scales of quantized experts -> the merged [E] tensor "<p>.experts.<w>_weight_scale"
-_PER_EXPERT_SCALE = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.weight_scale$")
-_MERGED_SCALE = re.compile(r"^.*\.experts\.(up_proj|down_proj)_weight_scale$")
+# per-expert weight scales of quantized experts -> the merged [E, ...] tensor "<p>.experts.<w>_<s>"
+# (s: FP8's per-tensor weight_scale; NVFP4's block weight_scale and per-tensor weight_scale_2)
+_PER_EXPERT_SCALE = re.compile(
+    r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<w>up_proj|down_proj)\.(?P<s>weight_scale(_2)?)$")
+_MERGED_SCALE = re.compile(r"^.*\.experts\.(up_proj|down_proj)_weight_scale(_2)?$")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")      # safetensors dtype codes this loader reads
 # quantized storage, read only into a model tensor of the same dtype (a quantized layer's)
 _CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
@@ -120,8 +123,8 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
                 continue
             copies.append(_Copy(name, t, e, False))
             covered.add(f"{t}[{e}]")
-        elif ps and f"{ps['p']}.{ps['w']}_weight_scale" in targets:
-            t, e = f"{ps['p']}.{ps['w']}_weight_scale", int(ps["e"])
+        elif ps and _merged_scale(ps) in targets:
+            t, e = _merged_scale(ps), int(ps["e"])
             if e >= targets[t].shape[0]:
                 unexpected.append(name)
                 continue
@@ -140,6 +143,11 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
     return copies, covered, unexpected
 
 
+def _merged_scale(ps: re.Match) -> str:
+    """The merged target of a per-expert scale (``_PER_EXPERT_SCALE`` match)."""
+    return f"{ps['p']}.{ps['w']}_{ps['s']}"
+
+
 def _expected_shape(c: _Copy, targets, shards=None) -> tuple[int, ...]:
     """The disk shape ``c`` needs (with ``shards``: the full tensor this rank's part comes from)."""
     shape = tuple(targets[c.target].shape)
@@ -156,14 +164,9 @@ def _target_dtype(name: str, targets: dict) -> torch.dtype | None:
     """The dtype of the model tensor disk tensor ``name`` is read into (merged experts included)."""
     if name in targets:
         return targets[name].dtype
-    pe = _PER_EXPERT.match(name)
-    t = targets.get(f"{pe['p']}.{pe['w']}") if pe else None
+    pe, ps = _PER_EXPERT.match(name), _PER_EXPERT_SCALE.match(name)
+    t = targets.get(f"{pe['p']}.{pe['w']}") if pe else targets.get(_merged_scale(ps)) if ps else None
     return t.dtype if t is not None else None
-
-
-def _read(path: Path, name: str) -> torch.Tensor:
-    with open_safetensors(path) as f:
-        return f.get_tensor(name)
 
 
 def _fixed_dtype(model: torch.nn.Module, name: str) -> bool:
@@ -214,12 +217,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
     if strict_prefixes is not None:
         targets = {k: v for k, v in targets.items() if k.startswith(tuple(strict_prefixes))}
     has_mtp = any(k.startswith("mtp.") for k in full_sd)
-    # quantized tensors the model holds in 16 bits: {model-side name: spec with .scale_names,
-    # .ignored (scale names not needed), .shape(stored shape) and
-    # __call__(weight, {scale name: tensor}) -> float tensor}
-    deq = dict(getattr(model, "dequantize_on_load", {}))
-    deq_scales = {sn for spec in deq.values() for sn in spec.scale_names + spec.ignored}
-    deq_scales |= set(getattr(model, "ignored_checkpoint_names", ()))      # read past (e.g. unused scales)
+    read_past = set(getattr(model, "ignored_checkpoint_names", ()))      # e.g. unused scales
     tie = shared_on_disk = False
     if LM_HEAD in targets and EMBED in full_sd:
         if LM_HEAD not in files:
@@ -243,11 +241,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             for name in names:
                 sl = f.get_slice(disk_name[name])
                 shapes[name] = tuple(sl.get_shape())
-                if name in deq:
-                    shapes[name] = deq[name].shape(shapes[name])
-                    continue
                 stored_as_target = _CODES.get(_target_dtype(name, targets)) == sl.get_dtype()
-                skipped = (name in deq_scales or (name.startswith("mtp.") and not has_mtp)
+                skipped = (name in read_past or (name.startswith("mtp.") and not has_mtp)
                            or (strict_prefixes is not None and not name.startswith(tuple(strict_prefixes))))
                 if sl.get_dtype() not in FLOAT_DTYPES and not stored_as_target and not skipped:
                     not_float.append(f"{disk_name[name]} ({sl.get_dtype()}, in {path.name})")
@@ -257,7 +252,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
                          f"float8 / FP4 tensors are read only into the quantized layers of a "
                          f"ModelOpt FP8 / NVFP4 checkpoint): {listing(not_float)}")
 
-    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in deq_scales}
+    plan_files = {k: v for k, v in files.items() if not (shared_on_disk and k == LM_HEAD) and k not in read_past}
     copies, covered, unexpected = _plan(targets, plan_files, shapes, strict_prefixes, has_mtp,
                                         tuple(getattr(model, "ignored_checkpoint_suffixes", ())))
     shards = shards or {}
@@ -308,8 +303,6 @@ def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None
             with open_safetensors(path) as f:
                 for name, group in by_disk_file[path].items():
                     src = f.get_tensor(disk_name[name])
-                    if name in deq:
-                        src = deq[name](src, {sn: _read(files[sn], disk_name[sn]) for sn in deq[name].scale_names})
                     for c in group:
                         dst = targets[c.target]
                         shard = shards.get(c.target)

@@ -96,9 +96,9 @@ class MoE(nn.Module):
         shared, (ids, w) = beside(lambda: shared_expert(x, self.shared_experts),
                                   lambda: self.gate(x, self.expert_tokens, valid), x.device)
         ew = self.experts.weights_for(x.shape[0])
+        scales = dict(up_scale=ew.up_scale, down_scale=ew.down_scale, up_blocks=ew.up_blocks,
+                      down_blocks=ew.down_blocks)
         if self.fc1_latent_proj is None:
-            return routed_experts(x, ew.up, ew.down, ids, w, add=shared, up_scale=ew.up_scale,
-                                  down_scale=ew.down_scale)
-        routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, up_scale=ew.up_scale,
-                                down_scale=ew.down_scale)
+            return routed_experts(x, ew.up, ew.down, ids, w, add=shared, **scales)
+        routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, **scales)
         return self.fc2_latent_proj(routed) + shared

@@ -14,7 +14,8 @@ Public ops (each picks its backend through ``kernel_backend`` and logs the choic
   the MoE block's shared expert beside its router and routing.
 
 Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe; FP8
-experts above 8 tokens run W8A8 there, rows quantized per token, twin ``grouped_experts_w8a8_ref``); CPU ->
+experts above 8 tokens run W8A8 there, rows quantized per token, twin ``grouped_experts_w8a8_ref``;
+NVFP4 experts, given with their block scales, run ``quantization/nvfp4_experts.py``'s kernels); CPU ->
 ``grouped_experts_ref``, which runs each expert only over the tokens routed to it (the expert
 loop reads the per-expert counts on the host, which costs nothing on CPU); CUDA without Triton ->
 ``dense_experts_ref`` (every expert over every token, weighted; sync-free but E/k times the work).
@@ -195,11 +196,15 @@ def shared_expert(x: torch.Tensor, mlp) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- experts
 
 class ExpertWeights(NamedTuple):
-    """What the fused MoE reads: merged weights, and per-expert float32 scales [E] when they are FP8."""
-    up: torch.Tensor                   # [E, F, D_in]
-    down: torch.Tensor                 # [E, D_in, F]
-    up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
+    """What the fused MoE reads: merged weights, and per-expert float32 scales [E] when they are FP8
+    or NVFP4 (``weight_scale_2``); NVFP4 weights are packed (two codes a byte) and come with their
+    block scales."""
+    up: torch.Tensor                   # [E, F, D_in]; NVFP4: [E, F, D_in / 2] uint8
+    down: torch.Tensor                 # [E, D_in, F]; NVFP4: [E, D_in, F / 2] uint8
+    up_scale: torch.Tensor | None = None       # [E] float32
+    down_scale: torch.Tensor | None = None     # [E] float32
+    up_blocks: torch.Tensor | None = None      # NVFP4: [E, F, D_in / 16] float8_e4m3fn
+    down_blocks: torch.Tensor | None = None    # NVFP4: [E, D_in, F / 16] float8_e4m3fn
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
@@ -224,12 +229,15 @@ def _check_activation(activation: str, w_up: torch.Tensor, w_down: torch.Tensor)
 
 def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                         weights: torch.Tensor, activation: str = "relu2", *,
-                        w8a8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        w8a8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        expert_weights=None) -> torch.Tensor:
     """Each expert over the tokens routed to it, in ascending expert order (as transformers):
     h [T, D_in], w_up [E, F, D_in], w_down [E, D_out, F], ids/weights [T, k] -> [T, D_out] h.dtype.
     ``w8a8_scales`` (up, down: [E] float32): the twin of the W8A8 grouped path
     (``grouped_experts_w8a8_ref``); the weights are FP8 codes and each projection's input rows are
-    quantized per row. Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
+    quantized per row. ``expert_weights(e)`` -> (up [F, D_in], down [D_out, F]) in h.dtype: expert e's
+    weights made when a token chose it (NVFP4's twin; w_up / w_down then only give E and D_out).
+    Reads the per-expert counts on the host (a sync on CUDA: tests and CPU only)."""
     up_scale, down_scale = w8a8_scales if w8a8_scales is not None else (None, None)
     T, k = ids.shape
     flat = ids.reshape(-1).long()
@@ -243,7 +251,8 @@ def grouped_experts_ref(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tenso
             continue
         pairs = order[start:start + n]
         tok = pairs // k
-        y = _project(_act(_project(h[tok], w_up[e], up_scale, e), activation), w_down[e], down_scale, e)
+        wu, wd = (w_up[e], w_down[e]) if expert_weights is None else expert_weights(e)
+        y = _project(_act(_project(h[tok], wu, up_scale, e), activation), wd, down_scale, e)
         # dtype * float32 -> float32; a token appears once per expert, so this is out[tok] += ...
         # (index_put_ rather than index_add_, which is ~100x slower on CPU for few rows)
         out.index_put_((tok,), y * w_flat[pairs, None], accumulate=True)
@@ -298,11 +307,17 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch
 
 def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, add: torch.Tensor | None = None, activation: str = "relu2", *,
-                   up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                   up_blocks: torch.Tensor | None = None, down_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, D_out] in h.dtype: the routed experts' weighted sum (+ ``add`` [T, D_out], rounded as
     ``routed + add`` in h.dtype). ``up_scale`` / ``down_scale`` [E] float32: the weights are
     float8_e4m3fn and each expert's projection is multiplied by its scale (FP8 experts; the
-    reference dequantizes them to h.dtype, float32 on CPU)."""
+    reference dequantizes them to h.dtype, float32 on CPU). With ``up_blocks`` / ``down_blocks``
+    the weights are NVFP4 (``quantization.nvfp4_experts``; the scales are then the experts'
+    ``weight_scale_2``)."""
+    if up_blocks is not None or down_blocks is not None:
+        return _routed_nvfp4(h, w_up, w_down, ids, weights, add, activation, up_scale, down_scale, up_blocks,
+                             down_blocks)
     _check_activation(activation, w_up, w_down)
     backend = kernel_backend("moe_experts", h.device)
     if backend == "triton" and h.shape[0]:
@@ -312,6 +327,27 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
     w_up, w_down = dequantize_experts(w_up, up_scale, h.dtype), dequantize_experts(w_down, down_scale, h.dtype)
     fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
     out = fn(h, w_up, w_down, ids, weights, activation)
+    return out if add is None else out + add
+
+
+def _routed_nvfp4(h, w_up, w_down, ids, weights, add, activation, up_scale, down_scale, up_blocks, down_blocks):
+    """``routed_experts`` with NVFP4 weights: the Triton kernels on CUDA, else the exact twin."""
+    from hybrid_engine.quantization import nvfp4_experts as nx
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+    scales = (w_up, up_blocks, up_scale, w_down, down_blocks, down_scale)
+    nx.check_nvfp4_experts(h, *scales, swiglu=activation == "swiglu")
+    if not h.shape[0]:                      # no rows: nothing to dequantize
+        out = h.new_zeros(0, w_down.shape[1])
+        return out if add is None else out + add
+    if kernel_backend("moe_experts_nvfp4", h.device) == "triton":
+        return nx.routed_experts_nvfp4_triton(h, *scales, ids, weights, add, activation=activation)
+    if h.device.type == "cpu":
+        out = nx.nvfp4_experts_ref(h, *scales, ids, weights, activation)
+    else:                       # CUDA without Triton: every expert, dequantized (sync-free, slow)
+        out = dense_experts_ref(h, nx.dequantize_nvfp4_experts(w_up, up_blocks, up_scale).to(h.dtype),
+                                nx.dequantize_nvfp4_experts(w_down, down_blocks, down_scale).to(h.dtype),
+                                ids, weights, activation)
     return out if add is None else out + add
 
 

@@ -9,9 +9,9 @@ quantization: the swapped modules keep the checkpoint names (``<layer>.weight``,
 - source "checkpoint": the modules are created empty (on the meta device, before the model is
   materialised) for exactly the layers the checkpoint stores quantized (``stored_quantized``);
   the scale shapes are taken from the file (per tensor [] / [1], or per channel [N] / [N, 1]).
-- routed experts (FP8 only): ``Experts`` modules whose every expert is stored in FP8 become
-  ``experts.Fp8Experts`` (online FP8 quantizes them per expert too); NVFP4 experts are dequantized
-  while loading through the loader's ``dequantize_on_load`` hook (``Nvfp4Dequant``).
+- routed experts: ``Experts`` modules whose every expert is stored in FP8 / NVFP4 become
+  ``experts.Fp8Experts`` / ``experts.Nvfp4Experts``, which the fused MoE kernels read as stored
+  (online FP8 and NVFP4 quantize them per expert too).
 - source "online": after a 16/32-bit checkpoint is loaded, each ``Linear`` not excluded is
   quantized in place (FP8: per-output-channel scales; NVFP4: 16-element blocks), freeing its
   16-bit weight before the next layer, so the peak stays one layer above the quantized model.
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from .config import QuantConfig
-from .fp8 import FP8, dequantize_fp8, fp8_linear, quantize_fp8
-from .nvfp4 import GROUP, dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
+from .fp8 import FP8, fp8_linear, quantize_fp8
+from .nvfp4 import GROUP, nvfp4_linear, quantize_nvfp4
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ _KERNELS = {
            "kernels with per-expert scales (weight-only up to 8 tokens, W8A8 above with bf16/fp16 rows); "
            "otherwise / CPU: exact dequantize reference",
     "nvfp4": "decode (<= 128 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
-             "dequantize to 16 bits + cuBLAS; CPU: exact dequantize reference",
+             "dequantize to 16 bits + cuBLAS; routed experts: the fused MoE kernels decoding the packed "
+             "weights (per-pair GEMVs up to 32 tokens, grouped GEMM on 16-bit tiles above); CPU: exact "
+             "dequantize reference",
 }
 
 
@@ -165,35 +167,29 @@ def _nvfp4_empty(lin: nn.Linear, stored: dict) -> Nvfp4Linear:
 _EXPERT = re.compile(r"^(?P<p>.*\.experts)\.\d+\.(up_proj|down_proj)$")
 
 
-class Fp8Dequant:
-    """Loader hook: a stored FP8 weight -> float32 ``w * weight_scale``."""
-
-    def __init__(self, module: str, stored: dict):
-        self.scale_names = (f"{module}.weight_scale",)
-        self.ignored = tuple(f"{module}.{s}" for s in ("input_scale",) if s in stored)
-
-    def shape(self, stored_shape):
-        return stored_shape
-
-    def __call__(self, w, scales):
-        return dequantize_fp8(w, scales[self.scale_names[0]].reshape(-1))
+def _expert_class(method: str):
+    """The quantized experts' module class of ``method`` (imported on use: experts.py imports this module)."""
+    from .experts import Fp8Experts, Nvfp4Experts
+    return {"fp8": Fp8Experts, "nvfp4": Nvfp4Experts}[method]
 
 
-class Nvfp4Dequant:
-    """Loader hook: a stored NVFP4 weight [N, K/2] -> float32 [N, K]."""
+def _quantize_experts(model: nn.Module, q: QuantConfig) -> list[str]:
+    """Online: each ``Experts`` module not excluded quantized per expert (its 16-bit weights freed
+    module by module); NVFP4 experts whose widths are not multiples of 16 stay 16-bit (logged)."""
+    from hybrid_engine.models.moe import Experts
+    quantized, names = _expert_class(q.method), []
+    for name in [n for n, m in model.named_modules() if isinstance(m, Experts) and not q.excluded(n)]:
+        experts = model.get_submodule(name)
+        if q.method == "nvfp4" and not quantized.fits(experts):
+            logger.info("%s stays 16-bit: NVFP4 needs the experts' widths %s to be multiples of %d", name,
+                        tuple(experts.up_proj.shape[1:]), GROUP)
+            continue
+        new = quantized.quantized_from(experts)
+        del experts
+        _swap(model, name, new)
+        names.append(name)
+    return names
 
-    def __init__(self, module: str, stored: dict):
-        self.scale_names = (f"{module}.weight_scale", f"{module}.weight_scale_2")
-        self.ignored = tuple(f"{module}.{s}" for s in ("input_scale",) if s in stored)
-
-    def shape(self, stored_shape):
-        return (stored_shape[0], stored_shape[1] * 2)
-
-    def __call__(self, w, scales):
-        return dequantize_nvfp4(w, *(scales[n] for n in self.scale_names))
-
-
-DEQUANTIZE = {"fp8": Fp8Dequant, "nvfp4": Nvfp4Dequant}
 
 # (method, source) -> builder(linear, stored tensor shapes {suffix: shape}) -> module
 LINEAR_METHODS = {
@@ -211,11 +207,12 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def _fp8_experts_from_checkpoint(model: nn.Module, rest: list[str], stored: dict) -> list[str]:
-    """Swap each ``Experts`` whose every expert is stored in FP8 for ``Fp8Experts``; the experts'
-    input scales are read past (weight-only). -> the swapped module names."""
+def _experts_from_checkpoint(model: nn.Module, rest: list[str], stored: dict, method: str) -> list[str]:
+    """Swap each ``Experts`` whose every expert is stored in ``method`` for its quantized module
+    (``_expert_class``); the experts' input scales are read past (weight-only). -> the swapped
+    module names."""
     from hybrid_engine.models.moe import Experts
-    from .experts import Fp8Experts
+    quantized = _expert_class(method)
     by_parent: dict[str, set[str]] = {}
     for m in rest:
         by_parent.setdefault(_EXPERT.match(m)["p"], set()).add(m)
@@ -231,9 +228,9 @@ def _fp8_experts_from_checkpoint(model: nn.Module, rest: list[str], stored: dict
         E = experts.up_proj.shape[0]
         want = {f"{parent}.{e}.{w}" for e in range(E) for w in ("up_proj", "down_proj")}
         if mods != want:
-            raise ValueError(f"{parent}: {len(mods)} of the {len(want)} expert projections are stored in FP8 "
-                             f"(e.g. {sorted(want - mods)[0]} is not); mixed experts are not implemented")
-        _swap(model, parent, Fp8Experts.like(experts))
+            raise ValueError(f"{parent}: {len(mods)} of the {len(want)} expert projections are stored in "
+                             f"{method} (e.g. {sorted(want - mods)[0]} is not); mixed experts are not implemented")
+        _swap(model, parent, quantized.like(experts))
         swapped.append(parent)
         ignored |= {f"{m}.input_scale" for m in mods if "input_scale" in stored[m]}
     model.ignored_checkpoint_names = frozenset(ignored)
@@ -277,20 +274,10 @@ def quantize_linears(model: nn.Module, q: QuantConfig, stored: dict[str, dict] |
             raise ValueError(f"the checkpoint stores {len(not_experts)} quantized module(s) that are not linear "
                              f"layers or routed experts of this model, e.g. {not_experts[0]}; quantizing them "
                              "is not implemented")
-        if rest and q.method == "fp8":
-            names += _fp8_experts_from_checkpoint(model, rest, stored)
-        elif rest:
-            # NVFP4 experts: the fused MoE runs 16-bit experts; dequantize them while loading
-            model.dequantize_on_load = {f"{m}.weight": DEQUANTIZE[q.method](m, stored[m]) for m in rest}
-            logger.warning("%d routed-expert weights are stored in %s: dequantized to the model dtype at "
-                           "load (%s experts in the fused MoE are not implemented; no memory or bandwidth "
-                           "gain on them)", len(rest), q.method, q.method)
-    elif q.method == "fp8":
-        from hybrid_engine.models.moe import Experts
-        from .experts import Fp8Experts
-        for name in [n for n, m in model.named_modules() if isinstance(m, Experts) and not q.excluded(n)]:
-            _swap(model, name, Fp8Experts.quantized_from(model.get_submodule(name)))
-            names.append(name)
+        if rest:
+            names += _experts_from_checkpoint(model, rest, stored, q.method)
+    else:
+        names += _quantize_experts(model, q)
     model.ignored_checkpoint_suffixes = IGNORED_SUFFIXES
     logger.info("quantization %s (%s): %d linear / expert modules quantized; kernels: %s", q.method, q.source,
                 len(names), _KERNELS[q.method])

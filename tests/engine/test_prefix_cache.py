@@ -114,8 +114,7 @@ def test_multi_turn_chat_equal_with_caching_on_and_off_and_transformers(spec_nam
 
 @pytest.mark.parametrize("quantization", ["fp8", "nvfp4"])
 def test_quantized_weights_compose_with_caching(quantization, hybrid_dir):
-    """Weights quantized at load (FP8 with its routed experts; NVFP4, whose routed experts stay
-    unquantized as they do at load): the chat workload gives
+    """Weights quantized at load, routed experts included (FP8, NVFP4): the chat workload gives
     the same greedy tokens with caching on and off (no transformers reference: the weights are
     not the checkpoint's), with hits, evictions and every pin returned."""
     on = make_engine(hybrid_dir, on=True, blocks=30, rows_bytes=320_000, quantization=quantization)
@@ -123,7 +122,7 @@ def test_quantized_weights_compose_with_caching(quantization, hybrid_dir):
     kinds = {type(m).__name__ for m in on.engine.model.modules()}          # the weights really are quantized
     assert {"fp8": "Fp8Linear", "nvfp4": "Nvfp4Linear"}[quantization] in kinds, kinds
     expert_dtypes = {p.dtype for n, p in on.engine.model.named_parameters() if n.endswith("experts.up_proj")}
-    assert expert_dtypes == ({torch.float8_e4m3fn} if quantization == "fp8" else {torch.float32}), expert_dtypes
+    assert expert_dtypes == ({torch.float8_e4m3fn} if quantization == "fp8" else {torch.uint8}), expert_dtypes
     a, b = run_chat(on, 1), run_chat(off, 1)
     assert a.keys() == b.keys()
     for key in a:

@@ -2,7 +2,8 @@
 float32 twin (tests/quant/quant_checks.py: poisoned outputs, ragged rows, odd widths) in bf16 and
 fp16: the one-row FMA kernels (looped, persistent, in K slices), the 2-8-row kernel, the dot
 kernel at the dispatch rule and in K slices, relu² on load, x ranges, and every code and block
-scale decoded exactly. The FP8 kernels and the engine paths: test_quant_cuda.py."""
+scale decoded exactly; the fused MoE with NVFP4 experts (tests/quant/expert_checks.py). The FP8
+kernels and the engine paths: test_quant_cuda.py."""
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+import expert_checks as ec  # noqa: E402
 import quant_checks as qc  # noqa: E402
 from hybrid_engine.quantization.nvfp4 import nvfp4_linear  # noqa: E402
 from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear, nvfp4_skinny_linear_dot  # noqa: E402
@@ -180,3 +182,26 @@ def test_nvfp4_rows_kernel_x_range(M, lo, hi):
     """The same x ranges through the 2-4-row dispatch (the rows kernel), each row its own groups."""
     from hybrid_engine.quantization.nvfp4_kernels import nvfp4_skinny_linear
     qc.check_nvfp4_x_range(nvfp4_skinny_linear, DEV, BF16, 4096, 4096, lo, hi, seed=M, M=M)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("T,E,k,grouped,kind", [
+    (1, 128, 6, False, "ragged"), (3, 128, 6, False, "ragged"), (8, 16, 6, False, "ragged"), (32, 128, 6, False, "ragged"),
+    (9, 16, 6, True, "ragged"), (200, 128, 6, True, "ragged"), (64, 16, 6, True, "one_expert"),
+    (300, 512, 22, True, "ragged"), (4, 16, 2, False, "swiglu"), (40, 16, 2, True, "swiglu")])
+def test_nvfp4_experts(T, E, k, grouped, kind, dtype):
+    """NVFP4 experts in the fused MoE against the float32 twin on the dequantized weights: the
+    decode GEMVs (up to 32 tokens) and the grouped GEMM at the Nano-30B-A3B widths (D 2688, F 1856) with 16 or its
+    128 experts, top-6; Super's 512 experts top-22 and SwiGLU at narrower widths; every token on
+    one expert."""
+    D, F = (2688, 1856) if E <= 128 and kind != "swiglu" else (1024, 512)
+    ec.check_nvfp4_experts(DEV, dtype, T, E, k, D, F, grouped, seed=T, swiglu=kind == "swiglu",
+                           one_expert=kind == "one_expert")
+
+
+@pytest.mark.parametrize("T,grouped", [(1, False), (32, False), (200, True)])
+def test_nvfp4_experts_float32_rows(T, grouped):
+    """A float32 model's NVFP4 experts stay exact on CUDA: the decode GEMVs take the float32 decode
+    and FMAs (the packed float16 products of 16-bit rows would leave ~4e-4), the grouped GEMM
+    tf32x3 dots; against the float32 twin within 1e-5."""
+    ec.check_nvfp4_experts(DEV, torch.float32, T, 16, 6, 2688, 1856, grouped, seed=T)

@@ -1,6 +1,7 @@
-"""FP8 merged experts (the fused MoE with FP8 weights) against their torch twins: weight-only
-(decode and grouped paths) and W8A8 (rows quantized per token). Run on the CPU by ``quant_cases.py``
-(the interpreter cases) and on CUDA by tests/gpu/test_quant_cuda.py."""
+"""Quantized merged experts (the fused MoE) against their torch twins: FP8 weight-only (decode and
+grouped paths) and W8A8 (rows quantized per token); NVFP4 weight-only (decode and grouped paths).
+Run on the CPU by ``quant_cases.py`` (the interpreter cases) and on CUDA by
+tests/gpu/test_quant_cuda.py and tests/gpu/test_nvfp4_kernels_cuda.py."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import math
 import torch
 
 from hybrid_engine.quantization.fp8 import quantize_fp8
+from hybrid_engine.quantization.nvfp4 import quantize_nvfp4
 from quant_checks import _rel, poisoned_empty
 
 
@@ -44,12 +46,7 @@ def _fp8_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=Fals
     qs = [quantize_fp8(w, False) for w in (*w_up, *w_down)]
     up_q, down_q = torch.stack([q for q, _ in qs[:E]]), torch.stack([q for q, _ in qs[E:]])
     up_s, down_s = torch.stack([s for _, s in qs[:E]]), torch.stack([s for _, s in qs[E:]])
-    if one_expert:          # every token's first choice is expert 0; the rest spread over the others
-        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:k - 1]])
-                           for _ in range(T)])
-    else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    return h, up_q, down_q, up_s, down_s, ids.to(torch.int32), torch.rand(T, k, generator=g)
+    return h, up_q, down_q, up_s, down_s, _ids(g, T, E, k, one_expert), torch.rand(T, k, generator=g)
 
 
 def check_fp8_experts_w8a8(device, dtype, T, E, k, D, F, seed=0, swiglu=False, one_expert=False, tol=None):
@@ -77,4 +74,58 @@ def check_fp8_experts_w8a8(device, dtype, T, E, k, D, F, seed=0, swiglu=False, o
     # widths (H200, 2026-11-29)
     tol = tol or (1e-6 if torch.device(device).type == "cpu" else 1e-2)
     assert err <= tol, f"w8a8 experts T={T} E={E} k={k}: rel err {err:.2e} against the twin > {tol:.0e}"
+    return err
+
+
+def _ids(g, T, E, k, one_expert):
+    if one_expert:          # every token's first choice is expert 0; the rest spread over the others
+        return torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:k - 1]])
+                            for _ in range(T)]).to(torch.int32)
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+
+
+def nvfp4_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=False, device="cpu"):
+    """Random rows, NVFP4 merged experts (each expert's projections quantized on their own, so
+    every expert has its own global scale: the rows' scales span 0.5..1.5), ids and weights ->
+    (h, (up, up_blocks, up_scale, down, down_blocks, down_scale), ids, weights). The weights are drawn
+    on ``device`` (Nano-sized sets are ~1 G draws)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(T, D, generator=g, device=device).to(dtype)
+    spread = torch.rand(E, 1, 1, generator=g, device=device).add(0.5)
+    w_up = torch.randn(E, (2 if swiglu else 1) * F, D, generator=g, device=device) / math.sqrt(D) * spread
+    w_down = torch.randn(E, D, F, generator=g, device=device) / math.sqrt(F)
+    packed = []
+    for w in (w_up, w_down):
+        qs = [quantize_nvfp4(x) for x in w]
+        packed += [torch.stack([q[i] for q in qs]) for i in range(3)]
+    gi = torch.Generator().manual_seed(seed + 1)
+    ids = _ids(gi, T, E, k, one_expert).to(device)
+    return h, tuple(packed), ids, torch.rand(T, k, generator=gi).to(device)
+
+
+def check_nvfp4_experts(device, dtype, T, E, k, D, F, grouped, seed=0, swiglu=False, one_expert=False, tol=None,
+                        decode_tiles=None):
+    """``routed_experts_nvfp4_triton`` (decode GEMVs, or the grouped GEMM with ``grouped``) against
+    the twin on the exactly dequantized weights in float32 (``nvfp4_experts_ref``), outputs
+    poisoned: ragged experts, experts with no token when E > T k, ``one_expert``, SwiGLU.
+    ``decode_tiles`` (BLOCK_N, BLOCK_G, warps): the decode kernel's tiles instead of the rule's
+    (several K tiles at widths the interpreter runs quickly)."""
+    from hybrid_engine.quantization import nvfp4_experts as nx
+    act = "swiglu" if swiglu else "relu2"
+    h, w, ids, wts = nvfp4_expert_inputs(dtype, T, E, k, D, F, seed, swiglu, one_expert, device=device)
+    ref = nx.nvfp4_experts_ref(h.float(), *w, ids, wts, act).cpu()      # float32 on the device (full precision)
+    rule = nx._decode_tiles
+    try:
+        if decode_tiles is not None:
+            nx._decode_tiles = lambda role, tokens: decode_tiles
+        with poisoned_empty():
+            y = nx.routed_experts_nvfp4_triton(h, *w, ids, wts, activation=act, force_grouped=grouped)
+    finally:
+        nx._decode_tiles = rule
+    assert y.shape == (T, D) and y.dtype == dtype and torch.isfinite(y).all()
+    err = _rel(y.cpu().float(), ref)
+    # float32: the twin's arithmetic up to summation order (and tf32x3 dots on CUDA); 16 bits: the
+    # up projection rounded to the rows' dtype before the activation, as the 16-bit experts do
+    tol = tol or {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert err <= tol, f"nvfp4 experts T={T} E={E} k={k} grouped={grouped} {act}: rel err {err:.2e} > {tol:.0e}"
     return err

@@ -11,7 +11,7 @@ import sys
 import torch
 
 # the checks (tests/gpu/test_quant_cuda.py runs them on CUDA)
-from expert_checks import check_fp8_experts, check_fp8_experts_w8a8
+from expert_checks import check_fp8_experts, check_fp8_experts_w8a8, check_nvfp4_experts
 from quant_checks import (check_fp8, check_fp8_relu2, check_nvfp4, check_nvfp4_relu2,
                           check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k,
                           check_fp8_every_code, check_quantize_rows, check_quantize_rows_bounded,
@@ -178,6 +178,24 @@ def _cases():
                                                                       one_expert=True),
         "fp8_experts_w8a8_swiglu": lambda: check_fp8_experts_w8a8(cpu, f16, 9, 6, 2, 40, 24, seed=2, swiglu=True),
         "fp8_quantize_rows_bounded": lambda: check_quantize_rows_bounded(cpu),
+        # NVFP4 experts: the decode kernel at the rule's tiles (1 and 5 tokens; 16 experts > T k leave some
+        # without tokens) and at tiles of 8 groups (F = 272: the down projection in three K tiles, the last
+        # ragged), and the grouped GEMM (float32 and float16 rows; 2 K steps of the up projection at D = 192)
+        "nvfp4_experts_decode": lambda: max(
+            check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 64, grouped=False),
+            check_nvfp4_experts(cpu, f16, 5, 16, 2, 48, 32, grouped=False, seed=1)),
+        "nvfp4_experts_looped": lambda: check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 272, grouped=False,
+                                                            decode_tiles=(16, 8, 4)),
+        "nvfp4_experts_grouped": lambda: max(check_nvfp4_experts(cpu, f32, 11, 6, 3, 192, 48, grouped=True, seed=2),
+                                             check_nvfp4_experts(cpu, f16, 9, 16, 2, 64, 32, grouped=True, seed=3)),
+        "nvfp4_experts_one_expert": lambda: check_nvfp4_experts(cpu, f32, 10, 5, 2, 48, 32, grouped=True, seed=4,
+                                                                one_expert=True),
+        "nvfp4_experts_swiglu": lambda: max(check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, grouped=False, seed=5,
+                                                                swiglu=True),
+                                            check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, grouped=False, seed=7,
+                                                                swiglu=True, decode_tiles=(8, 4, 4)),
+                                            check_nvfp4_experts(cpu, f32, 9, 6, 2, 48, 32, grouped=True, seed=6,
+                                                                swiglu=True)),
     }
 
 

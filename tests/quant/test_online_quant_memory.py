@@ -38,8 +38,8 @@ def test_each_16bit_module_is_freed_before_the_next_is_quantized(method, monkeyp
         return quantize
     key = (method, "online")
     monkeypatch.setitem(quant_linear.LINEAR_METHODS, key, watched(quant_linear.LINEAR_METHODS[key]))
-    monkeypatch.setattr(quant_experts.Fp8Experts, "quantized_from",
-                        staticmethod(watched(quant_experts.Fp8Experts.quantized_from)))
+    for cls in (quant_experts.Fp8Experts, quant_experts.Nvfp4Experts):
+        monkeypatch.setattr(cls, "quantized_from", staticmethod(watched(cls.quantized_from)))
     # the cycle collector off: on CUDA a module kept for it would hold its memory while quantizing
     # goes on, so the 16-bit modules must be freed by their reference counts alone
     gc.collect()
@@ -48,8 +48,7 @@ def test_each_16bit_module_is_freed_before_the_next_is_quantized(method, monkeyp
         names = quant_linear.quantize_linears(model, QuantConfig(method=method, source="online"))
     finally:
         gc.enable()
-    n_experts = 3 if method == "fp8" else 0                 # NVFP4 keeps 16-bit experts
-    assert len(names) == 4 + n_experts and len(sources) == 4 + n_experts
+    assert len(names) == 4 + 3 and len(sources) == 4 + 3      # 3 linears + lm_head, 3 expert sets
     assert alive_at_each_call == [0] * len(sources), alive_at_each_call
     assert all(r() is None for r in sources)
     assert all(isinstance(model.get_submodule(n), quant_linear.QuantLinear) or n.endswith("experts")

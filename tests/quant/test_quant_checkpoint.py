@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_reference import engine_prefill_hidden, hf_logits
 from hybrid_engine import LLM, SamplingParams
-from hybrid_engine.quantization.experts import Fp8Experts
+from hybrid_engine.quantization.experts import Fp8Experts, Nvfp4Experts
 from hybrid_engine.quantization.linear import Fp8Linear, Nvfp4Linear
 from hybrid_engine.quantize import quantize_folder
 
@@ -259,9 +259,10 @@ def test_bad_quantization_argument(folders, arg, where, match):
 
 @pytest.mark.parametrize("method", ["fp8", "nvfp4"])
 def test_quantized_experts_load(folders, tmp_path, method, caplog):
-    """Routed experts stored quantized (the published MoE releases): FP8 ones run as FP8 experts
-    (stacked with their per-expert scales), NVFP4 ones are dequantized into the 16-bit fused MoE;
-    either way the logits equal transformers on the dequantized weights."""
+    """Routed experts stored quantized per expert (the published MoE releases) run as FP8 / NVFP4
+    experts in the fused MoE: stacked from the per-expert tensors bit for bit (NVFP4: packed
+    codes, block scales and per-tensor scales), the input scales read past; the logits equal
+    transformers on the dequantized weights."""
     qdir = tmp_path / "qe"
     quantize_folder(folders["src"], qdir, method, calibrate_prompts=0, experts=True)
     t = _tensors(qdir)
@@ -270,16 +271,45 @@ def test_quantized_experts_load(folders, tmp_path, method, caplog):
     assert up + ".weight_scale" in t
     with caplog.at_level("WARNING", logger="hybrid_engine"):
         llm = LLM(qdir, dtype="float32", device=DEV, max_num_seqs=2)
-    experts = llm.engine.model.backbone.layers[6].mixer.experts
-    if method == "fp8":
-        assert isinstance(experts, Fp8Experts) and "dequantized to the model dtype" not in caplog.text
-        e_scale = t["backbone.layers.6.mixer.experts.3.down_proj.weight_scale"]
-        assert torch.equal(experts.down_proj_weight_scale[3].cpu(), e_scale)
-        assert torch.equal(experts.down_proj[3].cpu(), t["backbone.layers.6.mixer.experts.3.down_proj.weight"])
-    else:
-        assert not isinstance(experts, Fp8Experts) and "dequantized to the model dtype at load" in caplog.text
+    assert "dequantized" not in caplog.text
+    cls = Fp8Experts if method == "fp8" else Nvfp4Experts
+    suffixes = ("weight", "weight_scale") + (("weight_scale_2",) if method == "nvfp4" else ())
+    swapped = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, cls)}
+    assert "backbone.layers.6.mixer.experts" in swapped
+    for name, experts in swapped.items():
+        for e in range(experts.num_experts):
+            for proj in ("up_proj", "down_proj"):
+                for suffix in suffixes:
+                    stacked = getattr(experts, proj if suffix == "weight" else f"{proj}_{suffix}")[e].cpu()
+                    stored = t[f"{name}.{e}.{proj}.{suffix}"]
+                    assert stacked.dtype == stored.dtype and torch.equal(stacked, stored), f"{name}.{e}.{proj}.{suffix}"
     twin = _dequantized_twin(qdir, folders["src"], tmp_path / "twin")
     torch.testing.assert_close(_logits(llm, IDS), hf_logits(twin, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_online_nvfp4_quantizes_the_experts(folders, tmp_path):
+    """``LLM(quantization="nvfp4")`` on a 16-bit MoE checkpoint: each expert's projections become
+    NVFP4 (decoded here independently: within one e2m1 grid step of the source weight), and the
+    logits equal transformers on those decoded weights."""
+    llm = LLM(folders["src"], dtype="float32", device=DEV, max_num_seqs=2, quantization="nvfp4")
+    src = load_file(str(folders["src"] / "model.safetensors"))
+    experts = {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Nvfp4Experts)}
+    assert "backbone.layers.6.mixer.experts" in experts
+    twin = {n + ".weight": _decode_nvfp4(m.weight.cpu(), m.weight_scale.cpu(), m.weight_scale_2.cpu())
+            for n, m in llm.engine.model.named_modules() if isinstance(m, Nvfp4Linear)}
+    for n, m in experts.items():
+        for proj in ("up_proj", "down_proj"):
+            packed, bs, gs = (getattr(m, proj + s).cpu() for s in ("", "_weight_scale", "_weight_scale_2"))
+            for e in range(packed.shape[0]):
+                w, deq = src[f"{n}.{e}.{proj}.weight"], _decode_nvfp4(packed[e], bs[e], gs[e])
+                step = bs[e].float().repeat_interleave(16, -1) * gs[e]
+                assert ((deq - w.float()).abs() <= step + 1e-6).all(), f"{n}.{e}.{proj}"
+                twin[f"{n}.{e}.{proj}.weight"] = deq
+    sd = {k: twin.get(k, v) for k, v in src.items()}
+    (tmp_path / "twin").mkdir()
+    save_file(sd, str(tmp_path / "twin" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "twin" / "config.json").write_text((folders["src"] / "config.json").read_text())
+    torch.testing.assert_close(_logits(llm, IDS), hf_logits(tmp_path / "twin", IDS), atol=1e-4, rtol=1e-4)
 
 
 def test_other_quantized_modules_are_refused_clearly(folders, tmp_path):

@@ -1,6 +1,6 @@
 """Quantized-weight kernels and formats on CPU.
 
-- The Triton FP8 / NVFP4 decode kernels and the fused MoE with FP8 experts under Triton's interpreter (quant_cases.py: poisoned
+- The Triton FP8 / NVFP4 decode kernels and the fused MoE with FP8 / NVFP4 experts under Triton's interpreter (quant_cases.py: poisoned
   outputs, ragged rows, odd widths) against their exact float32 twins.
 - The formats against hand-written expectations, not our own encoder: e2m1 code table and nibble
   order, float8 scales, and that quantize -> dequantize is exact on representable values and within
@@ -23,7 +23,8 @@ CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_fma_rows", "fp
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
          "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "dot_zero_k", "nvfp4_persistent_relu2", "nvfp4_dispatch_relu2", "fp8_experts_decode", "fp8_experts_decode_one",
          "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dispatch_relu2", "fp8_experts_w8a8", "fp8_experts_w8a8_one_expert",
-         "fp8_experts_w8a8_swiglu", "fp8_quantize_rows_bounded"]
+         "fp8_experts_w8a8_swiglu", "fp8_quantize_rows_bounded", "nvfp4_experts_decode", "nvfp4_experts_looped", "nvfp4_experts_grouped",
+         "nvfp4_experts_one_expert", "nvfp4_experts_swiglu"]
 
 
 @pytest.fixture(scope="module")
