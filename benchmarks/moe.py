@@ -290,7 +290,7 @@ def main() -> int:
     ap.add_argument("--profile-prefill", type=int, nargs="*", default=[],
                     help="prefill lengths (of --prefill) to also profile by kernel (CUDA)")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="prefill_cuda_graphs=False (eager prefills)")
-    ap.add_argument("--quantization", choices=["fp8"], default=None,
+    ap.add_argument("--quantization", choices=["fp8", "nvfp4"], default=None,
                     help="end-to-end rows only: LLM(quantization=...) quantizes the random weights at load "
                          "(FP8: per-channel linears, per-expert routed experts); the roofline counts the "
                          "stored bytes, the prefill percentage stays against the bf16 matmul peak")

@@ -4,7 +4,7 @@ graph: router logits and routing with the shared expert beside them on a side st
 (``moe_ops.beside``), routed experts, combine (CUDA); ``--serial`` also times one stream.
 
     python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--shared-tiles 8,512,4]
-                                   [--expert-tiles up:16,512,4 down:8,512,4] [--fp8]
+                                   [--expert-tiles up:16,512,4 down:8,512,4] [--fp8 | --nvfp4]
                                    [--profile] [--serial] --out DIR
 
 Per token count: microseconds per layer and the layer's bytes over that time (at one token: six
@@ -14,7 +14,10 @@ the layer under each tile of the shared expert's two GEMVs (bf16 ``rowwise``: th
 router, so a tile that is best alone need not be best here); with --expert-tiles, the layer under
 each tile of the routed experts' up or down GEMV; with --fp8, the layers as ``quantization="fp8"``
 builds them (routed experts FP8 with a scale per expert, the shared expert's two projections FP8
-with per-channel scales through ``fp8_linear``; the float32 router stays). Under any candidate
+with per-channel scales through ``fp8_linear``; the float32 router stays); with --nvfp4, as
+``quantization="nvfp4"`` builds them (routed experts NVFP4, decoded in the fused MoE kernels,
+``quantization/nvfp4_experts.py``; the shared expert through ``nvfp4_linear``), and --expert-tiles
+then gives the NVFP4 decode kernel's BLOCK_N,BLOCK_G (16-input groups),warps. Under any candidate
 tiles the default is timed again last, so the run's own drift shows. With --profile, each
 kernel's time in a layer at one token with programmatic dependent launch off (with it on, the
 profiler counts a kernel from its early launch). HYBRID_ENGINE_PDL=0 runs the whole thing without
@@ -43,13 +46,13 @@ D, F, F_SHARED = (SHAPE_NANO[k] for k in ("hidden_size", "moe_intermediate_size"
 E, TOP_K = SHAPE_NANO["n_routed_experts"], SHAPE_NANO["num_experts_per_tok"]
 
 
-def make_layers(n: int, dev, fp8: bool = False) -> list[dict]:
+def make_layers(n: int, dev, fp8: bool = False, nvfp4: bool = False) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     def w(*shape, dtype=torch.bfloat16):
         return (torch.randn(*shape, generator=g, device=dev) * 0.02).to(dtype)
     layers = [dict(gate=w(E, D, dtype=torch.float32), bias=torch.zeros(E, device=dev), up=w(E, F, D),
                    down=w(E, D, F), s_up=w(F_SHARED, D), s_down=w(D, F_SHARED)) for _ in range(n)]
-    return [fp8_layer(ly) for ly in layers] if fp8 else layers
+    return [fp8_layer(ly) for ly in layers] if fp8 else [nvfp4_layer(ly) for ly in layers] if nvfp4 else layers
 
 
 def fp8_layer(ly: dict) -> dict:
@@ -67,6 +70,22 @@ def fp8_layer(ly: dict) -> dict:
     return out
 
 
+def nvfp4_layer(ly: dict) -> dict:
+    """``ly`` as ``quantization="nvfp4"`` stores it: routed experts per expert
+    (``Nvfp4Experts.quantized_from``), the shared expert's projections as ``Nvfp4Linear``."""
+    from types import SimpleNamespace
+
+    from hybrid_engine.quantization.experts import Nvfp4Experts
+    from hybrid_engine.quantization.nvfp4 import quantize_nvfp4
+    ex = Nvfp4Experts.quantized_from(SimpleNamespace(up_proj=ly["up"], down_proj=ly["down"]))
+    out = dict(gate=ly["gate"], bias=ly["bias"], up=ex.up_proj.data, down=ex.down_proj.data,
+               up_scale=ex.up_proj_weight_scale_2.data, down_scale=ex.down_proj_weight_scale_2.data,
+               up_blocks=ex.up_proj_weight_scale.data, down_blocks=ex.down_proj_weight_scale.data)
+    for name in ("s_up", "s_down"):
+        out[name + "_nvfp4"] = quantize_nvfp4(ly[name])
+    return out
+
+
 def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
     """One layer as the model runs it: the shared expert on a side stream beside the router and
     routing (``moe_ops.beside``); ``serial``: all on one stream, shared expert after the routing."""
@@ -75,6 +94,9 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
             from hybrid_engine.quantization.fp8 import fp8_linear
             h = fp8_linear(x, ly["s_up"], ly["s_up_scale"])
             return fp8_linear(h, ly["s_down"], ly["s_down_scale"], relu2=True)
+        if "s_up_nvfp4" in ly:         # NVFP4, as Nvfp4Linear runs it
+            from hybrid_engine.quantization.nvfp4 import nvfp4_linear
+            return nvfp4_linear(nvfp4_linear(x, *ly["s_up_nvfp4"]), *ly["s_down_nvfp4"], relu2=True)
         return triton_moe.rowwise_linear_triton(triton_moe.rowwise_linear_triton(x, ly["s_up"], relu2=True),
                                                 ly["s_down"])
 
@@ -87,8 +109,13 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
             s = shared()
         else:
             s, (ids, wts) = beside(shared, routing, x.device)
-        triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s,
-                                         up_scale=ly.get("up_scale"), down_scale=ly.get("down_scale"))
+        if "up_blocks" in ly:
+            from hybrid_engine.quantization.nvfp4_experts import routed_experts_nvfp4_triton
+            routed_experts_nvfp4_triton(x, ly["up"], ly["up_blocks"], ly["up_scale"], ly["down"], ly["down_blocks"],
+                                        ly["down_scale"], ids, wts, add=s)
+        else:
+            triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s,
+                                             up_scale=ly.get("up_scale"), down_scale=ly.get("down_scale"))
     return run
 
 
@@ -114,10 +141,11 @@ def parse_expert_tiles(text: str) -> tuple[str, tuple[int, int, int]]:
     return role, tuple(int(v) for v in vals)
 
 
-def layer_bytes(tokens: int, weight_bytes: int = 2) -> int:
-    """Bytes a layer reads (``weight_bytes`` per expert / shared-expert weight: 2 bf16, 1 FP8)."""
+def layer_bytes(tokens: int, weight_bytes: float = 2) -> int:
+    """Bytes a layer reads (``weight_bytes`` per expert / shared-expert weight: 2 bf16, 1 FP8,
+    0.5625 NVFP4 with its block scales)."""
     experts = min(tokens * TOP_K, E)                     # at most; exactly 6 at one token
-    return (experts * 2 * D * F + 2 * D * F_SHARED) * weight_bytes + E * D * 4
+    return int((experts * 2 * D * F + 2 * D * F_SHARED) * weight_bytes) + E * D * 4
 
 
 def main() -> int:
@@ -129,7 +157,9 @@ def main() -> int:
                     help="BLOCK_N,BLOCK_K,warps candidates for the shared expert's GEMVs")
     ap.add_argument("--expert-tiles", nargs="*", default=[],
                     help="ROLE:BLOCK_N,BLOCK_K,warps candidates for the routed experts' GEMVs (ROLE up or down)")
-    ap.add_argument("--fp8", action="store_true", help="FP8 routed and shared experts, as quantization='fp8'")
+    quant = ap.add_mutually_exclusive_group()
+    quant.add_argument("--fp8", action="store_true", help="FP8 routed and shared experts, as quantization='fp8'")
+    quant.add_argument("--nvfp4", action="store_true", help="NVFP4 routed and shared experts, as quantization='nvfp4'")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--serial", action="store_true",
                     help="also time each layer on one stream (the shared expert after the routing, as before)")
@@ -139,12 +169,15 @@ def main() -> int:
     spec = RouteSpec(num_experts=E, top_k=TOP_K, n_group=SHAPE_NANO["n_group"], topk_group=SHAPE_NANO["topk_group"],
                      norm_topk_prob=SHAPE_NANO["norm_topk_prob"], scale=SHAPE_NANO["routed_scaling_factor"])
     expert_tiles = [parse_expert_tiles(t) for t in args.expert_tiles]     # before any GPU work
-    layers = make_layers(args.layers, dev, fp8=args.fp8)
-    wbytes = 1 if args.fp8 else 2
+    layers = make_layers(args.layers, dev, fp8=args.fp8, nvfp4=args.nvfp4)
+    wbytes = 1 if args.fp8 else 0.5625 if args.nvfp4 else 2
     pdl = triton_pdl.pdl_kwargs(dev)["PDL"]
-    res = dict(device=torch.cuda.get_device_name(), pdl=pdl, fp8=args.fp8, command=" ".join(sys.argv), rows=[])
+    res = dict(device=torch.cuda.get_device_name(), pdl=pdl, fp8=args.fp8, nvfp4=args.nvfp4,
+               command=" ".join(sys.argv), rows=[])
     print(f"{res['device']}, PDL {'on' if pdl else 'off'}, {args.layers} layers", flush=True)
     real_tiles = triton_moe.gemv_tiles
+    from hybrid_engine.quantization import nvfp4_experts
+    real_nvfp4_tiles = nvfp4_experts._decode_tiles
     for T in args.tokens:
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
         calls = [layer_fn(ly, x, spec) for ly in layers]
@@ -159,6 +192,7 @@ def main() -> int:
             router_t, shared_t = v.get("router"), v.get("shared")
             expert_t = {k: v[k] for k in ("up", "down") if k in v}
             triton_moe.gemv_tiles = tiles_rule(real_tiles, router_t, shared_t, **expert_t)
+            nvfp4_experts._decode_tiles = (lambda role, tokens, t=expert_t: t.get(role) or real_nvfp4_tiles(role, tokens))
             try:
                 for c in calls + routers:
                     c()
@@ -166,6 +200,7 @@ def main() -> int:
                 router_us = graph_ms(routers, reps=len(routers)) * 1e3
             finally:
                 triton_moe.gemv_tiles = real_tiles
+                nvfp4_experts._decode_tiles = real_nvfp4_tiles
             row = dict(tokens=T, router_tiles=router_t or "default", shared_tiles=shared_t or "default",
                        expert_tiles={k: list(t) for k, t in expert_t.items()} or "default",
                        serial=False, layer_us=us, router_us=router_us,

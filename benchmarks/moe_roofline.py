@@ -5,6 +5,7 @@ multiplies by (``param_split``, ``prefill_flops``), the denominators of its "% r
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def distinct_experts(p: np.ndarray, b: int) -> float:
@@ -15,11 +16,13 @@ def distinct_experts(p: np.ndarray, b: int) -> float:
 
 def weight_split(model) -> tuple[int, int, int]:
     """(bytes of every weight but routed experts and embeddings, bytes of one routed expert,
-    bytes of the embedding table)."""
+    bytes of the embedding table). A routed expert's bytes are as stored: NVFP4's packed codes
+    and their block scales ([E, N, K/16]) are read with it; FP8's [E] scales count as dense."""
     dense = expert = emb = 0
     for name, p in model.named_parameters():
         nb = p.numel() * p.element_size()
-        if name.endswith(("experts.up_proj", "experts.down_proj")):
+        if name.endswith(("experts.up_proj", "experts.down_proj")) or (
+                name.endswith(("experts.up_proj_weight_scale", "experts.down_proj_weight_scale")) and p.dim() == 3):
             expert += nb // p.shape[0]
         elif name.endswith("embeddings.weight"):
             emb = nb
@@ -32,15 +35,17 @@ def weight_split(model) -> tuple[int, int, int]:
 def param_split(model) -> tuple[int, int]:
     """(parameters of every weight a prefill token multiplies by, except the routed experts, the
     embedding table and the lm_head; parameters of one routed expert of one layer). Counted in
-    elements, not bytes: the router stays float32 in a bf16 model. A quantized model's scales
-    (``*_scale``) are not weights a token multiplies by."""
+    elements, not bytes: the router stays float32 in a bf16 model; NVFP4's packed uint8 weights
+    hold two each. A quantized model's scales (``*_scale``, ``*_scale_2``) are not weights a
+    token multiplies by."""
     dense = expert = n_moe = 0
     for name, p in model.named_parameters():
+        params = p.numel() * (2 if p.dtype == torch.uint8 else 1)
         if name.endswith(("experts.up_proj", "experts.down_proj")):
-            expert += p.numel() // p.shape[0]
+            expert += params // p.shape[0]
             n_moe += name.endswith("experts.up_proj")
-        elif not name.endswith(("embeddings.weight", "lm_head.weight", "_scale")):
-            dense += p.numel()
+        elif not name.endswith(("embeddings.weight", "lm_head.weight", "_scale", "_scale_2")):
+            dense += params
     return dense, expert // max(n_moe, 1)
 
 

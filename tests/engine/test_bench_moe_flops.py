@@ -57,3 +57,19 @@ def test_fp8_rows_count_the_experts_as_stored():
     assert expert16 == 2 * expert8 and emb8 == emb16
     assert dense8 < 0.75 * dense16            # the linears are FP8 too (the router and norms are not)
     assert param_split(fp8) == param_split(bf16)
+
+
+def test_nvfp4_rows_count_the_experts_as_stored():
+    """``moe.py --quantization nvfp4``: routed experts stored NVFP4 read half a byte a weight plus
+    a float8 block scale per 16 weights (0.5625 / 2 of a bf16 expert), and still multiply every
+    weight in a prefill (the packed uint8 tensors hold two weights each)."""
+    from benchmarks.moe_roofline import weight_split
+    from hybrid_engine.quantization.experts import Nvfp4Experts
+    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
+    bf16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15).engine.model
+    nv = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15, quantization="nvfp4").engine.model
+    assert sum(isinstance(m, Nvfp4Experts) for m in nv.modules()) == SHAPE_TINY["pattern"].count("E")
+    _, expert16, emb16 = weight_split(bf16)
+    _, expert4, emb4 = weight_split(nv)
+    assert expert4 * 2 == expert16 * 0.5625 and emb4 == emb16
+    assert param_split(nv) == param_split(bf16)
