@@ -171,6 +171,38 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     return out
 
 
+@triton.jit
+def _expert_tile_rows(sorted_ptr, block_e_ptr, pid_m, num_pairs, A_DIV, A_SORTED: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """A grouped-GEMM tile's rows (every grouped expert kernel): its expert, sorted positions
+    [BLOCK_M], their pair ids (num_pairs on padding rows), the real-row mask, and the A rows
+    (the sorted position with A_SORTED, else the pair's token, pair // A_DIV)."""
+    e = tl.load(block_e_ptr + pid_m).to(tl.int64)
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + pos)
+    mrow = pair < num_pairs
+    if A_SORTED:
+        a_rows = pos.to(tl.int64)
+    else:
+        a_rows = (pair // A_DIV).to(tl.int64)
+    return e, pos, pair, mrow, a_rows
+
+
+@triton.jit
+def _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED: tl.constexpr,
+                       OUT_SORTED: tl.constexpr):
+    """A grouped-GEMM tile's output y [BLOCK_M, BLOCK_N] float32: times the pair's routing weight
+    (WEIGHTED), stored at the sorted position (OUT_SORTED) or the pair id."""
+    if WEIGHTED:
+        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
+    if OUT_SORTED:
+        o_rows = pos.to(tl.int64)
+    else:
+        o_rows = pair.to(tl.int64)
+    tl.store(out_ptr + o_rows[:, None] * s_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mrow[:, None] & mn[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"],
             do_not_specialize_on_alignment=["sorted_ptr", "block_e_ptr", "nrows_ptr"])
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
@@ -197,14 +229,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(nrows_ptr):
         return
-    e = tl.load(block_e_ptr + pid_m).to(tl.int64)
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + pos)
-    mrow = pair < num_pairs
-    if A_SORTED:
-        a_rows = pos.to(tl.int64)
-    else:
-        a_rows = (pair // A_DIV).to(tl.int64)
+    e, pos, pair, mrow, a_rows = _expert_tile_rows(sorted_ptr, block_e_ptr, pid_m, num_pairs, A_DIV, A_SORTED,
+                                                   BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     a_base = a_ptr + a_rows[:, None] * s_am
@@ -255,14 +281,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
         y = y * y
     if SWIGLU:
         y = _swiglu(y, acc_up, out_ty)
-    if WEIGHTED:
-        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
-    if OUT_SORTED:
-        o_rows = pos.to(tl.int64)
-    else:
-        o_rows = pair.to(tl.int64)
-    tl.store(out_ptr + o_rows[:, None] * s_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mrow[:, None] & mn[None, :])
+    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED, OUT_SORTED)
 
 
 @triton.jit
@@ -356,11 +375,8 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled, **pdl)
     else:
         bm = align_block_size(P, E, w8a8)
-        al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
-              else align_pairs(ids, E, bm))
-        smem = None if dev.type != "cuda" else max_shared_mem(
-            dev.index if dev.index is not None else torch.cuda.current_device())
-        cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=smem, w8a8=w8a8)
+        al = group_pairs(ids, E, bm)
+        cfg = gemm_config(bm, h.dtype, swiglu, smem_bytes=device_smem(dev), w8a8=w8a8)
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         f32 = h.dtype == torch.float32
         a_up, a_up_scale = h, None
@@ -382,11 +398,34 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             D_out, F, P, 1, a_down.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
             A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, F32=f32, BLOCK_M=bm,
             ws_ptr=down_scale if down_scale is not None else weights, as_ptr=a_down_scale, **scaled, **cfg)
+    return combine_pairs(pair_out, k, h.dtype, add, out)
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``moe_ops.Alignment`` of ids [T, k]: the one-program kernel for decode-sized work, torch ops beyond."""
+    if ids.numel() * next_pow2(num_experts) <= ALIGN_MAX_WORK:
+        return align_pairs_triton(ids, num_experts, block_m)
+    return align_pairs(ids, num_experts, block_m)
+
+
+def device_smem(dev: torch.device) -> int | None:
+    """Shared memory per block of a CUDA device (None elsewhere: no limit on the tiles)."""
+    if dev.type != "cuda":
+        return None
+    return max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def combine_pairs(pair_out: torch.Tensor, k: int, dtype: torch.dtype, add: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """pair_out [T k, D_out] float32 (weighted pair outputs) -> out [T, D_out] in ``dtype``: each token's
+    k pairs summed in float32, rounded once (+ ``add`` [T, D_out], rounded as routed + add)."""
+    T, D_out = pair_out.shape[0] // k, pair_out.shape[1]
     if out is None:
-        out = torch.empty(T, D_out, dtype=h.dtype, device=dev)
+        out = torch.empty(T, D_out, dtype=dtype, device=pair_out.device)
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):
         raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
     bn = 256
     _combine_kernel[(T, cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
-                                                  HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4, **pdl)
+                                          HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4,
+                                          **pdl_kwargs(pair_out.device))
     return out

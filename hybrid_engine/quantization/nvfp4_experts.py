@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-from hybrid_engine.models.moe_ops import align_block_size, align_pairs
+from hybrid_engine.models.moe_ops import align_block_size
+from hybrid_engine.models.triton_moe import _expert_tile_rows, _store_expert_tile, _swiglu
 
 from .nvfp4 import GROUP, dequantize_nvfp4
 from .nvfp4_decode import _nibble_f32, _use_ptx
@@ -39,18 +40,16 @@ from .nvfp4_group_dot import _group_dot, _row_tile, _words, _x_scaled
 
 
 @triton.jit
-def _expert_epilogue(y, up, e, p, wt_ptr, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr,
-                     WEIGHTED: tl.constexpr, ROUND: tl.constexpr):
+def _expert_epilogue(y, up, p, wt_ptr, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr,
+                     WEIGHTED: tl.constexpr):
     """As the 16-bit kernels' epilogue: the projection rounded to the model dtype, relu² (or
-    silu(gate) rounded, times up), the routing weight in float32."""
-    if ROUND:
-        y = y.to(DT).to(tl.float32)
+    silu(gate) rounded, times up: ``triton_moe._swiglu``), the routing weight of pair p in float32."""
+    y = y.to(DT).to(tl.float32)
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
     if SWIGLU:
-        u = up.to(DT).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(DT).to(tl.float32) * u
+        y = _swiglu(y, up, DT)
     if WEIGHTED:
         y = y * tl.load(wt_ptr + p)
     return y
@@ -94,7 +93,7 @@ def _nvfp4_pair_gemv_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, ids_ptr, wt_ptr, out_pt
         if SWIGLU:
             acc_up += _pair_group_sums(w_rows + N * s_wn, s_rows + N * s_bn, xs, undo, offs_g, mn, mg, BLOCK_N, PTX)
     g = tl.load(gs_ptr + e)
-    y = _expert_epilogue(acc * g, acc_up * g, e, p, wt_ptr, a_ptr.dtype.element_ty, RELU2, SWIGLU, WEIGHTED, True)
+    y = _expert_epilogue(acc * g, acc_up * g, p, wt_ptr, a_ptr.dtype.element_ty, RELU2, SWIGLU, WEIGHTED)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -134,14 +133,8 @@ def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr,
         return
     DT: tl.constexpr = a_ptr.dtype.element_ty
     BLOCK_B: tl.constexpr = BLOCK_K // 2
-    e = tl.load(block_e_ptr + pid_m).to(tl.int64)
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + pos)
-    mrow = pair < num_pairs
-    if A_SORTED:
-        a_rows = pos.to(tl.int64)
-    else:
-        a_rows = (pair // A_DIV).to(tl.int64)
+    e, pos, pair, mrow, a_rows = _expert_tile_rows(sorted_ptr, block_e_ptr, pid_m, num_pairs, A_DIV, A_SORTED,
+                                                   BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < N
     a_base = a_ptr + a_rows[:, None] * s_am
@@ -163,15 +156,8 @@ def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr,
             acc_up = _dot(a_even, lo, acc_up, F32, F32_PREC)
             acc_up = _dot(a_odd, hi, acc_up, F32, F32_PREC)
     g = tl.load(gs_ptr + e)
-    y = _expert_epilogue(acc * g, acc_up * g, e, pair, wt_ptr, DT, RELU2, SWIGLU, False, True)
-    if WEIGHTED:
-        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
-    if OUT_SORTED:
-        o_rows = pos.to(tl.int64)
-    else:
-        o_rows = pair.to(tl.int64)
-    tl.store(out_ptr + o_rows[:, None] * s_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mrow[:, None] & mn[None, :])
+    y = _expert_epilogue(acc * g, acc_up * g, pair, wt_ptr, DT, RELU2, SWIGLU, False)
+    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED, OUT_SORTED)
 
 
 # ------------------------------------------------------------------------------------ the ops
@@ -261,8 +247,7 @@ def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: to
                                 activation: str = "relu2", force_grouped: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum [T, D_out] in h.dtype (+ ``add``), as
     ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring)."""
-    from hybrid_engine.models.moe_tiles import max_shared_mem
-    from hybrid_engine.models.triton_moe import ALIGN_MAX_WORK, _combine_kernel, align_pairs_triton
+    from hybrid_engine.models.triton_moe import combine_pairs, device_smem, group_pairs
     swiglu = activation == "swiglu"
     check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, swiglu)
     if h.stride(-1) != 1:
@@ -289,11 +274,8 @@ def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: to
                        tokens=T, relu2=False, weighted=True, swiglu=False, pdl=pdl)
     else:
         bm = align_block_size(P, E)
-        al = (align_pairs_triton(ids, E, bm) if P * next_pow2(E) <= ALIGN_MAX_WORK
-              else align_pairs(ids, E, bm))
-        smem = None if dev.type != "cuda" else max_shared_mem(
-            dev.index if dev.index is not None else torch.cuda.current_device())
-        cfg = grouped_config(bm, h.dtype, swiglu, smem)
+        al = group_pairs(ids, E, bm)
+        cfg = grouped_config(bm, h.dtype, swiglu, device_smem(dev))
         f32 = h.dtype == torch.float32
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         _nvfp4_grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
@@ -306,10 +288,4 @@ def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: to
             D_out, F // 2, P, 1, inter.stride(0), down.stride(0), down.stride(1), down_blocks.stride(0),
             down_blocks.stride(1), pair_out.stride(0), A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True,
             SWIGLU=False, F32=f32, BLOCK_M=bm, **cfg)
-    out = torch.empty(T, D_out, dtype=h.dtype, device=dev)
-    if add is not None and (add.shape != out.shape or not add.is_contiguous()):
-        raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
-    bn = 256
-    _combine_kernel[(T, cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
-                                          HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4, **pdl)
-    return out
+    return combine_pairs(pair_out, k, h.dtype, add)
