@@ -13,8 +13,8 @@ global scale once per output.
 
 ``nvfp4_linear``: CUDA with 16-bit x and at most 128 rows -> ``nvfp4_kernels.nvfp4_skinny_linear`` (decode
 in registers: the packed weight's bytes, a quarter of bf16's); more rows on CUDA -> the weight dequantized to
-x.dtype (exact up to the global scale, applied to the output) and cuBLAS with a float32 output (the
-unscaled sums leave float16's range); CPU / float32 ->
+x.dtype by one Triton pass (``nvfp4_dequant``; exact up to the global scale, applied to the output) and
+cuBLAS with a float32 output (the unscaled sums leave float16's range); CPU / float32 ->
 ``nvfp4_linear_ref`` (exact float32 dequantization and matmul). ``relu2=True`` (the relu² MLP's
 down_proj, ``Nvfp4Linear.forward_relu2``): the one-row kernel applies relu² as it loads x; every
 other path runs ``activation.relu2`` first.
@@ -109,7 +109,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tens
         # unscaled product is ~1 / weight_scale_2 (~1e4-1e5) times the real output, past float16's
         # 65504 for real outputs above ~2, so cuBLAS writes it in float32 (out_dtype; also one
         # rounding fewer, and no separate float conversion pass, for bfloat16)
-        w16 = (unpack_e2m1(packed) * weight_scale.float().repeat_interleave(GROUP, dim=1)).to(x2.dtype)
+        from .nvfp4_dequant import dequantize_nvfp4_16bit
+        w16 = dequantize_nvfp4_16bit(packed, weight_scale, x2.dtype)          # one Triton pass
         y = torch.mm(x2, w16.t(), out_dtype=torch.float32) * weight_scale_2.float()
         if bias is not None:
             y = y + bias.float()

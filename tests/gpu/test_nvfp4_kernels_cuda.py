@@ -205,3 +205,11 @@ def test_nvfp4_experts_float32_rows(T, grouped):
     and FMAs (the packed float16 products of 16-bit rows would leave ~4e-4), the grouped GEMM
     tf32x3 dots; against the float32 twin within 1e-5."""
     ec.check_nvfp4_experts(DEV, torch.float32, T, 16, 6, 2688, 1856, grouped, seed=T)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 2688), (37, 272)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nvfp4_dequant_16bit(shape, dtype):
+    """The prefill path's one-pass decode to 16 bits equals its torch twin bit for bit on CUDA
+    (every byte and finite block-scale code)."""
+    qc.check_nvfp4_dequant_16bit(DEV, dtype, *shape, seed=shape[0])

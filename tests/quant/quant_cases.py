@@ -15,7 +15,7 @@ from expert_checks import check_fp8_experts, check_fp8_experts_w8a8, check_nvfp4
 from quant_checks import (check_fp8, check_fp8_relu2, check_nvfp4, check_nvfp4_relu2,
                           check_nvfp4_x_range, check_nvfp4_zero_rows, check_zero_k,
                           check_fp8_every_code, check_quantize_rows, check_quantize_rows_bounded,
-                          check_add_rmsnorm_fp8, check_fp8_rows_invariant)
+                          check_add_rmsnorm_fp8, check_fp8_rows_invariant, check_nvfp4_dequant_16bit)
 
 
 FP8_FMA_SHAPES = [(1, 1, 5), (1, 37, 130), (1, 100, 1100)]
@@ -186,6 +186,9 @@ def _cases():
             check_nvfp4_experts(cpu, f16, 5, 16, 2, 48, 32, grouped=False, seed=1)),
         "nvfp4_experts_looped": lambda: check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 272, grouped=False,
                                                             decode_tiles=(16, 8, 4)),
+        # the prefill path's decode to 16 bits: N and K ragged against the 16 x 256-input tiles
+        "nvfp4_dequant_16bit": lambda: max(check_nvfp4_dequant_16bit(cpu, dt, n, k, seed=i) for i, (dt, n, k) in
+                                           enumerate([(torch.bfloat16, 37, 272), (f16, 16, 512), (f32, 5, 16)])),
         "nvfp4_experts_grouped": lambda: max(check_nvfp4_experts(cpu, f32, 11, 6, 3, 192, 48, grouped=True, seed=2),
                                              check_nvfp4_experts(cpu, f16, 9, 16, 2, 64, 32, grouped=True, seed=3)),
         "nvfp4_experts_one_expert": lambda: check_nvfp4_experts(cpu, f32, 10, 5, 2, 48, 32, grouped=True, seed=4,

@@ -345,3 +345,22 @@ def check_fp8_every_code(impl, device, dtype, x_values):
         assert torch.equal(y[0], want), (f"fp8 every code, x={xv}: {int((y[0] != want).sum())} codes differ, "
                                          f"first at {int((y[0] != want).nonzero()[0])}")
     return 0.0
+
+
+def check_nvfp4_dequant_16bit(device, dtype, N, K, seed=0):
+    """The prefill path's one-pass decode to 16 bits (``nvfp4_dequant``) equals its torch twin bit for
+    bit: every byte value (random codes) under every finite e4m3 block scale (random scale bytes,
+    NaN codes left out), since e2m1 * scale is exact in bfloat16, float16 and float32; outputs
+    poisoned, N and K ragged against the kernel's tiles."""
+    from hybrid_engine.quantization.nvfp4_dequant import dequantize_nvfp4_16bit_ref, dequantize_nvfp4_16bit_triton
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 256, (N, K // 16), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38                                  # e4m3's NaN codes -> 1.0
+    bs = codes.view(torch.float8_e4m3fn)
+    with poisoned_empty():
+        y = dequantize_nvfp4_16bit_triton(packed.to(device), bs.to(device), dtype)
+    ref = dequantize_nvfp4_16bit_ref(packed, bs, dtype)
+    assert y.shape == (N, K) and y.dtype == dtype and torch.isfinite(y).all()
+    assert torch.equal(y.cpu(), ref), f"nvfp4 dequant {dtype} N={N} K={K}: {int((y.cpu() != ref).sum())} values differ"
+    return 0.0

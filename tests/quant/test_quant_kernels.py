@@ -23,7 +23,7 @@ CASES = ["fp8_fma_tensor", "fp8_fma_channel", "fp8_fma_f16", "fp8_fma_rows", "fp
          "fp8_quantize_rows_relu2_one_pass", "fp8_add_rmsnorm", "fp8_rmsnorm_no_residual", "nvfp4_dot", "nvfp4_dot_swap", "nvfp4_dot_slices", "nvfp4_dot_f16", "nvfp4_dot_swap_f16", "nvfp4_fma", "nvfp4_fma_f16", "nvfp4_fma_x_range", "nvfp4_fma_persistent", "nvfp4_fma_persistent_f16",
          "nvfp4_fma_persistent_x_range", "nvfp4_fma_persistent_slices", "nvfp4_dispatch_one_row", "nvfp4_dispatch_rows", "nvfp4_rows", "nvfp4_rows_f16", "nvfp4_rows_x_range", "nvfp4_zero_rows", "dot_zero_k", "nvfp4_persistent_relu2", "nvfp4_dispatch_relu2", "fp8_experts_decode", "fp8_experts_decode_one",
          "fp8_experts_grouped", "fp8_fma_relu2", "fp8_dispatch_relu2", "fp8_experts_w8a8", "fp8_experts_w8a8_one_expert",
-         "fp8_experts_w8a8_swiglu", "fp8_quantize_rows_bounded", "nvfp4_experts_decode", "nvfp4_experts_looped", "nvfp4_experts_grouped",
+         "fp8_experts_w8a8_swiglu", "fp8_quantize_rows_bounded", "nvfp4_experts_decode", "nvfp4_experts_looped", "nvfp4_experts_grouped", "nvfp4_dequant_16bit",
          "nvfp4_experts_one_expert", "nvfp4_experts_swiglu"]
 
 
