@@ -55,11 +55,11 @@ def dequantize_nvfp4_16bit(packed: torch.Tensor, weight_scale: torch.Tensor, dty
 def dequantize_nvfp4_16bit_triton(packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The kernel's launch (checked layout; the interpreter runs it on CPU tensors)."""
     N, KB = packed.shape
-    if (weight_scale.shape != (N, KB // 8) or packed.dtype != torch.uint8 or weight_scale.dtype != torch.float8_e4m3fn
-            or packed.stride(1) != 1 or weight_scale.stride(1) != 1):
-        raise ValueError(f"dequantize_nvfp4_16bit: needs packed [N, K/2] uint8 and weight_scale [N, K/16] "
-                         f"float8_e4m3fn with unit inner strides, got {tuple(packed.shape)} {packed.dtype}, "
-                         f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+    if (KB % 8 or weight_scale.shape != (N, KB // 8) or packed.dtype != torch.uint8
+            or weight_scale.dtype != torch.float8_e4m3fn or packed.stride(1) != 1 or weight_scale.stride(1) != 1):
+        raise ValueError(f"dequantize_nvfp4_16bit: needs packed [N, K/2] uint8 (K a multiple of {GROUP}) and "
+                         f"weight_scale [N, K/16] float8_e4m3fn with unit inner strides, got {tuple(packed.shape)} "
+                         f"{packed.dtype}, {tuple(weight_scale.shape)} {weight_scale.dtype}")
     out = torch.empty(N, 2 * KB, dtype=dtype, device=packed.device)
     bn, bb = 16, 128
     _nvfp4_dequant_kernel[(cdiv(N, bn), cdiv(KB, bb))](packed, weight_scale, out, N, KB, packed.stride(0),
