@@ -17,7 +17,8 @@ builds them (routed experts FP8 with a scale per expert, the shared expert's two
 with per-channel scales through ``fp8_linear``; the float32 router stays); with --nvfp4, as
 ``quantization="nvfp4"`` builds them (routed experts NVFP4, decoded in the fused MoE kernels,
 ``quantization/nvfp4_experts.py``; the shared expert through ``nvfp4_linear``), and --expert-tiles
-then gives the NVFP4 decode kernel's BLOCK_N,BLOCK_G (16-input groups),warps. Under any candidate
+then gives the NVFP4 decode kernel's BLOCK_N,BLOCK_G (16-input groups),warps for both projections
+(NVFP4 experts take one tile). Under any candidate
 tiles the default is timed again last, so the run's own drift shows. With --profile, each
 kernel's time in a layer at one token with programmatic dependent launch off (with it on, the
 profiler counts a kernel from its early launch). HYBRID_ENGINE_PDL=0 runs the whole thing without
@@ -177,7 +178,7 @@ def main() -> int:
     print(f"{res['device']}, PDL {'on' if pdl else 'off'}, {args.layers} layers", flush=True)
     real_tiles = triton_moe.gemv_tiles
     from hybrid_engine.quantization import nvfp4_experts
-    real_nvfp4_tiles = nvfp4_experts._decode_tiles
+    real_nvfp4_tiles = nvfp4_experts.DECODE_TILES
     for T in args.tokens:
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16) * 0.1
         calls = [layer_fn(ly, x, spec) for ly in layers]
@@ -192,7 +193,8 @@ def main() -> int:
             router_t, shared_t = v.get("router"), v.get("shared")
             expert_t = {k: v[k] for k in ("up", "down") if k in v}
             triton_moe.gemv_tiles = tiles_rule(real_tiles, router_t, shared_t, **expert_t)
-            nvfp4_experts._decode_tiles = (lambda role, tokens, t=expert_t: t.get(role) or real_nvfp4_tiles(role, tokens))
+            # NVFP4 experts take one tile for both projections: a candidate of either role sets it
+            nvfp4_experts.DECODE_TILES = next(iter(expert_t.values()), real_nvfp4_tiles)
             try:
                 for c in calls + routers:
                     c()
@@ -200,7 +202,7 @@ def main() -> int:
                 router_us = graph_ms(routers, reps=len(routers)) * 1e3
             finally:
                 triton_moe.gemv_tiles = real_tiles
-                nvfp4_experts._decode_tiles = real_nvfp4_tiles
+                nvfp4_experts.DECODE_TILES = real_nvfp4_tiles
             row = dict(tokens=T, router_tiles=router_t or "default", shared_tiles=shared_t or "default",
                        expert_tiles={k: list(t) for k, t in expert_t.items()} or "default",
                        serial=False, layer_us=us, router_us=router_us,

@@ -82,7 +82,7 @@ def main() -> int:
                rows=[])
     print(f"{res['device']}, {args.layers} layers of {E} experts ({D} x {F}), top {TOP_K}", flush=True)
     g = torch.Generator(device=dev).manual_seed(1)
-    rule = nvfp4_experts._decode_tiles
+    rule = nvfp4_experts.DECODE_TILES
     for T in args.tokens:
         x = torch.randn(T, D, generator=g, device=dev).to(torch.bfloat16)
         ids = torch.argsort(torch.rand(T, E, generator=g, device=dev), dim=1)[:, :TOP_K].to(torch.int32)
@@ -95,7 +95,7 @@ def main() -> int:
             variants.append(("nvfp4", None, True))
         rule_max = nvfp4_experts.GEMV_MAX_TOKENS
         for fmt, t, gemv in variants:
-            nvfp4_experts._decode_tiles = rule if t is None else (lambda role, tokens, t=t: t)
+            nvfp4_experts.DECODE_TILES = rule if t is None else t
             nvfp4_experts.GEMV_MAX_TOKENS = T if gemv else rule_max
             try:
                 calls = [experts_call(ly, x, ids, wts) for ly in layers[fmt]]
@@ -103,7 +103,7 @@ def main() -> int:
                     c()
                 us = graph_ms(calls, reps=len(calls)) * 1e3
             finally:
-                nvfp4_experts._decode_tiles = rule
+                nvfp4_experts.DECODE_TILES = rule
                 nvfp4_experts.GEMV_MAX_TOKENS = rule_max
             row = dict(tokens=T, format=fmt, decode_tiles=list(t) if t else "rule", us=us, distinct_experts=chosen,
                        path="gemv" if gemv or T <= (8 if fmt != "nvfp4" else rule_max) else "grouped")

@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid_engine.models import moe_ops, triton_moe  # noqa: E402
+from hybrid_engine.models import moe_align, moe_ops, triton_moe  # noqa: E402
 from hybrid_engine.quantization.fp8 import quantize_fp8  # noqa: E402
 
 D, F, E, K_TOP = 2688, 1856, 128, 6     # hidden, expert inner, experts, top-k
@@ -132,7 +132,7 @@ def main() -> int:
         lines += ["## Weight modes at today's picks (ms per routed-experts call; x bf16)", "",
                   "| T | BLOCK_M | " + " | ".join(args.modes) + " |", "|---|---|" + "---|" * len(args.modes)]
         for T in args.tokens:
-            bms = {m: moe_ops.align_block_size(T * K_TOP, E, m == "w8a8") for m in args.modes}
+            bms = {m: moe_align.align_block_size(T * K_TOP, E, m == "w8a8") for m in args.modes}
             secs = {m: run_case(T, bms[m], None, args.iters, inputs(T, m)) for m in args.modes}
             bm = "/".join(str(b) for b in dict.fromkeys(bms.values()))
             base = secs.get("bf16")
@@ -150,7 +150,7 @@ def main() -> int:
     for T in args.tokens:
         data = inputs(T, args.weights)
         flops = 4 * T * K_TOP * D * F
-        bm_today = moe_ops.align_block_size(T * K_TOP, E, args.weights == "w8a8")
+        bm_today = moe_align.align_block_size(T * K_TOP, E, args.weights == "w8a8")
         sec = run_case(T, bm_today, None, args.iters, data)
         today[T] = (bm_today, triton_moe.gemm_config(bm_today, torch.bfloat16, w8a8=args.weights == "w8a8"), sec)
         print(f"T={T} today BLOCK_M={bm_today} {today[T][1]}: {sec * 1e3:.3f} ms "

@@ -316,8 +316,9 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
     the weights are NVFP4 (``quantization.nvfp4_experts``; the scales are then the experts'
     ``weight_scale_2``)."""
     if up_blocks is not None or down_blocks is not None:
-        return _routed_nvfp4(h, w_up, w_down, ids, weights, add, activation, up_scale, down_scale, up_blocks,
-                             down_blocks)
+        from hybrid_engine.quantization.nvfp4_experts import routed_experts_nvfp4
+        return routed_experts_nvfp4(h, w_up, up_blocks, up_scale, w_down, down_blocks, down_scale, ids, weights,
+                                    add, activation)
     _check_activation(activation, w_up, w_down)
     backend = kernel_backend("moe_experts", h.device)
     if backend == "triton" and h.shape[0]:
@@ -328,81 +329,3 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
     fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
     out = fn(h, w_up, w_down, ids, weights, activation)
     return out if add is None else out + add
-
-
-def _routed_nvfp4(h, w_up, w_down, ids, weights, add, activation, up_scale, down_scale, up_blocks, down_blocks):
-    """``routed_experts`` with NVFP4 weights: the Triton kernels on CUDA, else the exact twin."""
-    from hybrid_engine.quantization import nvfp4_experts as nx
-    if activation not in EXPERT_ACTIVATIONS:
-        raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
-    scales = (w_up, up_blocks, up_scale, w_down, down_blocks, down_scale)
-    nx.check_nvfp4_experts(h, *scales, swiglu=activation == "swiglu")
-    if not h.shape[0]:                      # no rows: nothing to dequantize
-        out = h.new_zeros(0, w_down.shape[1])
-        return out if add is None else out + add
-    if kernel_backend("moe_experts_nvfp4", h.device) == "triton":
-        return nx.routed_experts_nvfp4_triton(h, *scales, ids, weights, add, activation=activation)
-    if h.device.type == "cpu":
-        out = nx.nvfp4_experts_ref(h, *scales, ids, weights, activation)
-    else:                       # CUDA without Triton: every expert, dequantized (sync-free, slow)
-        out = dense_experts_ref(h, nx.dequantize_nvfp4_experts(w_up, up_blocks, up_scale).to(h.dtype),
-                                nx.dequantize_nvfp4_experts(w_down, down_blocks, down_scale).to(h.dtype),
-                                ids, weights, activation)
-    return out if add is None else out + add
-
-
-# ------------------------------------------------------------------------------------ alignment
-
-def align_block_size(num_pairs: int, num_experts: int, w8a8: bool = False) -> int:
-    """Rows per grouped-GEMM tile: small tiles when experts get few tokens (decode batches), large
-    for prefill. A function of static shapes only, so each CUDA-graph bucket fixes its own."""
-    per_expert = num_pairs / num_experts
-    # 128-row tiles from 64 pairs per expert up: on the Nano widths a 2048-token prefill (96 per
-    # expert) ran its routed experts 1.11x faster than with 64-row tiles, an 8192-token one (384)
-    # 1.27x (benchmarks/moe_gemm_sweep.py, H200, 2026-11-25). W8A8 (FP8 operands, their partial
-    # sums promoted to float32, which holds a second accumulator) stops at 64 rows: at 2048 / 8192
-    # tokens 1.57 / 2.57 ms against 1.58 / 3.00 for the best 128-row tiles (H200, 2026-11-29,
-    # benchmarks/results/2026-11-29-moe-fp8-w8a8-h200.md)
-    bm = 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
-    return min(bm, 64) if w8a8 else bm
-
-
-@dataclass(frozen=True)
-class Alignment:
-    """Pairs (token t, choice j; pair id p = t*k + j) grouped by expert, each expert's run padded
-    to a multiple of ``block_m`` rows so every tile of BLOCK_M rows has one expert. Fixed sizes
-    (a function of T, k, E, block_m only): no host sync, CUDA-graph safe."""
-    sorted_pairs: torch.Tensor      # [max_rows] int32 pair ids; padding rows hold num_pairs
-    block_expert: torch.Tensor      # [max_rows // block_m] int32 expert of each tile (E-1 past the end)
-    num_rows: torch.Tensor          # [1] int32 rows in use (a multiple of block_m)
-    block_m: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_expert.shape[0]
-
-
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """ids [T, k] -> Alignment (torch ops on ids' device, fixed shapes)."""
-    dev = ids.device
-    flat = ids.reshape(-1).long()
-    P = flat.numel()
-    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
-        0, flat, torch.ones_like(flat))                                      # bincount without a sync
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    cnt_start = counts.cumsum(0) - counts
-    # pair ids by expert; the keys sorted as int16 (int32 past 32767 experts): a radix sort makes one
-    # pass per key byte, so int64 keys took 8 passes (184 sort launches in a Nano prefill, 1.24 ->
-    # 0.37 ms at 2048 tokens on an H100, benchmarks/results/2026-11-27-moe-nano-prefill-flops-h100.md); the
-    # stable order is the same whatever the key width
-    order = torch.sort(ids.reshape(-1).to(torch.int16 if num_experts <= 32767 else torch.int32), stable=True)[1]
-    sorted_e = flat[order]
-    dest = (pad_end - padded)[sorted_e] + torch.arange(P, device=dev) - cnt_start[sorted_e]
-    sorted_pairs = torch.full((max_rows,), P, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(0, max_rows, block_m, device=dev)
-    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=num_experts - 1)
-    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert.to(torch.int32),
-                     num_rows=pad_end[-1:].to(torch.int32), block_m=block_m)

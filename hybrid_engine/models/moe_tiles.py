@@ -1,6 +1,6 @@
 """Tile choices of the fused MoE kernels (``triton_moe.py``), each from a sweep on the H100 / H200
 with its benchmark named: the decode GEMV (``gemv_tiles``) and the prefill grouped GEMM
-(``gemm_config``, by the rows per expert tile that ``moe_ops.align_block_size`` picks)."""
+(``gemm_config``, by the rows per expert tile that ``moe_align.align_block_size`` picks)."""
 from __future__ import annotations
 
 import functools
@@ -74,7 +74,7 @@ def gemm_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool = Fa
         cfg.update(BLOCK_K=32, num_stages=2)
     if w8a8:                          # FP8 operands, one byte each: the same bytes per stage in twice the K
         cfg.update(BLOCK_K=2 * cfg["BLOCK_K"])
-        if bm == 64:                  # the most rows moe_ops.align_block_size gives W8A8: 4 stages
+        if bm == 64:                  # the most rows moe_align.align_block_size gives W8A8: 4 stages
             cfg.update(num_stages=4)
     if smem_bytes is not None and gemm_smem_bytes(bm, cfg, dtype, swiglu, w8a8) > smem_bytes:
         cfg.update(BLOCK_N=64, BLOCK_K=128 if w8a8 else 32 if dtype == torch.float32 else 64, num_warps=4,

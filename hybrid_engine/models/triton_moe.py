@@ -4,8 +4,8 @@
 - decode path (``T <= DECODE_MAX_TOKENS``): ``_pair_gemv_kernel`` computes one (token, choice)
   pair per program row-block, reading only the chosen experts' weights: up (relu² epilogue) into
   [P, F], down (routing-weight epilogue, float32) into [P, D_out]; no sort.
-- grouped path: pairs grouped by expert (``_align_kernel``, one program, for decode-sized batches;
-  ``moe_ops.align_pairs``' torch ops beyond; both fixed-size buffers), then
+- grouped path: pairs grouped by expert (``moe_align.group_pairs``: one Triton program for
+  decode-sized batches, torch ops beyond; fixed-size buffers), then
   ``_grouped_gemm_kernel`` runs one BLOCK_M x BLOCK_N tile of one expert per program with
   ``tl.dot``: up (rows gathered from the tokens, relu², written in sorted order) and down (rows
   in sorted order, routing weight, written per pair).
@@ -24,68 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, next_pow2
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
-from .moe_ops import DECODE_MAX_TOKENS, align_block_size, align_pairs
+from .moe_align import align_block_size, group_pairs
+from .moe_ops import DECODE_MAX_TOKENS
 from .moe_tiles import gemm_config, gemv_tiles, max_shared_mem
 
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------ alignment
-
-ALIGN_MAX_WORK = 1 << 17      # P * next_pow2(E) up to this: the one-program align kernel
-
-
-@triton.jit(do_not_specialize=["P", "max_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
-def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks, max_rows,
-                  BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
-    """moe_ops.align_pairs in one program (decode-sized P): counts, padded offsets, tile experts,
-    then each pair's sorted row (pairs of one expert keep their index order)."""
-    e_offs = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for c0 in range(0, P, CH):
-        offs = c0 + tl.arange(0, CH)
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        counts += tl.sum((e[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BM - 1) // BM * BM
-    pad_end = tl.cumsum(padded, axis=0)
-    tl.store(nrows_ptr, tl.sum(padded, axis=0))
-    for b0 in range(0, max_blocks, CB):
-        b = b0 + tl.arange(0, CB)
-        be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
-    for r0 in range(0, max_rows, CB):
-        r = r0 + tl.arange(0, CB)
-        tl.store(sorted_ptr + r, tl.zeros([CB], tl.int32) + P, mask=r < max_rows)
-    tl.debug_barrier()          # the padding fill above lands before the pair rows below
-    next_row = pad_end - padded                         # per expert: its next free sorted row
-    for c0 in range(0, P, CH):
-        offs = c0 + tl.arange(0, CH)
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        hit = e[:, None] == e_offs[None, :]                                   # [CH, BLOCK_E]
-        before = tl.cumsum(hit.to(tl.int32), axis=0) - 1                      # same-expert rank in chunk
-        dest = tl.sum(tl.where(hit, next_row[None, :] + before, 0), axis=1)
-        tl.store(sorted_ptr + dest, offs, mask=offs < P)
-        next_row += tl.sum(hit.to(tl.int32), axis=0)
-
-
-def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
-    """Same result as ``moe_ops.align_pairs`` in one launch; for P * next_pow2(E) <= ALIGN_MAX_WORK."""
-    from .moe_ops import Alignment
-    P = ids.numel()
-    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
-    dev = ids.device
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    be = next_pow2(num_experts)
-    ch = max(2, min(64, 8192 // be))
-    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_pairs, block_expert, num_rows, P, num_experts,
-                        max_rows // block_m, max_rows, BM=block_m, BLOCK_E=be, CH=ch, CB=256, num_warps=8)
-    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
 
 
 # ------------------------------------------------------------------------------------ experts
@@ -357,9 +304,7 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     D_out = w_down.shape[1]
     P = T * k
     dev = h.device
-    ids = ids.contiguous()
-    weights = weights.contiguous().float()
-    pair_out = torch.empty(P, D_out, dtype=torch.float32, device=dev)         # weighted, per pair
+    ids, weights, pair_out = pair_buffers(ids, weights, D_out)
     pdl = pdl_kwargs(dev)
     if T <= DECODE_MAX_TOKENS and not force_grouped:
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
@@ -401,11 +346,11 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     return combine_pairs(pair_out, k, h.dtype, add, out)
 
 
-def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``moe_ops.Alignment`` of ids [T, k]: the one-program kernel for decode-sized work, torch ops beyond."""
-    if ids.numel() * next_pow2(num_experts) <= ALIGN_MAX_WORK:
-        return align_pairs_triton(ids, num_experts, block_m)
-    return align_pairs(ids, num_experts, block_m)
+def pair_buffers(ids: torch.Tensor, weights: torch.Tensor, d_out: int):
+    """-> (ids, weights as float32, pair_out [T k, d_out] float32): the expert kernels' contiguous
+    choices and the weighted per-pair outputs they write (``combine_pairs`` sums them)."""
+    pair_out = torch.empty(ids.numel(), d_out, dtype=torch.float32, device=ids.device)
+    return ids.contiguous(), weights.contiguous().float(), pair_out
 
 
 def device_smem(dev: torch.device) -> int | None:

@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv
+from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, kernel_backend
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
-from hybrid_engine.models.moe_ops import align_block_size
-from hybrid_engine.models.triton_moe import _expert_tile_rows, _store_expert_tile, _swiglu
+from hybrid_engine.models.moe_align import align_block_size, group_pairs
+from hybrid_engine.models.triton_moe import (_expert_tile_rows, _store_expert_tile, _swiglu, combine_pairs, device_smem,
+                                             pair_buffers)
 
 from .nvfp4 import GROUP, dequantize_nvfp4
 from .nvfp4_decode import _nibble_f32, _use_ptx
@@ -162,8 +163,18 @@ def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr,
 
 # ------------------------------------------------------------------------------------ the ops
 
-def check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, swiglu: bool) -> None:
-    """Shapes and dtypes of NVFP4 merged experts for rows h [T, D]; a ValueError naming the tensor."""
+def check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, activation: str) -> None:
+    """Shapes and dtypes of NVFP4 merged experts, rows h [T, D] and their choices ids / weights [T, k];
+    a ValueError naming the tensor."""
+    from hybrid_engine.models.moe_ops import EXPERT_ACTIVATIONS
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+    swiglu = activation == "swiglu"
+    if h.dim() != 2 or h.stride(-1) != 1:
+        raise ValueError(f"NVFP4 experts: h must be [T, D] with a unit inner stride, got {tuple(h.shape)}")
+    if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != h.shape[0]:
+        raise ValueError(f"NVFP4 experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[T, k] with T = {h.shape[0]}, the rows of h")
     E, Fu, Db = up.shape
     F = Fu // 2 if swiglu else Fu
     D_out = down.shape[1]
@@ -206,21 +217,20 @@ def nvfp4_experts_ref(h, up, up_blocks, up_scale, down, down_blocks, down_scale,
 GEMV_MAX_TOKENS = 32
 
 
-def _decode_tiles(role: str, tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_G 16-input groups, num_warps) of the decode kernel. H200, the Nano experts
-    (``benchmarks/moe_experts_quant.py``, 2026-11-29): 8 x 64 took 30.2 / 98.1 / 184.6 us at 1 / 4 / 8
-    tokens, the best of 8 tiles, ahead of 4 x 256 (39.9 / 141.9 / 273.2) and of a persistent
-    kernel that prepares the pair's whole row of x once (34.8 / 116.3 / 221.5: a Nano row's 168
-    groups padded to 256 wasted a third of its lanes)."""
-    return 8, 64, 4
+# (BLOCK_N, BLOCK_G 16-input groups, num_warps) of the decode kernel (tests and sweeps replace it).
+# H200, the Nano experts (benchmarks/moe_experts_quant.py, 2026-11-29): 8 x 64 took 30.2 / 98.1 /
+# 184.6 us at 1 / 4 / 8 tokens, the best of 8 tiles, ahead of 4 x 256 (39.9 / 141.9 / 273.2) and of
+# a persistent kernel that prepares the pair's whole row of x once (34.8 / 116.3 / 221.5: a Nano
+# row's 168 groups padded to 256 wasted a third of its lanes)
+DECODE_TILES = (8, 64, 4)
 
 
-def _decode_launch(a, w_words, blocks, scale, ids, weights, out, N, K, a_div, *, role, tokens, relu2, weighted,
-                   swiglu, pdl) -> None:
+def _decode_launch(a, w_words, blocks, scale, ids, weights, out, N, K, a_div, *, relu2, weighted, swiglu,
+                   pdl) -> None:
     """One decode projection over every pair (rows of ``out``). Float32 rows take the float32 decode
     and FMAs (the interpreter's twin) on CUDA too: the packed float16 products would cost a
     float32 model its exactness."""
-    bn, bg, warps = _decode_tiles(role, tokens)
+    bn, bg, warps = DECODE_TILES
     _nvfp4_pair_gemv_kernel[(cdiv(N, bn), out.shape[0])](
         a, w_words, blocks, scale, ids, weights, out, N, K // 8, a_div, a.stride(0), w_words.stride(0),
         w_words.stride(1), blocks.stride(0), blocks.stride(1), out.stride(0), RELU2=relu2, WEIGHTED=weighted,
@@ -246,32 +256,51 @@ def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: to
                                 ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
                                 activation: str = "relu2", force_grouped: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum [T, D_out] in h.dtype (+ ``add``), as
-    ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring)."""
-    from hybrid_engine.models.triton_moe import combine_pairs, device_smem, group_pairs
+    ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring); checked."""
+    check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, activation)
+    return _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add,
+                          activation, force_grouped)
+
+
+def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add=None,
+                         activation: str = "relu2") -> torch.Tensor:
+    """``moe_ops.routed_experts`` with NVFP4 weights: the Triton kernels on CUDA, else the exact twin
+    (CPU), else every expert dequantized (CUDA without Triton: sync-free, slow)."""
+    scales = (up, up_blocks, up_scale, down, down_blocks, down_scale)
+    check_nvfp4_experts(h, *scales, ids, weights, activation)
+    if not h.shape[0]:                      # no rows: nothing to dequantize
+        out = h.new_zeros(0, down.shape[1])
+        return out if add is None else out + add
+    if kernel_backend("moe_experts_nvfp4", h.device) == "triton":
+        return _routed_triton(h, *scales, ids, weights, add, activation, False)
+    if h.device.type == "cpu":
+        out = nvfp4_experts_ref(h, *scales, ids, weights, activation)
+    else:
+        from hybrid_engine.models.moe_ops import dense_experts_ref
+        out = dense_experts_ref(h, dequantize_nvfp4_experts(up, up_blocks, up_scale).to(h.dtype),
+                                dequantize_nvfp4_experts(down, down_blocks, down_scale).to(h.dtype),
+                                ids, weights, activation)
+    return out if add is None else out + add
+
+
+def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add, activation,
+                   force_grouped):
     swiglu = activation == "swiglu"
-    check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, swiglu)
-    if h.stride(-1) != 1:
-        raise ValueError("NVFP4 experts: h needs a unit inner stride")
-    if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != h.shape[0]:
-        raise ValueError(f"NVFP4 experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
-                         f"[T, k] with T = {h.shape[0]}, the rows of h")
     T, k = ids.shape
     E, Fu, _ = up.shape
     F = Fu // 2 if swiglu else Fu
     D_in, D_out = h.shape[1], down.shape[1]
     P = T * k
     dev = h.device
-    ids = ids.contiguous()
-    weights = weights.contiguous().float()
-    pair_out = torch.empty(P, D_out, dtype=torch.float32, device=dev)         # weighted, per pair
+    ids, weights, pair_out = pair_buffers(ids, weights, D_out)
     pdl = pdl_kwargs(dev)
     if T <= GEMV_MAX_TOKENS and not force_grouped:
         up_w, down_w = up.view(torch.int32), down.view(torch.int32)          # 8 inputs a word
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)
-        _decode_launch(h, up_w, up_blocks, up_scale, ids, weights, inter, F, D_in, k, role="up", tokens=T,
-                       relu2=not swiglu, weighted=False, swiglu=swiglu, pdl=pdl)
-        _decode_launch(inter, down_w, down_blocks, down_scale, ids, weights, pair_out, D_out, F, 1, role="down",
-                       tokens=T, relu2=False, weighted=True, swiglu=False, pdl=pdl)
+        _decode_launch(h, up_w, up_blocks, up_scale, ids, weights, inter, F, D_in, k, relu2=not swiglu,
+                       weighted=False, swiglu=swiglu, pdl=pdl)
+        _decode_launch(inter, down_w, down_blocks, down_scale, ids, weights, pair_out, D_out, F, 1, relu2=False,
+                       weighted=True, swiglu=False, pdl=pdl)
     else:
         bm = align_block_size(P, E)
         al = group_pairs(ids, E, bm)

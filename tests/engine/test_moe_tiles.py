@@ -3,7 +3,7 @@ the H100-tuned 128-row tiles where they fit, narrower tiles where they would not
 import pytest
 import torch
 
-from hybrid_engine.models.moe_ops import align_block_size
+from hybrid_engine.models.moe_align import align_block_size
 from hybrid_engine.models.moe_tiles import gemm_config, gemm_smem_bytes
 
 H100_SMEM, A100_SMEM, ADA_SMEM = 232448, 166912, 101376      # opt-in bytes per block

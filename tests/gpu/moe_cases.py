@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_engine.models.moe_ops import RouteSpec, align_pairs, grouped_experts_ref, route_ref
+from hybrid_engine.models.moe_align import align_pairs
+from hybrid_engine.models.moe_ops import RouteSpec, grouped_experts_ref, route_ref
 
 TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 

@@ -11,8 +11,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 torch.set_num_threads(1)
 
 import moe_cases as mc  # noqa: E402
-from hybrid_engine.models.triton_moe import (align_pairs_triton, routed_experts_triton,  # noqa: E402
-                                            rowwise_linear_triton)
+from hybrid_engine.models.moe_align import align_pairs_triton  # noqa: E402
+from hybrid_engine.models.triton_moe import routed_experts_triton, rowwise_linear_triton  # noqa: E402
 from hybrid_engine.models.triton_moe_route import route_triton  # noqa: E402
 
 F32, F16 = torch.float32, torch.float16

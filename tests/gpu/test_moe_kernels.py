@@ -159,7 +159,7 @@ def test_alignment_cuda(T, E, k, bm):
                                            (128, 128, 6, 16, "one"), (170, 128, 6, 16, "few"),
                                            (11, 512, 22, 16, "ragged"), (40, 16, 4, 64, "uniform")])
 def test_alignment_kernel_cuda(T, E, k, bm, load):
-    from hybrid_engine.models.triton_moe import align_pairs_triton
+    from hybrid_engine.models.moe_align import align_pairs_triton
     _poison_cuda()
     mc.check_align("cuda", T, E, k, bm, load, align_fn=align_pairs_triton)
 

@@ -114,14 +114,13 @@ def check_nvfp4_experts(device, dtype, T, E, k, D, F, grouped, seed=0, swiglu=Fa
     act = "swiglu" if swiglu else "relu2"
     h, w, ids, wts = nvfp4_expert_inputs(dtype, T, E, k, D, F, seed, swiglu, one_expert, device=device)
     ref = nx.nvfp4_experts_ref(h.float(), *w, ids, wts, act).cpu()      # float32 on the device (full precision)
-    rule = nx._decode_tiles
+    rule = nx.DECODE_TILES
     try:
-        if decode_tiles is not None:
-            nx._decode_tiles = lambda role, tokens: decode_tiles
+        nx.DECODE_TILES = decode_tiles or rule
         with poisoned_empty():
             y = nx.routed_experts_nvfp4_triton(h, *w, ids, wts, activation=act, force_grouped=grouped)
     finally:
-        nx._decode_tiles = rule
+        nx.DECODE_TILES = rule
     assert y.shape == (T, D) and y.dtype == dtype and torch.isfinite(y).all()
     err = _rel(y.cpu().float(), ref)
     # float32: the twin's arithmetic up to summation order (and tf32x3 dots on CUDA); 16 bits: the

@@ -106,7 +106,7 @@ def _compile_experts(kernel, dtype, out_dtype, consts, num_warps, num_stages=3, 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("rows_per_tile", [16, 32, 64, 128])
 def test_nvfp4_grouped_experts_compile(dtype, rows_per_tile):
-    """The NVFP4 experts' grouped GEMM at every row tile ``moe_ops.align_block_size`` picks, with
+    """The NVFP4 experts' grouped GEMM at every row tile ``moe_align.align_block_size`` picks, with
     its tiles (``grouped_config``), up (relu², and SwiGLU) and down (weighted): the decoded halves
     meet the rows' even and odd columns on the tensor cores. The interpreter's launches reach only
     16-row tiles, and an earlier form of this kernel failed Triton 3.6's TTGIR passes at 128 rows
@@ -125,8 +125,8 @@ def test_nvfp4_grouped_experts_compile(dtype, rows_per_tile):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_nvfp4_expert_decode_compiles_with_ptx(dtype):
     """The NVFP4 experts' decode GEMV at the rule's tiles: packed float16 FMAs, no flush-to-zero."""
-    from hybrid_engine.quantization.nvfp4_experts import _decode_tiles, _nvfp4_pair_gemv_kernel
-    bn, bg, warps = _decode_tiles("up", 1)
+    from hybrid_engine.quantization.nvfp4_experts import DECODE_TILES, _nvfp4_pair_gemv_kernel
+    bn, bg, warps = DECODE_TILES
     for relu2, weighted, swiglu in ((True, False, False), (False, True, False), (False, False, True)):
         ptx = _compile_experts(_nvfp4_pair_gemv_kernel, dtype, "fp32" if weighted else dtype,
                                dict(RELU2=relu2, WEIGHTED=weighted, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_G=bg, PTX=True,

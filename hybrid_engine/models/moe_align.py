@@ -1,0 +1,134 @@
+"""Token-expert pairs grouped by expert, the fused MoE's grouped path's first step (``triton_moe``
+and ``quantization/nvfp4_experts``): each expert's run padded to whole tiles of ``block_m`` rows,
+in buffers whose sizes are a function of (T, k, E, block_m) only (no host sync, CUDA-graph safe).
+
+- ``align_block_size``: the rows per tile, from the load per expert;
+- ``align_pairs``: torch ops (any size, any device);
+- ``align_pairs_triton``: the same result in one Triton program, for decode-sized work
+  (``ALIGN_MAX_WORK``);
+- ``group_pairs``: the grouped kernels' choice between the two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid_engine.mamba_cache.ops.triton_common import next_pow2
+
+
+def align_block_size(num_pairs: int, num_experts: int, w8a8: bool = False) -> int:
+    """Rows per grouped-GEMM tile: small tiles when experts get few tokens (decode batches), large
+    for prefill. A function of static shapes only, so each CUDA-graph bucket fixes its own."""
+    per_expert = num_pairs / num_experts
+    # 128-row tiles from 64 pairs per expert up: on the Nano widths a 2048-token prefill (96 per
+    # expert) ran its routed experts 1.11x faster than with 64-row tiles, an 8192-token one (384)
+    # 1.27x (benchmarks/moe_gemm_sweep.py, H200, 2026-11-25). W8A8 (FP8 operands, their partial
+    # sums promoted to float32, which holds a second accumulator) stops at 64 rows: at 2048 / 8192
+    # tokens 1.57 / 2.57 ms against 1.58 / 3.00 for the best 128-row tiles (H200, 2026-11-29,
+    # benchmarks/results/2026-11-29-moe-fp8-w8a8-h200.md)
+    bm = 16 if per_expert <= 8 else 32 if per_expert <= 24 else 64 if per_expert <= 64 else 128
+    return min(bm, 64) if w8a8 else bm
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Pairs (token t, choice j; pair id p = t*k + j) grouped by expert, each expert's run padded
+    to a multiple of ``block_m`` rows so every tile of BLOCK_M rows has one expert. Fixed sizes
+    (a function of T, k, E, block_m only): no host sync, CUDA-graph safe."""
+    sorted_pairs: torch.Tensor      # [max_rows] int32 pair ids; padding rows hold num_pairs
+    block_expert: torch.Tensor      # [max_rows // block_m] int32 expert of each tile (E-1 past the end)
+    num_rows: torch.Tensor          # [1] int32 rows in use (a multiple of block_m)
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """ids [T, k] -> Alignment (torch ops on ids' device, fixed shapes)."""
+    dev = ids.device
+    flat = ids.reshape(-1).long()
+    P = flat.numel()
+    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
+        0, flat, torch.ones_like(flat))                                      # bincount without a sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    cnt_start = counts.cumsum(0) - counts
+    # pair ids by expert; the keys sorted as int16 (int32 past 32767 experts): a radix sort makes one
+    # pass per key byte, so int64 keys took 8 passes (184 sort launches in a Nano prefill, 1.24 ->
+    # 0.37 ms at 2048 tokens on an H100, benchmarks/results/2026-11-27-moe-nano-prefill-flops-h100.md); the
+    # stable order is the same whatever the key width
+    order = torch.sort(ids.reshape(-1).to(torch.int16 if num_experts <= 32767 else torch.int32), stable=True)[1]
+    sorted_e = flat[order]
+    dest = (pad_end - padded)[sorted_e] + torch.arange(P, device=dev) - cnt_start[sorted_e]
+    sorted_pairs = torch.full((max_rows,), P, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, max_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, starts, right=True).clamp_(max=num_experts - 1)
+    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert.to(torch.int32),
+                     num_rows=pad_end[-1:].to(torch.int32), block_m=block_m)
+
+
+# --------------------------------------------------------------------------------- the Triton form
+
+ALIGN_MAX_WORK = 1 << 17      # P * next_pow2(E) up to this: the one-program align kernel
+
+
+@triton.jit(do_not_specialize=["P", "max_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
+def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks, max_rows,
+                  BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
+    """align_pairs in one program (decode-sized P): counts, padded offsets, tile experts,
+    then each pair's sorted row (pairs of one expert keep their index order)."""
+    e_offs = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        counts += tl.sum((e[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(nrows_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, max_blocks, CB):
+        b = b0 + tl.arange(0, CB)
+        be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+    for r0 in range(0, max_rows, CB):
+        r = r0 + tl.arange(0, CB)
+        tl.store(sorted_ptr + r, tl.zeros([CB], tl.int32) + P, mask=r < max_rows)
+    tl.debug_barrier()          # the padding fill above lands before the pair rows below
+    next_row = pad_end - padded                         # per expert: its next free sorted row
+    for c0 in range(0, P, CH):
+        offs = c0 + tl.arange(0, CH)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        hit = e[:, None] == e_offs[None, :]                                   # [CH, BLOCK_E]
+        before = tl.cumsum(hit.to(tl.int32), axis=0) - 1                      # same-expert rank in chunk
+        dest = tl.sum(tl.where(hit, next_row[None, :] + before, 0), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=offs < P)
+        next_row += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Same result as ``align_pairs`` in one launch; for P * next_pow2(E) <= ALIGN_MAX_WORK."""
+    P = ids.numel()
+    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    dev = ids.device
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    be = next_pow2(num_experts)
+    ch = max(2, min(64, 8192 // be))
+    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_pairs, block_expert, num_rows, P, num_experts,
+                        max_rows // block_m, max_rows, BM=block_m, BLOCK_E=be, CH=ch, CB=256, num_warps=8)
+    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``Alignment`` of ids [T, k]: the one-program kernel for decode-sized work, torch ops beyond."""
+    if ids.numel() * next_pow2(num_experts) <= ALIGN_MAX_WORK:
+        return align_pairs_triton(ids, num_experts, block_m)
+    return align_pairs(ids, num_experts, block_m)
