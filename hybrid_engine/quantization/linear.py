@@ -43,7 +43,7 @@ _KERNELS = {
            "otherwise / CPU: exact dequantize reference",
     "nvfp4": "decode (<= 128 rows): Triton NVFP4 weight-only kernel (bf16/fp16 compute); prefill: "
              "dequantize to 16 bits + cuBLAS; routed experts: the fused MoE kernels decoding the packed "
-             "weights (per-pair GEMVs up to 32 tokens, grouped GEMM on 16-bit tiles above); CPU: exact "
+             "weights (per-pair GEMVs up to 24 tokens, grouped GEMM on 16-bit tiles above); CPU: exact "
              "dequantize reference",
 }
 

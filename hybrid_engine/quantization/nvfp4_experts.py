@@ -7,7 +7,7 @@ Merged layout per projection (the per-expert ModelOpt tensors stacked at load):
   float8_e4m3fn (a scale per 16 inputs of a row), ``scale`` [E] float32 (each expert's
   ``weight_scale_2``). Real weight: e2m1 * blocks[e, n, k // 16] * scale[e].
 
-- decode (``T <= GEMV_MAX_TOKENS``, 32): ``_nvfp4_pair_gemv_kernel``, one (token, choice) pair per
+- decode (``T <= GEMV_MAX_TOKENS``, 24): ``_nvfp4_pair_gemv_kernel``, one (token, choice) pair per
   grid row as the 16-bit ``_pair_gemv_kernel``, with the one-row NVFP4 projection kernel's
   arithmetic (``nvfp4_group_dot``: the weight read as int32 words, each 16-input group of x times
   a power of two, nibble pairs against x pairs in packed float16 FMAs, inline PTX on CUDA and a
@@ -19,7 +19,7 @@ Merged layout per projection (the per-expert ModelOpt tensors stacked at load):
   most 6 significant bits and stays within float16's normal range, so the tile is exact in
   bfloat16 and float16) and fed to ``tl.dot`` as two halves: the low nibbles (even inputs) against
   the rows' even columns and the high nibbles against the odd ones (``tl.split`` of the rows' tile).
-  Decoding bounds it: on the Nano experts it runs at 0.45-0.58x of bf16's grouped GEMM
+  Decoding bounds it: on the Nano experts it runs at 0.46-0.8x of bf16's grouped GEMM
   (``grouped_config``), so an NVFP4 MoE model prefills slower than its bf16 twin.
 Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graphs.
 """
@@ -99,14 +99,20 @@ def _nvfp4_pair_gemv_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, ids_ptr, wt_ptr, out_pt
 
 
 @triton.jit
-def _decoded_halves(w_rows, b_rows, offs_b, mb, mn, DT: tl.constexpr):
+def _decoded_halves(w_rows, b_rows, b0, KB, mn, BLOCK_B: tl.constexpr, DT: tl.constexpr):
     """The weight tile [2 BLOCK_B, BLOCK_N] (inputs down, outputs across) as its even-input and
-    odd-input halves [BLOCK_B, BLOCK_N] in DT: bytes offs_b of each output row, e2m1 times the
-    block scale (exact in DT)."""
-    m2 = mb[:, None] & mn[None, :]
-    wb = tl.load(w_rows + offs_b[:, None], mask=m2, other=0).to(tl.int32)
-    s = tl.load(b_rows + (offs_b // 8)[:, None], mask=m2, other=0.0).to(tl.float32) * 16384.0
-    return (_nibble_f32(wb, 0) * s).to(DT), (_nibble_f32(wb, 1) * s).to(DT)
+    odd-input halves [BLOCK_B, BLOCK_N] in DT: bytes b0 .. b0 + BLOCK_B of each output row, e2m1
+    times the block scale (exact in DT). The bytes load as [groups, 8, BLOCK_N] and each group's
+    scale once, broadcast over its 8 bytes (a scale gathered per byte doubled the tile's loads)."""
+    offs_s = b0 // 8 + tl.arange(0, BLOCK_B // 8)                                           # 16-input groups
+    offs_j = tl.arange(0, 8)
+    ms = (offs_s < KB // 8)[:, None] & mn[None, :]                                           # [BG, BN]
+    wb = tl.load(w_rows[None, :, :] + (offs_s[:, None] * 8 + offs_j[None, :])[:, :, None],
+                 mask=ms[:, None, :], other=0).to(tl.int32)                                 # [BG, 8, BN]
+    s = (tl.load(b_rows + offs_s[:, None], mask=ms, other=0.0).to(tl.float32) * 16384.0)[:, None, :]
+    lo = tl.reshape((_nibble_f32(wb, 0) * s).to(DT), [BLOCK_B, w_rows.shape[1]])
+    hi = tl.reshape((_nibble_f32(wb, 1) * s).to(DT), [BLOCK_B, w_rows.shape[1]])
+    return lo, hi
 
 
 @triton.jit
@@ -144,16 +150,14 @@ def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b0 in range(0, KB, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        mb = offs_b < KB
         offs_k = 2 * b0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_base + offs_k[None, :], mask=mrow[:, None] & (offs_k < 2 * KB)[None, :], other=0.0)
         a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_B, 2]))                  # [BM, BB] each
-        lo, hi = _decoded_halves(w_rows, b_rows, offs_b, mb, mn, DT)
+        lo, hi = _decoded_halves(w_rows, b_rows, b0, KB, mn, BLOCK_B, DT)
         acc = _dot(a_even, lo, acc, F32, F32_PREC)
         acc = _dot(a_odd, hi, acc, F32, F32_PREC)
         if SWIGLU:                      # the up rows sit N rows below the gate rows
-            lo, hi = _decoded_halves(w_rows + N * s_wn, b_rows + N * s_bn, offs_b, mb, mn, DT)
+            lo, hi = _decoded_halves(w_rows + N * s_wn, b_rows + N * s_bn, b0, KB, mn, BLOCK_B, DT)
             acc_up = _dot(a_even, lo, acc_up, F32, F32_PREC)
             acc_up = _dot(a_odd, hi, acc_up, F32, F32_PREC)
     g = tl.load(gs_ptr + e)
@@ -210,11 +214,19 @@ def nvfp4_experts_ref(h, up, up_blocks, up_scale, down, down_blocks, down_scale,
     return grouped_experts_ref(h, up, down, ids, weights, activation, expert_weights=expert)
 
 
-# up to this many tokens the pairs run as decode GEMVs, above as the grouped GEMM (the 16-bit experts
-# switch above 8): decoding the grouped GEMM's tiles costs more than re-reading each expert per pair
-# until ~40 tokens. H200, Nano experts (benchmarks/moe_experts_quant.py --nvfp4-gemv-max, 2026-11-29),
-# GEMVs against grouped: 354 / 561 us at 16 tokens, 528 / 723 at 24, 701 / 860 at 32, 1392 / 984 at 64
-GEMV_MAX_TOKENS = 32
+# up to this many tokens the pairs run as decode GEMVs (``nvfp4_path``), above as the grouped GEMM
+# (the 16-bit experts switch above 8): decoding the grouped GEMM's tiles costs more than re-reading
+# each expert per pair up to ~24 tokens. H200, Nano experts (benchmarks/moe_experts_quant.py
+# --nvfp4-paths gemv grouped, 2026-11-29), GEMVs against grouped: 183 / 274 us at 8 tokens, 354 / 471
+# at 16, 698 / 613 at 32, 1384 / 763 at 64
+GEMV_MAX_TOKENS = 24
+NVFP4_PATHS = ("gemv", "grouped")
+
+
+def nvfp4_path(tokens: int) -> str:
+    """The experts' path for a call of ``tokens`` rows (static shapes only: each CUDA-graph bucket
+    fixes its own)."""
+    return "gemv" if tokens <= GEMV_MAX_TOKENS else "grouped"
 
 
 # (BLOCK_N, BLOCK_G 16-input groups, num_warps) of the decode kernel (tests and sweeps replace it).
@@ -242,9 +254,10 @@ def grouped_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool =
                    smem_bytes: int | None = None) -> dict:
     """The grouped kernel's tiles: the 16-bit grouped GEMM's (``moe_tiles.gemm_config``), K steps
     of at least 32 inputs (two dots of K / 2 >= 16). H200, the Nano experts at 64 / 256 / 2048 tokens
-    (``benchmarks/moe_experts_quant.py``, 2026-11-29): 1021 / 1200 / 1909 us, against 1093 / 1324 /
+    (``benchmarks/moe_experts_quant.py``, 2026-11-29): 763 / 893 / 1870 us with a block scale loaded
+    per 16-input group (983 / 1196 / 1905 when it was gathered per byte), against 1093 / 1324 /
     3172 for the NVFP4 dot kernel's decode (packed scale FMAs, K permuted within each word, the
-    weight on the MMA's M side) and bf16's 589 / 723 / 855: decoding the tiles bounds it."""
+    weight on the MMA's M side) and bf16's 606 / 719 / 855: decoding the tiles bounds it."""
     from hybrid_engine.models.moe_tiles import gemm_config
     cfg = gemm_config(rows_per_expert_tile, dtype, swiglu, smem_bytes=smem_bytes)   # SwiGLU, small-smem GPUs
     cfg.update(BLOCK_K=max(cfg["BLOCK_K"], 32))
@@ -254,12 +267,15 @@ def grouped_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool =
 def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: torch.Tensor, up_scale: torch.Tensor,
                                 down: torch.Tensor, down_blocks: torch.Tensor, down_scale: torch.Tensor,
                                 ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
-                                activation: str = "relu2", force_grouped: bool = False) -> torch.Tensor:
+                                activation: str = "relu2", path: str | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [T, D_out] in h.dtype (+ ``add``), as
-    ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring); checked."""
+    ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring); checked. ``path``
+    (tests, benchmarks): one of ``NVFP4_PATHS`` instead of ``nvfp4_path``'s choice."""
     check_nvfp4_experts(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, activation)
+    if path is not None and path not in NVFP4_PATHS:
+        raise ValueError(f"NVFP4 experts: path must be one of {NVFP4_PATHS} or None, got {path!r}")
     return _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add,
-                          activation, force_grouped)
+                          activation, path)
 
 
 def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add=None,
@@ -272,7 +288,7 @@ def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_sca
         out = h.new_zeros(0, down.shape[1])
         return out if add is None else out + add
     if kernel_backend("moe_experts_nvfp4", h.device) == "triton":
-        return _routed_triton(h, *scales, ids, weights, add, activation, False)
+        return _routed_triton(h, *scales, ids, weights, add, activation, None)
     if h.device.type == "cpu":
         out = nvfp4_experts_ref(h, *scales, ids, weights, activation)
     else:
@@ -283,8 +299,7 @@ def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_sca
     return out if add is None else out + add
 
 
-def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add, activation,
-                   force_grouped):
+def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add, activation, path):
     swiglu = activation == "swiglu"
     T, k = ids.shape
     E, Fu, _ = up.shape
@@ -294,7 +309,8 @@ def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, id
     dev = h.device
     ids, weights, pair_out = pair_buffers(ids, weights, D_out)
     pdl = pdl_kwargs(dev)
-    if T <= GEMV_MAX_TOKENS and not force_grouped:
+    path = path or nvfp4_path(T)
+    if path == "gemv":
         up_w, down_w = up.view(torch.int32), down.view(torch.int32)          # 8 inputs a word
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)
         _decode_launch(h, up_w, up_blocks, up_scale, ids, weights, inter, F, D_in, k, relu2=not swiglu,

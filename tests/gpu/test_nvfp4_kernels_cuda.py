@@ -185,26 +185,27 @@ def test_nvfp4_rows_kernel_x_range(M, lo, hi):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("T,E,k,grouped,kind", [
-    (1, 128, 6, False, "ragged"), (3, 128, 6, False, "ragged"), (8, 16, 6, False, "ragged"), (32, 128, 6, False, "ragged"),
-    (9, 16, 6, True, "ragged"), (200, 128, 6, True, "ragged"), (64, 16, 6, True, "one_expert"),
-    (300, 512, 22, True, "ragged"), (4, 16, 2, False, "swiglu"), (40, 16, 2, True, "swiglu")])
-def test_nvfp4_experts(T, E, k, grouped, kind, dtype):
+@pytest.mark.parametrize("T,E,k,path,kind", [
+    (1, 128, 6, "gemv", "ragged"), (3, 128, 6, "gemv", "ragged"), (8, 16, 6, "gemv", "ragged"),
+    (24, 128, 6, "gemv", "ragged"), (9, 16, 6, "grouped", "ragged"), (25, 128, 6, "grouped", "ragged"),
+    (200, 128, 6, "grouped", "ragged"), (64, 16, 6, "grouped", "one_expert"), (300, 512, 22, "grouped", "ragged"),
+    (4, 16, 2, "gemv", "swiglu"), (40, 16, 2, "grouped", "swiglu")])
+def test_nvfp4_experts(T, E, k, path, kind, dtype):
     """NVFP4 experts in the fused MoE against the float32 twin on the dequantized weights: the
-    decode GEMVs (up to 32 tokens) and the grouped GEMM at the Nano-30B-A3B widths (D 2688, F 1856) with 16 or its
-    128 experts, top-6; Super's 512 experts top-22 and SwiGLU at narrower widths; every token on
-    one expert."""
+    pair GEMVs (up to 24 tokens) and the grouped GEMM at the Nano-30B-A3B widths (D 2688, F 1856)
+    with 16 or its 128 experts, top-6; Super's 512 experts top-22 and SwiGLU at narrower widths;
+    every token on one expert."""
     D, F = (2688, 1856) if E <= 128 and kind != "swiglu" else (1024, 512)
-    ec.check_nvfp4_experts(DEV, dtype, T, E, k, D, F, grouped, seed=T, swiglu=kind == "swiglu",
+    ec.check_nvfp4_experts(DEV, dtype, T, E, k, D, F, path, seed=T, swiglu=kind == "swiglu",
                            one_expert=kind == "one_expert")
 
 
-@pytest.mark.parametrize("T,grouped", [(1, False), (32, False), (200, True)])
-def test_nvfp4_experts_float32_rows(T, grouped):
-    """A float32 model's NVFP4 experts stay exact on CUDA: the decode GEMVs take the float32 decode
+@pytest.mark.parametrize("T,path", [(1, "gemv"), (24, "gemv"), (200, "grouped")])
+def test_nvfp4_experts_float32_rows(T, path):
+    """A float32 model's NVFP4 experts stay exact on CUDA: the pair GEMVs take the float32 decode
     and FMAs (the packed float16 products of 16-bit rows would leave ~4e-4), the grouped GEMM
     tf32x3 dots; against the float32 twin within 1e-5."""
-    ec.check_nvfp4_experts(DEV, torch.float32, T, 16, 6, 2688, 1856, grouped, seed=T)
+    ec.check_nvfp4_experts(DEV, torch.float32, T, 16, 6, 2688, 1856, path, seed=T)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])

@@ -103,9 +103,9 @@ def nvfp4_expert_inputs(dtype, T, E, k, D, F, seed, swiglu=False, one_expert=Fal
     return h, tuple(packed), ids, torch.rand(T, k, generator=gi).to(device)
 
 
-def check_nvfp4_experts(device, dtype, T, E, k, D, F, grouped, seed=0, swiglu=False, one_expert=False, tol=None,
+def check_nvfp4_experts(device, dtype, T, E, k, D, F, path, seed=0, swiglu=False, one_expert=False, tol=None,
                         decode_tiles=None):
-    """``routed_experts_nvfp4_triton`` (decode GEMVs, or the grouped GEMM with ``grouped``) against
+    """``routed_experts_nvfp4_triton`` on ``path`` (``gemv``: decode GEMVs, ``grouped``: the grouped GEMM) against
     the twin on the exactly dequantized weights in float32 (``nvfp4_experts_ref``), outputs
     poisoned: ragged experts, experts with no token when E > T k, ``one_expert``, SwiGLU.
     ``decode_tiles`` (BLOCK_N, BLOCK_G, warps): the decode kernel's tiles instead of the rule's
@@ -118,7 +118,7 @@ def check_nvfp4_experts(device, dtype, T, E, k, D, F, grouped, seed=0, swiglu=Fa
     try:
         nx.DECODE_TILES = decode_tiles or rule
         with poisoned_empty():
-            y = nx.routed_experts_nvfp4_triton(h, *w, ids, wts, activation=act, force_grouped=grouped)
+            y = nx.routed_experts_nvfp4_triton(h, *w, ids, wts, activation=act, path=path)
     finally:
         nx.DECODE_TILES = rule
     assert y.shape == (T, D) and y.dtype == dtype and torch.isfinite(y).all()
@@ -126,5 +126,5 @@ def check_nvfp4_experts(device, dtype, T, E, k, D, F, grouped, seed=0, swiglu=Fa
     # float32: the twin's arithmetic up to summation order (and tf32x3 dots on CUDA); 16 bits: the
     # up projection rounded to the rows' dtype before the activation, as the 16-bit experts do
     tol = tol or {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
-    assert err <= tol, f"nvfp4 experts T={T} E={E} k={k} grouped={grouped} {act}: rel err {err:.2e} > {tol:.0e}"
+    assert err <= tol, f"nvfp4 experts T={T} E={E} k={k} {path} {act}: rel err {err:.2e} > {tol:.0e}"
     return err

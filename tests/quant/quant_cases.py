@@ -182,22 +182,22 @@ def _cases():
         # without tokens) and at tiles of 8 groups (F = 272: the down projection in three K tiles, the last
         # ragged), and the grouped GEMM (float32 and float16 rows; 2 K steps of the up projection at D = 192)
         "nvfp4_experts_decode": lambda: max(
-            check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 64, grouped=False),
-            check_nvfp4_experts(cpu, f16, 5, 16, 2, 48, 32, grouped=False, seed=1)),
-        "nvfp4_experts_looped": lambda: check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 272, grouped=False,
+            check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 64, path="gemv"),
+            check_nvfp4_experts(cpu, f16, 5, 16, 2, 48, 32, path="gemv", seed=1)),
+        "nvfp4_experts_looped": lambda: check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 272, path="gemv",
                                                             decode_tiles=(16, 8, 4)),
         # the prefill path's decode to 16 bits: N and K ragged against the 16 x 256-input tiles
         "nvfp4_dequant_16bit": lambda: max(check_nvfp4_dequant_16bit(cpu, dt, n, k, seed=i) for i, (dt, n, k) in
                                            enumerate([(torch.bfloat16, 37, 272), (f16, 16, 512), (f32, 5, 16)])),
-        "nvfp4_experts_grouped": lambda: max(check_nvfp4_experts(cpu, f32, 11, 6, 3, 192, 48, grouped=True, seed=2),
-                                             check_nvfp4_experts(cpu, f16, 9, 16, 2, 64, 32, grouped=True, seed=3)),
-        "nvfp4_experts_one_expert": lambda: check_nvfp4_experts(cpu, f32, 10, 5, 2, 48, 32, grouped=True, seed=4,
+        "nvfp4_experts_grouped": lambda: max(check_nvfp4_experts(cpu, f32, 11, 6, 3, 192, 48, path="grouped", seed=2),
+                                             check_nvfp4_experts(cpu, f16, 9, 16, 2, 64, 32, path="grouped", seed=3)),
+        "nvfp4_experts_one_expert": lambda: check_nvfp4_experts(cpu, f32, 10, 5, 2, 48, 32, path="grouped", seed=4,
                                                                 one_expert=True),
-        "nvfp4_experts_swiglu": lambda: max(check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, grouped=False, seed=5,
+        "nvfp4_experts_swiglu": lambda: max(check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, path="gemv", seed=5,
                                                                 swiglu=True),
-                                            check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, grouped=False, seed=7,
+                                            check_nvfp4_experts(cpu, f32, 3, 6, 2, 48, 32, path="gemv", seed=7,
                                                                 swiglu=True, decode_tiles=(8, 4, 4)),
-                                            check_nvfp4_experts(cpu, f32, 9, 6, 2, 48, 32, grouped=True, seed=6,
+                                            check_nvfp4_experts(cpu, f32, 9, 6, 2, 48, 32, path="grouped", seed=6,
                                                                 swiglu=True)),
     }
 
