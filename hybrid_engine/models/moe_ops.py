@@ -122,10 +122,16 @@ def _rowwise_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D] (model dtype) @ weight [E, D]^T in float32 -> [T, E] float32. On CUDA decode
-    batches one kernel reads x in its dtype (no cast kernel)."""
+    batches one kernel reads x in its dtype (no cast kernel); more bf16 rows take the float32
+    weight split into three bf16 parts on the tensor cores (``triton_moe_route._router_logits_kernel``:
+    a float32 GEMM's result up to summation order)."""
     if _rowwise_ok(x, weight):
         from .triton_moe import rowwise_linear_triton
         return rowwise_linear_triton(x, weight, out_dtype=torch.float32)
+    if (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and x.dim() == 2
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and kernel_backend("moe_router", x.device) == "triton"):
+        from .triton_moe_route import router_logits_triton
+        return router_logits_triton(x, weight)
     return F.linear(x.float(), weight.float())
 
 

@@ -7,6 +7,7 @@ import torch
 
 from hybrid_engine.models.moe_align import align_pairs
 from hybrid_engine.models.moe_ops import RouteSpec, grouped_experts_ref, route_ref
+from poisoned import nan_filled
 
 TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
@@ -132,6 +133,32 @@ def check_experts(experts_fn, device, dtype, T: int, E: int, k: int, D: int, F: 
     scale = ref.float().abs().max().item()
     assert scale > 0.1
     assert err <= TOL[dtype] * max(1.0, scale), f"max error {err} (output scale {scale})"
+    return err
+
+
+def check_router_logits(device, T: int, E: int, D: int, seed: int = 0, tiles=None) -> float:
+    """``router_logits_triton``: bf16 x [T, D] @ float32 w [E, D]^T in float32 on the bf16 tensor
+    cores (the weight in three bf16 parts) against the float32 GEMM, outputs NaN-filled. The
+    weights span 2^-12 .. 2^4 in magnitude and have full float32 mantissas, so the bf16 rounding of
+    w alone (one part) misses the tolerance by far; T, E, D ragged against ``tiles``."""
+    from hybrid_engine.models import triton_moe_route as tr
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
+    w = torch.randn(E, D, generator=gen) * torch.exp2(torch.randint(-12, 5, (E, D), generator=gen).float())
+    ref = torch.nn.functional.linear(x.float(), w)
+    scale = torch.nn.functional.linear(x.float().abs(), w.abs())          # the sums of |products|
+    one_part = torch.nn.functional.linear(x.float(), w.to(torch.bfloat16).float())
+    rule = tr.ROUTER_TILES
+    try:
+        tr.ROUTER_TILES = tiles or rule
+        with nan_filled():
+            got = tr.router_logits_triton(x.to(device), w.to(device)).cpu()
+    finally:
+        tr.ROUTER_TILES = rule
+    assert got.dtype == torch.float32 and got.shape == (T, E) and torch.isfinite(got).all()
+    err = ((got - ref).abs() / scale).max().item()
+    assert err <= 1e-5, f"router logits T={T} E={E} D={D}: error {err:.2e} of the |products| sum"
+    assert ((one_part - ref).abs() / scale).max().item() > 1e-4      # the check can tell one part from three
     return err
 
 

@@ -96,6 +96,8 @@ CASES = {
     "moe_align_one": lambda: mc.check_align("cpu", 9, 16, 2, 8, "one", seed=1, align_fn=align_pairs_triton),
     "moe_router_logits_f16": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F16, 3, 24, 40,
                                                        w_dtype=F32, out_dtype=F32),
+    # prefill-sized bf16 rows (T, E, D ragged against 16 x 16 x 32 tiles: three K steps, the last partial)
+    "moe_router_logits_bf16": lambda: mc.check_router_logits("cpu", 37, 20, 80, tiles=(16, 16, 32, 4)),
     "moe_shared_up_relu2": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F32, 2, 40, 24, relu2=True,
                                                     seed=1),
     "moe_block": lambda: moe_block(False),

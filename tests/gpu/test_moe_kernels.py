@@ -7,6 +7,7 @@ router, the sort/align step, the decode (per-pair GEMV) and grouped-GEMM expert 
   experts, top-6 and top-22, latent and hidden widths, ragged / zero / single-expert loads,
   bfloat16 / float16 / float32).
 """
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
-INTERPRET_CASES = ["moe_router_logits_f16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
+INTERPRET_CASES = ["moe_router_logits_f16", "moe_router_logits_bf16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape",
                    "moe_route_softmax", "moe_decode_swiglu", "moe_decode_swiglu_add_f16", "moe_grouped_swiglu_ragged",
                    "moe_block_granite"]
@@ -39,6 +40,18 @@ def test_launched_kernels_compile_for_sm90(interpreter_results):
     """The kernels as the cases launched them also compile for the GPU (the interpreter skips
     the compiler's checks)."""
     assert_compiles_for_sm90(interpreter_results)
+
+
+def test_router_logits_kernel_compiles_to_bf16_mma(interpreter_results):
+    """The router's logits kernel as the interpreter case launched it, with the bf16 tensor-core dots
+    the GPU takes (the interpreter takes float32 dots): it compiles for sm_90 and its PTX holds
+    bf16 MMAs."""
+    from triton_interpret import compile_launch_for_sm90
+    recs = [r for r in interpreter_results["_launches"] if r.get("name") == "_router_logits_kernel"]
+    assert recs, "the interpreter case launched no _router_logits_kernel"
+    rec = dict(recs[0], constexprs=dict(recs[0]["constexprs"], F32_DOTS=False))
+    ptx = compile_launch_for_sm90(rec).asm["ptx"]
+    assert re.search(r"(wgmma|mma\.sync)\S*\.bf16", ptx), "no bf16 MMA in the router kernel's PTX"
 
 
 @pytest.mark.parametrize("T,E,k,bm,load", [(1, 128, 6, 16, "uniform"), (37, 128, 6, 16, "ragged"),
@@ -135,6 +148,14 @@ def test_route_cuda(T, E, k, n_group, topk_group):
     from hybrid_engine.models.triton_moe_route import route_triton
     _poison_cuda()
     mc.check_route(route_triton, "cuda", T, E, k, n_group, topk_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,D", [(9, 128, 2688), (2048, 128, 2688), (300, 512, 4096), (77, 20, 80)])
+def test_router_logits_kernel_cuda(T, E, D):
+    """The prefill router's logits on the bf16 tensor cores (weight in three bf16 parts) against
+    the float32 GEMM, at the Nano (128 x 2688) and Super (512 x 4096) router widths."""
+    mc.check_router_logits("cuda", T, E, D, seed=T)
 
 
 @pytest.mark.gpu
