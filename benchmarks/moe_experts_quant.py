@@ -98,7 +98,7 @@ def main() -> int:
         variants = [(fmt, None, None) for fmt in ("bf16", "fp8", "nvfp4")]
         variants += [("nvfp4", p, None) for p in args.nvfp4_paths]
         if T <= 8 and tiles:
-            variants += [("nvfp4", "gemv", t) for t in tiles] + [("nvfp4", "gemv", None)]
+            variants += [("nvfp4", "gemv", t) for t in tiles] + [("nvfp4", None, None)]     # the rule again: drift
         for fmt, path, t in variants:
             nx.DECODE_TILES = t or rule_tiles
             try:

@@ -216,9 +216,9 @@ def nvfp4_experts_ref(h, up, up_blocks, up_scale, down, down_blocks, down_scale,
 
 # up to this many tokens the pairs run as decode GEMVs (``nvfp4_path``), above as the grouped GEMM
 # (the 16-bit experts switch above 8): decoding the grouped GEMM's tiles costs more than re-reading
-# each expert per pair up to ~24 tokens. H200, Nano experts (benchmarks/moe_experts_quant.py
-# --nvfp4-paths gemv grouped, 2026-11-29), GEMVs against grouped: 183 / 274 us at 8 tokens, 354 / 471
-# at 16, 698 / 613 at 32, 1384 / 763 at 64
+# each expert per pair up to ~24 tokens. H200, Nano experts (benchmarks/moe_experts_quant.py --tokens
+# 8 16 24 32 64 --nvfp4-paths gemv grouped, 2026-11-29), GEMVs against grouped: 185 / 277 us at 8
+# tokens, 355 / 431 at 16, 526 / 553 at 24, 700 / 657 at 32, 1390 / 754 at 64
 GEMV_MAX_TOKENS = 24
 NVFP4_PATHS = ("gemv", "grouped")
 

@@ -186,9 +186,11 @@ def _cases():
             check_nvfp4_experts(cpu, f16, 5, 16, 2, 48, 32, path="gemv", seed=1)),
         "nvfp4_experts_looped": lambda: check_nvfp4_experts(cpu, f32, 1, 6, 2, 48, 272, path="gemv",
                                                             decode_tiles=(16, 8, 4)),
-        # the prefill path's decode to 16 bits: N and K ragged against the 16 x 256-input tiles
+        # the prefill path's decode to 16 bits: N and K ragged against the 4-row x 64-group (1024-input)
+        # tiles; K 1296 (81 groups) takes two K tiles, the second partial
         "nvfp4_dequant_16bit": lambda: max(check_nvfp4_dequant_16bit(cpu, dt, n, k, seed=i) for i, (dt, n, k) in
-                                           enumerate([(torch.bfloat16, 37, 272), (f16, 16, 512), (f32, 5, 16)])),
+                                           enumerate([(torch.bfloat16, 37, 272), (f16, 16, 512), (f32, 5, 16),
+                                                      (torch.bfloat16, 7, 1296)])),
         "nvfp4_experts_grouped": lambda: max(check_nvfp4_experts(cpu, f32, 11, 6, 3, 192, 48, path="grouped", seed=2),
                                              check_nvfp4_experts(cpu, f16, 9, 16, 2, 64, 32, path="grouped", seed=3)),
         "nvfp4_experts_one_expert": lambda: check_nvfp4_experts(cpu, f32, 10, 5, 2, 48, 32, path="grouped", seed=4,

@@ -133,4 +133,3 @@ def test_nvfp4_expert_decode_compiles_with_ptx(dtype):
                                     PDL=True), warps)
         assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
         assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
-
