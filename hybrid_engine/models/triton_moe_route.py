@@ -10,10 +10,11 @@ token's choices to the per-expert counters (atomics, padding tokens skipped). Fi
 bf16 tensor cores. Each float32 weight tile is split in registers into three bf16 parts, hi =
 bf16(w), mid = bf16(w - hi), lo = bf16(w - hi - mid), whose sum is w (24 significant bits in
 three of 8) for 2^-110 <= |w| <= ~3.39e38: smaller weights lose bits below 2^-133, larger ones
-round hi to inf (router weights are far inside). The tile takes three dots into one float32
-accumulator; a bf16 x times a bf16 part is exact in float32, so the logits match a float32 GEMM
-(twin: ``F.linear(x.float(), w)``) to within float32 accumulation error (the tensor cores' sum
-order and rounding, not IEEE's sequence); an infinite x gives NaN where a part is 0. cuBLAS's float32 GEMM (no tensor cores) took 2.9 ms of a 43 ms
+round hi to inf (router weights are far inside). Each K step takes three dots
+from zero and adds their sum to a float32 accumulator (the tensor cores' own accumulation keeps
+fewer bits); a bf16 x times a bf16 part is exact in float32, so the logits match a float32 GEMM
+(twin: ``F.linear(x.float(), w)``) up to accumulation error; an infinite x gives NaN where a part
+is 0. cuBLAS's float32 GEMM (no tensor cores) took 2.9 ms of a 43 ms
 2048-token Nano prefill on the H200 (2026-11-29).
 """
 from __future__ import annotations
@@ -142,20 +143,35 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, s_xm, s_we, s_om,
         rest = w - hi.to(tl.float32)
         mid = rest.to(tl.bfloat16)
         lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        # each K step's three dots start from zero and their sum joins acc in a float32 add: the
+        # tensor cores' own accumulation over a whole row (504 MMAs at D 2688) left 2.3e-6 .. 3.3e-6
+        # of the |products| sum on the H200, against ~1e-7 .. 4e-7 for a float32 GEMM (2026-11-29;
+        # this per-step add came after that run and is not yet measured on a GPU)
         if F32_DOTS:
             xf = x.to(tl.float32)
-            acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+            part = tl.dot(xf, hi.to(tl.float32), input_precision="ieee")
+            part = tl.dot(xf, mid.to(tl.float32), part, input_precision="ieee")
+            part = tl.dot(xf, lo.to(tl.float32), part, input_precision="ieee")
         else:
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
+            part = tl.dot(x, hi)
+            part = tl.dot(x, mid, part)
+            part = tl.dot(x, lo, part)
+        acc += part
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :], acc, mask=mm[:, None] & mn[None, :])
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the router's logits kernel (tests replace it)
-ROUTER_TILES = (32, 64, 64, 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the router's logits kernel by rows x experts, or a fixed
+# tuple (tests). H200 sweep (_gpu scratch, 2026-11-29, before the per-step float32 add), us against
+# cuBLAS's float32 GEMM: Nano router (128 x 2688) at 512 / 2048 / 8192 rows 33.5 / 35.3 / 91.0 with
+# (32, 64, 128, 4), 53.0 / 54.2 / 64.6 with (64, 64, 64, 4), float32 35.7 / 67.0 / 190.1; Super's
+# (512 x 4096) at 2048 rows 93.4 with (64, 64, 64, 4), 133.5 with (32, 64, 128, 4), float32 214.2
+ROUTER_TILES = None
+
+
+def router_tiles(T: int, E: int) -> tuple[int, int, int, int]:
+    if ROUTER_TILES is not None:
+        return ROUTER_TILES
+    return (64, 64, 64, 4) if T * E >= 1 << 20 else (32, 64, 128, 4)
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -170,7 +186,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    bm, bn, bk, warps = ROUTER_TILES
+    bm, bn, bk, warps = router_tiles(T, E)
     _router_logits_kernel[(triton.cdiv(T, bm), triton.cdiv(E, bn))](
         x, weight, out, T, E, D, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         F32_DOTS=triton_interpreting(), num_warps=warps, **pdl_kwargs(x.device))
