@@ -43,15 +43,22 @@ def test_launched_kernels_compile_for_sm90(interpreter_results):
 
 
 def test_router_logits_kernel_compiles_to_bf16_mma(interpreter_results):
-    """The router's logits kernel as the interpreter case launched it, with the bf16 tensor-core dots
-    the GPU takes (the interpreter takes float32 dots): it compiles for sm_90 and its PTX holds
-    bf16 MMAs."""
+    """The router's logits kernel as the interpreter case launched it, and at the rule's two tiles,
+    with the bf16 tensor-core dots the GPU takes (the interpreter takes float32 dots): it compiles
+    for sm_90 and its PTX holds bf16 MMAs."""
     from triton_interpret import compile_launch_for_sm90
     recs = [r for r in interpreter_results["_launches"] if r.get("name") == "_router_logits_kernel"]
     assert recs, "the interpreter case launched no _router_logits_kernel"
-    rec = dict(recs[0], constexprs=dict(recs[0]["constexprs"], F32_DOTS=False))
-    ptx = compile_launch_for_sm90(rec).asm["ptx"]
-    assert re.search(r"(wgmma|mma\.sync)\S*\.bf16", ptx), "no bf16 MMA in the router kernel's PTX"
+    from hybrid_engine.models.triton_moe_route import router_tiles
+    for T, E in ((37, 20), (2048, 128), (8192, 128)):           # the case's tiles, then both of the rule's
+        bm, bn, bk, warps = router_tiles(T, E) if T > 37 else (None,) * 4
+        consts = dict(recs[0]["constexprs"], F32_DOTS=False)
+        options = dict(recs[0]["options"])
+        if bm is not None:
+            consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            options.update(num_warps=warps)
+        ptx = compile_launch_for_sm90(dict(recs[0], constexprs=consts, options=options)).asm["ptx"]
+        assert re.search(r"(wgmma|mma\.sync)\S*\.bf16", ptx), f"no bf16 MMA in the router kernel's PTX ({consts})"
 
 
 @pytest.mark.parametrize("T,E,k,bm,load", [(1, 128, 6, 16, "uniform"), (37, 128, 6, 16, "ragged"),
