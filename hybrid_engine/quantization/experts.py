@@ -23,8 +23,23 @@ from .linear import QuantLinear, _empty
 from .nvfp4 import GROUP, quantize_nvfp4
 
 
-class Fp8Experts(QuantLinear):
+class _QuantExperts(QuantLinear):
+    """What the quantized merged experts share: ``like`` (an empty copy shaped as a 16-bit
+    ``models.moe.Experts``) and the repr; subclasses name their ``FORMAT``."""
+    FORMAT = ""
+
+    @classmethod
+    def like(cls, experts: nn.Module):
+        E, F, D = experts.up_proj.shape
+        return cls(E, D, F, device=experts.up_proj.device)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, inner={self.inner}, width={self.width}, {self.FORMAT}"
+
+
+class Fp8Experts(_QuantExperts):
     """Drop-in for ``models.moe.Experts`` (same weight names) with FP8 weights and [E] scales."""
+    FORMAT = "fp8"
     fixed_dtype_params = ("up_proj", "down_proj", "up_proj_weight_scale", "down_proj_weight_scale")
 
     def __init__(self, num_experts: int, inner: int, width: int, device=None):
@@ -41,11 +56,6 @@ class Fp8Experts(QuantLinear):
                              down_scale=self.down_proj_weight_scale)
 
     @classmethod
-    def like(cls, experts: nn.Module) -> "Fp8Experts":
-        E, F, D = experts.up_proj.shape
-        return cls(E, D, F, device=experts.up_proj.device)
-
-    @classmethod
     @torch.no_grad()
     def quantized_from(cls, experts: nn.Module) -> "Fp8Experts":
         """Per-expert per-tensor scales (amax / 448), one expert at a time."""
@@ -58,14 +68,12 @@ class Fp8Experts(QuantLinear):
                 scale[e] = s
         return m
 
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, inner={self.inner}, width={self.width}, fp8"
 
-
-class Nvfp4Experts(QuantLinear):
+class Nvfp4Experts(_QuantExperts):
     """Drop-in for ``models.moe.Experts`` with NVFP4 weights: ``up_proj`` [E, F, D/2] uint8,
     ``up_proj_weight_scale`` [E, F, D/16] float8_e4m3fn, ``up_proj_weight_scale_2`` [E] float32,
     the same for ``down_proj`` [E, D, F/2] (D, F: multiples of 16)."""
+    FORMAT = "nvfp4"
     fixed_dtype_params = ("up_proj", "down_proj", "up_proj_weight_scale", "down_proj_weight_scale",
                           "up_proj_weight_scale_2", "down_proj_weight_scale_2")
 
@@ -87,11 +95,6 @@ class Nvfp4Experts(QuantLinear):
                              down_scale=self.down_proj_weight_scale_2, up_blocks=self.up_proj_weight_scale,
                              down_blocks=self.down_proj_weight_scale)
 
-    @classmethod
-    def like(cls, experts: nn.Module) -> "Nvfp4Experts":
-        E, F, D = experts.up_proj.shape
-        return cls(E, D, F, device=experts.up_proj.device)
-
     @staticmethod
     def fits(experts: nn.Module) -> bool:
         """Whether both projections' input widths are multiples of the block (16)."""
@@ -112,6 +115,3 @@ class Nvfp4Experts(QuantLinear):
                 blocks[e].copy_(bs)
                 scale[e] = gs
         return m
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, inner={self.inner}, width={self.width}, nvfp4"

@@ -42,15 +42,21 @@ def test_prefill_flops_counts_the_experts_of_every_moe_layer():
     assert one_layer < 0.85 * by_hand
 
 
+def _tiny_bf16_and_quantized(quantization: str):
+    """The tiny MoE shape's models on CPU: bf16, and the same random weights quantized at load."""
+    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
+    models = [build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15, **kw).engine.model
+              for kw in ({}, dict(quantization=quantization))]
+    return tuple(models)
+
+
 def test_fp8_rows_count_the_experts_as_stored():
     """``moe.py --quantization fp8``: the random weights are quantized at load (routed experts and
     linears), and the roofline's byte count (``weight_split``) takes an FP8 expert at one byte a
     weight, half a bf16 one; the prefill FLOPs (``param_split``) do not change."""
     from benchmarks.moe_roofline import weight_split
     from hybrid_engine.quantization.experts import Fp8Experts
-    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
-    bf16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15).engine.model
-    fp8 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15, quantization="fp8").engine.model
+    bf16, fp8 = _tiny_bf16_and_quantized("fp8")
     assert sum(isinstance(m, Fp8Experts) for m in fp8.modules()) == SHAPE_TINY["pattern"].count("E")
     dense16, expert16, emb16 = weight_split(bf16)
     dense8, expert8, emb8 = weight_split(fp8)
@@ -65,9 +71,7 @@ def test_nvfp4_rows_count_the_experts_as_stored():
     weight in a prefill (the packed uint8 tensors hold two weights each)."""
     from benchmarks.moe_roofline import weight_split
     from hybrid_engine.quantization.experts import Nvfp4Experts
-    md = write_config(Path(tempfile.mkdtemp()) / "m", SHAPE_TINY)
-    bf16 = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15).engine.model
-    nv = build_llm(md, torch.device("cpu"), torch.bfloat16, 1, 256, 0.15, quantization="nvfp4").engine.model
+    bf16, nv = _tiny_bf16_and_quantized("nvfp4")
     assert sum(isinstance(m, Nvfp4Experts) for m in nv.modules()) == SHAPE_TINY["pattern"].count("E")
     _, expert16, emb16 = weight_split(bf16)
     _, expert4, emb4 = weight_split(nv)
