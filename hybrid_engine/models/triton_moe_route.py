@@ -145,8 +145,8 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, s_xm, s_we, s_om,
         lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
         # each K step's three dots start from zero and their sum joins acc in a float32 add: the
         # tensor cores' own accumulation over a whole row (504 MMAs at D 2688) left 2.3e-6 .. 3.3e-6
-        # of the |products| sum on the H200, against ~1e-7 .. 4e-7 for a float32 GEMM (2026-11-29;
-        # this per-step add came after that run and is not yet measured on a GPU)
+        # of the |products| sum on the H200, with this add 1.9e-7 .. 2.6e-7 (D 2688 / 4096), as a
+        # float32 GEMM's ~1e-7 .. 4e-7 (2026-11-29)
         if F32_DOTS:
             xf = x.to(tl.float32)
             part = tl.dot(xf, hi.to(tl.float32), input_precision="ieee")
@@ -164,7 +164,9 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, s_xm, s_we, s_om,
 # tuple (tests). H200 sweep (_gpu scratch, 2026-11-29, before the per-step float32 add), us against
 # cuBLAS's float32 GEMM: Nano router (128 x 2688) at 512 / 2048 / 8192 rows 33.5 / 35.3 / 91.0 with
 # (32, 64, 128, 4), 53.0 / 54.2 / 64.6 with (64, 64, 64, 4), float32 35.7 / 67.0 / 190.1; Super's
-# (512 x 4096) at 2048 rows 93.4 with (64, 64, 64, 4), 133.5 with (32, 64, 128, 4), float32 214.2
+# (512 x 4096) at 2048 rows 93.4 with (64, 64, 64, 4), 133.5 with (32, 64, 128, 4), float32 214.2.
+# With the per-step add, under this rule (H200, 2026-11-29, do_bench): 38.0 / 39.2 / 63.8 (Nano, float32
+# 35.2 / 67.3 / 190.2) and 91.5 (Super, float32 214.9)
 ROUTER_TILES = None
 
 
