@@ -1,7 +1,7 @@
 """One MoE layer's decode path on the Nano-30B-A3B widths, timed as a chain of layers with distinct
 weights (together beyond L2, so the weights stream from HBM as in a real step) inside one CUDA
-graph: router logits and routing with the shared expert beside them on a side stream
-(``moe_ops.beside``), routed experts, combine (CUDA); ``--serial`` also times one stream.
+graph: router logits, routing and routed experts with the shared expert beside them on a side
+stream, joined at the combine (``moe_ops.start_beside``; CUDA); ``--serial`` also times one stream.
 
     python benchmarks/moe_chain.py --tokens 1 4 8 [--router-tiles 4,256,8 1,2048,4] [--shared-tiles 8,512,4]
                                    [--expert-tiles up:16,512,4 down:8,512,4] [--fp8 | --nvfp4]
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import graph_ms, save_json  # noqa: E402
 from hybrid_engine.mamba_cache.ops import triton_pdl  # noqa: E402
 from hybrid_engine.models import triton_moe  # noqa: E402
-from hybrid_engine.models.moe_ops import RouteSpec, beside, route, router_logits  # noqa: E402
+from hybrid_engine.models.moe_ops import RouteSpec, route, router_logits, start_beside  # noqa: E402
 
 from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
@@ -88,8 +88,9 @@ def nvfp4_layer(ly: dict) -> dict:
 
 
 def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
-    """One layer as the model runs it: the shared expert on a side stream beside the router and
-    routing (``moe_ops.beside``); ``serial``: all on one stream, shared expert after the routing."""
+    """One layer as the model runs it: the shared expert on a side stream beside the router, the
+    routing and the routed experts, joined at their combine (``moe_ops.start_beside``); ``serial``:
+    all on one stream, shared expert after the routing."""
     def shared():
         if "s_up_scale" in ly:           # FP8, as Fp8Linear runs it (relu² through forward_relu2)
             from hybrid_engine.quantization.fp8 import fp8_linear
@@ -109,7 +110,8 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
             ids, wts = routing()
             s = shared()
         else:
-            s, (ids, wts) = beside(shared, routing, x.device)
+            s = start_beside(shared, x.device)
+            ids, wts = routing()
         if "up_blocks" in ly:
             from hybrid_engine.quantization.nvfp4_experts import routed_experts_nvfp4_triton
             routed_experts_nvfp4_triton(x, ly["up"], ly["up_blocks"], ly["up_scale"], ly["down"], ly["down_blocks"],
@@ -117,6 +119,8 @@ def layer_fn(ly: dict, x: torch.Tensor, spec: RouteSpec, serial: bool = False):
         else:
             triton_moe.routed_experts_triton(x, ly["up"], ly["down"], ids, wts, add=s,
                                              up_scale=ly.get("up_scale"), down_scale=ly.get("down_scale"))
+        if not serial:
+            s.wait()
     return run
 
 

@@ -9,7 +9,8 @@ merged tensors at load, one expert at a time):
   fc1_latent_proj [L, D], fc2_latent_proj [D, L]                   (latent MoE only)
 Forward (transformers' NemotronHMoE): routed = experts(fc1(x)) with weights from gate(x), then
 fc2(routed) + shared(x). The work goes through ``moe_ops`` (Triton on CUDA, gather by expert on CPU);
-on CUDA the shared expert runs on a side stream beside the router (``moe_ops.beside``).
+on CUDA the shared expert runs on a side stream beside the router, the routing and the routed
+experts, joined at their combine (``moe_ops.start_beside``).
 
 Expert load: each forward adds the number of real tokens (``fb.attn.slot_mapping != 0``: padding
 rows of CUDA-graph buckets write the null KV block) routed to each expert to ``expert_tokens``
@@ -25,7 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from .layers import MLP
 from .linear import Linear
-from .moe_ops import ExpertWeights, RouteSpec, beside, route, routed_experts, router_logits, shared_expert
+from .moe_ops import ExpertWeights, RouteSpec, route, routed_experts, router_logits, shared_expert, start_beside
 
 ROUTER_FP32_WEIGHTS = ("gate.weight",)     # loader keep_in_fp32 suffixes owned by this module
 
@@ -92,13 +93,17 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb=None, caches=None) -> torch.Tensor:
         valid = None if fb is None else fb.attn.slot_mapping[:x.shape[0]]
-        # the shared expert [T, D] on a side stream while the router picks ids, w [T, k] (CUDA)
-        shared, (ids, w) = beside(lambda: shared_expert(x, self.shared_experts),
-                                  lambda: self.gate(x, self.expert_tokens, valid), x.device)
+        # the shared expert [T, D] on a side stream (CUDA) while the router picks ids, w [T, k] and
+        # the routed experts run; their combine joins it (a handle: ``moe_ops.SideOutput``)
+        shared = start_beside(lambda: shared_expert(x, self.shared_experts), x.device)
+        ids, w = self.gate(x, self.expert_tokens, valid)
         ew = self.experts.weights_for(x.shape[0])
         scales = dict(up_scale=ew.up_scale, down_scale=ew.down_scale, up_blocks=ew.up_blocks,
                       down_blocks=ew.down_blocks)
         if self.fc1_latent_proj is None:
-            return routed_experts(x, ew.up, ew.down, ids, w, add=shared, **scales)
-        routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, **scales)
-        return self.fc2_latent_proj(routed) + shared
+            out = routed_experts(x, ew.up, ew.down, ids, w, add=shared, **scales)
+        else:
+            routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, **scales)
+            out = self.fc2_latent_proj(routed) + shared.wait()
+        shared.wait()           # joined on every path (a no-op after the combine's): graphs need the join
+        return out

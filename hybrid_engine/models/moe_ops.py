@@ -10,8 +10,9 @@ Public ops (each picks its backend through ``kernel_backend`` and logs the choic
   down[ids[t, j]](act(up[ids[t, j]](h[t]))) [T, D_out] in h's dtype, plus ``add`` when given;
   ``activation`` "relu2" (w_up [E, F, D]) or "swiglu" (w_up [E, 2F, D], gate rows then up rows:
   act = silu(gate) * up, Granite-4.0-H's merged ``input_linear``).
-- ``beside(side, main, device)``: side() on a per-device side stream while main() runs (CUDA):
-  the MoE block's shared expert beside its router and routing.
+- ``start_beside(side, device)``: side() on a per-device side stream (CUDA) -> a ``SideOutput``
+  whose ``wait()`` joins it: the MoE block's shared expert beside its router, routing and routed
+  experts (``routed_experts`` takes the handle as ``add`` and joins just before its combine).
 
 Backends: CUDA -> Triton (``triton_moe.py``: fixed-shape, no host sync, CUDA-graph safe; FP8
 experts above 8 tokens run W8A8 there, rows quantized per token, twin ``grouped_experts_w8a8_ref``;
@@ -139,49 +140,75 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _AUX_STREAMS: dict[int, "torch.cuda.Stream"] = {}     # one side stream per CUDA device, made on first use
 
 
-def beside(side, main, device: torch.device):
-    """(side(), main()), with side() on the device's auxiliary stream while main() runs on the
-    current stream (CUDA; elsewhere one after the other). The MoE layer computes its shared
-    expert beside the router and the routing, small latency-bound kernels that leave most SMs
-    idle: on the Nano-30B-A3B widths a layer took 69.6 -> 67.0 us at one token, 205.4 -> 201.5 at
-    four (H100, a chain of 8 layers in one CUDA graph, benchmarks/moe_chain.py --serial; results
-    in benchmarks/results/2026-11-27-moe-shared-beside-h100.md). The side stream first waits for
-    the current stream's work so far; the current stream waits for the side stream before it
-    returns. No host sync; under CUDA-graph capture this is a fork and a join inside the graph.
+class SideOutput:
+    """side()'s output from ``start_beside``: a tensor written on the device's side stream.
+    ``wait()`` makes the current stream wait for the side stream (once; later calls only return
+    the tensor) and returns the tensor. Every started side output must be waited for before the
+    step ends: a CUDA graph capture fails on a fork it never joins."""
+    __slots__ = ("_value", "_stream")
+
+    def __init__(self, value: torch.Tensor, stream=None):
+        self._value, self._stream = value, stream
+
+    def wait(self) -> torch.Tensor:
+        if self._stream is not None:
+            cur = torch.cuda.current_stream(self._stream.device)
+            cur.wait_stream(self._stream)
+            if not _per_stream_pools():
+                self._value.record_stream(cur)
+            self._stream = None
+        return self._value
+
+
+def joined(add: "torch.Tensor | SideOutput | None") -> torch.Tensor | None:
+    """``add`` as a tensor the current stream may read (a ``SideOutput`` is waited for)."""
+    return add.wait() if isinstance(add, SideOutput) else add
+
+
+def start_beside(side, device: torch.device) -> SideOutput:
+    """side() on the device's auxiliary stream (CUDA; elsewhere now, on the current stream); the
+    current stream goes on at once and joins the side stream at ``SideOutput.wait()``. The MoE
+    layer starts its shared expert there and routes, then runs its routed experts: the combine
+    waits for the side stream just before it adds the shared output (``joined``). Joined there
+    instead of right after the routing, a chain of 8 Nano-width layers in one CUDA graph (H200,
+    2026-11-29, benchmarks/results/2026-11-29-moe-late-join-h200.md) took 278 -> 267 us a layer at 8
+    tokens, 834 -> 808 at 512 and 1059 -> 1016 at 2048, the same at one token; outputs equal bit for
+    bit. Joined after the routing, a layer took 69.6 -> 67.0 us at one token and 205.4 -> 201.5 at
+    four against one stream (H100, benchmarks/moe_chain.py --serial, 2026-11-27-moe-shared-beside-h100.md).
+    The side stream first waits for the current stream's work so far. No host sync; under
+    CUDA-graph capture this is a fork and a join inside the graph.
+
     side()'s output is not ``record_stream``-ed on the current stream, on purpose: with torch's
     default caching allocator its block belongs to the side stream's pool, and when the current
     stream drops it, the only work that can get that block back is later side-stream work, which
     always starts by waiting for the current stream (``aux.wait_stream(cur)`` before side()
-    runs), so it cannot overwrite the block while the current stream still reads it. This holds
-    while every caller runs under one current stream, as the engine does (a caller on another
-    stream would need a sync between them). A recorded block would instead be held until a graph
-    capture ends (each MoE layer's [T, D] output: ~23 T D 2 bytes more pool for a Nano graph of T
-    rows; 158 -> 86 MiB for 8 Nano-width layers at 2048 rows, H100,
-    benchmarks/results/2026-11-27-moe-record-stream-combine-h100.md). Under
+    runs), so it cannot overwrite the block while the current stream still reads it. Blocks the
+    current stream allocates while the side stream runs come from its own pool, which the side
+    stream never touches; side()'s inputs (x) stay referenced by the caller until the join is in
+    the current stream's order. This holds while every caller runs under one current stream, as
+    the engine does (a caller on another stream would need a sync between them). A recorded block
+    would instead be held until a graph capture ends (each MoE layer's [T, D] output: ~23 T D 2
+    bytes more pool for a Nano graph of T rows; 158 -> 86 MiB for 8 Nano-width layers at 2048 rows,
+    H100, benchmarks/results/2026-11-27-moe-record-stream-combine-h100.md). Under
     ``PYTORCH_ALLOC_CONF=backend:cudaMallocAsync`` there are no per-stream pools, so there the
-    output is recorded (``_per_stream_pools``). Each call makes a few events (host time on eager
-    steps). The stream is made on first use, one per device."""
+    output is recorded at the join (``_per_stream_pools``). Each call makes a few events (host time
+    on eager steps). The stream is made on first use, one per device."""
     if device.type != "cuda":
-        return side(), main()
+        return SideOutput(side())
     index = device.index if device.index is not None else torch.cuda.current_device()
     aux = _AUX_STREAMS.get(index)
     if aux is None:
         aux = _AUX_STREAMS[index] = torch.cuda.Stream(device=index)
-    cur = torch.cuda.current_stream(index)
-    aux.wait_stream(cur)
+    aux.wait_stream(torch.cuda.current_stream(index))
     with torch.cuda.stream(aux):
         out_side = side()
-    out_main = main()
-    cur.wait_stream(aux)
-    if not _per_stream_pools():
-        out_side.record_stream(cur)
-    return out_side, out_main
+    return SideOutput(out_side, aux)
 
 
 @functools.cache
 def _per_stream_pools() -> bool:
     """Whether the CUDA allocator keeps a pool per stream (torch's native caching allocator; the
-    backend is fixed when CUDA initialises), which ``beside`` relies on to skip ``record_stream``."""
+    backend is fixed when CUDA initialises), which ``start_beside`` relies on to skip ``record_stream``."""
     return torch.cuda.memory.get_allocator_backend() == "native"
 
 
@@ -313,7 +340,7 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch
 
 
 def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, add: torch.Tensor | None = None, activation: str = "relu2", *,
+                   weights: torch.Tensor, add: "torch.Tensor | SideOutput | None" = None, activation: str = "relu2", *,
                    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                    up_blocks: torch.Tensor | None = None, down_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, D_out] in h.dtype: the routed experts' weighted sum (+ ``add`` [T, D_out], rounded as
@@ -321,7 +348,8 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
     float8_e4m3fn and each expert's projection is multiplied by its scale (FP8 experts; the
     reference dequantizes them to h.dtype, float32 on CPU). With ``up_blocks`` / ``down_blocks``
     the weights are NVFP4 (``quantization.nvfp4_experts``; the scales are then the experts'
-    ``weight_scale_2``)."""
+    ``weight_scale_2``). ``add`` may be a ``SideOutput`` (``start_beside``): the Triton paths wait
+    for it just before their combine, the others before they add it."""
     if up_blocks is not None or down_blocks is not None:
         from hybrid_engine.quantization.nvfp4_experts import routed_experts_nvfp4
         return routed_experts_nvfp4(h, w_up, up_blocks, up_scale, w_down, down_blocks, down_scale, ids, weights,
@@ -335,4 +363,4 @@ def routed_experts(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, id
     w_up, w_down = dequantize_experts(w_up, up_scale, h.dtype), dequantize_experts(w_down, down_scale, h.dtype)
     fn = grouped_experts_ref if h.device.type == "cpu" else dense_experts_ref
     out = fn(h, w_up, w_down, ids, weights, activation)
-    return out if add is None else out + add
+    return out if add is None else out + joined(add)

@@ -28,7 +28,7 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
             return 1, 2048, 4
         if wide:
             return 4, 256, 8
-        # the 16-bit shared expert runs beside the router (moe_ops.beside), so its tiles come from
+        # the 16-bit shared expert runs beside the router (moe_ops.start_beside), so its tiles come from
         # a sweep inside a chain of Nano MoE layers (benchmarks/moe_chain.py --shared-tiles, H100,
         # benchmarks/results/2026-11-27-moe-shared-tiles-h100.md): us per layer at 1 token
         # 67.2 (8, 512, 4) -> 65.2 (2, 1024, 4); at 4 tokens 201.6 (16, 128, 2) -> 194.9

@@ -29,7 +29,7 @@ from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 
 # DECODE_MAX_TOKENS: up to this many tokens the experts run as per-pair GEMVs (no sort)
 from .moe_align import align_block_size, group_pairs
-from .moe_ops import DECODE_MAX_TOKENS
+from .moe_ops import DECODE_MAX_TOKENS, SideOutput, joined
 from .moe_tiles import gemm_config, gemv_tiles, max_shared_mem
 
 logger = logging.getLogger(__name__)
@@ -360,10 +360,12 @@ def device_smem(dev: torch.device) -> int | None:
     return max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def combine_pairs(pair_out: torch.Tensor, k: int, dtype: torch.dtype, add: torch.Tensor | None = None,
+def combine_pairs(pair_out: torch.Tensor, k: int, dtype: torch.dtype, add: "torch.Tensor | SideOutput | None" = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """pair_out [T k, D_out] float32 (weighted pair outputs) -> out [T, D_out] in ``dtype``: each token's
-    k pairs summed in float32, rounded once (+ ``add`` [T, D_out], rounded as routed + add)."""
+    k pairs summed in float32, rounded once (+ ``add`` [T, D_out], rounded as routed + add; a
+    ``SideOutput`` is waited for here, so the shared expert's side stream overlaps the experts)."""
+    add = joined(add)
     T, D_out = pair_out.shape[0] // k, pair_out.shape[1]
     if out is None:
         out = torch.empty(T, D_out, dtype=dtype, device=pair_out.device)

@@ -32,6 +32,7 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, kernel_backend
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 from hybrid_engine.models.moe_align import align_block_size, group_pairs
+from hybrid_engine.models.moe_ops import joined
 from hybrid_engine.models.triton_moe import (_expert_tile_rows, _store_expert_tile, _swiglu, combine_pairs, device_smem,
                                              pair_buffers)
 
@@ -286,7 +287,7 @@ def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_sca
     check_nvfp4_experts(h, *scales, ids, weights, activation)
     if not h.shape[0]:                      # no rows: nothing to dequantize
         out = h.new_zeros(0, down.shape[1])
-        return out if add is None else out + add
+        return out if add is None else out + joined(add)
     if kernel_backend("moe_experts_nvfp4", h.device) == "triton":
         return _routed_triton(h, *scales, ids, weights, add, activation, None)
     if h.device.type == "cpu":
@@ -296,7 +297,7 @@ def routed_experts_nvfp4(h, up, up_blocks, up_scale, down, down_blocks, down_sca
         out = dense_experts_ref(h, dequantize_nvfp4_experts(up, up_blocks, up_scale).to(h.dtype),
                                 dequantize_nvfp4_experts(down, down_blocks, down_scale).to(h.dtype),
                                 ids, weights, activation)
-    return out if add is None else out + add
+    return out if add is None else out + joined(add)
 
 
 def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, ids, weights, add, activation, path):
