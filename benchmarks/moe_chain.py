@@ -11,7 +11,7 @@ Per token count: microseconds per layer and the layer's bytes over that time (at
 experts, the shared expert and the float32 router); with --router-tiles, the layer and a
 router-only chain under each (BLOCK_N, BLOCK_K, warps) of the router GEMV; with --shared-tiles,
 the layer under each tile of the shared expert's two GEMVs (bf16 ``rowwise``: they run beside the
-router, so a tile that is best alone need not be best here); with --expert-tiles, the layer under
+router and the routed experts, so a tile that is best alone need not be best here); with --expert-tiles, the layer under
 each tile of the routed experts' up or down GEMV; with --fp8, the layers as ``quantization="fp8"``
 builds them (routed experts FP8 with a scale per expert, the shared expert's two projections FP8
 with per-channel scales through ``fp8_linear``; the float32 router stays); with --nvfp4, as

@@ -96,14 +96,17 @@ class MoE(nn.Module):
         # the shared expert [T, D] on a side stream (CUDA) while the router picks ids, w [T, k] and
         # the routed experts run; their combine joins it (a handle: ``moe_ops.SideOutput``)
         shared = start_beside(lambda: shared_expert(x, self.shared_experts), x.device)
-        ids, w = self.gate(x, self.expert_tokens, valid)
-        ew = self.experts.weights_for(x.shape[0])
-        scales = dict(up_scale=ew.up_scale, down_scale=ew.down_scale, up_blocks=ew.up_blocks,
-                      down_blocks=ew.down_blocks)
-        if self.fc1_latent_proj is None:
-            out = routed_experts(x, ew.up, ew.down, ids, w, add=shared, **scales)
-        else:
+        try:
+            ids, w = self.gate(x, self.expert_tokens, valid)
+            ew = self.experts.weights_for(x.shape[0])
+            scales = dict(up_scale=ew.up_scale, down_scale=ew.down_scale, up_blocks=ew.up_blocks,
+                          down_blocks=ew.down_blocks)
+            if self.fc1_latent_proj is None:
+                return routed_experts(x, ew.up, ew.down, ids, w, add=shared, **scales)
             routed = routed_experts(self.fc1_latent_proj(x), ew.up, ew.down, ids, w, **scales)
-            out = self.fc2_latent_proj(routed) + shared.wait()
-        shared.wait()           # joined on every path (a no-op after the combine's): graphs need the join
-        return out
+            return self.fc2_latent_proj(routed) + shared.wait()
+        finally:
+            # joined on every path, an exception's too (a no-op after the combine's): a graph
+            # capture with an unjoined fork fails at its end with an error that would replace
+            # this one (an out-of-memory error the prefill graphs' capture loop must see)
+            shared.wait()

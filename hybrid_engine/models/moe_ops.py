@@ -125,8 +125,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D] (model dtype) @ weight [E, D]^T in float32 -> [T, E] float32. On CUDA decode
     batches one kernel reads x in its dtype (no cast kernel); more bf16 rows take the float32
     weight split into three bf16 parts on the tensor cores (``triton_moe_route._router_logits_kernel``:
-    float32-class logits: 1.9e-7 .. 2.6e-7 of each logit's |products| sum on an H200, as a float32
-    GEMM's 1e-7 .. 4e-7)."""
+    float32-class logits: 1.9e-7 .. 2.6e-7 of each logit's |products| sum at the Nano and Super
+    widths on an H200, 6.5e-7 at D 80, as a float32 GEMM's 1e-7 .. 4e-7)."""
     if _rowwise_ok(x, weight):
         from .triton_moe import rowwise_linear_triton
         return rowwise_linear_triton(x, weight, out_dtype=torch.float32)

@@ -281,7 +281,7 @@ def _w8a8_wanted(w8a8: bool | None, fp8_weights: bool, dtype: torch.dtype) -> bo
 
 
 def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-                          weights: torch.Tensor, add: torch.Tensor | None = None,
+                          weights: torch.Tensor, add: "torch.Tensor | SideOutput | None" = None,
                           force_grouped: bool = False, out: torch.Tensor | None = None,
                           activation: str = "relu2", *, up_scale: torch.Tensor | None = None,
                           down_scale: torch.Tensor | None = None, w8a8: bool | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv, kernel_backend
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 from hybrid_engine.models.moe_align import align_block_size, group_pairs
-from hybrid_engine.models.moe_ops import joined
+from hybrid_engine.models.moe_ops import SideOutput, joined
 from hybrid_engine.models.triton_moe import (_expert_tile_rows, _store_expert_tile, _swiglu, combine_pairs, device_smem,
                                              pair_buffers)
 
@@ -267,7 +267,7 @@ def grouped_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool =
 
 def routed_experts_nvfp4_triton(h: torch.Tensor, up: torch.Tensor, up_blocks: torch.Tensor, up_scale: torch.Tensor,
                                 down: torch.Tensor, down_blocks: torch.Tensor, down_scale: torch.Tensor,
-                                ids: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
+                                ids: torch.Tensor, weights: torch.Tensor, add: "torch.Tensor | SideOutput | None" = None,
                                 activation: str = "relu2", path: str | None = None) -> torch.Tensor:
     """The routed experts' weighted sum [T, D_out] in h.dtype (+ ``add``), as
     ``triton_moe.routed_experts_triton`` with NVFP4 weights (module docstring); checked. ``path``

@@ -42,3 +42,36 @@ def test_routed_experts_take_a_side_output_as_add(T, quant):
     assert torch.equal(got, want)
     if T:
         assert not torch.equal(got, routed_experts(x, up, down, ids, wts, **scales))      # the add counted
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_moe_block_joins_the_side_stream_when_its_experts_raise(monkeypatch, latent):
+    """MoE.forward waits for the shared expert's SideOutput on every path, an exception's too:
+    under a CUDA graph capture an unjoined fork makes the capture's end fail with an error that
+    replaces the real one (an out-of-memory error the prefill graphs' capture loop must see)."""
+    import hybrid_engine.models.moe as moe_mod
+    from hybrid_engine.config import MOE, ModelConfig
+    cfg = ModelConfig(layer_types=(MOE,), vocab_size=16, hidden_size=32, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=32, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+                      routed_scaling_factor=2.5, moe_latent_size=16 if latent else None)
+    moe = moe_mod.MoE(cfg)
+    waits = []
+
+    class Spy(SideOutput):
+        def wait(self):
+            waits.append(1)
+            return super().wait()
+    monkeypatch.setattr(moe_mod, "start_beside", lambda side, device: Spy(side()))
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        moe(x)
+        assert waits
+        waits.clear()
+
+        def oom(*a, **k):
+            raise torch.OutOfMemoryError("routed experts")
+        monkeypatch.setattr(moe_mod, "routed_experts", oom)
+        with pytest.raises(torch.OutOfMemoryError):
+            moe(x)
+    assert waits

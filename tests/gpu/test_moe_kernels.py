@@ -285,8 +285,8 @@ def test_routed_experts_join_the_side_output_before_their_combine(T, quant):
     """routed_experts(add=SideOutput): the side stream's output is waited for just before the
     combine adds it. A slow side kernel (a ~30 ms spin, then the write) must be seen complete:
     the result equals the experts plus the finished tensor, bit for bit, on the GEMV (T 1, 8) and
-    grouped paths, bf16 and NVFP4 experts. Without the join the combine reads the side output
-    before it is written."""
+    grouped paths, bf16 and NVFP4 experts, eager and replayed from a CUDA graph (the fork and the
+    join inside it). Without the join the combine reads the side output before it is written."""
     from types import SimpleNamespace
 
     from hybrid_engine.models.moe_ops import routed_experts, start_beside
@@ -305,6 +305,7 @@ def test_routed_experts_join_the_side_output_before_their_combine(T, quant):
     ids = torch.argsort(torch.rand(T, E, generator=g, device="cuda"), dim=1)[:, :k].to(torch.int32)
     wts = torch.rand(T, k, generator=g, device="cuda")
     base = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    g_in = torch.Generator(device="cuda").manual_seed(T + 1)
     for factor in (2.0, 3.0):       # a new value each time: a stale block cannot pass for the output
         torch.cuda.synchronize()
 
@@ -318,6 +319,21 @@ def test_routed_experts_join_the_side_output_before_their_combine(T, quant):
         want = routed_experts(x, up, down, ids, wts, add=base * factor, **scales)
         assert got.abs().max() > 0.1
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    def slow_side():
+        torch.cuda._sleep(60_000_000)
+        return base * 2.0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        started = start_beside(slow_side, x.device)
+        got = routed_experts(x, up, down, ids, wts, add=started, **scales)
+        started.wait()
+    for _ in range(2):              # new side inputs each replay: a stale output cannot pass
+        base.copy_(torch.randn(T, D, generator=g_in, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, routed_experts(x, up, down, ids, wts, add=base * 2.0, **scales),
+                                   atol=0, rtol=0)
 
 
 @pytest.mark.gpu
