@@ -235,6 +235,7 @@ def model_config_kwargs(d: dict) -> dict:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(map(repr, SUPPORTED_MODEL_TYPES))}")
     d = dict(d)
+    _check_ssm_cache_dtype(d)
     if mt != "nemotron_h":
         _reject_quantization(d, mt)
         return FAMILIES[mt].config_adapter()(d)
@@ -318,6 +319,20 @@ def finish_kwargs(kw: dict) -> dict:
         raise ValueError(f"config.json eos_token_id {outside[0]} is outside the vocabulary "
                          f"[0, {kw['vocab_size']})")
     return kw
+
+
+def _check_ssm_cache_dtype(d: dict) -> None:
+    """``mamba_ssm_cache_dtype`` (the published Nemotron-H and Nemotron 3 configs say "float32"):
+    the dtype a checkpoint wants its Mamba SSM state kept in. This engine keeps that state in
+    float32 (``MambaPool``); any other value is refused here rather than silently kept in float32."""
+    v = d.get("mamba_ssm_cache_dtype")
+    if v is None:
+        return
+    name = v.removeprefix("torch.") if isinstance(v, str) else v
+    if name != "float32":
+        raise ValueError(f"config.json field mamba_ssm_cache_dtype is {v!r}: this engine keeps the Mamba SSM "
+                         "state in float32 only; allowed: 'float32' or no such field (a 16-bit SSM state "
+                         "is not implemented)")
 
 
 def _reject_quantization(d: dict, model_type: str) -> None:

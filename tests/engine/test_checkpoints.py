@@ -84,6 +84,21 @@ def test_config_spellings():
         ModelConfig.from_dict({**base, "eos_token_id": [2, 300]})
 
 
+@pytest.mark.parametrize("value,ok", [(None, True), ("float32", True), ("torch.float32", True),
+                                      ("bfloat16", False), ("float16", False), ("auto", False), (32, False)])
+def test_mamba_ssm_cache_dtype(value, ok):
+    """The published configs keep the SSM state in float32 (``mamba_ssm_cache_dtype``), as the
+    engine does; a checkpoint that wants it in another dtype is refused, naming the field."""
+    d = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*", "hidden_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_num_heads": 8, "n_groups": 2,
+         "vocab_size": 256, "mamba_ssm_cache_dtype": value}
+    if ok:
+        assert ModelConfig.from_dict(d).hidden_size == 64
+    else:
+        with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype is .*allowed: 'float32'"):
+            ModelConfig.from_dict(d)
+
+
 # ---- quantized, corrupt and non-finite weights -------------------------------------------------
 
 @pytest.mark.parametrize("dtype,code", [(torch.float8_e4m3fn, "F8_E4M3"), (torch.uint8, "U8"),
