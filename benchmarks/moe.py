@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, profile_prefill, save_json, step_clock,  # noqa: E402
-                               write_config)
+from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, prefill_gaps,  # noqa: E402
+                               profile_prefill, save_json, step_clock, write_config)
 from benchmarks.moe_roofline import (distinct_experts, param_split, prefill_flops, step_state_bytes,  # noqa: E402
                                      weight_split)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
@@ -244,6 +244,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
               f"matmul peak)", flush=True)
         if n in profile_lens:
             out["prefill"][-1]["profile"] = profile_prefill(llm, prompt, params(1))
+            out["prefill"][-1]["gaps"] = prefill_gaps(llm, prompt, params(1))
     del llm, hf
     gc.collect()
     return out
@@ -288,7 +289,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--kv-fraction", type=float, default=0.15)
     ap.add_argument("--profile-prefill", type=int, nargs="*", default=[],
-                    help="prefill lengths (of --prefill) to also profile by kernel (CUDA)")
+                    help="prefill lengths (of --prefill) to also profile by kernel and by GPU idle gap (CUDA)")
     ap.add_argument("--no-prefill-graphs", action="store_true", help="prefill_cuda_graphs=False (eager prefills)")
     ap.add_argument("--quantization", choices=["fp8", "nvfp4"], default=None,
                     help="end-to-end rows only: LLM(quantization=...) quantizes the random weights at load "
