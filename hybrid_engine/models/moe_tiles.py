@@ -16,8 +16,9 @@ def gemv_tiles(role: str, tokens: int, weight: torch.Tensor) -> tuple[int, int, 
     rows per program, so that the expert spreads over enough SMs. The float32 router and the 16-bit
     shared expert (both "rowwise") have their own rules (below), from sweeps inside a chain of MoE
     layers, where the shared expert runs beside the router (and, since 2026-11-29, beside the
-    routed experts too: ``moe_ops.start_beside``; an H200 re-sweep at one token then found no
-    better tile, benchmarks/results/2026-11-29-moe-late-join-h200.md)."""
+    routed experts too: ``moe_ops.start_beside``; an H200 re-sweep at one token just before that
+    change found no better tile, benchmarks/results/2026-11-29-moe-late-join-h200.md; not re-swept
+    since)."""
     wide = weight.element_size() == 4             # float32 weights: the router, or a float32 model
     if role == "rowwise":
         if wide and weight.shape[0] <= 1024:
