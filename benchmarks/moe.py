@@ -39,8 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, prefill_gaps,  # noqa: E402
-                               profile_prefill, save_json, step_clock, write_config)
+from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, save_json, step_clock,  # noqa: E402
+                               write_config)
+from benchmarks.profiling import prefill_gaps, profile_prefill  # noqa: E402
 from benchmarks.moe_roofline import (distinct_experts, param_split, prefill_flops, step_state_bytes,  # noqa: E402
                                      weight_split)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_8B, profile_prefill, random_weights, write_config  # noqa: E402
+from benchmarks.common import SHAPE_8B, random_weights, write_config  # noqa: E402
+from benchmarks.profiling import profile_prefill  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 
 

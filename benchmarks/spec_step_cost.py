@@ -38,7 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepClock, StepTimeline, kernel_times, random_weights, save_json  # noqa: E402
+from benchmarks.common import StepClock, StepTimeline, random_weights, save_json  # noqa: E402
+from benchmarks.profiling import kernel_times  # noqa: E402
 from benchmarks.spec_timing import free  # noqa: E402
 from hybrid_engine import LLM, SamplingParams, SpeculativeConfig  # noqa: E402
 from hybrid_engine.default_model import default_draft_model_dir, default_model_dir  # noqa: E402

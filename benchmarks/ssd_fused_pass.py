@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import graph_ms, kernel_times  # noqa: E402
+from benchmarks.common import graph_ms  # noqa: E402
+from benchmarks.profiling import kernel_times  # noqa: E402
 from hybrid_engine.mamba_cache.ops.triton_ssd import triton_ssd_scan_varlen_pooled  # noqa: E402
 
 P, N, CS = 64, 128, 128

@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPE_8B, StepClock, kernel_breakdown, save_json, write_config  # noqa: E402
+from benchmarks.common import SHAPE_8B, StepClock, save_json, write_config  # noqa: E402
+from benchmarks.profiling import kernel_breakdown  # noqa: E402
 from benchmarks.moe import SHAPE_NANO  # noqa: E402
 
 SHAPES = {"8b": SHAPE_8B, "nano6": dict(SHAPE_NANO, pattern="MEM*EM"), "nano": SHAPE_NANO}

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import kernel_times, random_weights  # noqa: E402
+from benchmarks.common import random_weights  # noqa: E402
+from benchmarks.profiling import kernel_times  # noqa: E402
 from benchmarks.prefix_cache import make_model_dir  # noqa: E402
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

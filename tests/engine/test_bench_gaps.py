@@ -1,8 +1,8 @@
-"""benchmarks/common.py's GPU idle-gap analysis (``prefill_gaps``), on synthetic intervals and
+"""benchmarks/profiling.py's GPU idle-gap analysis (``prefill_gaps``), on synthetic intervals and
 events: the CUDA profile it reads needs a GPU, its arithmetic does not."""
 from types import SimpleNamespace
 
-from benchmarks.common import gap_rows, idle_gaps
+from benchmarks.profiling import gap_rows, idle_gaps
 
 
 def test_idle_gaps_are_the_uncovered_stretches_of_the_span():
