@@ -3,6 +3,8 @@ events), the kernels of one prefill, and where the GPU idles during one generate
 work that overlapped each idle stretch."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -51,6 +53,7 @@ def idle_gaps(busy, start: float, end: float, min_us: float = 20.0) -> list[tupl
 
 
 _OUR_CODE = ("hybrid_engine/", "mamba_cache/", "spec/")
+_FRAME = re.compile(r"\(\d+\): ")          # a Python frame event's name: "path(line): function"
 
 
 def _overlaps(events, gs: float, ge: float, longest: float | None = None) -> dict[str, float]:
@@ -100,12 +103,12 @@ def prefill_gaps(llm, prompt, params, top: int = 10, min_us: float = 20.0) -> di
     span = next(e for e in events if e.name == "prefill_gaps.generate").time_range
     device = [(e.time_range.start, e.time_range.end) for e in events
               if e.device_type == torch.autograd.DeviceType.CUDA]
-    gaps = idle_gaps(device, span.start, span.end, min_us)
     idle_all = idle_gaps(device, span.start, span.end, 0.0)
+    gaps = [(s, e) for s, e in idle_all if e - s >= min_us]
     # with_stack makes each Python frame an event too ("path(line): function"): host ops are the rest
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name != "prefill_gaps.generate"]
-    frames = [e for e in cpu if ".py(" in e.name]
-    host_ops = [e for e in cpu if ".py(" not in e.name and not e.name.startswith("<built-in")]
+    frames = [e for e in cpu if _FRAME.search(e.name)]
+    host_ops = [e for e in cpu if not _FRAME.search(e.name) and not e.name.startswith("<built-in")]
     ours = [e for e in frames if any(p in e.name for p in _OUR_CODE)]
     out = dict(wall_ms=(span.end - span.start) / 1e3, idle_ms=sum(e - s for s, e in idle_all) / 1e3,
                idle_in_gaps_ms=sum(e - s for s, e in gaps) / 1e3, min_gap_us=min_us, gaps=len(gaps),
