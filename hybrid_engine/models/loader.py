@@ -107,7 +107,7 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
             copies.append(_Copy(name, name, None, False))
             covered.add(name)
             continue
-        m, pe, ps = _MERGED.match(name), _PER_EXPERT.match(name), _PER_EXPERT_SCALE.match(name)
+        m, per = _MERGED.match(name), _per_expert_target(name)
         if m and f"{m['p']}.0.{m['w']}.weight" in targets:
             for e in range(shapes[name][0] if shapes[name] else 0):
                 t = f"{m['p']}.{e}.{m['w']}.weight"
@@ -116,15 +116,8 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
                     continue
                 copies.append(_Copy(name, t, e, True))
                 covered.add(t)
-        elif pe and f"{pe['p']}.{pe['w']}" in targets:
-            t, e = f"{pe['p']}.{pe['w']}", int(pe["e"])
-            if e >= targets[t].shape[0]:
-                unexpected.append(name)
-                continue
-            copies.append(_Copy(name, t, e, False))
-            covered.add(f"{t}[{e}]")
-        elif ps and _merged_scale(ps) in targets:
-            t, e = _merged_scale(ps), int(ps["e"])
+        elif per and per[0] in targets:                 # one expert's weight or scale -> its row
+            t, e = per
             if e >= targets[t].shape[0]:
                 unexpected.append(name)
                 continue
@@ -143,9 +136,14 @@ def _plan(targets: dict, files: dict, shapes: dict, strict_prefixes, has_mtp: bo
     return copies, covered, unexpected
 
 
-def _merged_scale(ps: re.Match) -> str:
-    """The merged target of a per-expert scale (``_PER_EXPERT_SCALE`` match)."""
-    return f"{ps['p']}.{ps['w']}_{ps['s']}"
+def _per_expert_target(name: str) -> tuple[str, int] | None:
+    """(the merged [E, ...] target, the expert) of a per-expert disk tensor: a weight
+    (``_PER_EXPERT``) or a scale (``_PER_EXPERT_SCALE``); None for any other name."""
+    pe = _PER_EXPERT.match(name)
+    if pe:
+        return f"{pe['p']}.{pe['w']}", int(pe["e"])
+    ps = _PER_EXPERT_SCALE.match(name)
+    return (f"{ps['p']}.{ps['w']}_{ps['s']}", int(ps["e"])) if ps else None
 
 
 def _expected_shape(c: _Copy, targets, shards=None) -> tuple[int, ...]:
@@ -164,8 +162,8 @@ def _target_dtype(name: str, targets: dict) -> torch.dtype | None:
     """The dtype of the model tensor disk tensor ``name`` is read into (merged experts included)."""
     if name in targets:
         return targets[name].dtype
-    pe, ps = _PER_EXPERT.match(name), _PER_EXPERT_SCALE.match(name)
-    t = targets.get(f"{pe['p']}.{pe['w']}") if pe else targets.get(_merged_scale(ps)) if ps else None
+    per = _per_expert_target(name)
+    t = targets.get(per[0]) if per else None
     return t.dtype if t is not None else None
 
 
