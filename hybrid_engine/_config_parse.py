@@ -328,8 +328,10 @@ def _check_ssm_cache_dtype(d: dict) -> None:
     v = d.get("mamba_ssm_cache_dtype")
     if v is None:
         return
-    name = v.removeprefix("torch.") if isinstance(v, str) else v
-    if name != "float32":
+    import torch
+
+    from hybrid_engine.device_dtype import _dtype_from_name
+    if not (isinstance(v, str) and _dtype_from_name(v) is torch.float32):
         raise ValueError(f"config.json field mamba_ssm_cache_dtype is {v!r}: this engine keeps the Mamba SSM "
                          "state in float32 only; allowed: 'float32' or no such field (a 16-bit SSM state "
                          "is not implemented)")

@@ -261,7 +261,7 @@ def grouped_config(rows_per_expert_tile: int, dtype: torch.dtype, swiglu: bool =
     weight on the MMA's M side) and bf16's 606 / 719 / 855: decoding the tiles bounds it."""
     from hybrid_engine.models.moe_tiles import gemm_config
     cfg = gemm_config(rows_per_expert_tile, dtype, swiglu, smem_bytes=smem_bytes)   # SwiGLU, small-smem GPUs
-    cfg.update(BLOCK_K=max(cfg["BLOCK_K"], 32))
+    assert cfg["BLOCK_K"] >= 32, cfg        # every gemm_config tile has it (32 at the least: float32)
     return cfg
 
 
