@@ -184,9 +184,7 @@ def _quantize_experts(model: nn.Module, q: QuantConfig) -> list[str]:
             logger.info("%s stays 16-bit: NVFP4 needs the experts' widths %s to be multiples of %d", name,
                         tuple(experts.up_proj.shape[1:]), GROUP)
             continue
-        new = quantized.quantized_from(experts)
-        del experts
-        _swap(model, name, new)
+        _swap(model, name, quantized.quantized_from(experts))
         names.append(name)
     return names
 
