@@ -9,8 +9,8 @@
 # Each tier runs as HYBRID_ENGINE_GPU_JOBS (3) pytest processes in parallel on the one GPU (logs
 # <tier>.<j>.log; most of a tier's time is host work: Triton compiling, engines capturing graphs).
 # Measured times are in README.md. A tier can also be split over several calls with
-# HYBRID_ENGINE_GPU_SHARD=i/n (every n-th test from the i-th, 0 <= i < n; it composes with the
-# parallel processes):
+# HYBRID_ENGINE_GPU_SHARD=i/n (one n-th of the tests, 0 <= i < n, dealt in the order of a hash of
+# their ids; it composes with the parallel processes):
 #   HYBRID_ENGINE_GPU_SHARD=0/2 bash tests/gpu/run_all.sh slow   then   HYBRID_ENGINE_GPU_SHARD=1/2 ...
 # Each process lists its 15 slowest tests; HYBRID_ENGINE_TEST_TIMES=file also logs every test's time
 # as it ends (what to move out of the default tier, even from a run stopped by a time limit).
