@@ -1,6 +1,6 @@
 """Tile sweep of the MoE prefill path (``triton_moe._grouped_gemm_kernel``, up and down) on the
 Nemotron-3-Nano-30B-A3B widths: the whole routed-experts call (alignment, up GEMM with relu², down
-GEMM with the routing weights, combine) at prefill token counts, for each rows-per-tile
+GEMM, combine with the routing weights) at prefill token counts, for each rows-per-tile
 (``BLOCK_M``, normally ``align_block_size``'s pick) and GEMM tile config. Reported as TFLOP/s of
 the selected experts' FLOPs (4 * pairs * D * F) and as a share of the bf16 matmul peak measured in
 the same run; the table ends with the best config per T beside the one ``triton_moe`` picks today.

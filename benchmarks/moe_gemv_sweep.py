@@ -25,12 +25,12 @@ from hybrid_engine.mamba_cache.ops.triton_common import cdiv  # noqa: E402
 from hybrid_engine.models import triton_moe  # noqa: E402
 
 D, F, FS, E, K_TOP = 2688, 1856, 3712, 128, 6     # hidden, expert inner, shared inner, experts, top-k
-PROJS = {  # name: (N, K, weight dtype, one weight, relu2, weighted, round)
-    "expert_up": (F, D, torch.bfloat16, False, True, False, True),
-    "expert_down": (D, F, torch.bfloat16, False, False, True, True),
-    "shared_up": (FS, D, torch.bfloat16, True, True, False, True),
-    "shared_down": (D, FS, torch.bfloat16, True, False, False, True),
-    "router": (E, D, torch.float32, True, False, False, False),
+PROJS = {  # name: (N, K, weight dtype, one weight, relu2, round)
+    "expert_up": (F, D, torch.bfloat16, False, True, True),
+    "expert_down": (D, F, torch.bfloat16, False, False, True),
+    "shared_up": (FS, D, torch.bfloat16, True, True, True),
+    "shared_down": (D, FS, torch.bfloat16, True, False, True),
+    "router": (E, D, torch.float32, True, False, False),
 }
 
 
@@ -73,7 +73,7 @@ def bench_graph(fn, reps: int, iters: int) -> float:
 
 
 def case(name: str, T: int, bn: int, bk: int, warps: int, stages: int | None, reps: int, iters: int):
-    N, Kd, wdt, one, relu2, weighted, rnd = PROJS[name]
+    N, Kd, wdt, one, relu2, rnd = PROJS[name]
     P = T if one else T * K_TOP
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T if name != "expert_down" else P, Kd, device="cuda", generator=g).to(torch.bfloat16)
@@ -85,17 +85,16 @@ def case(name: str, T: int, bn: int, bk: int, warps: int, stages: int | None, re
         w = torch.randn(E, N, Kd, device="cuda", generator=g).to(wdt)
         ids = torch.randperm(E, device="cuda", generator=g)[:P].to(torch.int32)   # distinct experts
         s_we = w.stride(0)
-    wts = torch.rand(P, device="cuda", generator=g)
-    out_dtype = torch.float32 if (weighted or not rnd) else torch.bfloat16
+    out_dtype = torch.bfloat16 if rnd else torch.float32
     out = torch.empty(P, N, dtype=out_dtype, device="cuda")
     a_div = K_TOP if name == "expert_up" else 1
-    kw = dict(RELU2=relu2, WEIGHTED=weighted, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=one, ROUND=rnd, num_warps=warps)
+    kw = dict(RELU2=relu2, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=one, ROUND=rnd, num_warps=warps)
     if stages is not None:
         kw["num_stages"] = stages
     grid = (cdiv(N, bn), P)
 
     def fn():
-        triton_moe._pair_gemv_kernel[grid](x, w, ids, wts, out, N, Kd, a_div, x.stride(0), s_we,
+        triton_moe._pair_gemv_kernel[grid](x, w, ids, out, N, Kd, a_div, x.stride(0), s_we,
                                            w.stride(-2), out.stride(0), **kw)
     sec = bench_graph(fn, reps, iters)
     read = P * N * Kd * w.element_size()

@@ -137,7 +137,7 @@ def launch_record(fn, args, kwargs, jit_kwargs=None) -> dict:
     bound = dict(zip([p.name for p in params], args))
     bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
     rec = dict(module=fn.__module__, name=fn.__qualname__, signature={}, constexprs={}, aligned=[],
-               options={k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs})
+               options={k: kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs})
     for p in params:
         v = bound.get(p.name, p.default)
         if "constexpr" in str(p.annotation) or v is None:

@@ -3,10 +3,11 @@ and ``quantization/nvfp4_experts``): each expert's run padded to whole tiles of 
 in buffers whose sizes are a function of (T, k, E, block_m) only (no host sync, CUDA-graph safe).
 
 - ``align_block_size``: the rows per tile, from the load per expert;
-- ``align_pairs``: torch ops (any size, any device);
+- ``align_pairs``: torch ops (any size, any device): the twin;
 - ``align_pairs_triton``: the same result in one Triton program, for decode-sized work
   (``ALIGN_MAX_WORK``);
-- ``group_pairs``: the grouped kernels' choice between the two.
+- ``align_pairs_chunked``: the same result in three Triton launches, for prefill-sized work;
+- ``group_pairs``: the grouped kernels' choice between the two Triton forms.
 """
 from __future__ import annotations
 
@@ -127,8 +128,93 @@ def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
 
 
+# ------------------------------------------------------------------------ the chunked Triton form
+
+@triton.jit(do_not_specialize=["P", "max_rows"], do_not_specialize_on_alignment=["ids_ptr"])
+def _chunk_counts_kernel(ids_ptr, cc_ptr, sorted_ptr, P, max_rows, BLOCK_E: tl.constexpr, CH: tl.constexpr,
+                         FILL: tl.constexpr):
+    """cc[c, e] = pairs of chunk c (CH pairs) that chose expert e; and sorted rows
+    [c FILL, (c + 1) FILL) filled with P (padding; the scatter launched after overwrites the pairs')."""
+    c = tl.program_id(0)
+    offs = c * CH + tl.arange(0, CH)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    e_offs = tl.arange(0, BLOCK_E)
+    tl.store(cc_ptr + c * BLOCK_E + e_offs, tl.sum((e[:, None] == e_offs[None, :]).to(tl.int32), axis=0))
+    r = c * FILL + tl.arange(0, FILL)
+    tl.store(sorted_ptr + r, tl.zeros([FILL], tl.int32) + P, mask=r < max_rows)
+
+
+@triton.jit(do_not_specialize=["C"])
+def _chunk_prefix_kernel(cc_ptr, before_ptr, counts_ptr, C, BLOCK_E: tl.constexpr, EB: tl.constexpr,
+                         CC: tl.constexpr):
+    """For EB experts a program: before[c, e] = pairs of e in the chunks before c; counts[e]."""
+    e_offs = tl.program_id(0) * EB + tl.arange(0, EB)
+    run = tl.zeros([EB], tl.int32)
+    for c0 in range(0, C, CC):
+        c = c0 + tl.arange(0, CC)
+        at = c[:, None] * BLOCK_E + e_offs[None, :]
+        cc = tl.load(cc_ptr + at, mask=(c < C)[:, None], other=0)
+        tl.store(before_ptr + at, run[None, :] + tl.cumsum(cc, axis=0) - cc, mask=(c < C)[:, None])
+        run += tl.sum(cc, axis=0)
+    tl.store(counts_ptr + e_offs, run)
+
+
+@triton.jit(do_not_specialize=["P", "max_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
+def _chunk_scatter_kernel(ids_ptr, before_ptr, counts_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks,
+                          BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
+    """sorted[run start of e + before[c, e] + rank of the pair among chunk c's pairs of e] = pair id;
+    each program works out the runs (padded to BM rows) from the counts; program 0 also stores
+    the rows in use and each tile's expert."""
+    c = tl.program_id(0)
+    e_offs = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e_offs)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    offs = c * CH + tl.arange(0, CH)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    hit = e[:, None] == e_offs[None, :]                                       # [CH, BLOCK_E]
+    base = pad_end - padded + tl.load(before_ptr + c * BLOCK_E + e_offs)
+    dest = tl.sum(tl.where(hit, base[None, :] + tl.cumsum(hit.to(tl.int32), axis=0) - 1, 0), axis=1)
+    tl.store(sorted_ptr + dest, offs, mask=offs < P)
+    if c == 0:
+        tl.store(nrows_ptr, tl.sum(padded, axis=0))
+        for b0 in range(0, max_blocks, CB):
+            b = b0 + tl.arange(0, CB)
+            be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+
+
+def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Same result as ``align_pairs`` in three launches whatever the size: per-chunk expert counts
+    (one program per CH pairs; they also write the padding), each chunk's pairs per expert before
+    it (one program per 16 experts), then the scatter (one program per chunk; pairs of an expert
+    keep their index order). Replaced the torch ops' ~15 launches (a radix sort among them) on
+    prefill batches."""
+    P = ids.numel()
+    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    dev = ids.device
+    be = next_pow2(max(num_experts, 16))
+    ch = max(16, min(128, 16384 // be))         # a chunk's [CH, BLOCK_E] compare in one program
+    C = -(-P // ch)
+    flat = ids.reshape(-1).to(torch.int32)
+    chunk_counts = torch.empty(C, be, dtype=torch.int32, device=dev)
+    chunk_before = torch.empty(C, be, dtype=torch.int32, device=dev)
+    counts = torch.empty(be, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    fill = next_pow2(-(-max_rows // C))
+    _chunk_counts_kernel[(C,)](flat, chunk_counts, sorted_pairs, P, max_rows, BLOCK_E=be, CH=ch, FILL=fill,
+                               num_warps=4)
+    _chunk_prefix_kernel[(be // 16,)](chunk_counts, chunk_before, counts, C, BLOCK_E=be, EB=16, CC=64, num_warps=2)
+    _chunk_scatter_kernel[(C,)](flat, chunk_before, counts, sorted_pairs, block_expert, num_rows, P, num_experts,
+                                max_rows // block_m, BM=block_m, BLOCK_E=be, CH=ch, CB=256, num_warps=4)
+    return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``Alignment`` of ids [T, k]: the one-program kernel for decode-sized work, torch ops beyond."""
+    """``Alignment`` of ids [T, k]: the one-program kernel for decode-sized work, the chunked
+    kernels beyond."""
     if ids.numel() * next_pow2(num_experts) <= ALIGN_MAX_WORK:
         return align_pairs_triton(ids, num_experts, block_m)
-    return align_pairs(ids, num_experts, block_m)
+    return align_pairs_chunked(ids, num_experts, block_m)

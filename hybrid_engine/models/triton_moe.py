@@ -3,17 +3,20 @@
 - routing is in ``triton_moe_route.py``.
 - decode path (``T <= DECODE_MAX_TOKENS``): ``_pair_gemv_kernel`` computes one (token, choice)
   pair per program row-block, reading only the chosen experts' weights: up (relu² epilogue) into
-  [P, F], down (routing-weight epilogue, float32) into [P, D_out]; no sort.
+  [P, F], down into [P, D_out] (the model dtype); no sort.
 - grouped path: pairs grouped by expert (``moe_align.group_pairs``: one Triton program for
-  decode-sized batches, torch ops beyond; fixed-size buffers), then
+  decode-sized batches, three launches beyond; fixed-size buffers), then
   ``_grouped_gemm_kernel`` runs one BLOCK_M x BLOCK_N tile of one expert per program with
   ``tl.dot``: up (rows gathered from the tokens, relu², written in sorted order) and down (rows
-  in sorted order, routing weight, written per pair).
+  in sorted order, written per pair).
 - ``rowwise_linear_triton``: the same GEMV kernel on one weight matrix: the router logits (float32
   from a 16-bit x) and the shared expert (relu² epilogue) on decode batches.
 - SWIGLU (both expert kernels): the up weight is [E, 2F, D] (gate rows, then up rows); each
   program accumulates the gate and up tiles of its F columns and writes silu(gate) * up.
-- ``_combine_kernel``: out[t] = sum_j pair_out[t, j] rounded to the model dtype (+ ``add``).
+- ``_combine_kernel``: out[t] = sum_j weight[t, j] * pair_out[t k + j] in float32, rounded to
+  the model dtype (+ ``add``). The pair outputs stay in the model dtype, where the reference
+  rounds each expert's output before weighting it: half the bytes of weighted float32 pair
+  outputs, which the down projection wrote and the combine read (132 MB each at 2048 Nano tokens).
 Every buffer has a size fixed by (T, k, E): no host sync, safe inside CUDA graphs.
 """
 from __future__ import annotations
@@ -47,8 +50,8 @@ def _swiglu(g, u, dtype):
 
 
 @triton.jit
-def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
-                      RELU2: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
+def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
+                      RELU2: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True,
                       SWIGLU: tl.constexpr = False, ws_ptr=None, W_SCALED: tl.constexpr = False,
                       PDL: tl.constexpr = False):
@@ -81,8 +84,8 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
             wu = tl.load(w_rows + N * s_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             acc_up += wu.to(tl.float32) * xv.to(tl.float32)[None, :]
     # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
-    # squares that in float32 (exact) for one more rounding at the store; the routing weight
-    # applies in float32 (the pair outputs stay float32 until the combine)
+    # squares that in float32 (exact) for one more rounding at the store. The routing weight is
+    # the combine's: a down projection's rounded output is exact in the model dtype
     y = tl.sum(acc, axis=1)
     if W_SCALED:
         y = y * tl.load(ws_ptr + e)
@@ -96,8 +99,6 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, out_ptr, N, K, A_DIV, s_am,
         if W_SCALED:
             up = up * tl.load(ws_ptr + e)
         y = _swiglu(y, up, a_ptr.dtype.element_ty)
-    if WEIGHTED:
-        y = y * tl.load(wt_ptr + p)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -112,8 +113,8 @@ def rowwise_linear_triton(x: torch.Tensor, weight: torch.Tensor, relu2: bool = F
     out = torch.empty(T, N, dtype=out_dtype, device=x.device)
     bn, bk, warps = gemv_tiles("rowwise", T, weight)
     _pair_gemv_kernel[(cdiv(N, bn), T)](
-        x, weight, x, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
-        RELU2=relu2, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
+        x, weight, x, out, N, K, 1, x.stride(0), 0, weight.stride(0), out.stride(0),
+        RELU2=relu2, BLOCK_N=bn, BLOCK_K=bk, ONE_WEIGHT=True,
         ROUND=out_dtype == x.dtype, num_warps=warps, ws_ptr=x, **pdl_kwargs(x.device))
     return out
 
@@ -136,12 +137,9 @@ def _expert_tile_rows(sorted_ptr, block_e_ptr, pid_m, num_pairs, A_DIV, A_SORTED
 
 
 @triton.jit
-def _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED: tl.constexpr,
-                       OUT_SORTED: tl.constexpr):
-    """A grouped-GEMM tile's output y [BLOCK_M, BLOCK_N] float32: times the pair's routing weight
-    (WEIGHTED), stored at the sorted position (OUT_SORTED) or the pair id."""
-    if WEIGHTED:
-        y = y * tl.load(wt_ptr + pair, mask=mrow, other=0.0)[:, None]
+def _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, s_om, OUT_SORTED: tl.constexpr):
+    """A grouped-GEMM tile's output y [BLOCK_M, BLOCK_N] float32 (exact in out's dtype), stored at
+    the sorted position (OUT_SORTED) or the pair id."""
     if OUT_SORTED:
         o_rows = pos.to(tl.int64)
     else:
@@ -152,10 +150,10 @@ def _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WE
 
 @triton.jit(do_not_specialize=["num_pairs"],
             do_not_specialize_on_alignment=["sorted_ptr", "block_e_ptr", "nrows_ptr"])
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr,
                          N, K, num_pairs, A_DIV, s_am, s_we, s_wn, s_om,
                          A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
-                         WEIGHTED: tl.constexpr, F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                         F32: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ws_ptr,
                          SWIGLU: tl.constexpr = False, W_SCALED: tl.constexpr = False,
                          as_ptr=None, A_SCALED: tl.constexpr = False, MODEL_BF16: tl.constexpr = False,
@@ -228,24 +226,34 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
         y = y * y
     if SWIGLU:
         y = _swiglu(y, acc_up, out_ty)
-    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED, OUT_SORTED)
+    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, s_om, OUT_SORTED)
 
 
 @triton.jit
-def _combine_kernel(pair_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+def _combine_kernel(pair_ptr, wt_ptr, add_ptr, out_ptr, N, TOP_K, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
                     PDL: tl.constexpr = False):
+    """out[t] = sum_j wt[t, j] * pair[t k + j] in float32, rounded once (+ add). Launched with
+    ``COMBINE_LAUNCH`` (no FP fusion): each product is rounded on its own before the add, as the
+    reference (``grouped_experts_ref``: y * w, then the sum) and as when the down kernel stored
+    weighted float32 pair outputs; a fused multiply-add would skip that rounding."""
     z = pdl_enter(PDL)
     t = (tl.program_id(0) + z).to(tl.int64)
     offs = (tl.program_id(1) + z) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = offs < N
     acc = tl.zeros([BLOCK_N], tl.float32)
     for j in range(TOP_K):
-        acc += tl.load(pair_ptr + (t * TOP_K + j) * N + offs, mask=m, other=0.0)
+        acc += tl.load(pair_ptr + (t * TOP_K + j) * N + offs, mask=m, other=0.0).to(tl.float32) * \
+            tl.load(wt_ptr + t * TOP_K + j)
     y = acc
     if HAS_ADD:       # routed + shared in the model dtype: round each, add, round again
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(add_ptr + t * N + offs, mask=m,
                                                                         other=0.0).to(tl.float32)
     tl.store(out_ptr + t * N + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# the combine's launch options: its products and adds stay separate float32 operations (Triton
+# fuses them into fma.rn.f32 by default, which changed ~45% of the float32 sums in their last bits)
+COMBINE_LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
 
 
 def _check(h, w_up, w_down, ids, weights, swiglu: bool = False):
@@ -304,19 +312,19 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     D_out = w_down.shape[1]
     P = T * k
     dev = h.device
-    ids, weights, pair_out = pair_buffers(ids, weights, D_out)
+    ids, weights, pair_out = pair_buffers(ids, weights, D_out, h.dtype)
     pdl = pdl_kwargs(dev)
     if T <= DECODE_MAX_TOKENS and not force_grouped:
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)                  # relu²(up) per pair
         bn, bk, warps = gemv_tiles("up", T, w_up)
         _pair_gemv_kernel[(cdiv(F, bn), P)](
-            h, w_up, ids, weights, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
-            inter.stride(0), RELU2=not swiglu, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
+            h, w_up, ids, inter, F, h.shape[1], k, h.stride(0), w_up.stride(0), w_up.stride(1),
+            inter.stride(0), RELU2=not swiglu, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=swiglu,
             num_warps=warps, ws_ptr=up_scale if up_scale is not None else weights, **scaled, **pdl)
         bn, bk, warps = gemv_tiles("down", T, w_down)
         _pair_gemv_kernel[(cdiv(D_out, bn), P)](
-            inter, w_down, ids, weights, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
-            w_down.stride(1), pair_out.stride(0), RELU2=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=bk,
+            inter, w_down, ids, pair_out, D_out, F, 1, inter.stride(0), w_down.stride(0),
+            w_down.stride(1), pair_out.stride(0), RELU2=False, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, ws_ptr=down_scale if down_scale is not None else weights, **scaled, **pdl)
     else:
         bm = align_block_size(P, E, w8a8)
@@ -330,26 +338,27 @@ def routed_experts_triton(h: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
             a_up, a_up_scale = quantize_rows_fp8(h)                      # [T, D] codes, [T, 1] scales
             scaled.update(A_SCALED=True, MODEL_BF16=h.dtype == torch.bfloat16)
         _grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
-            a_up, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            a_up, w_up, inter, al.sorted_pairs, al.block_expert, al.num_rows,
             F, h.shape[1], P, k, a_up.stride(0), w_up.stride(0), w_up.stride(1), inter.stride(0),
-            A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, F32=f32, BLOCK_M=bm,
+            A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, F32=f32, BLOCK_M=bm,
             SWIGLU=swiglu, ws_ptr=up_scale if up_scale is not None else weights, as_ptr=a_up_scale,
             **scaled, **cfg)
         a_down, a_down_scale = inter, None
         if w8a8:        # the activation's rows in sorted order; the padding rows past num_rows are skipped
             a_down, a_down_scale = quantize_rows_fp8(inter, rows_in_use=al.num_rows)
         _grouped_gemm_kernel[(cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
-            a_down, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            a_down, w_down, pair_out, al.sorted_pairs, al.block_expert, al.num_rows,
             D_out, F, P, 1, a_down.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
-            A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True, F32=f32, BLOCK_M=bm,
+            A_SORTED=True, OUT_SORTED=False, RELU2=False, F32=f32, BLOCK_M=bm,
             ws_ptr=down_scale if down_scale is not None else weights, as_ptr=a_down_scale, **scaled, **cfg)
-    return combine_pairs(pair_out, k, h.dtype, add, out)
+    return combine_pairs(pair_out, weights, h.dtype, add, out)
 
 
-def pair_buffers(ids: torch.Tensor, weights: torch.Tensor, d_out: int):
-    """-> (ids, weights as float32, pair_out [T k, d_out] float32): the expert kernels' contiguous
-    choices and the weighted per-pair outputs they write (``combine_pairs`` sums them)."""
-    pair_out = torch.empty(ids.numel(), d_out, dtype=torch.float32, device=ids.device)
+def pair_buffers(ids: torch.Tensor, weights: torch.Tensor, d_out: int, dtype: torch.dtype):
+    """-> (ids, weights as float32, pair_out [T k, d_out] in ``dtype``, the model's): the expert
+    kernels' contiguous choices and the per-pair down outputs they write (``combine_pairs``
+    weights and sums them)."""
+    pair_out = torch.empty(ids.numel(), d_out, dtype=dtype, device=ids.device)
     return ids.contiguous(), weights.contiguous().float(), pair_out
 
 
@@ -360,19 +369,21 @@ def device_smem(dev: torch.device) -> int | None:
     return max_shared_mem(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def combine_pairs(pair_out: torch.Tensor, k: int, dtype: torch.dtype, add: "torch.Tensor | SideOutput | None" = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """pair_out [T k, D_out] float32 (weighted pair outputs) -> out [T, D_out] in ``dtype``: each token's
-    k pairs summed in float32, rounded once (+ ``add`` [T, D_out], rounded as routed + add; a
-    ``SideOutput`` is waited for here, so the shared expert's side stream overlaps the experts)."""
+def combine_pairs(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                  add: "torch.Tensor | SideOutput | None" = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """pair_out [T k, D_out] (each pair's down output) and weights [T, k] float32 -> out [T, D_out]
+    in ``dtype``: each token's k pairs weighted and summed in float32, rounded once (+ ``add``
+    [T, D_out], rounded as routed + add; a ``SideOutput`` is waited for here, so the shared
+    expert's side stream overlaps the experts)."""
     add = joined(add)
-    T, D_out = pair_out.shape[0] // k, pair_out.shape[1]
+    T, k = weights.shape
+    D_out = pair_out.shape[1]
     if out is None:
         out = torch.empty(T, D_out, dtype=dtype, device=pair_out.device)
     if add is not None and (add.shape != out.shape or not add.is_contiguous()):
         raise ValueError(f"add must be a contiguous [{T}, {D_out}] tensor, got {tuple(add.shape)}")
     bn = 256
-    _combine_kernel[(T, cdiv(D_out, bn))](pair_out, add if add is not None else out, out, D_out, k,
-                                          HAS_ADD=add is not None, BLOCK_N=bn, num_warps=4,
+    _combine_kernel[(T, cdiv(D_out, bn))](pair_out, weights, add if add is not None else out, out, D_out, k,
+                                          HAS_ADD=add is not None, BLOCK_N=bn, **COMBINE_LAUNCH,
                                           **pdl_kwargs(pair_out.device))
     return out

@@ -12,7 +12,7 @@ Merged layout per projection (the per-expert ModelOpt tensors stacked at load):
   arithmetic (``nvfp4_group_dot``: the weight read as int32 words, each 16-input group of x times
   a power of two, nibble pairs against x pairs in packed float16 FMAs, inline PTX on CUDA and a
   float32 twin in the interpreter; each group's sum times its block scale in float32); the
-  expert's scale and the epilogue (relu² or SwiGLU, routing weight) as the 16-bit kernel's. The
+  expert's scale and the epilogue (relu² or SwiGLU; the routing weight is the combine's) as the 16-bit kernel's. The
   float16 products keep ~4e-4 relative error against float32 sums (as the one-row kernel's).
 - grouped (prefill): ``_nvfp4_grouped_gemm_kernel``, the 16-bit grouped GEMM's tiles with each
   [BLOCK_K, BLOCK_N] weight tile decoded to the rows' dtype (e2m1 times an e4m3 block scale has at
@@ -42,18 +42,15 @@ from .nvfp4_group_dot import _group_dot, _row_tile, _words, _x_scaled
 
 
 @triton.jit
-def _expert_epilogue(y, up, p, wt_ptr, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr,
-                     WEIGHTED: tl.constexpr):
+def _expert_epilogue(y, up, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr):
     """As the 16-bit kernels' epilogue: the projection rounded to the model dtype, relu² (or
-    silu(gate) rounded, times up: ``triton_moe._swiglu``), the routing weight of pair p in float32."""
+    silu(gate) rounded, times up: ``triton_moe._swiglu``); the routing weight is the combine's."""
     y = y.to(DT).to(tl.float32)
     if RELU2:
         y = tl.where(y < 0.0, 0.0, y)
         y = y * y
     if SWIGLU:
         y = _swiglu(y, up, DT)
-    if WEIGHTED:
-        y = y * tl.load(wt_ptr + p)
     return y
 
 
@@ -67,9 +64,9 @@ def _pair_group_sums(w_rows, s_rows, xs, undo, offs_g, mn, mg, BLOCK_N: tl.const
 
 
 @triton.jit
-def _nvfp4_pair_gemv_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, ids_ptr, wt_ptr, out_ptr, N, KW, A_DIV,
+def _nvfp4_pair_gemv_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, ids_ptr, out_ptr, N, KW, A_DIV,
                             s_am, s_we, s_wn, s_be, s_bn, s_om,
-                            RELU2: tl.constexpr, WEIGHTED: tl.constexpr, SWIGLU: tl.constexpr,
+                            RELU2: tl.constexpr, SWIGLU: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PTX: tl.constexpr = False,
                             PDL: tl.constexpr = False):
     """out[p, n] = epilogue(scale[e] * sum_k a[p // A_DIV, k] * W[e, n, k]), e = ids[p]: one pair
@@ -95,7 +92,7 @@ def _nvfp4_pair_gemv_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, ids_ptr, wt_ptr, out_pt
         if SWIGLU:
             acc_up += _pair_group_sums(w_rows + N * s_wn, s_rows + N * s_bn, xs, undo, offs_g, mn, mg, BLOCK_N, PTX)
     g = tl.load(gs_ptr + e)
-    y = _expert_epilogue(acc * g, acc_up * g, p, wt_ptr, a_ptr.dtype.element_ty, RELU2, SWIGLU, WEIGHTED)
+    y = _expert_epilogue(acc * g, acc_up * g, a_ptr.dtype.element_ty, RELU2, SWIGLU)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -126,10 +123,10 @@ def _dot(a, w, acc, F32: tl.constexpr, F32_PREC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"],
             do_not_specialize_on_alignment=["sorted_ptr", "block_e_ptr", "nrows_ptr"])
-def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr, wt_ptr,
+def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_ptr,
                                N, KB, num_pairs, A_DIV, s_am, s_we, s_wn, s_be, s_bn, s_om,
                                A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, RELU2: tl.constexpr,
-                               WEIGHTED: tl.constexpr, SWIGLU: tl.constexpr, F32: tl.constexpr,
+                               SWIGLU: tl.constexpr, F32: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                F32_PREC: tl.constexpr = F32_DOT_PRECISION):
     """One BLOCK_M x BLOCK_N tile of one expert's projection over its sorted pair rows, as the 16-bit
@@ -162,8 +159,8 @@ def _nvfp4_grouped_gemm_kernel(a_ptr, w_ptr, b_ptr, gs_ptr, out_ptr, sorted_ptr,
             acc_up = _dot(a_even, lo, acc_up, F32, F32_PREC)
             acc_up = _dot(a_odd, hi, acc_up, F32, F32_PREC)
     g = tl.load(gs_ptr + e)
-    y = _expert_epilogue(acc * g, acc_up * g, pair, wt_ptr, DT, RELU2, SWIGLU, False)
-    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, wt_ptr, s_om, WEIGHTED, OUT_SORTED)
+    y = _expert_epilogue(acc * g, acc_up * g, DT, RELU2, SWIGLU)
+    _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, s_om, OUT_SORTED)
 
 
 # ------------------------------------------------------------------------------------ the ops
@@ -238,15 +235,14 @@ def nvfp4_path(tokens: int) -> str:
 DECODE_TILES = (8, 64, 4)
 
 
-def _decode_launch(a, w_words, blocks, scale, ids, weights, out, N, K, a_div, *, relu2, weighted, swiglu,
-                   pdl) -> None:
+def _decode_launch(a, w_words, blocks, scale, ids, out, N, K, a_div, *, relu2, swiglu, pdl) -> None:
     """One decode projection over every pair (rows of ``out``). Float32 rows take the float32 decode
     and FMAs (the interpreter's twin) on CUDA too: the packed float16 products would cost a
     float32 model its exactness."""
     bn, bg, warps = DECODE_TILES
     _nvfp4_pair_gemv_kernel[(cdiv(N, bn), out.shape[0])](
-        a, w_words, blocks, scale, ids, weights, out, N, K // 8, a_div, a.stride(0), w_words.stride(0),
-        w_words.stride(1), blocks.stride(0), blocks.stride(1), out.stride(0), RELU2=relu2, WEIGHTED=weighted,
+        a, w_words, blocks, scale, ids, out, N, K // 8, a_div, a.stride(0), w_words.stride(0),
+        w_words.stride(1), blocks.stride(0), blocks.stride(1), out.stride(0), RELU2=relu2,
         SWIGLU=swiglu, BLOCK_N=bn, BLOCK_G=bg, PTX=_use_ptx(a) and a.dtype != torch.float32, num_warps=warps,
         **pdl)
 
@@ -308,16 +304,16 @@ def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, id
     D_in, D_out = h.shape[1], down.shape[1]
     P = T * k
     dev = h.device
-    ids, weights, pair_out = pair_buffers(ids, weights, D_out)
+    ids, weights, pair_out = pair_buffers(ids, weights, D_out, h.dtype)
     pdl = pdl_kwargs(dev)
     path = path or nvfp4_path(T)
     if path == "gemv":
         up_w, down_w = up.view(torch.int32), down.view(torch.int32)          # 8 inputs a word
         inter = torch.empty(P, F, dtype=h.dtype, device=dev)
-        _decode_launch(h, up_w, up_blocks, up_scale, ids, weights, inter, F, D_in, k, relu2=not swiglu,
-                       weighted=False, swiglu=swiglu, pdl=pdl)
-        _decode_launch(inter, down_w, down_blocks, down_scale, ids, weights, pair_out, D_out, F, 1, relu2=False,
-                       weighted=True, swiglu=False, pdl=pdl)
+        _decode_launch(h, up_w, up_blocks, up_scale, ids, inter, F, D_in, k, relu2=not swiglu, swiglu=swiglu,
+                       pdl=pdl)
+        _decode_launch(inter, down_w, down_blocks, down_scale, ids, pair_out, D_out, F, 1, relu2=False,
+                       swiglu=False, pdl=pdl)
     else:
         bm = align_block_size(P, E)
         al = group_pairs(ids, E, bm)
@@ -325,13 +321,13 @@ def _routed_triton(h, up, up_blocks, up_scale, down, down_blocks, down_scale, id
         f32 = h.dtype == torch.float32
         inter = torch.empty(al.sorted_pairs.shape[0], F, dtype=h.dtype, device=dev)   # sorted rows
         _nvfp4_grouped_gemm_kernel[(cdiv(F, cfg["BLOCK_N"]), al.max_blocks)](
-            h, up, up_blocks, up_scale, inter, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            h, up, up_blocks, up_scale, inter, al.sorted_pairs, al.block_expert, al.num_rows,
             F, D_in // 2, P, k, h.stride(0), up.stride(0), up.stride(1), up_blocks.stride(0), up_blocks.stride(1),
-            inter.stride(0), A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, WEIGHTED=False, SWIGLU=swiglu,
+            inter.stride(0), A_SORTED=False, OUT_SORTED=True, RELU2=not swiglu, SWIGLU=swiglu,
             F32=f32, BLOCK_M=bm, **cfg)
         _nvfp4_grouped_gemm_kernel[(cdiv(D_out, cfg["BLOCK_N"]), al.max_blocks)](
-            inter, down, down_blocks, down_scale, pair_out, al.sorted_pairs, al.block_expert, al.num_rows, weights,
+            inter, down, down_blocks, down_scale, pair_out, al.sorted_pairs, al.block_expert, al.num_rows,
             D_out, F // 2, P, 1, inter.stride(0), down.stride(0), down.stride(1), down_blocks.stride(0),
-            down_blocks.stride(1), pair_out.stride(0), A_SORTED=True, OUT_SORTED=False, RELU2=False, WEIGHTED=True,
+            down_blocks.stride(1), pair_out.stride(0), A_SORTED=True, OUT_SORTED=False, RELU2=False,
             SWIGLU=False, F32=f32, BLOCK_M=bm, **cfg)
-    return combine_pairs(pair_out, k, h.dtype, add)
+    return combine_pairs(pair_out, weights, h.dtype, add)

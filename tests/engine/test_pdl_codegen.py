@@ -50,13 +50,13 @@ CASES = {
     "rmsnorm_fp8": (_rmsnorm_kernel, dict(x_ptr=BF, r_ptr=BF, r_out_ptr=BF, w_ptr=BF, out_ptr="*u8", s_ptr="*fp32",
                                           D="i32", eps="fp32", sx="i32", sr="i32", sro="i32", so="i32"),
                     dict(ADD_RESIDUAL=True, BLOCK_D=4096, FP8_OUT=True, HW_ROUND=True), dict(num_warps=16)),
-    "pair_gemv": (_pair_gemv_kernel, dict(a_ptr=BF, w_ptr=BF, ids_ptr="*i32", wt_ptr="*fp32", out_ptr="*fp32",
+    "pair_gemv": (_pair_gemv_kernel, dict(a_ptr=BF, w_ptr=BF, ids_ptr="*i32", out_ptr=BF,
                                           N="i32", K="i32", A_DIV="i32", s_am="i32", s_we="i32", s_wn="i32",
                                           s_om="i32", ws_ptr="*fp32"),
-                  dict(RELU2=False, WEIGHTED=True, BLOCK_N=4, BLOCK_K=256, ONE_WEIGHT=False, ROUND=True,
+                  dict(RELU2=False, BLOCK_N=4, BLOCK_K=256, ONE_WEIGHT=False, ROUND=True,
                        SWIGLU=False, W_SCALED=False), dict(num_warps=2)),
-    "moe_combine": (_combine_kernel, dict(pair_ptr="*fp32", add_ptr=BF, out_ptr=BF, N="i32", TOP_K="i32"),
-                    dict(HAS_ADD=True, BLOCK_N=256), dict(num_warps=4)),
+    "moe_combine": (_combine_kernel, dict(pair_ptr=BF, wt_ptr="*fp32", add_ptr=BF, out_ptr=BF, N="i32", TOP_K="i32"),
+                    dict(HAS_ADD=True, BLOCK_N=256), dict(num_warps=4, enable_fp_fusion=False)),
     "moe_route": (_route_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32",
                                       cnt_ptr="*i32", valid_ptr="*i32", E="i32", s_l="i32", scale="fp32"),
                   dict(TOP_K=6, N_GROUP=1, PER_GROUP=128, TOPK_GROUP=1, RENORM=True, COUNT=True, HAS_VALID=True,
@@ -154,3 +154,16 @@ def test_fp8_row_grid_keeps_the_load_widths():
     one = _memory_ops(kernel, sig, consts, opts, True, prefetch=True)
     rows = _memory_ops(kernel, sig, {**consts, "ROWS": True}, opts, True, prefetch=True)
     assert rows == one, (rows, one)
+
+
+def test_moe_combine_rounds_each_product_before_its_add():
+    """The MoE combine as launched (``triton_moe.COMBINE_LAUNCH``) multiplies each pair's output by
+    its routing weight and adds it as two float32 operations, as the reference does: with Triton's
+    default FP fusion the two became one fma.rn.f32."""
+    from hybrid_engine.models.triton_moe import COMBINE_LAUNCH
+    kernel, sig, consts, _ = CASES["moe_combine"]
+    ptx = _ptx(kernel, sig, consts, COMBINE_LAUNCH, pdl=False)
+    assert "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx
+    fused = _ptx(kernel, sig, consts, {k: v for k, v in COMBINE_LAUNCH.items() if k != "enable_fp_fusion"},
+                 pdl=False)
+    assert "fma.rn.f32" in fused                # what the option is there for

@@ -11,7 +11,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 torch.set_num_threads(1)
 
 import moe_cases as mc  # noqa: E402
-from hybrid_engine.models.moe_align import align_pairs_triton  # noqa: E402
+from hybrid_engine.models.moe_align import align_pairs_chunked, align_pairs_triton  # noqa: E402
 from hybrid_engine.models.triton_moe import routed_experts_triton, rowwise_linear_triton  # noqa: E402
 from hybrid_engine.models.triton_moe_route import route_triton  # noqa: E402
 
@@ -94,6 +94,12 @@ def granite_moe_block():
 CASES = {
     "moe_align": lambda: mc.check_align("cpu", 13, 8, 3, 4, "ragged", align_fn=align_pairs_triton),
     "moe_align_one": lambda: mc.check_align("cpu", 9, 16, 2, 8, "one", seed=1, align_fn=align_pairs_triton),
+    # the prefill form: several chunks (CH 128 pairs at 128 experts, 32 at 512), ragged and one-hot loads
+    "moe_align_chunked": lambda: mc.check_align("cpu", 300, 128, 6, 16, "ragged", align_fn=align_pairs_chunked),
+    "moe_align_chunked_one": lambda: mc.check_align("cpu", 200, 128, 6, 128, "one", seed=2,
+                                                    align_fn=align_pairs_chunked),
+    "moe_align_chunked_512": lambda: mc.check_align("cpu", 70, 512, 22, 16, "ragged", seed=3,
+                                                    align_fn=align_pairs_chunked),
     "moe_router_logits_f16": lambda: mc.check_rowwise(rowwise_linear_triton, "cpu", F16, 3, 24, 40,
                                                        w_dtype=F32, out_dtype=F32),
     # prefill-sized bf16 rows (T, E, D ragged against 16 x 16 x 32 tiles: three K steps, the last partial)

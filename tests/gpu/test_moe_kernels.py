@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from triton_interpret import assert_case, assert_compiles_for_sm90, run_cases  # noqa: E402
 
-INTERPRET_CASES = ["moe_router_logits_f16", "moe_router_logits_bf16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
+INTERPRET_CASES = ["moe_router_logits_f16", "moe_router_logits_bf16", "moe_shared_up_relu2", "moe_align", "moe_align_one", "moe_align_chunked", "moe_align_chunked_one", "moe_align_chunked_512", "moe_block", "moe_block_latent", "moe_route", "moe_route_groups", "moe_route_no_renorm", "moe_decode", "moe_decode_add_f16",
                    "moe_grouped_ragged", "moe_grouped_one_expert_add", "moe_grouped_latent_shape",
                    "moe_route_softmax", "moe_decode_swiglu", "moe_decode_swiglu_add_f16", "moe_grouped_swiglu_ragged",
                    "moe_block_granite"]
@@ -191,6 +191,40 @@ def test_alignment_kernel_cuda(T, E, k, bm, load):
     from hybrid_engine.models.moe_align import align_pairs_triton
     _poison_cuda()
     mc.check_align("cuda", T, E, k, bm, load, align_fn=align_pairs_triton)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("add", [False, True], ids=["routed", "with_add"])
+def test_combine_rounds_each_product_like_the_reference(dtype, add):
+    """combine_pairs bit for bit against float32 torch ops in the reference's order: each pair's
+    output times its weight rounded, then added (a fused multiply-add would differ in last bits)."""
+    from hybrid_engine.models.triton_moe import combine_pairs
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T, k, D = 300, 6, 2688
+    pair = torch.randn(T * k, D, device="cuda", generator=g).to(dtype)
+    w = torch.rand(T, k, device="cuda", generator=g) * 2.5
+    shared = torch.randn(T, D, device="cuda", generator=g).to(dtype) if add else None
+    acc = pair[0::k].float() * w[:, :1]
+    for j in range(1, k):
+        acc = acc + pair[j::k].float() * w[:, j:j + 1]
+    want = acc.to(dtype)
+    if add:
+        want = (want.float() + shared.float()).to(dtype)
+    _poison_cuda()
+    out = torch.full((T, D), float("nan"), dtype=dtype, device="cuda")
+    got = combine_pairs(pair, w, dtype, shared, out)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,bm,load", [(2048, 128, 6, 128, "ragged"), (8192, 128, 6, 128, "few"),
+                                           (2048, 512, 22, 64, "one"), (3, 128, 6, 16, "uniform")])
+def test_alignment_chunked_cuda(T, E, k, bm, load):
+    """The prefill alignment (three launches) equals the torch ops' on prefill-sized batches."""
+    from hybrid_engine.models.moe_align import align_pairs_chunked
+    _poison_cuda()
+    mc.check_align("cuda", T, E, k, bm, load, align_fn=align_pairs_chunked)
 
 
 @pytest.mark.gpu

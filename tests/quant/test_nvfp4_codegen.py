@@ -93,7 +93,7 @@ def test_dot_kernel_compiles_with_ptx(dtype, block_m, block_n, block_w, swap, st
 
 def _compile_experts(kernel, dtype, out_dtype, consts, num_warps, num_stages=3, w_dtype="i32"):
     """An NVFP4 experts kernel (``quantization/nvfp4_experts.py``) compiled for sm_90 -> its PTX."""
-    sig = dict(a_ptr=f"*{dtype}", w_ptr=f"*{w_dtype}", b_ptr="*fp8e4nv", gs_ptr="*fp32", ids_ptr="*i32", wt_ptr="*fp32",
+    sig = dict(a_ptr=f"*{dtype}", w_ptr=f"*{w_dtype}", b_ptr="*fp8e4nv", gs_ptr="*fp32", ids_ptr="*i32",
                out_ptr=f"*{out_dtype}", sorted_ptr="*i32", block_e_ptr="*i32", nrows_ptr="*i32")
     sig = {n: sig.get(n, "i32" if n in ("N", "KW", "KB", "A_DIV", "num_pairs") or n.startswith("s_") else "constexpr")
            for n in kernel.arg_names}
@@ -107,7 +107,7 @@ def _compile_experts(kernel, dtype, out_dtype, consts, num_warps, num_stages=3, 
 @pytest.mark.parametrize("rows_per_tile", [16, 32, 64, 128])
 def test_nvfp4_grouped_experts_compile(dtype, rows_per_tile):
     """The NVFP4 experts' grouped GEMM at every row tile ``moe_align.align_block_size`` picks, with
-    its tiles (``grouped_config``), up (relu², and SwiGLU) and down (weighted): the decoded halves
+    its tiles (``grouped_config``), up (relu², and SwiGLU) and down: the decoded halves
     meet the rows' even and odd columns on the tensor cores. The interpreter's launches reach only
     16-row tiles, and an earlier form of this kernel failed Triton 3.6's TTGIR passes at 128 rows
     on the H200 (2026-11-29; this compiles with the installed Triton only)."""
@@ -115,9 +115,9 @@ def test_nvfp4_grouped_experts_compile(dtype, rows_per_tile):
     from hybrid_engine.quantization.nvfp4_experts import _nvfp4_grouped_gemm_kernel, grouped_config
     cfg = grouped_config(rows_per_tile, torch.bfloat16 if dtype == "bf16" else torch.float16)
     for up, swiglu in ((True, False), (True, True), (False, False)):
-        consts = dict(A_SORTED=not up, OUT_SORTED=up, RELU2=up and not swiglu, WEIGHTED=not up, SWIGLU=swiglu,
+        consts = dict(A_SORTED=not up, OUT_SORTED=up, RELU2=up and not swiglu, SWIGLU=swiglu,
                       F32=False, BLOCK_M=rows_per_tile, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
-        ptx = _compile_experts(_nvfp4_grouped_gemm_kernel, dtype, dtype if up else "fp32", consts,
+        ptx = _compile_experts(_nvfp4_grouped_gemm_kernel, dtype, dtype, consts,
                                cfg["num_warps"], cfg["num_stages"], w_dtype="u8")
         assert re.search(r"wgmma|mma\.sync", ptx)
 
@@ -127,9 +127,9 @@ def test_nvfp4_expert_decode_compiles_with_ptx(dtype):
     """The NVFP4 experts' decode GEMV at the rule's tiles: packed float16 FMAs, no flush-to-zero."""
     from hybrid_engine.quantization.nvfp4_experts import DECODE_TILES, _nvfp4_pair_gemv_kernel
     bn, bg, warps = DECODE_TILES
-    for relu2, weighted, swiglu in ((True, False, False), (False, True, False), (False, False, True)):
-        ptx = _compile_experts(_nvfp4_pair_gemv_kernel, dtype, "fp32" if weighted else dtype,
-                               dict(RELU2=relu2, WEIGHTED=weighted, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_G=bg, PTX=True,
+    for relu2, swiglu in ((True, False), (False, False), (False, True)):
+        ptx = _compile_experts(_nvfp4_pair_gemv_kernel, dtype, dtype,
+                               dict(RELU2=relu2, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_G=bg, PTX=True,
                                     PDL=True), warps)
         assert len(re.findall(r"fma\.rn\.f16x2", ptx)) >= 8 and "cvt.rn.f16x2.f32" in ptx
         assert not re.search(r"f16x2?\.ftz|\.ftz\.f16", ptx)
