@@ -163,8 +163,9 @@ def _chunk_prefix_kernel(cc_ptr, before_ptr, counts_ptr, C, BLOCK_E: tl.constexp
 def _chunk_scatter_kernel(ids_ptr, before_ptr, counts_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks,
                           BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
     """sorted[run start of e + before[c, e] + rank of the pair among chunk c's pairs of e] = pair id;
-    each program works out the runs (padded to BM rows) from the counts; program 0 also stores
-    the rows in use and each tile's expert."""
+    each program works out the runs (padded to BM rows) from the counts and stores the experts of
+    tiles [c CB, (c + 1) CB) (CB: enough for the grid to cover every tile); program 0 also stores
+    the rows in use."""
     c = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e_offs)
@@ -178,10 +179,9 @@ def _chunk_scatter_kernel(ids_ptr, before_ptr, counts_ptr, sorted_ptr, block_e_p
     tl.store(sorted_ptr + dest, offs, mask=offs < P)
     if c == 0:
         tl.store(nrows_ptr, tl.sum(padded, axis=0))
-        for b0 in range(0, max_blocks, CB):
-            b = b0 + tl.arange(0, CB)
-            be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
-            tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+    b = c * CB + tl.arange(0, CB)
+    be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
 
 
 def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -207,8 +207,10 @@ def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Al
     _chunk_counts_kernel[(C,)](flat, chunk_counts, sorted_pairs, P, max_rows, BLOCK_E=be, CH=ch, FILL=fill,
                                num_warps=4)
     _chunk_prefix_kernel[(be // 16,)](chunk_counts, chunk_before, counts, C, BLOCK_E=be, EB=16, CC=64, num_warps=2)
+    max_blocks = max_rows // block_m
     _chunk_scatter_kernel[(C,)](flat, chunk_before, counts, sorted_pairs, block_expert, num_rows, P, num_experts,
-                                max_rows // block_m, BM=block_m, BLOCK_E=be, CH=ch, CB=256, num_warps=4)
+                                max_blocks, BM=block_m, BLOCK_E=be, CH=ch, CB=max(2, next_pow2(-(-max_blocks // C))),
+                                num_warps=4)
     return Alignment(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
 
 
