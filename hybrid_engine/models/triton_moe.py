@@ -50,6 +50,23 @@ def _swiglu(g, u, dtype):
 
 
 @triton.jit
+def _expert_epilogue(y, up, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr = True):
+    """Every expert kernel's epilogue on its float32 sums (scales applied): the projection rounded
+    to the model dtype DT (as F.linear; ROUND False keeps float32: the router logits), relu²
+    squaring that in float32 (exact) for one more rounding at the store, or silu(gate) rounded
+    times up (``_swiglu``; ``up``: the up rows' sums, unused otherwise). The routing weight is the
+    combine's: a down projection's rounded output is exact in the model dtype."""
+    if ROUND:
+        y = y.to(DT).to(tl.float32)
+    if RELU2:
+        y = tl.where(y < 0.0, 0.0, y)
+        y = y * y
+    if SWIGLU:
+        y = _swiglu(y, up, DT)
+    return y
+
+
+@triton.jit
 def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s_wn, s_om,
                       RELU2: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ONE_WEIGHT: tl.constexpr = False, ROUND: tl.constexpr = True,
@@ -83,22 +100,12 @@ def _pair_gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, N, K, A_DIV, s_am, s_we, s
         if SWIGLU:
             wu = tl.load(w_rows + N * s_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             acc_up += wu.to(tl.float32) * xv.to(tl.float32)[None, :]
-    # epilogue (both kernels): the projection is rounded to the model dtype (as F.linear); relu²
-    # squares that in float32 (exact) for one more rounding at the store. The routing weight is
-    # the combine's: a down projection's rounded output is exact in the model dtype
     y = tl.sum(acc, axis=1)
+    up = tl.sum(acc_up, axis=1)
     if W_SCALED:
         y = y * tl.load(ws_ptr + e)
-    if ROUND:
-        y = y.to(a_ptr.dtype.element_ty).to(tl.float32)
-    if RELU2:
-        y = tl.where(y < 0.0, 0.0, y)
-        y = y * y
-    if SWIGLU:
-        up = tl.sum(acc_up, axis=1)
-        if W_SCALED:
-            up = up * tl.load(ws_ptr + e)
-        y = _swiglu(y, up, a_ptr.dtype.element_ty)
+        up = up * tl.load(ws_ptr + e)
+    y = _expert_epilogue(y, up, a_ptr.dtype.element_ty, RELU2, SWIGLU, ROUND)
     tl.store(out_ptr + p.to(tl.int64) * s_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -220,12 +227,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_e_ptr, nrows_p
             if SWIGLU:
                 acc_up = acc_up * tl.load(ws_ptr + e)
         out_ty = a_ptr.dtype.element_ty
-    y = acc.to(out_ty).to(tl.float32)          # epilogue as in _pair_gemv_kernel
-    if RELU2:
-        y = tl.where(y < 0.0, 0.0, y)
-        y = y * y
-    if SWIGLU:
-        y = _swiglu(y, acc_up, out_ty)
+    y = _expert_epilogue(acc, acc_up, out_ty, RELU2, SWIGLU)
     _store_expert_tile(out_ptr, y, pos, pair, mrow, offs_n, mn, s_om, OUT_SORTED)
 
 

@@ -33,25 +33,12 @@ from hybrid_engine.mamba_cache.ops.triton_common import F32_DOT_PRECISION, cdiv,
 from hybrid_engine.mamba_cache.ops.triton_pdl import pdl_enter, pdl_kwargs
 from hybrid_engine.models.moe_align import align_block_size, group_pairs
 from hybrid_engine.models.moe_ops import SideOutput, joined
-from hybrid_engine.models.triton_moe import (_expert_tile_rows, _store_expert_tile, _swiglu, combine_pairs, device_smem,
-                                             pair_buffers)
+from hybrid_engine.models.triton_moe import (_expert_epilogue, _expert_tile_rows, _store_expert_tile, combine_pairs,
+                                             device_smem, pair_buffers)
 
 from .nvfp4 import GROUP, dequantize_nvfp4
 from .nvfp4_decode import _nibble_f32, _use_ptx
 from .nvfp4_group_dot import _group_dot, _row_tile, _words, _x_scaled
-
-
-@triton.jit
-def _expert_epilogue(y, up, DT: tl.constexpr, RELU2: tl.constexpr, SWIGLU: tl.constexpr):
-    """As the 16-bit kernels' epilogue: the projection rounded to the model dtype, relu² (or
-    silu(gate) rounded, times up: ``triton_moe._swiglu``); the routing weight is the combine's."""
-    y = y.to(DT).to(tl.float32)
-    if RELU2:
-        y = tl.where(y < 0.0, 0.0, y)
-        y = y * y
-    if SWIGLU:
-        y = _swiglu(y, up, DT)
-    return y
 
 
 @triton.jit
