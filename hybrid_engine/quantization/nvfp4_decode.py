@@ -61,6 +61,15 @@ def _nibble_f32(wd, J: tl.constexpr):
     return (mag | sgn).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+@triton.jit
+def _scaled_nibbles(wb, s, DT: tl.constexpr):
+    """Both nibbles of bytes ``wb`` (int32) times their block scale ``s`` (float32, broadcast to
+    wb's shape; the decode's 2^14 is folded in here) -> (low, high) in DT, exactly: e2m1 times an
+    e4m3 scale has at most 6 significant bits and lies within float16's normal range."""
+    s = s * 16384.0
+    return (_nibble_f32(wb, 0) * s).to(DT), (_nibble_f32(wb, 1) * s).to(DT)
+
+
 def _check_x_dtype(x) -> None:
     # CUDA: the one-row and rows kernels round x (times a power of two) to float16, the dot kernel
     # multiplies in x's dtype; float32 x is for the interpreter's twins

@@ -19,7 +19,7 @@ import triton.language as tl
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, kernel_backend
 
 from .nvfp4 import GROUP, unpack_e2m1
-from .nvfp4_decode import _nibble_f32
+from .nvfp4_decode import _scaled_nibbles
 
 
 @triton.jit
@@ -36,10 +36,9 @@ def _nvfp4_dequant_kernel(w_ptr, s_ptr, out_ptr, N, KG, s_wn, s_sn, s_on,
     rows = offs_n[:, None].to(tl.int64)
     byte = (offs_g[:, None] * 8 + offs_j[None, :])[None, :, :]                              # [1, BG, 8]
     wb = tl.load(w_ptr + rows[:, :, None] * s_wn + byte, mask=m[:, :, None], other=0).to(tl.int32)
-    s = tl.load(s_ptr + rows * s_sn + offs_g[None, :], mask=m, other=0.0).to(tl.float32) * 16384.0
-    DT: tl.constexpr = out_ptr.dtype.element_ty
-    pair = tl.join((_nibble_f32(wb, 0) * s[:, :, None]).to(DT),
-                   (_nibble_f32(wb, 1) * s[:, :, None]).to(DT))                             # [BN, BG, 8, 2]
+    s = tl.load(s_ptr + rows * s_sn + offs_g[None, :], mask=m, other=0.0).to(tl.float32)
+    lo, hi = _scaled_nibbles(wb, s[:, :, None], out_ptr.dtype.element_ty)
+    pair = tl.join(lo, hi)                                                                  # [BN, BG, 8, 2]
     vals = tl.reshape(pair, [BLOCK_N, BLOCK_G * 16])
     offs_k = tl.program_id(1) * (BLOCK_G * 16) + tl.arange(0, BLOCK_G * 16)
     mk = (offs_n < N)[:, None] & (offs_k < 16 * KG)[None, :]

@@ -37,7 +37,7 @@ from hybrid_engine.models.triton_moe import (_expert_epilogue, _expert_tile_rows
                                              device_smem, pair_buffers)
 
 from .nvfp4 import GROUP, dequantize_nvfp4
-from .nvfp4_decode import _nibble_f32, _use_ptx
+from .nvfp4_decode import _scaled_nibbles, _use_ptx
 from .nvfp4_group_dot import _group_dot, _row_tile, _words, _x_scaled
 
 
@@ -94,10 +94,9 @@ def _decoded_halves(w_rows, b_rows, b0, KB, mn, BLOCK_B: tl.constexpr, DT: tl.co
     ms = (offs_s < KB // 8)[:, None] & mn[None, :]                                           # [BG, BN]
     wb = tl.load(w_rows[None, :, :] + (offs_s[:, None] * 8 + offs_j[None, :])[:, :, None],
                  mask=ms[:, None, :], other=0).to(tl.int32)                                 # [BG, 8, BN]
-    s = (tl.load(b_rows + offs_s[:, None], mask=ms, other=0.0).to(tl.float32) * 16384.0)[:, None, :]
-    lo = tl.reshape((_nibble_f32(wb, 0) * s).to(DT), [BLOCK_B, w_rows.shape[1]])
-    hi = tl.reshape((_nibble_f32(wb, 1) * s).to(DT), [BLOCK_B, w_rows.shape[1]])
-    return lo, hi
+    s = tl.load(b_rows + offs_s[:, None], mask=ms, other=0.0).to(tl.float32)
+    lo, hi = _scaled_nibbles(wb, s[:, None, :], DT)
+    return tl.reshape(lo, [BLOCK_B, w_rows.shape[1]]), tl.reshape(hi, [BLOCK_B, w_rows.shape[1]])
 
 
 @triton.jit
