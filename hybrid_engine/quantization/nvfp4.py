@@ -75,12 +75,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(codes >= 8, -mag, mag)
 
 
+def e2m1_times_block_scales(packed, weight_scale) -> torch.Tensor:
+    """-> [N, K] float32, exactly e2m1 * block scale (no global scale)."""
+    return unpack_e2m1(packed) * weight_scale.float().repeat_interleave(GROUP, dim=1)
+
+
 def dequantize_nvfp4(packed, weight_scale, weight_scale_2) -> torch.Tensor:
     """-> the weight [N, K] float32, exactly e2m1 * block scale * global scale."""
-    vals = unpack_e2m1(packed)
-    N, K = vals.shape
-    bs = weight_scale.float().repeat_interleave(GROUP, dim=1)
-    return vals * bs * weight_scale_2.float()
+    return e2m1_times_block_scales(packed, weight_scale) * weight_scale_2.float()
 
 
 def nvfp4_linear_ref(x, packed, weight_scale, weight_scale_2, bias=None):

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from hybrid_engine.mamba_cache.ops.triton_common import cdiv, kernel_backend
 
-from .nvfp4 import GROUP, unpack_e2m1
+from .nvfp4 import GROUP, e2m1_times_block_scales
 from .nvfp4_decode import _scaled_nibbles
 
 
@@ -54,7 +54,7 @@ DEQUANT_TILES = (4, 64)
 
 def dequantize_nvfp4_16bit_ref(packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The torch twin: e2m1 * block scale (no global scale) -> [N, K] in ``dtype``, exactly."""
-    return (unpack_e2m1(packed) * weight_scale.float().repeat_interleave(GROUP, dim=1)).to(dtype)
+    return e2m1_times_block_scales(packed, weight_scale).to(dtype)
 
 
 def dequantize_nvfp4_16bit(packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
