@@ -15,7 +15,9 @@ weights (everything but the routed experts and the embedding table) + the expect
 distinct routed experts per layer per step (from the per-expert token counts of the run, assuming
 tokens route independently) + b embedding rows + Mamba states + KV; memory bandwidth is
 measured in the same run (device copy). Prefill tokens/s beside the measured bf16 matmul peak,
-counting the FLOPs of dense weights, the selected experts only, and attention.
+counting the FLOPs of dense weights, the selected experts only, and attention, with the routing's
+grouped-GEMM tiles a layer (each expert's rows rounded up to whole tiles of the engine's rows per
+tile; ``moe_roofline.expert_tiles``) and the largest expert's rows.
 ``--quantization fp8``: the end-to-end rows with the weights quantized at load (FP8 linears and
 routed experts; issue 17's "30B-A3B shape in FP8"), their roofline counting the bytes as stored.
 ``--hf-batches 1 8``: at those decode batches, transformers' greedy ``generate`` on the engine's own
@@ -42,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (copy_bandwidth, hf_greedy_decode, hf_twin, save_json, step_clock,  # noqa: E402
                                write_config)
 from benchmarks.profiling import prefill_gaps, profile_prefill  # noqa: E402
-from benchmarks.moe_roofline import (distinct_experts, param_split, prefill_flops, step_state_bytes,  # noqa: E402
+from benchmarks.moe_roofline import (distinct_experts, expert_tiles, param_split, prefill_flops, step_state_bytes,  # noqa: E402
                                      weight_split)
 from hybrid_engine import LLM, SamplingParams  # noqa: E402
 from hybrid_engine.models import moe_ops  # noqa: E402
+from hybrid_engine.models.moe_align import align_block_size  # noqa: E402
 
 # NVIDIA-Nemotron-3-Nano-30B-A3B (published config.json); widths for NemotronHConfig
 SHAPE_NANO = dict(pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", hidden_size=2688,
@@ -232,6 +235,7 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
                   flush=True)
     for n in prefill_lens:
         prompt = rng.integers(3, mc.vocab_size, n).tolist()
+        llm.stats()                                                                      # clear counters
         try:
             t = timeit(lambda: llm.generate([prompt], params(1), use_tqdm=False), dev, warmup=1, iters=5)
         except torch.OutOfMemoryError:
@@ -239,10 +243,15 @@ def e2e(shape: dict, dev, dtype, batches, prefill_lens, gen: int, prompt_len: in
             torch.cuda.empty_cache()
             continue
         flops = prefill_flops(mc, n, *param_split(model), moe_layers)
+        pairs = n * mc.num_experts_per_tok
+        tiles = expert_tiles(llm.stats().get("moe_expert_tokens", {}), pairs,
+                             align_block_size(pairs, mc.n_routed_experts, engine_kw.get("quantization") == "fp8"))
         out["prefill"].append(dict(tokens=n, tok_s=n / t, ms=t * 1e3, tflops=flops / t / 1e12,
-                                   frac_matmul_peak=flops / t / peak))
+                                   frac_matmul_peak=flops / t / peak, routing=tiles))
         print(f"prefill {n}: {n / t:.0f} tok/s, {flops / t / 1e12:.1f} TFLOP/s ({100 * flops / t / peak:.0f}% of "
-              f"matmul peak)", flush=True)
+              f"matmul peak)" + (f"; {tiles['tiles_per_layer']:.0f} expert tiles of {tiles['block_m']} rows a layer "
+                                 f"(largest expert {tiles['largest_expert_rows']:.0f} rows)" if tiles else ""),
+              flush=True)
         if n in profile_lens:
             out["prefill"][-1]["profile"] = profile_prefill(llm, prompt, params(1))
             out["prefill"][-1]["gaps"] = prefill_gaps(llm, prompt, params(1))

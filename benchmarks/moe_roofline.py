@@ -14,6 +14,26 @@ def distinct_experts(p: np.ndarray, b: int) -> float:
     return float(np.sum(1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** b))
 
 
+def expert_tiles(load: dict, pairs: int, block_m: int) -> dict:
+    """A prefill's grouped-GEMM tiles from its routing: ``load`` {layer: tokens per expert} over
+    one or more calls of the same prompt (``stats()["moe_expert_tokens"]``), scaled to one call of
+    ``pairs`` (tokens x top-k) pairs -> the mean over layers of the tiles of ``block_m`` rows (each
+    expert's rows rounded up to whole tiles) and of the largest expert's rows. Even routing would
+    give ceil(pairs / E / block_m) tiles an expert."""
+    tiles, largest = [], []
+    for counts in load.values():
+        c = np.asarray(counts, dtype=np.float64)
+        if c.sum() <= 0:
+            continue
+        c = np.rint(c * (pairs / c.sum()))
+        tiles.append(float(np.ceil(c / block_m).sum()))
+        largest.append(float(c.max()))
+    if not tiles:
+        return {}
+    return dict(tiles_per_layer=sum(tiles) / len(tiles), largest_expert_rows=sum(largest) / len(largest),
+                block_m=block_m)
+
+
 def weight_split(model) -> tuple[int, int, int]:
     """(bytes of every weight but routed experts and embeddings, bytes of one routed expert,
     bytes of the embedding table). A routed expert's bytes are as stored: NVFP4's packed codes

@@ -77,3 +77,14 @@ def test_nvfp4_rows_count_the_experts_as_stored():
     _, expert4, emb4 = weight_split(nv)
     assert expert4 * 2 == expert16 * 0.5625 and emb4 == emb16
     assert param_split(nv) == param_split(bf16)
+
+
+def test_expert_tiles_round_each_experts_rows_up_to_whole_tiles():
+    """moe_roofline.expert_tiles: counts over several calls are scaled to one call's pairs; each
+    expert's rows round up to whole tiles; empty layers are skipped."""
+    from benchmarks.moe_roofline import expert_tiles
+    # two layers, 4 experts, counted over 3 calls of 64 pairs: per call [30, 20, 14, 0] and [16] * 4
+    load = {0: [90, 60, 42, 0], 1: [48, 48, 48, 48], 2: [0, 0, 0, 0]}
+    got = expert_tiles(load, pairs=64, block_m=16)
+    assert got == dict(tiles_per_layer=(2 + 2 + 1 + 0 + 4) / 2, largest_expert_rows=(30 + 16) / 2, block_m=16)
+    assert expert_tiles({}, pairs=64, block_m=16) == {}
