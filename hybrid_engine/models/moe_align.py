@@ -49,12 +49,17 @@ class Alignment:
         return self.block_expert.shape[0]
 
 
+def _max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted buffer: every pair, each expert's run padded up to whole tiles."""
+    return -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+
+
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """ids [T, k] -> Alignment (torch ops on ids' device, fixed shapes)."""
     dev = ids.device
     flat = ids.reshape(-1).long()
     P = flat.numel()
-    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    max_rows = _max_rows(P, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).index_add_(
         0, flat, torch.ones_like(flat))                                      # bincount without a sync
     padded = (counts + block_m - 1) // block_m * block_m
@@ -80,6 +85,28 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
 ALIGN_MAX_WORK = 1 << 17      # P * next_pow2(E) up to this: the one-program align kernel
 
 
+@triton.jit
+def _padded_runs(counts, BM: tl.constexpr):
+    """Per expert: its pairs rounded up to whole tiles of BM rows, and where its run ends."""
+    padded = (counts + BM - 1) // BM * BM
+    return padded, tl.cumsum(padded, axis=0)
+
+
+@triton.jit
+def _store_tile_experts(block_e_ptr, b, pad_end, E, max_blocks, BM: tl.constexpr):
+    """The expert of each tile b (E - 1 past the last run)."""
+    be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+
+
+@triton.jit
+def _sorted_rows(e, e_offs, start):
+    """Each pair's sorted row (its expert's ``start`` plus its rank among the same expert's pairs
+    of this chunk; ``e`` -1 for none) and the [CH, BLOCK_E] hits."""
+    hit = e[:, None] == e_offs[None, :]
+    return tl.sum(tl.where(hit, start[None, :] + tl.cumsum(hit.to(tl.int32), axis=0) - 1, 0), axis=1), hit
+
+
 @triton.jit(do_not_specialize=["P", "max_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
 def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks, max_rows,
                   BM: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, CB: tl.constexpr):
@@ -91,13 +118,10 @@ def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks,
         offs = c0 + tl.arange(0, CH)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
         counts += tl.sum((e[:, None] == e_offs[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BM - 1) // BM * BM
-    pad_end = tl.cumsum(padded, axis=0)
+    padded, pad_end = _padded_runs(counts, BM)
     tl.store(nrows_ptr, tl.sum(padded, axis=0))
     for b0 in range(0, max_blocks, CB):
-        b = b0 + tl.arange(0, CB)
-        be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+        _store_tile_experts(block_e_ptr, b0 + tl.arange(0, CB), pad_end, E, max_blocks, BM)
     for r0 in range(0, max_rows, CB):
         r = r0 + tl.arange(0, CB)
         tl.store(sorted_ptr + r, tl.zeros([CB], tl.int32) + P, mask=r < max_rows)
@@ -106,21 +130,23 @@ def _align_kernel(ids_ptr, sorted_ptr, block_e_ptr, nrows_ptr, P, E, max_blocks,
     for c0 in range(0, P, CH):
         offs = c0 + tl.arange(0, CH)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        hit = e[:, None] == e_offs[None, :]                                   # [CH, BLOCK_E]
-        before = tl.cumsum(hit.to(tl.int32), axis=0) - 1                      # same-expert rank in chunk
-        dest = tl.sum(tl.where(hit, next_row[None, :] + before, 0), axis=1)
+        dest, hit = _sorted_rows(e, e_offs, next_row)
         tl.store(sorted_ptr + dest, offs, mask=offs < P)
         next_row += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def _alignment_buffers(max_rows: int, block_m: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton forms' outputs, uninitialised: sorted pairs, tile experts, rows in use."""
+    return (torch.empty(max_rows, dtype=torch.int32, device=dev),
+            torch.empty(max_rows // block_m, dtype=torch.int32, device=dev),
+            torch.empty(1, dtype=torch.int32, device=dev))
 
 
 def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     """Same result as ``align_pairs`` in one launch; for P * next_pow2(E) <= ALIGN_MAX_WORK."""
     P = ids.numel()
-    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
-    dev = ids.device
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    max_rows = _max_rows(P, num_experts, block_m)
+    sorted_pairs, block_expert, num_rows = _alignment_buffers(max_rows, block_m, ids.device)
     be = next_pow2(num_experts)
     ch = max(2, min(64, 8192 // be))
     _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_pairs, block_expert, num_rows, P, num_experts,
@@ -168,20 +194,14 @@ def _chunk_scatter_kernel(ids_ptr, before_ptr, counts_ptr, sorted_ptr, block_e_p
     the rows in use."""
     c = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + e_offs)
-    padded = (counts + BM - 1) // BM * BM
-    pad_end = tl.cumsum(padded, axis=0)
+    padded, pad_end = _padded_runs(tl.load(counts_ptr + e_offs), BM)
     offs = c * CH + tl.arange(0, CH)
     e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-    hit = e[:, None] == e_offs[None, :]                                       # [CH, BLOCK_E]
-    base = pad_end - padded + tl.load(before_ptr + c * BLOCK_E + e_offs)
-    dest = tl.sum(tl.where(hit, base[None, :] + tl.cumsum(hit.to(tl.int32), axis=0) - 1, 0), axis=1)
+    dest, _ = _sorted_rows(e, e_offs, pad_end - padded + tl.load(before_ptr + c * BLOCK_E + e_offs))
     tl.store(sorted_ptr + dest, offs, mask=offs < P)
     if c == 0:
         tl.store(nrows_ptr, tl.sum(padded, axis=0))
-    b = c * CB + tl.arange(0, CB)
-    be = tl.sum((pad_end[None, :] <= (b * BM)[:, None]).to(tl.int32), axis=1)
-    tl.store(block_e_ptr + b, tl.minimum(be, E - 1), mask=b < max_blocks)
+    _store_tile_experts(block_e_ptr, c * CB + tl.arange(0, CB), pad_end, E, max_blocks, BM)
 
 
 def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -191,7 +211,7 @@ def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Al
     keep their index order). Replaced the torch ops' ~15 launches (a radix sort among them) on
     prefill batches."""
     P = ids.numel()
-    max_rows = -(-(P + num_experts * (block_m - 1)) // block_m) * block_m
+    max_rows = _max_rows(P, num_experts, block_m)
     dev = ids.device
     be = next_pow2(max(num_experts, 16))
     ch = max(16, min(128, 16384 // be))         # a chunk's [CH, BLOCK_E] compare in one program
@@ -200,9 +220,7 @@ def align_pairs_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> Al
     chunk_counts = torch.empty(C, be, dtype=torch.int32, device=dev)
     chunk_before = torch.empty(C, be, dtype=torch.int32, device=dev)
     counts = torch.empty(be, dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_pairs, block_expert, num_rows = _alignment_buffers(max_rows, block_m, dev)
     fill = next_pow2(-(-max_rows // C))
     _chunk_counts_kernel[(C,)](flat, chunk_counts, sorted_pairs, P, max_rows, BLOCK_E=be, CH=ch, FILL=fill,
                                num_warps=4)

@@ -12,8 +12,9 @@ Merged layout per projection (the per-expert ModelOpt tensors stacked at load):
   arithmetic (``nvfp4_group_dot``: the weight read as int32 words, each 16-input group of x times
   a power of two, nibble pairs against x pairs in packed float16 FMAs, inline PTX on CUDA and a
   float32 twin in the interpreter; each group's sum times its block scale in float32); the
-  expert's scale and the epilogue (relu² or SwiGLU; the routing weight is the combine's) as the 16-bit kernel's. The
-  float16 products keep ~4e-4 relative error against float32 sums (as the one-row kernel's).
+  expert's scale and the epilogue (relu² or SwiGLU; the routing weight is the combine's) as the
+  16-bit kernel's. The float16 products keep ~4e-4 relative error against float32 sums (as the
+  one-row kernel's).
 - grouped (prefill): ``_nvfp4_grouped_gemm_kernel``, the 16-bit grouped GEMM's tiles with each
   [BLOCK_K, BLOCK_N] weight tile decoded to the rows' dtype (e2m1 times an e4m3 block scale has at
   most 6 significant bits and stays within float16's normal range, so the tile is exact in
